@@ -1,0 +1,62 @@
+// sdpa.h — scaled dot-product attention, as torch.nn.functional.scaled_dot_product_attention.
+//
+//   out = softmax(q kᵀ · scale + mask) v,   scale = 1/√D unless given
+//
+// Shapes (strided views; the innermost stride of q, k, v should be 1, others are free):
+//   q [B, H, Lq, D]   k [B, Hkv, Lk, D]   v [B, Hkv, Lk, Dv]   ->   out [B, H, Lq, Dv]
+//   H % Hkv == 0 (grouped-query attention: query head h reads key/value head h / (H / Hkv));
+//   Hkv != H needs enable_gqa, as in torch.
+// Masks (torch SDPA semantics):
+//   attn_mask bool: true = may attend.  attn_mask float: added to the scaled scores.
+//   Either broadcasts from its trailing dims to [B, H, Lq, Lk] (e.g. [Lq, Lk], [B, 1, Lq, Lk]).
+//   is_causal: key j is visible to query i iff j <= i (top-left, as torch) or
+//   j <= i + Lk - Lq (bottom-right, CausalAlign::BottomRight). May be combined with attn_mask.
+// A query row that can see no key gives a zero output row and zero weights (torch gives NaN).
+// Dropout (dropout_p > 0) drops attention weights with probability p and scales the kept ones
+// by 1/(1-p); the mask is a pure function of (seed, b, h, i, j), so results do not depend on
+// threads or tiling and the same seed gives the same result.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "heads/tensor.h"
+
+namespace heads {
+
+enum class CausalAlign { TopLeft, BottomRight };
+
+struct SdpaOptions {
+  Tensor attn_mask;  // undefined = no mask; bool or floating dtype
+  bool is_causal = false;
+  CausalAlign causal_align = CausalAlign::TopLeft;
+  std::optional<double> scale;  // default 1/sqrt(D)
+  double dropout_p = 0.0;
+  std::optional<uint64_t> dropout_seed;  // default: heads::next_seed()
+  bool need_weights = false;             // also return the [B, H, Lq, Lk] attention weights
+  bool enable_gqa = false;               // allow Hkv != H
+};
+
+struct SdpaResult {
+  Tensor out;      // [B, H, Lq, Dv], dtype of q (f32)
+  Tensor weights;  // [B, H, Lq, Lk] f32 (after dropout), only with need_weights
+  Tensor lse;      // [B, H, Lq] f32 log-sum-exp of the masked, scaled scores (-inf: fully masked)
+};
+
+// Fused forward: online softmax over key blocks; allocates no Lq x Lk buffer unless
+// need_weights. Inputs f32. Throws heads::Error on bad input, naming argument and shapes.
+SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opts = {});
+
+// As sdpa, writing the output into `out` ([B, H, Lq, Dv] f32, any strides with innermost 1),
+// e.g. a [B, Lq, H, Dv] buffer viewed with permute(0, 2, 1, 3). result.out aliases `out`.
+SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const SdpaOptions& opts = {});
+
+namespace ref {
+// The specification: float64 throughout, full score matrix, plain softmax. Accepts any floating
+// dtype; returns out, weights (always) and lse as f64 tensors.
+SdpaResult sdpa_fwd_f64(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const SdpaOptions& opts = {});
+}  // namespace ref
+
+}  // namespace heads

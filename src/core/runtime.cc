@@ -1,0 +1,38 @@
+// runtime.cc — thread count and the default seed generator.
+#include "heads/runtime.h"
+
+#include <omp.h>
+
+#include <atomic>
+#include <random>
+
+#include "heads/error.h"
+
+namespace heads {
+
+namespace {
+std::atomic<uint64_t> g_state{[] {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}()};
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+void set_num_threads(int n) {
+  HEADS_CHECK(n >= 1, "set_num_threads: expected at least 1 thread, got ", n);
+  omp_set_num_threads(n);
+}
+
+int get_num_threads() { return omp_get_max_threads(); }
+
+void manual_seed(uint64_t seed) { g_state.store(seed); }
+
+uint64_t next_seed() { return splitmix64(g_state.fetch_add(1)); }
+
+}  // namespace heads

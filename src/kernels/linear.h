@@ -1,0 +1,14 @@
+// linear.h — y = x Wᵀ + b in f32 (torch.nn.functional.linear), W stored [N, K] as torch does.
+#pragma once
+
+#include <cstdint>
+
+namespace heads::kernels {
+
+// x: M rows of K (row stride x_stride, unit inner stride); W: [N, K] contiguous; bias: N or null;
+// y: M rows of N (row stride y_stride). Parallel over row and column blocks; each output element
+// is one fixed-order dot product, so results do not depend on the thread count.
+void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                const float* bias, int64_t N, float* y, int64_t y_stride);
+
+}  // namespace heads::kernels

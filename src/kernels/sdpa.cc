@@ -1,0 +1,121 @@
+// sdpa.cc — SDPA entry: validation shared by every kernel, then dispatch.
+#include <cmath>
+
+#include "heads/runtime.h"
+#include "kernels/sdpa_flash_fwd.h"
+#include "kernels/sdpa_problem.h"
+
+namespace heads::kernels {
+
+SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const SdpaOptions& opts) {
+  HEADS_CHECK(q.defined() && k.defined() && v.defined(), op, ": query, key and value are required");
+  HEADS_CHECK(q.dim() == 4, op, ": query: expected 4-D [B, H, Lq, D], got ", q.shape());
+  HEADS_CHECK(k.dim() == 4, op, ": key: expected 4-D [B, Hkv, Lk, D], got ", k.shape());
+  HEADS_CHECK(v.dim() == 4, op, ": value: expected 4-D [B, Hkv, Lk, Dv], got ", v.shape());
+  SdpaProblem P{};
+  P.B = q.size(0);
+  P.H = q.size(1);
+  P.Lq = q.size(2);
+  P.D = q.size(3);
+  P.Hkv = k.size(1);
+  P.Lk = k.size(2);
+  P.Dv = v.size(3);
+  HEADS_CHECK(k.size(0) == P.B, op, ": key: expected batch ", P.B, " to match query ", q.shape(),
+              ", got ", k.shape());
+  HEADS_CHECK(v.size(0) == P.B, op, ": value: expected batch ", P.B, " to match query ",
+              q.shape(), ", got ", v.shape());
+  HEADS_CHECK(k.size(3) == P.D, op, ": key: expected head dim ", P.D, " to match query ",
+              q.shape(), ", got ", k.shape());
+  HEADS_CHECK(v.size(1) == P.Hkv && v.size(2) == P.Lk, op, ": value: expected [B, Hkv, Lk] = [",
+              P.B, ", ", P.Hkv, ", ", P.Lk, "] to match key ", k.shape(), ", got ", v.shape());
+  HEADS_CHECK(P.Hkv >= 1 && P.H % P.Hkv == 0, op, ": key: query heads ", P.H,
+              " are not a multiple of key/value heads ", P.Hkv, " (query ", q.shape(), ", key ",
+              k.shape(), ")");
+  HEADS_CHECK(P.Hkv == P.H || opts.enable_gqa, op, ": key: ", P.Hkv,
+              " key/value heads differ from ", P.H,
+              " query heads; pass enable_gqa for grouped-query attention (query ", q.shape(),
+              ", key ", k.shape(), ")");
+  HEADS_CHECK(P.D >= 1 && P.Dv >= 1, op, ": head dims must be at least 1 (query ", q.shape(),
+              ", value ", v.shape(), ")");
+  P.scale = opts.scale.has_value() ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(P.D));
+  HEADS_CHECK(std::isfinite(P.scale), op, ": scale must be finite, got ", P.scale);
+  P.causal = opts.is_causal;
+  P.causal_offset = opts.causal_align == CausalAlign::BottomRight ? P.Lk - P.Lq : 0;
+  HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p < 1.0, op,
+              ": dropout_p must be in [0, 1), got ", opts.dropout_p);
+  P.dropout_p = opts.dropout_p;
+  P.seed = P.dropout_p > 0.0 ? (opts.dropout_seed ? *opts.dropout_seed : next_seed()) : 0;
+  P.need_weights = opts.need_weights;
+
+  const Tensor& m = opts.attn_mask;
+  if (m.defined()) {
+    const Shape full{P.B, P.H, P.Lq, P.Lk};
+    bool ok = m.dim() >= 1 && m.dim() <= 4;
+    for (int64_t d = 0; ok && d < m.dim(); ++d) {
+      const int64_t have = m.size(m.dim() - 1 - d), want = full[3 - d];
+      ok = have == want || have == 1;
+    }
+    HEADS_CHECK(ok, op, ": attn_mask: shape ", m.shape(),
+                " does not broadcast to [B, H, Lq, Lk] = ", full);
+    if (m.dtype() == DType::Bool) {
+      P.mask_kind = MaskKind::Bool;
+      P.mask = m.expand(full);
+    } else {
+      HEADS_CHECK(is_floating(m.dtype()), op, ": attn_mask: expected bool or floating dtype, got ",
+                  dtype_name(m.dtype()));
+      P.mask_kind = MaskKind::Float;
+      // Convert only the given (unbroadcast) mask; the kernels read it through zero strides.
+      P.mask = (m.dtype() == DType::F32 ? m : m.to(DType::F32)).expand(full);
+    }
+  }
+  return P;
+}
+
+static void check_f32_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  HEADS_CHECK(q.dtype() == DType::F32, op, ": query: expected f32, got ", dtype_name(q.dtype()));
+  HEADS_CHECK(k.dtype() == DType::F32, op, ": key: expected f32, got ", dtype_name(k.dtype()));
+  HEADS_CHECK(v.dtype() == DType::F32, op, ": value: expected f32, got ", dtype_name(v.dtype()));
+}
+
+// Kernels read rows with unit stride; other strides are free.
+static Tensor unit_inner(const Tensor& t) { return t.stride(-1) == 1 || t.size(-1) == 1 ? t : t.contiguous(); }
+
+}  // namespace heads::kernels
+
+namespace heads {
+
+namespace {
+
+SdpaResult run_f32(const kernels::SdpaProblem& P, const Tensor& out, const Tensor& q,
+                   const Tensor& k, const Tensor& v) {
+  using namespace kernels;
+  const char* op = "sdpa";
+  check_f32_inputs(op, q, k, v);
+  const Shape want{P.B, P.H, P.Lq, P.Dv};
+  HEADS_CHECK(out.defined() && out.dtype() == DType::F32 && out.shape() == want, op,
+              ": out: expected f32 [B, H, Lq, Dv] = ", want, ", got ",
+              out.defined() ? out.shape() : Shape{});
+  HEADS_CHECK(out.stride(-1) == 1 || P.Dv == 1, op,
+              ": out: innermost stride must be 1, got strides ", out.strides());
+  SdpaResult r;
+  r.out = out;
+  r.lse = Tensor::empty({P.B, P.H, P.Lq}, DType::F32);
+  if (P.need_weights) r.weights = Tensor::empty({P.B, P.H, P.Lq, P.Lk}, DType::F32);
+  sdpa_flash_fwd_f32(P, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
+  return r;
+}
+
+}  // namespace
+
+SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const SdpaOptions& opts) {
+  return run_f32(kernels::make_sdpa_problem("sdpa", q, k, v, opts), out, q, k, v);
+}
+
+SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opts) {
+  const kernels::SdpaProblem P = kernels::make_sdpa_problem("sdpa", q, k, v, opts);
+  return run_f32(P, Tensor::empty({P.B, P.H, P.Lq, P.Dv}, DType::F32), q, k, v);
+}
+
+}  // namespace heads

@@ -1,0 +1,408 @@
+// mha.cc — MultiheadAttention: in-projection, SDPA over strided head views, out-projection.
+//
+// Follows torch.nn.functional.multi_head_attention_forward step by step; the comments name
+// the step. Inputs are projected in their own row order ([L, N] or [N, L]); heads are strided
+// views [N, H, L, hd] of the projection output (no transpose copies), and SDPA writes straight
+// into the [rows, E] buffer that the out-projection reads.
+#include "heads/mha.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "heads/runtime.h"
+#include "heads/safetensors.h"
+#include "heads/sdpa.h"
+#include "kernels/linear.h"
+
+namespace heads {
+
+namespace {
+
+constexpr const char* kOp = "MultiheadAttention";
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+Tensor uniform(const Shape& shape, double bound, std::mt19937_64& gen) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::uniform_real_distribution<double> dist(-bound, bound);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
+  return t;
+}
+
+Tensor normal(const Shape& shape, double stddev, std::mt19937_64& gen) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::normal_distribution<double> dist(0.0, stddev);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
+  return t;
+}
+
+// torch.nn.init.xavier_uniform_ on a 2-D [fan_out, fan_in] weight.
+Tensor xavier_uniform(int64_t fan_out, int64_t fan_in, std::mt19937_64& gen) {
+  return uniform({fan_out, fan_in}, std::sqrt(6.0 / static_cast<double>(fan_in + fan_out)), gen);
+}
+
+// Bool mask (true = masked out) -> 0 / -inf; float mask -> f32 copy. Contiguous result.
+Tensor additive_mask(const Tensor& m, const char* name) {
+  HEADS_CHECK(m.dtype() == DType::Bool || is_floating(m.dtype()), kOp, ": ", name,
+              ": only bool and floating masks are supported, got ", dtype_name(m.dtype()));
+  if (m.dtype() != DType::Bool) return m.to(DType::F32);
+  const Tensor b = m.contiguous();
+  Tensor f = Tensor::empty(b.shape(), DType::F32);
+  const auto* src = static_cast<const uint8_t*>(b.raw_data());
+  float* dst = f.data<float>();
+  for (int64_t i = 0; i < b.numel(); ++i) dst[i] = src[i] ? kNegInf : 0.0f;
+  return f;
+}
+
+// y[rows, N] = x[rows, K] Wᵀ + b, x contiguous rows.
+Tensor linear(const Tensor& x2d, const float* W, const float* bias, int64_t N) {
+  const int64_t M = x2d.size(0), K = x2d.size(1);
+  Tensor y = Tensor::empty({M, N}, DType::F32);
+  kernels::linear_f32(x2d.data<float>(), M, K, K, W, bias, N, y.data<float>(), N);
+  return y;
+}
+
+const Tensor* find(const StateDict& sd, const std::string& name) {
+  for (const auto& [n, t] : sd) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+std::string names_of(const StateDict& sd) {
+  std::string s;
+  for (const auto& [n, t] : sd) s += (s.empty() ? "" : ", ") + n;
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace
+
+MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
+                                       std::optional<uint64_t> seed)
+    : opt_(options) {
+  const int64_t E = opt_.embed_dim;
+  HEADS_CHECK(E >= 1, kOp, ": embed_dim must be positive, got ", E);
+  HEADS_CHECK(opt_.num_heads >= 1, kOp, ": num_heads must be positive, got ", opt_.num_heads);
+  HEADS_CHECK(E % opt_.num_heads == 0, kOp, ": embed_dim ", E, " is not divisible by num_heads ",
+              opt_.num_heads);
+  HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout < 1.0, kOp, ": dropout must be in [0, 1), got ",
+              opt_.dropout);
+  HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0, kOp, ": kdim and vdim must be positive, got ",
+              opt_.kdim, " and ", opt_.vdim);
+  if (opt_.kdim == 0) opt_.kdim = E;
+  if (opt_.vdim == 0) opt_.vdim = E;
+  std::mt19937_64 gen(seed ? *seed : next_seed());
+  // Registration order of torch's state_dict.
+  if (opt_.kdim == E && opt_.vdim == E) {
+    params_.push_back({"in_proj_weight", xavier_uniform(3 * E, E, gen)});
+  } else {
+    params_.push_back({"q_proj_weight", xavier_uniform(E, E, gen)});
+    params_.push_back({"k_proj_weight", xavier_uniform(E, opt_.kdim, gen)});
+    params_.push_back({"v_proj_weight", xavier_uniform(E, opt_.vdim, gen)});
+  }
+  if (opt_.bias) params_.push_back({"in_proj_bias", Tensor::zeros({3 * E}, DType::F32)});
+  if (opt_.add_bias_kv) {  // xavier_normal_ on [1, 1, E]: fan_in = fan_out = E
+    params_.push_back({"bias_k", normal({1, 1, E}, std::sqrt(1.0 / static_cast<double>(E)), gen)});
+    params_.push_back({"bias_v", normal({1, 1, E}, std::sqrt(1.0 / static_cast<double>(E)), gen)});
+  }
+  // nn.Linear's kaiming_uniform_(a=sqrt(5)): bound 1/sqrt(fan_in); torch then zeroes the bias.
+  params_.push_back({"out_proj.weight", uniform({E, E}, 1.0 / std::sqrt(static_cast<double>(E)), gen)});
+  if (opt_.bias) params_.push_back({"out_proj.bias", Tensor::zeros({E}, DType::F32)});
+}
+
+Tensor* MultiheadAttention::param(const std::string& name) {
+  for (auto& p : params_) {
+    if (p.name == name) return &p.value;
+  }
+  return nullptr;
+}
+
+const Tensor* MultiheadAttention::param(const std::string& name) const {
+  for (const auto& p : params_) {
+    if (p.name == name) return &p.value;
+  }
+  return nullptr;
+}
+
+StateDict MultiheadAttention::state_dict() const {
+  StateDict sd;
+  for (const auto& p : params_) sd.emplace_back(p.name, p.value);
+  return sd;
+}
+
+void MultiheadAttention::load_state_dict(const StateDict& sd, bool strict) {
+  // Validate everything first, then copy: a failed load leaves the module unchanged.
+  for (const auto& p : params_) {
+    const Tensor* t = find(sd, p.name);
+    if (t == nullptr) {
+      HEADS_CHECK(!strict, kOp, "::load_state_dict: tensor \"", p.name, "\" missing (have: ",
+                  names_of(sd), ")");
+      continue;
+    }
+    HEADS_CHECK(t->defined() && t->shape() == p.value.shape(), kOp, "::load_state_dict: \"",
+                p.name, "\": expected shape ", p.value.shape(), ", got ",
+                t->defined() ? t->shape() : Shape{});
+    HEADS_CHECK(is_floating(t->dtype()), kOp, "::load_state_dict: \"", p.name,
+                "\": expected a floating dtype, got ", dtype_name(t->dtype()));
+  }
+  if (strict) {
+    for (const auto& [n, t] : sd) {
+      HEADS_CHECK(param(n) != nullptr, kOp, "::load_state_dict: unexpected tensor \"", n,
+                  "\" for a module with ", [&] {
+                    std::string s;
+                    for (const auto& p : params_) s += (s.empty() ? "" : ", ") + p.name;
+                    return s;
+                  }());
+    }
+  }
+  for (auto& p : params_) {
+    if (const Tensor* t = find(sd, p.name)) p.value.copy_from(*t);
+  }
+}
+
+void MultiheadAttention::load(const std::string& path, bool strict) {
+  try {
+    load_state_dict(load_safetensors(path), strict);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(path, 0) == 0) throw;  // already names the file
+    fail(msg, " (in ", path, ")");
+  }
+}
+
+void MultiheadAttention::save(const std::string& path) const {
+  save_safetensors(path, state_dict(), {{"format", "pt"}});
+}
+
+MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int64_t num_heads,
+                                                       bool batch_first, bool add_zero_attn) {
+  const Tensor* wo = find(sd, "out_proj.weight");
+  HEADS_CHECK(wo != nullptr, kOp, ": tensor \"out_proj.weight\" missing (have: ", names_of(sd), ")");
+  HEADS_CHECK(wo->dim() == 2 && wo->size(0) == wo->size(1), kOp,
+              ": out_proj.weight: expected [E, E], got ", wo->shape());
+  MultiheadAttentionOptions o;
+  o.embed_dim = wo->size(0);
+  o.num_heads = num_heads;
+  o.batch_first = batch_first;
+  o.add_zero_attn = add_zero_attn;
+  o.bias = find(sd, "in_proj_bias") != nullptr;
+  o.add_bias_kv = find(sd, "bias_k") != nullptr;
+  if (find(sd, "in_proj_weight") == nullptr) {
+    const Tensor* wk = find(sd, "k_proj_weight");
+    const Tensor* wv = find(sd, "v_proj_weight");
+    HEADS_CHECK(wk != nullptr && wv != nullptr && find(sd, "q_proj_weight") != nullptr, kOp,
+                ": tensor \"in_proj_weight\" missing, and no q_proj_weight/k_proj_weight/"
+                "v_proj_weight either (have: ", names_of(sd), ")");
+    HEADS_CHECK(wk->dim() == 2 && wv->dim() == 2, kOp,
+                ": k_proj_weight/v_proj_weight must be 2-D, got ", wk->shape(), " and ",
+                wv->shape());
+    o.kdim = wk->size(1);
+    o.vdim = wv->size(1);
+    // A module with kdim == vdim == E still stores separate weights when built with kdim/vdim.
+    HEADS_CHECK(!(o.kdim == o.embed_dim && o.vdim == o.embed_dim), kOp,
+                ": separate q/k/v projection weights with kdim == vdim == embed_dim are not "
+                "supported; store them as in_proj_weight [3E, E]");
+  }
+  MultiheadAttention m(o, 0);
+  m.load_state_dict(sd, true);
+  m.eval();
+  return m;
+}
+
+std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const Tensor& key,
+                                                      const Tensor& value,
+                                                      const MhaForwardArgs& args) const {
+  const int64_t E = opt_.embed_dim, H = opt_.num_heads, hd = E / H;
+  HEADS_CHECK(query.defined() && key.defined() && value.defined(), kOp,
+              ": query, key and value are required");
+  // _mha_shape_check
+  HEADS_CHECK(query.dim() == 2 || query.dim() == 3, kOp,
+              ": query should be unbatched 2-D or batched 3-D, got ", query.shape());
+  const bool batched = query.dim() == 3;
+  HEADS_CHECK(key.dim() == query.dim() && value.dim() == query.dim(), kOp, ": for ",
+              batched ? "batched (3-D)" : "unbatched (2-D)", " query ", query.shape(),
+              ", expected key and value of the same rank, got key ", key.shape(), " and value ",
+              value.shape());
+  for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}}) {
+    HEADS_CHECK(is_floating(t->dtype()), kOp, ": ", name, ": expected a floating dtype, got ",
+                dtype_name(t->dtype()));
+  }
+  const Tensor& kpm_in = args.key_padding_mask;
+  const Tensor& am_in = args.attn_mask;
+  if (kpm_in.defined()) {
+    HEADS_CHECK(kpm_in.dim() == (batched ? 2 : 1), kOp, ": key_padding_mask: expected ",
+                batched ? "[N, S]" : "[S]", " for query ", query.shape(), ", got ", kpm_in.shape());
+  }
+  if (am_in.defined()) {
+    HEADS_CHECK(am_in.dim() == 2 || am_in.dim() == 3, kOp,
+                ": attn_mask: expected 2-D [L, S] or 3-D [N * num_heads, L, S], got ",
+                am_in.shape());
+  }
+
+  // Canonical [N, L, E] views of the inputs in their own memory order.
+  auto native = [&](const Tensor& x) {  // [d0, d1, width] with rows in memory order
+    Tensor t = x.to(DType::F32);
+    return batched ? t : t.unsqueeze(1);  // unbatched [L, E] -> [L, 1, E]
+  };
+  const bool bf = batched && opt_.batch_first;
+  auto nle = [&](const Tensor& x3) { return bf ? x3 : x3.transpose(0, 1); };
+  const Tensor xq = native(query);
+  const bool self_attn = query.raw_data() == key.raw_data() && key.raw_data() == value.raw_data() &&
+                         query.shape() == key.shape() && key.shape() == value.shape() &&
+                         query.strides() == key.strides() && key.strides() == value.strides() &&
+                         query.dtype() == key.dtype() && key.dtype() == value.dtype();
+  const Tensor xk = self_attn ? xq : native(key);
+  const Tensor xv = self_attn ? xq : native(value);
+  const Shape qs = nle(xq).shape(), ks = nle(xk).shape(), vs = nle(xv).shape();
+  const int64_t N = qs[0], L = qs[1], S = ks[1];
+  HEADS_CHECK(qs[2] == E, kOp, ": query: expected embed_dim ", E, " in the last dim, got ",
+              query.shape());
+  HEADS_CHECK(ks[2] == opt_.kdim, kOp, ": key: expected kdim ", opt_.kdim,
+              " in the last dim, got ", key.shape());
+  HEADS_CHECK(vs[2] == opt_.vdim, kOp, ": value: expected vdim ", opt_.vdim,
+              " in the last dim, got ", value.shape());
+  HEADS_CHECK(ks[0] == N && vs[0] == N, kOp, ": key ", key.shape(), " and value ", value.shape(),
+              " must have the batch size of query ", query.shape());
+  HEADS_CHECK(vs[1] == S, kOp, ": key ", key.shape(), " and value ", value.shape(),
+              " must have the same sequence length");
+  if (kpm_in.defined()) {
+    const Shape want = batched ? Shape{N, S} : Shape{S};
+    HEADS_CHECK(kpm_in.shape() == want, kOp, ": key_padding_mask: expected ", want, ", got ",
+                kpm_in.shape());
+  }
+  if (am_in.defined()) {
+    const Shape want = am_in.dim() == 2 ? Shape{L, S} : Shape{N * H, L, S};
+    HEADS_CHECK(am_in.shape() == want, kOp, ": attn_mask: expected ", want,
+                am_in.dim() == 3 ? " ([N * num_heads, L, S])" : " ([L, S])", ", got ",
+                am_in.shape());
+  }
+  const Tensor kpm = kpm_in.defined() ? additive_mask(kpm_in, "key_padding_mask") : Tensor();
+  Tensor am = am_in.defined() ? additive_mask(am_in, "attn_mask") : Tensor();
+
+  // Causal hint, as torch: is_causal with no key_padding_mask and no weights runs causal SDPA
+  // and ignores attn_mask; otherwise attn_mask is used as given. Without attn_mask it means
+  // causal attention (an extension: torch raises there).
+  bool causal = false;
+  if (args.is_causal) {
+    if (!am.defined()) {
+      causal = true;
+    } else if (!kpm.defined() && !args.need_weights) {
+      causal = true;
+      am = Tensor();
+    }
+  }
+
+  // In-projection: q = x Wqᵀ + bq, ... (one GEMM for self-attention).
+  const Tensor* w_in = param("in_proj_weight");
+  const Tensor* b_in = param("in_proj_bias");
+  const float* bias = b_in ? b_in->data<float>() : nullptr;
+  auto wq = [&](int64_t part) -> const float* {  // rows [part*E, part*E + E) of W_in
+    if (w_in) return w_in->data<float>() + part * E * E;
+    static const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
+    return param(names[part])->data<float>();
+  };
+  auto bq = [&](int64_t part) { return bias ? bias + part * E : nullptr; };
+  auto rows = [](const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); };
+  auto as3 = [](const Tensor& y, const Tensor& x3) {
+    return y.reshape({x3.size(0), x3.size(1), y.size(1)});
+  };
+  Tensor q3, k3, v3;  // [N, L|S, width] views (possibly column slices of one projection)
+  if (self_attn && w_in) {
+    const Tensor y = as3(linear(rows(xq), wq(0), bq(0), 3 * E), xq);
+    const Tensor y_nle = nle(y);
+    q3 = y_nle.slice(2, 0, E);
+    k3 = y_nle.slice(2, E, 2 * E);
+    v3 = y_nle.slice(2, 2 * E, 3 * E);
+  } else {
+    q3 = nle(as3(linear(rows(xq), wq(0), bq(0), E), xq));
+    k3 = nle(as3(linear(rows(xk), wq(1), bq(1), E), xk));
+    v3 = nle(as3(linear(rows(xv), wq(2), bq(2), E), xv));
+  }
+  // Split heads: [N, T, E] -> [N, H, T, hd] by strides.
+  auto heads4 = [&](const Tensor& t3) {
+    return t3.as_strided({t3.size(0), H, t3.size(1), hd},
+                         {t3.stride(0), hd, t3.stride(1), 1});
+  };
+  Tensor q4 = heads4(q3), k4 = heads4(k3), v4 = heads4(v3);
+
+  // add_bias_kv appends bias_k / bias_v as one more key; add_zero_attn appends a zero key.
+  const int64_t extra = (opt_.add_bias_kv ? 1 : 0) + (opt_.add_zero_attn ? 1 : 0);
+  const int64_t S2 = S + extra;
+  if (extra > 0) {
+    Tensor k2 = Tensor::zeros({N, H, S2, hd}, DType::F32);
+    Tensor v2 = Tensor::zeros({N, H, S2, hd}, DType::F32);
+    k2.slice(2, 0, S).copy_from(k4);
+    v2.slice(2, 0, S).copy_from(v4);
+    if (opt_.add_bias_kv) {
+      const Tensor bk = param("bias_k")->reshape({1, H, 1, hd}).expand({N, H, 1, hd});
+      const Tensor bv = param("bias_v")->reshape({1, H, 1, hd}).expand({N, H, 1, hd});
+      k2.slice(2, S, S + 1).copy_from(bk);
+      v2.slice(2, S, S + 1).copy_from(bv);
+    }
+    k4 = k2;
+    v4 = v2;
+  }
+
+  // Merge key_padding_mask into attn_mask as one additive mask [N|1, H|1, L|1, S2]
+  // (the appended keys get 0, as torch's pad(mask, (0, 1))).
+  Tensor mask;
+  if (am.defined() || kpm.defined()) {
+    const bool am3 = am.defined() && am.dim() == 3;
+    const int64_t Nm = (am3 || kpm.defined()) ? N : 1, Hm = am3 ? H : 1, Lm = am.defined() ? L : 1;
+    mask = Tensor::zeros({Nm, Hm, Lm, S2}, DType::F32);
+    float* mp = mask.data<float>();
+    const float* ap = am.defined() ? am.data<float>() : nullptr;
+    const float* kp = kpm.defined() ? kpm.data<float>() : nullptr;
+    for (int64_t n = 0; n < Nm; ++n) {
+      for (int64_t h = 0; h < Hm; ++h) {
+        for (int64_t i = 0; i < Lm; ++i) {
+          float* row = mp + ((n * Hm + h) * Lm + i) * S2;
+          const float* arow = ap ? ap + ((am3 ? n * H + h : 0) * L + i) * S : nullptr;
+          for (int64_t j = 0; j < S; ++j) {
+            row[j] = (arow ? arow[j] : 0.0f) + (kp ? kp[n * S + j] : 0.0f);
+          }
+        }
+      }
+    }
+  }
+
+  // Attention, written into the [rows, E] buffer in the query's memory order.
+  Tensor attn3 = Tensor::empty({xq.size(0), xq.size(1), E}, DType::F32);
+  SdpaOptions so;
+  so.attn_mask = mask;
+  so.is_causal = causal;
+  so.dropout_p = training_ ? opt_.dropout : 0.0;
+  so.need_weights = args.need_weights;
+  const SdpaResult r = sdpa_out(heads4(nle(attn3)), q4, k4, v4, so);
+
+  // Out-projection.
+  const Tensor* b_out = param("out_proj.bias");
+  Tensor out = as3(linear(rows(attn3), param("out_proj.weight")->data<float>(),
+                          b_out ? b_out->data<float>() : nullptr, E),
+                   attn3);
+  if (!batched) out = out.squeeze(1);
+
+  Tensor weights;
+  if (args.need_weights) {
+    weights = r.weights;  // [N, H, L, S2]
+    if (args.average_attn_weights) {
+      Tensor avg = Tensor::zeros({N, L, S2}, DType::F32);
+      const float* w = weights.data<float>();
+      float* a = avg.data<float>();
+      const float inv_h = 1.0f / static_cast<float>(H);
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t x = 0; x < L * S2; ++x) a[n * L * S2 + x] += w[(n * H + h) * L * S2 + x];
+        }
+        for (int64_t x = 0; x < L * S2; ++x) a[n * L * S2 + x] *= inv_h;
+      }
+      weights = avg;
+    }
+    if (!batched) weights = weights.squeeze(0);
+  }
+  return {out, weights};
+}
+
+}  // namespace heads

@@ -1,0 +1,81 @@
+// testing.h — seeded random tensors and error measures shared by the C++ tests.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "heads/tensor.h"
+
+namespace heads::testing {
+
+inline std::mt19937_64& rng() {
+  static std::mt19937_64 gen(20261121);
+  return gen;
+}
+
+// Normal(0, stddev) f32 tensor, contiguous.
+inline Tensor randn(const Shape& shape, double stddev = 1.0) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::normal_distribution<float> d(0.0f, static_cast<float>(stddev));
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = d(rng());
+  return t;
+}
+
+inline Tensor rand_bool(const Shape& shape, double p_true) {
+  Tensor t = Tensor::empty(shape, DType::Bool);
+  std::bernoulli_distribution d(p_true);
+  auto* p = static_cast<uint8_t*>(t.raw_data());
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = d(rng());
+  return t;
+}
+
+// Visits every index of a shape.
+template <class F>
+void for_each_index(const Shape& shape, F&& f) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  Shape idx(shape.size(), 0);
+  for (int64_t k = 0; k < n; ++k) {
+    f(idx);
+    for (size_t d = shape.size(); d-- > 0;) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+struct Err {
+  double max_abs = 0, max_ref = 0;
+  bool nan = false;
+  // max|out - ref| <= rtol * max|ref| + atol, elementwise over the whole tensor
+  bool within(double rtol, double atol) const { return !nan && max_abs <= rtol * max_ref + atol; }
+};
+
+inline Err compare(const Tensor& out, const Tensor& ref) {
+  Err e;
+  if (out.shape() != ref.shape()) {
+    e.nan = true;
+    return e;
+  }
+  for_each_index(out.shape(), [&](const Shape& i) {
+    const double a = out.item_as_double(i), b = ref.item_as_double(i);
+    if (std::isnan(a) != std::isnan(b)) e.nan = true;
+    e.max_abs = std::max(e.max_abs, std::fabs(a - b));
+    e.max_ref = std::max(e.max_ref, std::fabs(b));
+  });
+  return e;
+}
+
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) return false;
+  bool eq = true;
+  for_each_index(a.shape(), [&](const Shape& i) {
+    const double x = a.item_as_double(i), y = b.item_as_double(i);
+    if (!(x == y || (std::isnan(x) && std::isnan(y)))) eq = false;
+  });
+  return eq;
+}
+
+}  // namespace heads::testing

@@ -1,0 +1,288 @@
+// sdpa_test.cc — the fused SDPA forward against the float64 reference.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "common/testing.h"
+#include "heads/runtime.h"
+#include "heads/sdpa.h"
+
+namespace heads {
+namespace {
+
+using testing::compare;
+using testing::randn;
+
+constexpr double kRtol = 1e-5, kAtol = 1e-6;
+
+// A [B, H, L, D] view whose memory is [B, L, H, D + pad] (strides like a projection output).
+Tensor strided_randn(int64_t B, int64_t H, int64_t L, int64_t D, int64_t pad) {
+  return randn({B, L, H, D + pad}).slice(3, 0, D).permute({0, 2, 1, 3});
+}
+
+std::string describe(int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
+                     int64_t Dv, const std::string& extra) {
+  std::ostringstream os;
+  os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
+     << " Dv=" << Dv << " " << extra << " threads=" << get_num_threads();
+  return os.str();
+}
+
+void expect_matches_ref(const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o,
+                        const std::string& what) {
+  o.need_weights = true;
+  if (o.dropout_p > 0 && !o.dropout_seed) o.dropout_seed = 1234;
+  const SdpaResult r = sdpa(q, k, v, o);
+  const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
+  const auto e = compare(r.out, ref.out);
+  EXPECT_TRUE(e.within(kRtol, kAtol)) << what << ": out max err " << e.max_abs << " (ref max "
+                                      << e.max_ref << ")";
+  const auto ew = compare(r.weights, ref.weights);
+  EXPECT_TRUE(ew.within(kRtol, kAtol)) << what << ": weights max err " << ew.max_abs;
+  const auto el = compare(r.lse, ref.lse);
+  EXPECT_TRUE(el.within(kRtol, kAtol) || el.max_abs == 0) << what << ": lse max err " << el.max_abs;
+  // Without weights the output must be the same bits (the weights pass is separate).
+  o.need_weights = false;
+  const SdpaResult r2 = sdpa(q, k, v, o);
+  EXPECT_TRUE(testing::bitwise_equal(r.out, r2.out)) << what << ": need_weights changed output";
+  EXPECT_FALSE(r2.weights.defined());
+}
+
+// The grid of the issue: B, H/Hkv, Lq x Lk, D; every other case with strided inputs; masks,
+// causal alignments and scale cycle through the cases.
+TEST(Sdpa, GridMatchesReference) {
+  int64_t n = 0;
+  for (int64_t B : {1, 3}) {
+    for (auto [H, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {4, 4}, {4, 1}, {4, 2}}) {
+      for (int64_t Lq : {1, 7, 64, 129}) {
+        for (int64_t Lk : {1, 7, 64, 129}) {
+          for (int64_t D : {1, 8, 63, 64, 80, 128}) {
+            ++n;
+            const int64_t Dv = n % 5 == 0 ? D + 3 : D;
+            const bool strided = n % 2 == 0;
+            const Tensor q = strided ? strided_randn(B, H, Lq, D, 5) : randn({B, H, Lq, D});
+            const Tensor k = strided ? strided_randn(B, Hkv, Lk, D, 3) : randn({B, Hkv, Lk, D});
+            const Tensor v = strided ? strided_randn(B, Hkv, Lk, Dv, 1) : randn({B, Hkv, Lk, Dv});
+            SdpaOptions o;
+            o.enable_gqa = H != Hkv;
+            std::string extra = strided ? "strided" : "contiguous";
+            switch (n % 6) {
+              case 1: o.attn_mask = testing::rand_bool({Lq, Lk}, 0.8); extra += " bool[Lq,Lk]"; break;
+              case 2: o.attn_mask = randn({B, 1, Lq, Lk}); extra += " float[B,1,Lq,Lk]"; break;
+              case 3: o.is_causal = true; extra += " causal"; break;
+              case 4: o.is_causal = true; o.causal_align = CausalAlign::BottomRight; extra += " causal-br"; break;
+              case 5: o.scale = 0.37; extra += " scale=0.37"; break;
+              default: break;
+            }
+            expect_matches_ref(q, k, v, o, describe(B, H, Hkv, Lq, Lk, D, Dv, extra));
+            if (HasFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Sdpa, EveryMaskKind) {
+  const int64_t B = 2, H = 3, Lq = 17, Lk = 33, D = 24;
+  const Tensor q = randn({B, H, Lq, D}), k = randn({B, H, Lk, D}), v = randn({B, H, Lk, D});
+  const std::vector<std::pair<std::string, Tensor>> masks = {
+      {"bool [Lq, Lk]", testing::rand_bool({Lq, Lk}, 0.7)},
+      {"bool [B, H, Lq, Lk]", testing::rand_bool({B, H, Lq, Lk}, 0.7)},
+      {"bool [B, 1, 1, Lk]", testing::rand_bool({B, 1, 1, Lk}, 0.7)},
+      {"bool [1, H, Lq, 1]", testing::rand_bool({1, H, Lq, 1}, 0.9)},
+      {"bool [Lk]", testing::rand_bool({Lk}, 0.7)},
+      {"float [Lq, Lk]", randn({Lq, Lk}, 2.0)},
+      {"float [B, H, Lq, Lk]", randn({B, H, Lq, Lk}, 2.0)},
+      {"float [H, 1, Lk]", randn({H, 1, Lk}, 2.0)},
+      {"float64 [Lq, Lk]", randn({Lq, Lk}).to(DType::F64)},
+      {"float with -inf", [&] {
+         Tensor m = randn({Lq, Lk});
+         float* p = m.data<float>();
+         for (int64_t i = 0; i < m.numel(); i += 3) p[i] = -std::numeric_limits<float>::infinity();
+         return m;
+       }()},
+      {"strided bool [Lq, Lk] (transposed)", testing::rand_bool({Lk, Lq}, 0.7).transpose(0, 1)},
+  };
+  for (const auto& [name, m] : masks) {
+    for (bool causal : {false, true}) {
+      SdpaOptions o;
+      o.attn_mask = m;
+      o.is_causal = causal;
+      expect_matches_ref(q, k, v, o, name + (causal ? " + causal" : ""));
+    }
+  }
+}
+
+TEST(Sdpa, CausalAlignments) {
+  for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{5, 12}, {12, 5}, {9, 9}, {1, 40}, {40, 1}}) {
+    const Tensor q = randn({1, 2, Lq, 16}), k = randn({1, 2, Lk, 16}), v = randn({1, 2, Lk, 16});
+    for (auto align : {CausalAlign::TopLeft, CausalAlign::BottomRight}) {
+      SdpaOptions o;
+      o.is_causal = true;
+      o.causal_align = align;
+      o.need_weights = true;
+      const SdpaResult r = sdpa(q, k, v, o);
+      // Check the visibility pattern directly: weight (i, j) is zero iff j is hidden.
+      const int64_t off = align == CausalAlign::BottomRight ? Lk - Lq : 0;
+      for (int64_t i = 0; i < Lq; ++i) {
+        for (int64_t j = 0; j < Lk; ++j) {
+          const double w = r.weights.item_as_double({0, 1, i, j});
+          if (j > i + off) EXPECT_EQ(w, 0.0) << "Lq=" << Lq << " Lk=" << Lk << " i=" << i << " j=" << j;
+          else EXPECT_GT(w, 0.0) << "Lq=" << Lq << " Lk=" << Lk << " i=" << i << " j=" << j;
+        }
+      }
+      expect_matches_ref(q, k, v, o, "causal Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk));
+    }
+  }
+}
+
+TEST(Sdpa, FullyMaskedRowsGiveZeros) {
+  const int64_t Lq = 9, Lk = 70;
+  const Tensor q = randn({2, 2, Lq, 8}), k = randn({2, 2, Lk, 8}), v = randn({2, 2, Lk, 8});
+  Tensor m = testing::rand_bool({Lq, Lk}, 0.8);
+  auto* p = static_cast<uint8_t*>(m.raw_data());
+  for (int64_t j = 0; j < Lk; ++j) p[3 * Lk + j] = 0;  // row 3 sees nothing
+  SdpaOptions o;
+  o.attn_mask = m;
+  o.need_weights = true;
+  const SdpaResult r = sdpa(q, k, v, o);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(r.out.item_as_double({b, h, 3, d}), 0.0);
+      for (int64_t j = 0; j < Lk; ++j) EXPECT_EQ(r.weights.item_as_double({b, h, 3, j}), 0.0);
+      EXPECT_EQ(r.lse.item_as_double({b, h, 3}), -std::numeric_limits<double>::infinity());
+      EXPECT_NE(r.out.item_as_double({b, h, 2, 0}), 0.0);
+    }
+  }
+  expect_matches_ref(q, k, v, o, "fully masked row");
+  // Bottom-right causal with Lq > Lk hides every key from the first Lq - Lk rows.
+  SdpaOptions c;
+  c.is_causal = true;
+  c.causal_align = CausalAlign::BottomRight;
+  const Tensor q2 = randn({1, 1, 12, 8}), k2 = randn({1, 1, 4, 8}), v2 = randn({1, 1, 4, 8});
+  const SdpaResult r2 = sdpa(q2, k2, v2, c);
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(r2.out.item_as_double({0, 0, i, 0}), 0.0) << i;
+  EXPECT_NE(r2.out.item_as_double({0, 0, 8, 0}), 0.0);
+  // A float mask of -inf everywhere on a row behaves the same.
+  Tensor fm = randn({Lq, Lk});
+  for (int64_t j = 0; j < Lk; ++j) fm.data<float>()[5 * Lk + j] = -std::numeric_limits<float>::infinity();
+  SdpaOptions f;
+  f.attn_mask = fm;
+  const SdpaResult r3 = sdpa(q, k, v, f);
+  for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(r3.out.item_as_double({1, 1, 5, d}), 0.0);
+}
+
+TEST(Sdpa, DropoutStatistics) {
+  const int64_t B = 2, H = 4, Lq = 64, Lk = 96, D = 16;
+  const Tensor q = randn({B, H, Lq, D}), k = randn({B, H, Lk, D}), v = randn({B, H, Lk, D});
+  const double p = 0.3;
+  SdpaOptions o;
+  o.need_weights = true;
+  const SdpaResult plain = sdpa(q, k, v, o);
+  o.dropout_p = p;
+  o.dropout_seed = 42;
+  const SdpaResult a = sdpa(q, k, v, o);
+  const SdpaResult b = sdpa(q, k, v, o);
+  EXPECT_TRUE(testing::bitwise_equal(a.out, b.out)) << "same seed, different output";
+  EXPECT_TRUE(testing::bitwise_equal(a.weights, b.weights));
+  // Keep rate and scaling: every kept weight is the plain weight / (1 - p).
+  int64_t kept = 0, total = 0;
+  double worst = 0;
+  testing::for_each_index(a.weights.shape(), [&](const Shape& i) {
+    const double w = a.weights.item_as_double(i), w0 = plain.weights.item_as_double(i);
+    ++total;
+    if (w != 0.0) {
+      ++kept;
+      worst = std::max(worst, std::fabs(w - w0 / (1.0 - p)) / (w0 / (1.0 - p)));
+    }
+  });
+  const double rate = static_cast<double>(kept) / static_cast<double>(total);
+  const double sigma = std::sqrt(p * (1 - p) / static_cast<double>(total));
+  EXPECT_NEAR(rate, 1.0 - p, 5 * sigma) << "keep rate " << rate << " over " << total;
+  EXPECT_LT(worst, 1e-5) << "kept weights not scaled by 1/(1-p)";
+  // The reference draws the same mask, so the output matches it.
+  expect_matches_ref(q, k, v, o, "dropout p=0.3");
+  // Another seed gives another mask; the mean over many seeds approaches the plain output.
+  o.dropout_seed = 43;
+  EXPECT_FALSE(testing::bitwise_equal(sdpa(q, k, v, o).out, a.out));
+  // Default seeds come from the global generator: manual_seed makes them reproducible.
+  o.dropout_seed.reset();
+  manual_seed(7);
+  const Tensor g1 = sdpa(q, k, v, o).out;
+  manual_seed(7);
+  const Tensor g2 = sdpa(q, k, v, o).out;
+  EXPECT_TRUE(testing::bitwise_equal(g1, g2));
+}
+
+TEST(Sdpa, ResultIndependentOfThreadCount) {
+  const Tensor q = strided_randn(3, 4, 129, 63, 2), k = randn({3, 2, 77, 63}), v = randn({3, 2, 77, 40});
+  SdpaOptions o;
+  o.enable_gqa = true;
+  o.attn_mask = randn({3, 1, 129, 77});
+  o.is_causal = true;
+  o.need_weights = true;
+  o.dropout_p = 0.1;
+  o.dropout_seed = 5;
+  const int saved = get_num_threads();
+  set_num_threads(1);
+  const SdpaResult r1 = sdpa(q, k, v, o);
+  for (int t : {2, 3}) {
+    set_num_threads(t);
+    const SdpaResult rt = sdpa(q, k, v, o);
+    EXPECT_TRUE(testing::bitwise_equal(r1.out, rt.out)) << "threads=" << t;
+    EXPECT_TRUE(testing::bitwise_equal(r1.weights, rt.weights)) << "threads=" << t;
+  }
+  set_num_threads(saved);
+}
+
+TEST(Sdpa, WritesIntoStridedOutput) {
+  const int64_t B = 2, H = 3, L = 11, D = 10;
+  const Tensor q = randn({B, H, L, D}), k = randn({B, H, L, D}), v = randn({B, H, L, D});
+  Tensor buf = Tensor::zeros({B, L, H, D}, DType::F32);  // [B, L, H, D] as a projection expects
+  sdpa_out(buf.permute({0, 2, 1, 3}), q, k, v);
+  const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v);
+  EXPECT_TRUE(compare(buf.permute({0, 2, 1, 3}), ref.out).within(kRtol, kAtol));
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+TEST(Sdpa, BadInputNamesArgumentAndShapes) {
+  const Tensor q = randn({2, 4, 7, 16}), k = randn({2, 4, 5, 16}), v = randn({2, 4, 5, 16});
+  using ::testing::HasSubstr;
+  EXPECT_THAT(error_of([&] { sdpa(q, randn({2, 4, 5, 8}), v); }),
+              HasSubstr("key: expected head dim 16 to match query [2, 4, 7, 16], got [2, 4, 5, 8]"));
+  EXPECT_THAT(error_of([&] { sdpa(q, k, randn({2, 4, 6, 16})); }), HasSubstr("value: expected"));
+  EXPECT_THAT(error_of([&] { sdpa(q, randn({3, 4, 5, 16}), v); }), HasSubstr("key: expected batch 2"));
+  EXPECT_THAT(error_of([&] { sdpa(q, randn({2, 3, 5, 16}), randn({2, 3, 5, 16})); }),
+              HasSubstr("not a multiple of key/value heads 3"));
+  EXPECT_THAT(error_of([&] { sdpa(q, randn({2, 2, 5, 16}), randn({2, 2, 5, 16})); }),
+              HasSubstr("enable_gqa"));
+  EXPECT_THAT(error_of([&] { sdpa(randn({4, 7, 16}), k, v); }), HasSubstr("query: expected 4-D"));
+  SdpaOptions o;
+  o.attn_mask = testing::rand_bool({7, 6}, 0.5);
+  EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }),
+              HasSubstr("attn_mask: shape [7, 6] does not broadcast to [B, H, Lq, Lk] = [2, 4, 7, 5]"));
+  o.attn_mask = Tensor::zeros({7, 5}, DType::I64);
+  EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("attn_mask: expected bool or floating dtype, got i64"));
+  o.attn_mask = Tensor();
+  o.dropout_p = 1.0;
+  EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1)"));
+  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::F64), k, v); }), HasSubstr("query: expected f32, got f64"));
+  EXPECT_THAT(error_of([&] { sdpa_out(Tensor::zeros({2, 4, 7, 15}, DType::F32), q, k, v); }),
+              HasSubstr("out: expected f32 [B, H, Lq, Dv] = [2, 4, 7, 16]"));
+}
+
+}  // namespace
+}  // namespace heads
