@@ -1,0 +1,212 @@
+// heads_ext.cc — the nanobind extension `heads._heads`: array conversion and thin bindings.
+//
+// Arrays arrive through DLPack (numpy, torch, ...) and become heads::Tensor views without a
+// copy; results leave as numpy arrays that own the result tensor's storage. heads::Error
+// becomes ValueError. The computation runs with the GIL released.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+
+#include "heads/error.h"
+#include "heads/mha.h"
+#include "heads/runtime.h"
+#include "heads/sdpa.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using InArray = nb::ndarray<nb::ro, nb::device::cpu>;
+
+heads::DType to_dtype(const nb::dlpack::dtype& dt, const char* name) {
+  using nb::dlpack::dtype_code;
+  const auto code = static_cast<dtype_code>(dt.code);
+  if (dt.lanes == 1) {
+    if (code == dtype_code::Float && dt.bits == 32) return heads::DType::F32;
+    if (code == dtype_code::Float && dt.bits == 64) return heads::DType::F64;
+    if (code == dtype_code::Float && dt.bits == 16) return heads::DType::F16;
+    if (code == dtype_code::Bfloat && dt.bits == 16) return heads::DType::BF16;
+    if (code == dtype_code::Bool && dt.bits == 8) return heads::DType::Bool;
+    if (code == dtype_code::UInt && dt.bits == 8) return heads::DType::U8;
+    if (code == dtype_code::Int && dt.bits == 64) return heads::DType::I64;
+  }
+  heads::fail(name, ": unsupported array dtype (code ", static_cast<int>(dt.code), ", ",
+              static_cast<int>(dt.bits), " bits); use float32, float64, float16, bfloat16, bool, "
+              "uint8 or int64");
+}
+
+// A view of the array's memory (the caller keeps the array alive while the view is used).
+heads::Tensor view_of(const InArray& a, const char* name) {
+  heads::Shape shape(a.ndim()), strides(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    shape[i] = static_cast<int64_t>(a.shape(i));
+    strides[i] = static_cast<int64_t>(a.stride(i));
+  }
+  return heads::Tensor::from_blob(const_cast<void*>(a.data()), shape, strides,
+                                  to_dtype(a.dtype(), name));
+}
+
+heads::Tensor opt_view(const std::optional<InArray>& a, const char* name) {
+  return a ? view_of(*a, name) : heads::Tensor();
+}
+
+nb::dlpack::dtype dl_dtype(heads::DType dt) {
+  switch (dt) {
+    case heads::DType::F32: return nb::dtype<float>();
+    case heads::DType::F64: return nb::dtype<double>();
+    case heads::DType::Bool: return nb::dtype<bool>();
+    case heads::DType::U8: return nb::dtype<uint8_t>();
+    case heads::DType::I64: return nb::dtype<int64_t>();
+    case heads::DType::F16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case heads::DType::BF16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  }
+  return nb::dtype<float>();
+}
+
+// A numpy array owning (a reference to) the tensor's storage.
+nb::object to_numpy(const heads::Tensor& t) {
+  if (!t.defined()) return nb::none();
+  auto* keep = new heads::Tensor(t);
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<heads::Tensor*>(p); });
+  std::vector<size_t> shape(t.shape().begin(), t.shape().end());
+  std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+  nb::ndarray<nb::numpy> arr(t.raw_data(), shape.size(), shape.data(), owner, strides.data(),
+                             dl_dtype(t.dtype()));
+  return arr.cast();
+}
+
+// torch-style leading batch dims: [L, D] -> [1, 1, L, D], [X, L, D] -> [1, X, L, D].
+heads::Tensor to_4d(heads::Tensor t, const char* name) {
+  HEADS_CHECK(t.dim() >= 2 && t.dim() <= 4, "sdpa: ", name, ": expected 2-D to 4-D [..., L, E], got ",
+              t.shape());
+  while (t.dim() < 4) t = t.unsqueeze(0);
+  return t;
+}
+
+nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
+                const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
+                std::optional<double> scale, bool enable_gqa, bool need_weights,
+                std::optional<uint64_t> seed) {
+  const heads::Tensor q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  const int64_t rank = q.dim();
+  HEADS_CHECK(k.dim() == rank && v.dim() == rank, "sdpa: query ", q.shape(), ", key ", k.shape(),
+              " and value ", v.shape(), " must have the same rank");
+  heads::SdpaOptions o;
+  o.attn_mask = opt_view(attn_mask, "attn_mask");
+  o.is_causal = is_causal;
+  o.scale = scale;
+  o.dropout_p = dropout_p;
+  o.dropout_seed = seed;
+  o.enable_gqa = enable_gqa;
+  o.need_weights = need_weights;
+  heads::SdpaResult r;
+  {
+    nb::gil_scoped_release release;
+    r = heads::sdpa(to_4d(q, "query"), to_4d(k, "key"), to_4d(v, "value"), o);
+  }
+  // Back to the caller's rank.
+  heads::Tensor out = r.out, w = r.weights;
+  while (out.dim() > rank) {
+    out = out.squeeze(0);
+    if (w.defined()) w = w.squeeze(0);
+  }
+  if (!need_weights) return to_numpy(out);
+  return nb::make_tuple(to_numpy(out), to_numpy(w));
+}
+
+}  // namespace
+
+NB_MODULE(_heads, m) {
+  m.doc() = "heads: multi-head attention for CPUs (native core)";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const heads::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("set_num_threads", &heads::set_num_threads, "n"_a);
+  m.def("get_num_threads", &heads::get_num_threads);
+  m.def("manual_seed", &heads::manual_seed, "seed"_a);
+  m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
+        "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
+        "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none());
+
+  nb::class_<heads::MultiheadAttention>(m, "MultiheadAttention")
+      .def("__init__",
+           [](heads::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads, double dropout,
+              bool bias, bool add_bias_kv, bool add_zero_attn, std::optional<int64_t> kdim,
+              std::optional<int64_t> vdim, bool batch_first, std::optional<uint64_t> seed) {
+             heads::MultiheadAttentionOptions o;
+             o.embed_dim = embed_dim;
+             o.num_heads = num_heads;
+             o.dropout = dropout;
+             o.bias = bias;
+             o.add_bias_kv = add_bias_kv;
+             o.add_zero_attn = add_zero_attn;
+             o.kdim = kdim.value_or(0);
+             o.vdim = vdim.value_or(0);
+             HEADS_CHECK(!kdim || *kdim > 0, "MultiheadAttention: kdim must be positive, got ", *kdim);
+             HEADS_CHECK(!vdim || *vdim > 0, "MultiheadAttention: vdim must be positive, got ", *vdim);
+             o.batch_first = batch_first;
+             new (self) heads::MultiheadAttention(o, seed);
+           },
+           "embed_dim"_a, "num_heads"_a, "dropout"_a = 0.0, "bias"_a = true,
+           "add_bias_kv"_a = false, "add_zero_attn"_a = false, "kdim"_a = nb::none(),
+           "vdim"_a = nb::none(), "batch_first"_a = false, "seed"_a = nb::none())
+      .def_prop_ro("embed_dim", [](const heads::MultiheadAttention& s) { return s.options().embed_dim; })
+      .def_prop_ro("num_heads", [](const heads::MultiheadAttention& s) { return s.options().num_heads; })
+      .def_prop_ro("kdim", [](const heads::MultiheadAttention& s) { return s.options().kdim; })
+      .def_prop_ro("vdim", [](const heads::MultiheadAttention& s) { return s.options().vdim; })
+      .def_prop_ro("dropout", [](const heads::MultiheadAttention& s) { return s.options().dropout; })
+      .def_prop_ro("batch_first", [](const heads::MultiheadAttention& s) { return s.options().batch_first; })
+      .def_prop_ro("training", &heads::MultiheadAttention::training)
+      .def("_set_training", &heads::MultiheadAttention::train, "mode"_a)
+      .def("state_dict",
+           [](const heads::MultiheadAttention& s) {
+             nb::dict d;
+             for (const auto& [name, t] : s.state_dict()) d[name.c_str()] = to_numpy(t);
+             return d;
+           })
+      .def("load_state_dict",
+           [](heads::MultiheadAttention& s, const std::vector<std::pair<std::string, InArray>>& items,
+              bool strict) {
+             heads::StateDict sd;
+             for (const auto& [name, a] : items) sd.emplace_back(name, view_of(a, name.c_str()));
+             s.load_state_dict(sd, strict);
+           },
+           "items"_a, "strict"_a = true)
+      .def("load", &heads::MultiheadAttention::load, "path"_a, "strict"_a = true)
+      .def("save", &heads::MultiheadAttention::save, "path"_a)
+      .def("forward",
+           [](const heads::MultiheadAttention& s, const InArray& query, const InArray& key,
+              const InArray& value, const std::optional<InArray>& key_padding_mask,
+              bool need_weights, const std::optional<InArray>& attn_mask,
+              bool average_attn_weights, bool is_causal) {
+             heads::MhaForwardArgs a;
+             a.key_padding_mask = opt_view(key_padding_mask, "key_padding_mask");
+             a.attn_mask = opt_view(attn_mask, "attn_mask");
+             a.need_weights = need_weights;
+             a.average_attn_weights = average_attn_weights;
+             a.is_causal = is_causal;
+             const heads::Tensor q = view_of(query, "query");
+             const heads::Tensor k = view_of(key, "key"), v = view_of(value, "value");
+             std::pair<heads::Tensor, heads::Tensor> r;
+             {
+               nb::gil_scoped_release release;
+               r = s.forward(q, k, v, a);
+             }
+             return nb::make_tuple(to_numpy(r.first), to_numpy(r.second));
+           },
+           "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = nb::none(),
+           "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
+           "is_causal"_a = false);
+}

@@ -1,0 +1,44 @@
+"""Shared helpers for the PyTorch cross-checks: error measure and a summary of the worst case."""
+
+import numpy as np
+import pytest
+import torch
+
+_worst = {}
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (DESIGN.md's measure); 0 when both are zero."""
+    a = np.asarray(out.detach() if isinstance(out, torch.Tensor) else out, dtype=np.float64)
+    b = np.asarray(ref.detach() if isinstance(ref, torch.Tensor) else ref, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {a.shape} != reference {b.shape}"
+    assert np.isfinite(a).all(), "non-finite values in output"
+    den = np.linalg.norm(b)
+    num = np.linalg.norm(a - b)
+    return float(num / den) if den > 0 else float(num)
+
+
+def record(kind: str, err: float, what: str) -> None:
+    if err >= _worst.get(kind, (-1.0, ""))[0]:
+        _worst[kind] = (err, what)
+
+
+@pytest.fixture
+def check():
+    """check(kind, out, ref, what, tol=1e-5): assert and record the relative error."""
+
+    def _check(kind, out, ref, what, tol=1e-5):
+        err = rel_err(out, ref)
+        record(kind, err, what)
+        assert err <= tol, f"{kind}: relative error {err:.3g} > {tol:g} for {what}"
+        return err
+
+    return _check
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _worst:
+        return
+    terminalreporter.write_sep("-", "largest relative error against PyTorch 2.13")
+    for kind, (err, what) in sorted(_worst.items()):
+        terminalreporter.write_line(f"{kind:28s} {err:.3e}   ({what})")
