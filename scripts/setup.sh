@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# setup.sh — install what is missing, build heads, and install it:
+#   the `heads` CLI and the C++ package (find_package(heads)) under $PREFIX (default /usr/local),
+#   and the Python module `heads` into $PYTHON (default python3).
+# Debian packages come from apt, Python packages from PyPI (torch pinned to 2.13.0, CPU build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+PREFIX=${PREFIX:-/usr/local}
+APT_PACKAGES=(g++ make ninja-build libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev)
+PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2.13.0)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+echo "setup: checking Python packages"
+"$PYTHON" -m pip install -q --disable-pip-version-check "${PIP_PACKAGES[@]}" 2>&1 |
+  grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" || true
+
+echo "setup: building (build/)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build
+cmake --install build --prefix "$PREFIX" >/dev/null
+echo "setup: installed $PREFIX/bin/heads and the CMake package under $PREFIX"
+
+echo "setup: building the Python module"
+"$PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation . 2>&1 |
+  grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" || true
+"$PYTHON" -c "import heads; print('setup: import heads OK from', heads.__file__)"

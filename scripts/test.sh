@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# test.sh — set up (scripts/setup.sh), then run every test:
+#   1. the C++ suite (GoogleTest via CTest, CLI exit codes, an install-tree consumer),
+#   2. the same C++ suite built with AddressSanitizer + UndefinedBehaviorSanitizer,
+#   3. the Python suite (pytest) against live PyTorch 2.13, including the CLI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+scripts/setup.sh
+
+echo "== C++ tests"
+ctest --test-dir build --output-on-failure -j2
+
+echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DHEADS_SANITIZE=address,undefined -DHEADS_BUILD_PYTHON=OFF >/dev/null
+cmake --build build-asan
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j2
+
+echo "== Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'))"
+HEADS_CLI="$PWD/build/heads" "$PYTHON" -m pytest -q tests/python

@@ -1,0 +1,130 @@
+"""`heads mha` on files written from a torch state dict, against torch.nn.MultiheadAttention."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+HEADS = os.environ.get("HEADS_CLI") or shutil.which("heads")
+
+
+def run(*args):
+    assert HEADS, "the heads CLI is not on PATH (run the README's set-up) and HEADS_CLI is unset"
+    return subprocess.run([HEADS, *map(str, args)], capture_output=True, text=True)
+
+
+def write_state(path, module):
+    save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, path)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(batch_first=True, need_weights=True),
+        dict(need_weights=True, no_average=True, kpm=True),
+        dict(causal=True),
+        dict(cross=True, kdim=6, vdim=10, need_weights=True),
+        dict(unbatched=True, attn_mask=True, need_weights=True, bias=False),
+        dict(add_bias_kv=True, kpm=True, batch_first=True),
+        dict(half_inputs=True),
+    ],
+    ids=lambda o: "-".join(o) or "plain",
+)
+def test_mha_matches_torch(tmp_path, opts, check):
+    torch.manual_seed(len(opts))
+    E, H, L, N = 16, 4, 9, 3
+    ref = torch.nn.MultiheadAttention(
+        E, H, bias=opts.get("bias", True), add_bias_kv=opts.get("add_bias_kv", False),
+        kdim=opts.get("kdim"), vdim=opts.get("vdim"), batch_first=opts.get("batch_first", False),
+    ).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    write_state(tmp_path / "state.safetensors", ref)
+    unbatched = opts.get("unbatched", False)
+
+    def shape(T, width):
+        if unbatched:
+            return (T, width)
+        return (N, T, width) if opts.get("batch_first") else (T, N, width)
+
+    S = 7 if opts.get("cross") else L
+    q = torch.randn(shape(L, E))
+    inputs = {"query": q}
+    k = v = q
+    if opts.get("cross"):
+        k, v = torch.randn(shape(S, opts["kdim"])), torch.randn(shape(S, opts["vdim"]))
+        inputs.update(key=k, value=v)
+    kw = dict(need_weights=opts.get("need_weights", False),
+              average_attn_weights=not opts.get("no_average", False))
+    if opts.get("kpm"):
+        pad = torch.rand(N, S) < 0.3
+        pad[:, 0] = False
+        inputs["key_padding_mask"] = pad
+        kw["key_padding_mask"] = pad
+    if opts.get("attn_mask"):
+        m = torch.randn(L, S)
+        inputs["attn_mask"] = m
+        kw["attn_mask"] = m
+    if opts.get("causal"):
+        kw["attn_mask"] = torch.nn.Transformer.generate_square_subsequent_mask(L)
+        kw["is_causal"] = True
+    if opts.get("half_inputs"):
+        inputs["query"] = q.to(torch.float16)
+        q = inputs["query"].float()
+        k = v = q
+    save_file(inputs, tmp_path / "in.safetensors")
+    out_ref, w_ref = ref(q, k, v, **kw)
+
+    args = ["mha", "--state", tmp_path / "state.safetensors", "--input", tmp_path / "in.safetensors",
+            "--output", tmp_path / "out.safetensors", "--num-heads", H, "--threads", 2]
+    for flag in ["batch_first", "causal", "need_weights", "no_average"]:
+        if opts.get(flag):
+            args.append("--" + flag.replace("_", "-").replace("no-average", "no-average-weights"))
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "out.safetensors")
+    check("CLI mha output", got["output"], out_ref, str(opts))
+    if kw["need_weights"]:
+        check("CLI mha weights", got["attn_weights"], w_ref, str(opts))
+    else:
+        assert "attn_weights" not in got
+
+
+def test_bad_inputs_exit_1_and_leave_no_output(tmp_path):
+    ref = torch.nn.MultiheadAttention(8, 2)
+    write_state(tmp_path / "state.safetensors", ref)
+    out = tmp_path / "out.safetensors"
+    cases = {
+        "wrong embed": {"query": torch.randn(5, 2, 6)},
+        "no query": {"key": torch.randn(5, 2, 8)},
+        "bad mask shape": {"query": torch.randn(5, 2, 8), "attn_mask": torch.zeros(4, 5, dtype=torch.bool)},
+    }
+    for name, inputs in cases.items():
+        save_file(inputs, tmp_path / "in.safetensors")
+        r = run("mha", "--state", tmp_path / "state.safetensors", "--input", tmp_path / "in.safetensors",
+                "--output", out, "--num-heads", 2)
+        assert r.returncode == 1, (name, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("heads: error:"), (name, r.stderr)
+        assert not out.exists(), name
+    # num_heads that does not divide embed_dim
+    save_file({"query": torch.randn(5, 2, 8)}, tmp_path / "in.safetensors")
+    r = run("mha", "--state", tmp_path / "state.safetensors", "--input", tmp_path / "in.safetensors",
+            "--output", out, "--num-heads", 3)
+    assert r.returncode == 1 and "not divisible by num_heads 3" in r.stderr
+    # a state dict missing a tensor
+    sd = {k: v for k, v in ref.state_dict().items() if k != "in_proj_bias"}
+    sd.pop("in_proj_weight")
+    save_file(sd, tmp_path / "partial.safetensors")
+    r = run("mha", "--state", tmp_path / "partial.safetensors", "--input", tmp_path / "in.safetensors",
+            "--output", out, "--num-heads", 2)
+    assert r.returncode == 1 and "in_proj_weight" in r.stderr and "missing" in r.stderr
+    assert not out.exists()
+    # usage error
+    r = run("mha", "--state", tmp_path / "state.safetensors")
+    assert r.returncode == 2
