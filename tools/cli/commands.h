@@ -11,6 +11,7 @@ using Action = std::function<void()>;
 
 void add_mha_command(CLI::App& app, Action* action);
 void add_demo_command(CLI::App& app, Action* action);
+void add_bench_command(CLI::App& app, Action* action);
 
 // --threads N shared by the commands (0 = default).
 void apply_threads(int threads);

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   heads::cli::Action action;
   heads::cli::add_mha_command(app, &action);
   heads::cli::add_demo_command(app, &action);
+  heads::cli::add_bench_command(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,159 @@
+// cmd_bench.cc — `heads bench sdpa|mha`: time one shape, report the median (DESIGN.md contract).
+//
+// Warm-up, then repeats until at least --min-time seconds (default 1) and 5 runs; reports the
+// median. flops = 4·B·H·Lq·Lk·D for sdpa (half when causal); mha adds 2·B·L·E·E per projection.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "heads/mha.h"
+#include "heads/runtime.h"
+#include "heads/sdpa.h"
+
+namespace heads::cli {
+
+namespace {
+
+struct BenchArgs {
+  int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, L = 128, E = 768;
+  bool causal = false, json = false;
+  std::string dtype = "f32";
+  int threads = 0;
+  double min_time = 1.0;
+};
+
+Tensor random_tensor(const Shape& shape, uint64_t seed) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = d(gen);
+  return t;
+}
+
+double peak_rss_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+// Median milliseconds of fn over repeats lasting at least min_time seconds.
+template <class F>
+double median_ms(F&& fn, double min_time) {
+  using clock = std::chrono::steady_clock;
+  fn();  // warm-up
+  std::vector<double> ms;
+  const auto start = clock::now();
+  while (ms.size() < 5 || std::chrono::duration<double>(clock::now() - start).count() < min_time) {
+    const auto t0 = clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+  }
+  std::nth_element(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 2), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void check_dtype(const std::string& dtype) {
+  HEADS_CHECK(dtype == "f32", "bench: --dtype ", dtype, " is not available yet (f32)");
+}
+
+void run_sdpa(const BenchArgs& a) {
+  apply_threads(a.threads);
+  check_dtype(a.dtype);
+  const int64_t Lk = a.Lk > 0 ? a.Lk : a.Lq;
+  const int64_t Hkv = a.Hkv > 0 ? a.Hkv : a.H;
+  const Tensor q = random_tensor({a.B, a.H, a.Lq, a.D}, 1);
+  const Tensor k = random_tensor({a.B, Hkv, Lk, a.D}, 2);
+  const Tensor v = random_tensor({a.B, Hkv, Lk, a.D}, 3);
+  SdpaOptions o;
+  o.is_causal = a.causal;
+  o.enable_gqa = Hkv != a.H;
+  Tensor out = Tensor::empty({a.B, a.H, a.Lq, a.D}, DType::F32);
+  const double ms = median_ms([&] { sdpa_out(out, q, k, v, o); }, a.min_time);
+  double flops = 4.0 * a.B * a.H * a.Lq * Lk * a.D;
+  if (a.causal) flops /= 2;
+  const double gflops = flops / ms / 1e6;
+  if (a.json) {
+    std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
+                "\"causal\":%s,\"dtype\":\"%s\",\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,"
+                "\"peak_rss_mb\":%.1f}\n",
+                (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
+                (long long)a.D, a.causal ? "true" : "false", a.dtype.c_str(), get_num_threads(), ms,
+                gflops, peak_rss_mb());
+  } else {
+    std::printf("sdpa B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld%s %s threads=%d: %.3f ms, "
+                "%.1f GFLOP/s, peak RSS %.1f MB\n",
+                (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
+                (long long)a.D, a.causal ? " causal" : "", a.dtype.c_str(), get_num_threads(), ms,
+                gflops, peak_rss_mb());
+  }
+}
+
+void run_mha(const BenchArgs& a) {
+  apply_threads(a.threads);
+  check_dtype(a.dtype);
+  MultiheadAttentionOptions o;
+  o.embed_dim = a.E;
+  o.num_heads = a.H;
+  o.batch_first = true;
+  MultiheadAttention m(o, 1);
+  m.eval();
+  const Tensor x = random_tensor({a.B, a.L, a.E}, 4);
+  MhaForwardArgs fa;
+  fa.need_weights = false;
+  const double ms = median_ms([&] { m.forward(x, x, x, fa); }, a.min_time);
+  const double flops = 4.0 * a.B * a.L * a.L * a.E + 4 * 2.0 * a.B * a.L * a.E * a.E;
+  const double gflops = flops / ms / 1e6;
+  if (a.json) {
+    std::printf("{\"op\":\"mha\",\"B\":%lld,\"L\":%lld,\"E\":%lld,\"H\":%lld,\"dtype\":\"%s\","
+                "\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,\"peak_rss_mb\":%.1f}\n",
+                (long long)a.B, (long long)a.L, (long long)a.E, (long long)a.H, a.dtype.c_str(),
+                get_num_threads(), ms, gflops, peak_rss_mb());
+  } else {
+    std::printf("mha B=%lld L=%lld E=%lld H=%lld %s threads=%d: %.3f ms, %.1f GFLOP/s, "
+                "peak RSS %.1f MB\n",
+                (long long)a.B, (long long)a.L, (long long)a.E, (long long)a.H, a.dtype.c_str(),
+                get_num_threads(), ms, gflops, peak_rss_mb());
+  }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, Action* action) {
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* bench = app.add_subcommand("bench", "Time an operation on random inputs (median of repeats).");
+  bench->require_subcommand(1);
+
+  CLI::App* s = bench->add_subcommand("sdpa", "Scaled dot-product attention forward.");
+  s->add_option("--batch", args->B, "B")->capture_default_str()->check(CLI::PositiveNumber);
+  s->add_option("--heads", args->H, "query heads H")->capture_default_str()->check(CLI::PositiveNumber);
+  s->add_option("--kv-heads", args->Hkv, "key/value heads Hkv (default H)")->check(CLI::PositiveNumber);
+  s->add_option("--q-len", args->Lq, "query length Lq")->capture_default_str()->check(CLI::PositiveNumber);
+  s->add_option("--kv-len", args->Lk, "key length Lk (default Lq)")->check(CLI::PositiveNumber);
+  s->add_option("--head-dim", args->D, "head dim D")->capture_default_str()->check(CLI::PositiveNumber);
+  s->add_flag("--causal", args->causal, "causal mask (flops counted half)");
+  s->add_option("--dtype", args->dtype, "f32 (bf16 to come)")->capture_default_str();
+  s->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
+  s->add_flag("--json", args->json, "one JSON line");
+  s->callback([args, action] { *action = [args] { run_sdpa(*args); }; });
+
+  CLI::App* m = bench->add_subcommand("mha", "MultiheadAttention forward (self-attention, batch_first, eval).");
+  m->add_option("--batch", args->B, "B")->capture_default_str()->check(CLI::PositiveNumber);
+  m->add_option("--seq", args->L, "sequence length L")->capture_default_str()->check(CLI::PositiveNumber);
+  m->add_option("--embed", args->E, "embed_dim E")->capture_default_str()->check(CLI::PositiveNumber);
+  m->add_option("--heads", args->H, "heads H")->capture_default_str()->check(CLI::PositiveNumber);
+  m->add_option("--dtype", args->dtype, "f32 (bf16 to come)")->capture_default_str();
+  m->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
+  m->add_flag("--json", args->json, "one JSON line");
+  m->callback([args, action] { *action = [args] { run_mha(*args); }; });
+}
+
+}  // namespace heads::cli
