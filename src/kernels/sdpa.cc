@@ -2,7 +2,7 @@
 #include <cmath>
 
 #include "heads/runtime.h"
-#include "kernels/sdpa_flash_fwd.h"
+#include "kernels/dispatch.h"
 #include "kernels/sdpa_problem.h"
 
 namespace heads::kernels {
@@ -102,7 +102,7 @@ SdpaResult run_f32(const kernels::SdpaProblem& P, const Tensor& out, const Tenso
   r.out = out;
   r.lse = Tensor::empty({P.B, P.H, P.Lq}, DType::F32);
   if (P.need_weights) r.weights = Tensor::empty({P.B, P.H, P.Lq, P.Lk}, DType::F32);
-  sdpa_flash_fwd_f32(P, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
+  active().sdpa_fwd_f32(P, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
   return r;
 }
 

@@ -31,24 +31,37 @@ std::string describe(int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t Lk, 
   return os.str();
 }
 
+// Restores the active ISA at scope exit.
+struct IsaGuard {
+  Isa saved = active_isa();
+  ~IsaGuard() { set_isa(saved); }
+};
+
+// Every ISA path this CPU runs, with and without weights, against the float64 reference.
 void expect_matches_ref(const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o,
                         const std::string& what) {
+  IsaGuard guard;
   o.need_weights = true;
   if (o.dropout_p > 0 && !o.dropout_seed) o.dropout_seed = 1234;
-  const SdpaResult r = sdpa(q, k, v, o);
   const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
-  const auto e = compare(r.out, ref.out);
-  EXPECT_TRUE(e.within(kRtol, kAtol)) << what << ": out max err " << e.max_abs << " (ref max "
-                                      << e.max_ref << ")";
-  const auto ew = compare(r.weights, ref.weights);
-  EXPECT_TRUE(ew.within(kRtol, kAtol)) << what << ": weights max err " << ew.max_abs;
-  const auto el = compare(r.lse, ref.lse);
-  EXPECT_TRUE(el.within(kRtol, kAtol) || el.max_abs == 0) << what << ": lse max err " << el.max_abs;
-  // Without weights the output must be the same bits (the weights pass is separate).
-  o.need_weights = false;
-  const SdpaResult r2 = sdpa(q, k, v, o);
-  EXPECT_TRUE(testing::bitwise_equal(r.out, r2.out)) << what << ": need_weights changed output";
-  EXPECT_FALSE(r2.weights.defined());
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    const std::string where = what + " isa=" + isa_name(isa);
+    o.need_weights = true;
+    const SdpaResult r = sdpa(q, k, v, o);
+    const auto e = compare(r.out, ref.out);
+    EXPECT_TRUE(e.within(kRtol, kAtol)) << where << ": out max err " << e.max_abs << " (ref max "
+                                        << e.max_ref << ")";
+    const auto ew = compare(r.weights, ref.weights);
+    EXPECT_TRUE(ew.within(kRtol, kAtol)) << where << ": weights max err " << ew.max_abs;
+    const auto el = compare(r.lse, ref.lse);
+    EXPECT_TRUE(el.within(kRtol, kAtol) || el.max_abs == 0) << where << ": lse max err " << el.max_abs;
+    // Without weights the output must be the same bits (the weights pass is separate).
+    o.need_weights = false;
+    const SdpaResult r2 = sdpa(q, k, v, o);
+    EXPECT_TRUE(testing::bitwise_equal(r.out, r2.out)) << where << ": need_weights changed output";
+    EXPECT_FALSE(r2.weights.defined());
+  }
 }
 
 // The grid of the issue: B, H/Hkv, Lq x Lk, D; every other case with strided inputs; masks,
@@ -227,16 +240,33 @@ TEST(Sdpa, ResultIndependentOfThreadCount) {
   o.need_weights = true;
   o.dropout_p = 0.1;
   o.dropout_seed = 5;
+  IsaGuard guard;
   const int saved = get_num_threads();
-  set_num_threads(1);
-  const SdpaResult r1 = sdpa(q, k, v, o);
-  for (int t : {2, 3}) {
-    set_num_threads(t);
-    const SdpaResult rt = sdpa(q, k, v, o);
-    EXPECT_TRUE(testing::bitwise_equal(r1.out, rt.out)) << "threads=" << t;
-    EXPECT_TRUE(testing::bitwise_equal(r1.weights, rt.weights)) << "threads=" << t;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    set_num_threads(1);
+    const SdpaResult r1 = sdpa(q, k, v, o);
+    for (int t : {2, 3}) {
+      set_num_threads(t);
+      const SdpaResult rt = sdpa(q, k, v, o);
+      EXPECT_TRUE(testing::bitwise_equal(r1.out, rt.out)) << "isa=" << isa_name(isa) << " threads=" << t;
+      EXPECT_TRUE(testing::bitwise_equal(r1.weights, rt.weights)) << "isa=" << isa_name(isa) << " threads=" << t;
+    }
   }
   set_num_threads(saved);
+}
+
+TEST(Dispatch, EveryPathIsSelectableAndNamed) {
+  IsaGuard guard;
+  const auto isas = supported_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), Isa::Scalar);
+  for (Isa isa : isas) {
+    set_isa(isa);
+    EXPECT_EQ(active_isa(), isa);
+    EXPECT_EQ(isa_from_name(isa_name(isa)), isa);
+  }
+  EXPECT_THROW(isa_from_name("sse9"), Error);
 }
 
 TEST(Sdpa, WritesIntoStridedOutput) {

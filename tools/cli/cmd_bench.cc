@@ -81,16 +81,16 @@ void run_sdpa(const BenchArgs& a) {
   const double gflops = flops / ms / 1e6;
   if (a.json) {
     std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
-                "\"causal\":%s,\"dtype\":\"%s\",\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,"
+                "\"causal\":%s,\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,"
                 "\"peak_rss_mb\":%.1f}\n",
                 (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
-                (long long)a.D, a.causal ? "true" : "false", a.dtype.c_str(), get_num_threads(), ms,
+                (long long)a.D, a.causal ? "true" : "false", a.dtype.c_str(), isa_name(active_isa()).c_str(), get_num_threads(), ms,
                 gflops, peak_rss_mb());
   } else {
-    std::printf("sdpa B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld%s %s threads=%d: %.3f ms, "
+    std::printf("sdpa B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld%s %s %s threads=%d: %.3f ms, "
                 "%.1f GFLOP/s, peak RSS %.1f MB\n",
                 (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
-                (long long)a.D, a.causal ? " causal" : "", a.dtype.c_str(), get_num_threads(), ms,
+                (long long)a.D, a.causal ? " causal" : "", a.dtype.c_str(), isa_name(active_isa()).c_str(), get_num_threads(), ms,
                 gflops, peak_rss_mb());
   }
 }
@@ -111,15 +111,29 @@ void run_mha(const BenchArgs& a) {
   const double flops = 4.0 * a.B * a.L * a.L * a.E + 4 * 2.0 * a.B * a.L * a.E * a.E;
   const double gflops = flops / ms / 1e6;
   if (a.json) {
-    std::printf("{\"op\":\"mha\",\"B\":%lld,\"L\":%lld,\"E\":%lld,\"H\":%lld,\"dtype\":\"%s\","
+    std::printf("{\"op\":\"mha\",\"B\":%lld,\"L\":%lld,\"E\":%lld,\"H\":%lld,\"dtype\":\"%s\",\"isa\":\"%s\","
                 "\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,\"peak_rss_mb\":%.1f}\n",
                 (long long)a.B, (long long)a.L, (long long)a.E, (long long)a.H, a.dtype.c_str(),
-                get_num_threads(), ms, gflops, peak_rss_mb());
+                isa_name(active_isa()).c_str(), get_num_threads(), ms, gflops, peak_rss_mb());
   } else {
-    std::printf("mha B=%lld L=%lld E=%lld H=%lld %s threads=%d: %.3f ms, %.1f GFLOP/s, "
+    std::printf("mha B=%lld L=%lld E=%lld H=%lld %s %s threads=%d: %.3f ms, %.1f GFLOP/s, "
                 "peak RSS %.1f MB\n",
                 (long long)a.B, (long long)a.L, (long long)a.E, (long long)a.H, a.dtype.c_str(),
-                get_num_threads(), ms, gflops, peak_rss_mb());
+                isa_name(active_isa()).c_str(), get_num_threads(), ms, gflops, peak_rss_mb());
+  }
+}
+
+void run_peak(const BenchArgs& a) {
+  apply_threads(a.threads);
+  const int threads = get_num_threads();
+  const double g1 = measure_fma_peak_gflops(1, a.min_time / 5);
+  const double gn = threads > 1 ? measure_fma_peak_gflops(threads, a.min_time / 5) : g1;
+  if (a.json) {
+    std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f}\n",
+                isa_name(active_isa()).c_str(), g1, threads, gn);
+  } else {
+    std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
+                isa_name(active_isa()).c_str(), g1, gn, threads);
   }
 }
 
@@ -154,6 +168,12 @@ void add_bench_command(CLI::App& app, Action* action) {
   m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
   m->add_flag("--json", args->json, "one JSON line");
   m->callback([args, action] { *action = [args] { run_mha(*args); }; });
+
+  CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine.");
+  p->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  p->add_option("--min-time", args->min_time, "seconds of measurement")->capture_default_str();
+  p->add_flag("--json", args->json, "one JSON line");
+  p->callback([args, action] { *action = [args] { run_peak(*args); }; });
 }
 
 }  // namespace heads::cli

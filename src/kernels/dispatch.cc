@@ -1,0 +1,128 @@
+// dispatch.cc — CPU detection, HEADS_ISA override, the active kernel table.
+#include "kernels/dispatch.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+
+#include "heads/error.h"
+
+namespace heads {
+
+std::string isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Scalar: return "scalar";
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+Isa isa_from_name(const std::string& s) {
+  for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    if (isa_name(i) == s) return i;
+  }
+  fail("unknown ISA \"", s, "\" (expected scalar, avx2 or avx512)");
+}
+
+bool isa_supported(Isa isa) {
+  switch (isa) {
+    case Isa::Scalar: return true;
+#if defined(__x86_64__) || defined(__i386__)
+    case Isa::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+#else
+    default: return false;
+#endif
+  }
+  return false;
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    if (isa_supported(i)) out.push_back(i);
+  }
+  return out;
+}
+
+namespace {
+
+const kernels::KernelTable* table_of(Isa isa) {
+  switch (isa) {
+    case Isa::Scalar: return &kernels::scalar::kTable;
+    case Isa::Avx2: return &kernels::avx2::kTable;
+    case Isa::Avx512: return &kernels::avx512::kTable;
+  }
+  return &kernels::scalar::kTable;
+}
+
+Isa initial_isa() {
+  if (const char* env = std::getenv("HEADS_ISA"); env != nullptr && *env != '\0') {
+    const Isa isa = isa_from_name(env);
+    HEADS_CHECK(isa_supported(isa), "HEADS_ISA=", env, ": this CPU cannot run the ", env,
+                " kernels");
+    return isa;
+  }
+  return supported_isas().back();
+}
+
+std::atomic<const kernels::KernelTable*> g_table{nullptr};
+
+}  // namespace
+
+Isa active_isa() { return kernels::active().isa; }
+
+void set_isa(Isa isa) {
+  HEADS_CHECK(isa_supported(isa), "set_isa: this CPU cannot run the ", isa_name(isa), " kernels");
+  g_table.store(table_of(isa));
+}
+
+double measure_fma_peak_gflops(int threads, double seconds) {
+  HEADS_CHECK(threads >= 1, "measure_fma_peak_gflops: threads must be positive, got ", threads);
+  const kernels::KernelTable& k = kernels::active();
+  using clock = std::chrono::steady_clock;
+  int64_t iters = 1 << 16;
+  volatile float sink = 0;
+  double best = 0;
+  for (int round = 0; round < 8; ++round) {
+    const auto t0 = clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      const float r = k.fma_probe(iters);
+#pragma omp atomic
+      sink += r;
+    }
+    const double s = std::chrono::duration<double>(clock::now() - t0).count();
+    const double flops = static_cast<double>(iters) * k.fma_probe_flops_per_iter() * threads;
+    if (s < seconds / 4) {  // too short to time: grow and retry
+      iters *= 4;
+      continue;
+    }
+    best = std::max(best, flops / s / 1e9);
+    if (round >= 4) break;
+  }
+  return best;
+}
+
+namespace kernels {
+
+const KernelTable& active() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    t = table_of(initial_isa());
+    g_table.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+}  // namespace kernels
+
+}  // namespace heads

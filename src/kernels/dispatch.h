@@ -1,0 +1,31 @@
+// dispatch.h — CPU detection and the per-ISA kernel table.
+//
+// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512) fills one
+// table; the active table is chosen once from CPUID, or forced by HEADS_ISA=scalar|avx2|avx512
+// (an error if this CPU cannot run it), or by heads::set_isa().
+#pragma once
+
+#include <cstdint>
+
+#include "heads/runtime.h"
+#include "kernels/sdpa_problem.h"
+
+namespace heads::kernels {
+
+struct KernelTable {
+  Isa isa;
+  // Fused SDPA forward, f32: see sdpa_flash_fwd-inl.h.
+  void (*sdpa_fwd_f32)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& out, const Tensor& lse, const Tensor& weights);
+  // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
+  float (*fma_probe)(int64_t iters);
+  int (*fma_probe_flops_per_iter)();
+};
+
+namespace scalar { extern const KernelTable kTable; }
+namespace avx2 { extern const KernelTable kTable; }
+namespace avx512 { extern const KernelTable kTable; }
+
+const KernelTable& active();
+
+}  // namespace heads::kernels

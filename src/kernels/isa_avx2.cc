@@ -1,0 +1,25 @@
+// isa_avx2.cc — the kernels compiled for AVX2 + FMA.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "heads/runtime.h"
+#include "kernels/dispatch.h"
+#include "kernels/simd/common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+
+namespace heads::kernels::avx2 {
+#include "kernels/simd/vec_avx2-inl.h"
+#include "kernels/sdpa_flash_fwd-inl.h"
+#include "kernels/peak-inl.h"
+
+const KernelTable kTable{Isa::Avx2, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};
+}  // namespace heads::kernels::avx2
+
+#pragma GCC pop_options

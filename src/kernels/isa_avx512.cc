@@ -1,0 +1,27 @@
+// isa_avx512.cc — the kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "heads/runtime.h"
+#include "kernels/dispatch.h"
+#include "kernels/simd/common.h"
+
+// GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+
+namespace heads::kernels::avx512 {
+#include "kernels/simd/vec_avx512-inl.h"
+#include "kernels/sdpa_flash_fwd-inl.h"
+#include "kernels/peak-inl.h"
+
+const KernelTable kTable{Isa::Avx512, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};
+}  // namespace heads::kernels::avx512
+
+#pragma GCC pop_options

@@ -1,0 +1,19 @@
+// isa_scalar.cc — the portable kernels: plain C++ over an 8-lane array type, no intrinsics.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "heads/runtime.h"
+#include "kernels/dispatch.h"
+#include "kernels/simd/common.h"
+
+namespace heads::kernels::scalar {
+#include "kernels/simd/vec_scalar-inl.h"
+#include "kernels/sdpa_flash_fwd-inl.h"
+#include "kernels/peak-inl.h"
+
+const KernelTable kTable{Isa::Scalar, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};
+}  // namespace heads::kernels::scalar

@@ -1,0 +1,319 @@
+// sdpa_flash_fwd-inl.h — SDPA forward, tiled online softmax (FlashAttention-2, arXiv:2307.08691,
+// Alg. 1), written once over the vector layer `Vec`. Included by src/kernels/isa_<isa>.cc inside
+// namespace heads::kernels::<isa>, after that ISA's Vec.
+//
+// Shapes (elements; innermost stride 1, other strides free):
+//   q [B, H, Lq, D]   k [B, Hkv, Lk, D]   v [B, Hkv, Lk, Dv]  ->  out [B, H, Lq, Dv], lse [B, H, Lq]
+//   H % Hkv == 0; query head h reads kv head h / (H / Hkv).
+// Layout: queries on lanes. A tile of kTQ = 2·W queries is packed once as Qt [D][kTQ] with
+//   scale·log2(e) folded in, so scores are in log2 units and softmax uses exp2. Both products are
+//   one register-blocked micro-kernel C[r][kTQ] += A(r, t) · B[t][kTQ] with A broadcast:
+//     S [keys][kTQ]  = K (rows as stored) · Qt      (r = key, t = d)
+//     Ot [Dv][kTQ]  += Vᵀ (rows as stored) · P      (r = d,   t = key)
+//   so K and V are read in place (no packing) and max/sum are vertical (no horizontal reductions).
+// Masks: bool attn_mask true = may attend; float mask added (times log2 e); causal by comparing
+//   key index and query-index vectors, only on blocks that cross the diagonal. Blocks wholly
+//   past a tile's causal limit are never visited.
+// Numerics: f32 accumulation; masked logits are -inf; exp2 is exactly 0 below 2^-126; a fully
+//   masked row gives out = 0, lse = -inf (m_safe = 0 keeps exp2(-inf - m) from making NaN).
+// Memory: per thread Qt [D][kTQ], S [kTK][kTQ], Ot [Dv][kTQ]; the Lq x Lk weights exist only
+//   when requested (a second sweep from the final lse).
+// Parallel: over (B, H, query tile), heaviest causal tiles first; each row is computed by one
+//   task in a fixed order, so the output is bitwise independent of the thread count.
+// Reference: ref::sdpa_fwd_f64 in sdpa_ref.cc.
+
+namespace fwd {
+
+using VR = Vec::R;
+constexpr int kW = Vec::W;
+constexpr int kNQ = 2;               // query vectors per tile
+constexpr int64_t kTQ = kNQ * kW;    // queries per tile
+constexpr int64_t kTK = 64;          // keys per block
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// S rows r < R:  S[r][:] = sum_d K[r][d] · Qt[d][:];  mx = max(mx, S[r][:]) when mx != nullptr.
+template <int R>
+HEADS_INLINE void qk_rows(const float* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
+  VR acc[R][kNQ];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+  const float* kr[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) kr[r] = k + r * ks;
+  for (int64_t d = 0; d < D; ++d) {
+    const VR b0 = Vec::load(qt + d * kTQ), b1 = Vec::load(qt + d * kTQ + kW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const VR x = Vec::set1(kr[r][d]);
+      acc[r][0] = Vec::fma(x, b0, acc[r][0]);
+      acc[r][1] = Vec::fma(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    Vec::store(s + r * kTQ, acc[r][0]);
+    Vec::store(s + r * kTQ + kW, acc[r][1]);
+    if (mx != nullptr) {
+      mx[0] = Vec::max(mx[0], acc[r][0]);
+      mx[1] = Vec::max(mx[1], acc[r][1]);
+    }
+  }
+}
+
+// Ot rows r < R (head-dim entries d0 + r):  Ot[r][:] = Ot[r][:] · alpha + sum_j V[j][r] · P[j][:].
+template <int R>
+HEADS_INLINE void pv_rows(const float* v, int64_t vs, const float* p, int64_t nk, float* ot,
+                          const VR* alpha) {
+  VR acc[R][kNQ];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = Vec::mul(Vec::load(ot + r * kTQ), alpha[0]);
+    acc[r][1] = Vec::mul(Vec::load(ot + r * kTQ + kW), alpha[1]);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const VR b0 = Vec::load(p + j * kTQ), b1 = Vec::load(p + j * kTQ + kW);
+    const float* vj = v + j * vs;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const VR x = Vec::set1(vj[r]);
+      acc[r][0] = Vec::fma(x, b0, acc[r][0]);
+      acc[r][1] = Vec::fma(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    Vec::store(ot + r * kTQ, acc[r][0]);
+    Vec::store(ot + r * kTQ + kW, acc[r][1]);
+  }
+}
+
+// Runs rows [0, n) in steps of R, the remainder through the smaller instantiations.
+template <int R>
+HEADS_INLINE void qk_tail(int64_t n, const float* k, int64_t ks, const float* qt, int64_t D,
+                          float* s, VR* mx) {
+  if constexpr (R > 0) {
+    if (n == R) return qk_rows<R>(k, ks, qt, D, s, mx);
+    qk_tail<R - 1>(n, k, ks, qt, D, s, mx);
+  }
+}
+inline void qk_block(int64_t n, const float* k, int64_t ks, const float* qt, int64_t D, float* s,
+                     VR* mx) {
+  constexpr int R = Vec::kRowsQK;
+  int64_t r = 0;
+  for (; r + R <= n; r += R) qk_rows<R>(k + r * ks, ks, qt, D, s + r * kTQ, mx);
+  if (r < n) qk_tail<R - 1>(n - r, k + r * ks, ks, qt, D, s + r * kTQ, mx);
+}
+
+template <int R>
+HEADS_INLINE void pv_tail(int64_t n, const float* v, int64_t vs, const float* p, int64_t nk,
+                          float* ot, const VR* alpha) {
+  if constexpr (R > 0) {
+    if (n == R) return pv_rows<R>(v, vs, p, nk, ot, alpha);
+    pv_tail<R - 1>(n, v, vs, p, nk, ot, alpha);
+  }
+}
+inline void pv_block(int64_t Dv, const float* v, int64_t vs, const float* p, int64_t nk, float* ot,
+                     const VR* alpha) {
+  constexpr int R = Vec::kRowsPV;
+  int64_t d = 0;
+  for (; d + R <= Dv; d += R) pv_rows<R>(v + d, vs, p, nk, ot + d * kTQ, alpha);
+  if (d < Dv) pv_tail<R - 1>(Dv - d, v + d, vs, p, nk, ot + d * kTQ, alpha);
+}
+
+struct Tile {
+  const SdpaProblem& P;
+  int64_t b, h, hk, i0, nq;
+  const float* k;  // key rows of head hk, stride ks
+  const float* v;  // value rows of head hk, stride vs
+  int64_t ks, vs;
+  float* tmp;      // [kTQ] scratch for gathered mask values
+};
+
+// Applies causal and attn_mask to S rows [0, nk) (keys j0 + r), folding in the running max.
+inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx) {
+  const SdpaProblem& P = t.P;
+  VR qlim[kNQ];  // key j is hidden from query lane i iff j > i + causal_offset
+  for (int v = 0; v < kNQ; ++v) {
+    qlim[v] = Vec::add(Vec::iota(), Vec::set1(static_cast<float>(t.i0 + v * kW + P.causal_offset)));
+  }
+  const bool has_mask = P.mask_kind != MaskKind::None;
+  const bool row_bcast = has_mask && P.mask.stride(2) == 0;  // same value for every query
+  const int64_t ms3 = has_mask ? P.mask.stride(3) : 0;
+  const auto* mb = has_mask ? static_cast<const uint8_t*>(P.mask.raw_data()) : nullptr;
+  const auto* mf = has_mask ? static_cast<const float*>(P.mask.raw_data()) : nullptr;
+  const int64_t mrow0 = has_mask ? P.mask_offset(t.b, t.h, t.i0) : 0;
+  const int64_t ms2 = has_mask ? P.mask.stride(2) : 0;
+  auto value = [&](int64_t off) {  // mask entry -> additive log2-domain value
+    return P.mask_kind == MaskKind::Bool ? (mb[off] ? 0.0f : -kInf) : mf[off] * kLog2e;
+  };
+  for (int64_t r = 0; r < nk; ++r) {
+    const int64_t j = j0 + r;
+    VR add[kNQ] = {Vec::zero(), Vec::zero()};
+    if (row_bcast) {
+      add[0] = add[1] = Vec::set1(value(mrow0 + j * ms3));
+    } else if (has_mask) {
+      for (int64_t l = 0; l < kTQ; ++l) t.tmp[l] = l < t.nq ? value(mrow0 + l * ms2 + j * ms3) : 0.0f;
+      add[0] = Vec::load(t.tmp);
+      add[1] = Vec::load(t.tmp + kW);
+    }
+    for (int v = 0; v < kNQ; ++v) {
+      VR x = Vec::load(s + r * kTQ + v * kW);
+      if (has_mask) x = Vec::add(x, add[v]);
+      if (causal_here) x = Vec::fill_if_gt(x, Vec::set1(static_cast<float>(j)), qlim[v], -kInf);
+      mx[v] = Vec::max(mx[v], x);
+      Vec::store(s + r * kTQ + v * kW, x);
+    }
+  }
+}
+
+inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
+  const SdpaProblem& P = t.P;
+  const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int64_t l = 0; l < t.nq; ++l) {
+      const bool keep = dropout_keep(P.seed, dropout_index(P, t.b, t.h, t.i0 + l, j0 + r), P.dropout_p);
+      s[r * kTQ + l] = keep ? s[r * kTQ + l] * keep_scale : 0.0f;
+    }
+  }
+}
+
+struct Scratch {
+  float* qt;   // [D][kTQ]
+  float* s;    // [kTK][kTQ]
+  float* ot;   // [Dv][kTQ]
+  float* tmp;  // [kTQ]
+  static int64_t floats(int64_t D, int64_t Dv) { return (D + kTK + Dv + 1) * kTQ; }
+};
+
+inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs, const float* kb,
+                         const int64_t* ks, const float* vb, const int64_t* vs, float* out,
+                         const int64_t* os, float* lse, float* weights, int64_t b, int64_t h,
+                         int64_t qt_index, const Scratch& W) {
+  const int64_t hk = h / P.group();
+  const int64_t i0 = qt_index * kTQ, nq = std::min(P.Lq - i0, kTQ);
+  const int64_t jend = P.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
+  const Tile t{P, b, h, hk, i0, nq, kb + b * ks[0] + hk * ks[1], vb + b * vs[0] + hk * vs[1],
+               ks[2], vs[2], W.tmp};
+  // Qt[d][l] = q[i0 + l][d] · scale · log2(e); lanes past the last query are 0.
+  const float c = static_cast<float>(P.scale) * kLog2e;
+  for (int64_t l = 0; l < kTQ; ++l) {
+    const float* qr = q + b * qs[0] + h * qs[1] + (i0 + l) * qs[2];
+    for (int64_t d = 0; d < P.D; ++d) W.qt[d * kTQ + l] = l < nq ? qr[d] * c : 0.0f;
+  }
+  std::fill(W.ot, W.ot + P.Dv * kTQ, 0.0f);
+  VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
+  VR l[kNQ] = {Vec::zero(), Vec::zero()};
+
+  for (int64_t j0 = 0; j0 < jend; j0 += kTK) {
+    const int64_t nk = std::min(jend - j0, kTK);
+    const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
+    const bool masked = causal_here || P.mask_kind != MaskKind::None;
+    // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
+    VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
+    qk_block(nk, t.k + j0 * t.ks, t.ks, W.qt, P.D, W.s, masked ? nullptr : mx);
+    if (masked) apply_masks(t, j0, nk, causal_here, W.s, mx);
+    // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
+    VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
+    for (int v = 0; v < kNQ; ++v) {
+      const VR m_new = Vec::max(m[v], mx[v]);
+      m_safe[v] = Vec::fill_if_eq(m_new, -kInf, 0.0f);  // nothing visible yet: P = 0, alpha = 0
+      alpha[v] = Vec::exp2(Vec::sub(m[v], m_safe[v]));
+      sum[v] = Vec::zero();
+      m[v] = m_new;
+    }
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int v = 0; v < kNQ; ++v) {
+        const VR p = Vec::exp2(Vec::sub(Vec::load(W.s + r * kTQ + v * kW), m_safe[v]));
+        sum[v] = Vec::add(sum[v], p);
+        Vec::store(W.s + r * kTQ + v * kW, p);
+      }
+    }
+    for (int v = 0; v < kNQ; ++v) l[v] = Vec::fma(l[v], alpha[v], sum[v]);
+    if (P.dropout_p > 0.0) apply_dropout(t, j0, nk, W.s);
+    // 4. O = O·2^(m - m_new) + P V_j
+    pv_block(P.Dv, t.v + j0 * t.vs, t.vs, W.s, nk, W.ot, alpha);
+  }
+
+  // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf.
+  alignas(64) float m_l[kTQ], l_l[kTQ];
+  for (int v = 0; v < kNQ; ++v) {
+    Vec::store(m_l + v * kW, m[v]);
+    Vec::store(l_l + v * kW, l[v]);
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t i = i0 + r;
+    float* orow = out + b * os[0] + h * os[1] + i * os[2];
+    const float inv = l_l[r] > 0.0f ? 1.0f / l_l[r] : 0.0f;
+    for (int64_t d = 0; d < P.Dv; ++d) orow[d] = W.ot[d * kTQ + r] * inv;
+    lse[(b * P.H + h) * P.Lq + i] = l_l[r] > 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
+  }
+
+  // 6. Weights on request: w = 2^(S - log2-lse), dropped like P above.
+  if (weights == nullptr) return;
+  VR lse2[kNQ];
+  for (int64_t r = 0; r < kTQ; ++r) {
+    m_l[r] = r < nq && l_l[r] > 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
+  }
+  for (int v = 0; v < kNQ; ++v) lse2[v] = Vec::load(m_l + v * kW);
+  for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
+    const int64_t nk = std::min(P.Lk - j0, kTK);
+    const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // visible under causal
+    if (nv > 0) {
+      const bool causal_here = P.causal && j0 + nv - 1 > i0 + P.causal_offset;
+      VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+      qk_block(nv, t.k + j0 * t.ks, t.ks, W.qt, P.D, W.s, nullptr);
+      if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, W.s, mx);
+      for (int64_t r = 0; r < nv; ++r) {
+        for (int v = 0; v < kNQ; ++v) {
+          float* sp = W.s + r * kTQ + v * kW;
+          Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), lse2[v])));
+        }
+      }
+      if (P.dropout_p > 0.0) apply_dropout(t, j0, nv, W.s);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      float* wrow = weights + ((b * P.H + h) * P.Lq + i0 + r) * P.Lk + j0;
+      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? W.s[c2 * kTQ + r] : 0.0f;
+    }
+  }
+}
+
+}  // namespace fwd
+
+inline void sdpa_fwd_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  using namespace fwd;
+  if (P.B == 0 || P.H == 0 || P.Lq == 0) return;
+  const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
+  const float* qp = q.data<float>();
+  const float* kp = k.data<float>();
+  const float* vp = v.data<float>();
+  float* op = out.data<float>();
+  float* lp = lse.data<float>();
+  float* wp = weights.defined() ? weights.data<float>() : nullptr;
+  const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
+  const int64_t n_tasks = P.B * P.H * n_qt;
+  const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
+  // Per-thread scratch, each slice a multiple of 64 bytes.
+  const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16;
+  std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
+  float* arena = arena_storage.data();
+  arena += (16 - (reinterpret_cast<uintptr_t>(arena) / sizeof(float)) % 16) % 16;
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* base = arena + per * omp_get_thread_num();
+    const Scratch W{base, base + P.D * kTQ, base + (P.D + kTK) * kTQ,
+                    base + (P.D + kTK + P.Dv) * kTQ};
+    // Causal tiles grow with the query index: hand out the heaviest first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n_tasks; ++task) {
+      const int64_t qt = P.causal ? n_qt - 1 - task / (P.B * P.H) : task % n_qt;
+      const int64_t bh = P.causal ? task % (P.B * P.H) : task / n_qt;
+      forward_tile(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, W);
+    }
+  }
+}

@@ -1,0 +1,47 @@
+// vec_avx512-inl.h — the vector layer for AVX-512 (16 f32 lanes). Included by isa_avx512.cc
+// inside namespace heads::kernels::avx512, after `#pragma GCC target` enables the ISA.
+// Interface shared by every vec_*-inl.h: see vec_scalar-inl.h.
+
+struct Vec {
+  using R = __m512;
+  static constexpr int W = 16;
+  static constexpr int kRowsQK = 12;  // broadcast rows per micro-kernel step (2 x 12 accumulators)
+  static constexpr int kRowsPV = 12;
+
+  HEADS_INLINE static R zero() { return _mm512_setzero_ps(); }
+  HEADS_INLINE static R set1(float x) { return _mm512_set1_ps(x); }
+  HEADS_INLINE static R load(const float* p) { return _mm512_load_ps(p); }
+  HEADS_INLINE static void store(float* p, R x) { _mm512_store_ps(p, x); }
+  HEADS_INLINE static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  HEADS_INLINE static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  HEADS_INLINE static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  HEADS_INLINE static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  HEADS_INLINE static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  HEADS_INLINE static R iota() {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  // (a > b) ? fill : x, per lane
+  HEADS_INLINE static R fill_if_gt(R x, R a, R b, float fill) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), x, _mm512_set1_ps(fill));
+  }
+  // (x == v) ? fill : x, per lane
+  HEADS_INLINE static R fill_if_eq(R x, float v, float fill) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(v), _CMP_EQ_OQ), x,
+                                _mm512_set1_ps(fill));
+  }
+  // 2^x; exactly 0 for x < -126 (and -inf), never a denormal.
+  HEADS_INLINE static R exp2(R x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    const R n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const R f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+    R p = _mm512_set1_ps(kExp2C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(live, p, n);
+  }
+};

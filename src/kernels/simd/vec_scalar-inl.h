@@ -1,0 +1,86 @@
+// vec_scalar-inl.h — the portable vector layer: 8 f32 lanes as a plain array, no intrinsics.
+// Included by isa_scalar.cc inside namespace heads::kernels::scalar.
+//
+// Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
+//   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
+//   zero, set1, load/store (64-byte aligned), fma(a, b, c) = a*b + c, add, sub, mul, max
+//   iota() = {0, 1, ..., W-1}
+//   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
+//   exp2(x): 2^x with degree-6 polynomial on [-1/2, 1/2]; exactly 0 for x < -126 and -inf
+
+struct Vec {
+  struct R {
+    float v[8];
+  };
+  static constexpr int W = 8;
+  static constexpr int kRowsQK = 4;
+  static constexpr int kRowsPV = 4;
+
+  static R zero() { return set1(0.0f); }
+  static R set1(float x) {
+    R r;
+    for (float& e : r.v) e = x;
+    return r;
+  }
+  static R load(const float* p) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static void store(float* p, R x) {
+    for (int i = 0; i < W; ++i) p[i] = x.v[i];
+  }
+  static R fma(R a, R b, R c) {
+    for (int i = 0; i < W; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  static R add(R a, R b) {
+    for (int i = 0; i < W; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static R sub(R a, R b) {
+    for (int i = 0; i < W; ++i) a.v[i] -= b.v[i];
+    return a;
+  }
+  static R mul(R a, R b) {
+    for (int i = 0; i < W; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static R max(R a, R b) {
+    for (int i = 0; i < W; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return a;
+  }
+  static R iota() {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = static_cast<float>(i);
+    return r;
+  }
+  static R fill_if_gt(R x, R a, R b, float fill) {
+    for (int i = 0; i < W; ++i) x.v[i] = a.v[i] > b.v[i] ? fill : x.v[i];
+    return x;
+  }
+  static R fill_if_eq(R x, float v, float fill) {
+    for (int i = 0; i < W; ++i) x.v[i] = x.v[i] == v ? fill : x.v[i];
+    return x;
+  }
+  static R exp2(R x) {
+    for (int i = 0; i < W; ++i) {
+      const float a = x.v[i];
+      if (!(a >= -126.0f)) {
+        x.v[i] = 0.0f;
+        continue;
+      }
+      const float n = std::nearbyint(a);
+      const float f = a - n;
+      float p = kExp2C6;
+      p = std::fma(p, f, kExp2C5);
+      p = std::fma(p, f, kExp2C4);
+      p = std::fma(p, f, kExp2C3);
+      p = std::fma(p, f, kExp2C2);
+      p = std::fma(p, f, kExp2C1);
+      p = std::fma(p, f, 1.0f);
+      x.v[i] = std::ldexp(p, static_cast<int>(n));
+    }
+    return x;
+  }
+};
