@@ -16,7 +16,7 @@
 
 namespace heads::kernels::avx2 {
 #include "kernels/simd/vec_avx2-inl.h"
-#include "kernels/sdpa_flash_fwd-inl.h"
+#include "kernels/sdpa_fwd-inl.h"
 #include "kernels/peak-inl.h"
 
 const KernelTable kTable{Isa::Avx2, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};

@@ -12,7 +12,7 @@
 
 namespace heads::kernels::scalar {
 #include "kernels/simd/vec_scalar-inl.h"
-#include "kernels/sdpa_flash_fwd-inl.h"
+#include "kernels/sdpa_fwd-inl.h"
 #include "kernels/peak-inl.h"
 
 const KernelTable kTable{Isa::Scalar, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};

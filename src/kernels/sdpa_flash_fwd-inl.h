@@ -280,7 +280,7 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
 
 }  // namespace fwd
 
-inline void sdpa_fwd_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+inline void sdpa_tiled_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& out, const Tensor& lse, const Tensor& weights) {
   using namespace fwd;
   if (P.B == 0 || P.H == 0 || P.Lq == 0) return;

@@ -130,6 +130,32 @@ TEST(Sdpa, EveryMaskKind) {
   }
 }
 
+// Few queries against many keys: the decode kernel, whose keys are split into chunks and merged
+// when B·Hkv is small (Lk past 512), with GQA rows sharing a head.
+TEST(Sdpa, DecodeShapesWithSplitKeys) {
+  struct Case { int64_t B, H, Hkv, Lq, Lk, D, Dv; };
+  for (const Case& c : {Case{1, 1, 1, 1, 1500, 80, 80}, Case{1, 4, 1, 3, 2111, 64, 33},
+                        Case{2, 2, 2, 1, 700, 128, 128}, Case{1, 8, 2, 4, 1025, 17, 300},
+                        Case{3, 1, 1, 2, 4100, 8, 8}}) {
+    const Tensor q = randn({c.B, c.H, c.Lq, c.D}), k = randn({c.B, c.Hkv, c.Lk, c.D});
+    const Tensor v = randn({c.B, c.Hkv, c.Lk, c.Dv});
+    const std::string what = describe(c.B, c.H, c.Hkv, c.Lq, c.Lk, c.D, c.Dv, "decode");
+    SdpaOptions o;
+    o.enable_gqa = c.H != c.Hkv;
+    expect_matches_ref(q, k, v, o, what);
+    o.attn_mask = testing::rand_bool({c.B, 1, c.Lq, c.Lk}, 0.6);
+    expect_matches_ref(q, k, v, o, what + " bool mask");
+    o.attn_mask = randn({c.Lq, c.Lk}, 3.0);
+    o.is_causal = true;
+    o.causal_align = CausalAlign::BottomRight;
+    expect_matches_ref(q, k, v, o, what + " float mask causal-br");
+    o.attn_mask = Tensor();
+    o.causal_align = CausalAlign::TopLeft;  // hides all but the first Lq keys
+    o.dropout_p = 0.2;
+    expect_matches_ref(q, k, v, o, what + " causal dropout");
+  }
+}
+
 TEST(Sdpa, CausalAlignments) {
   for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{5, 12}, {12, 5}, {9, 9}, {1, 40}, {40, 1}}) {
     const Tensor q = randn({1, 2, Lq, 16}), k = randn({1, 2, Lk, 16}), v = randn({1, 2, Lk, 16});
@@ -180,6 +206,25 @@ TEST(Sdpa, FullyMaskedRowsGiveZeros) {
   const SdpaResult r2 = sdpa(q2, k2, v2, c);
   for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(r2.out.item_as_double({0, 0, i, 0}), 0.0) << i;
   EXPECT_NE(r2.out.item_as_double({0, 0, 8, 0}), 0.0);
+  // The decode kernel (few queries, keys split into chunks) follows the same rule.
+  {
+    const Tensor qd = randn({1, 2, 2, 8}), kd = randn({1, 1, 1300, 8}), vd = randn({1, 1, 1300, 8});
+    Tensor md = testing::rand_bool({2, 1300}, 0.5);
+    for (int64_t j = 0; j < 1300; ++j) static_cast<uint8_t*>(md.raw_data())[1300 + j] = 0;
+    SdpaOptions od;
+    od.attn_mask = md;
+    od.enable_gqa = true;
+    IsaGuard guard;
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const SdpaResult rd = sdpa(qd, kd, vd, od);
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(rd.out.item_as_double({0, h, 1, d}), 0.0) << isa_name(isa);
+        EXPECT_NE(rd.out.item_as_double({0, h, 0, 0}), 0.0);
+      }
+    }
+    expect_matches_ref(qd, kd, vd, od, "decode fully masked row");
+  }
   // A float mask of -inf everywhere on a row behaves the same.
   Tensor fm = randn({Lq, Lk});
   for (int64_t j = 0; j < Lk; ++j) fm.data<float>()[5 * Lk + j] = -std::numeric_limits<float>::infinity();

@@ -11,6 +11,37 @@ struct Vec {
   HEADS_INLINE static R set1(float x) { return _mm256_set1_ps(x); }
   HEADS_INLINE static R load(const float* p) { return _mm256_load_ps(p); }
   HEADS_INLINE static void store(float* p, R x) { _mm256_store_ps(p, x); }
+  HEADS_INLINE static R loadu(const float* p) { return _mm256_loadu_ps(p); }
+  HEADS_INLINE static void storeu(float* p, R x) { _mm256_storeu_ps(p, x); }
+  HEADS_INLINE static __m256i lanes_below(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  HEADS_INLINE static R load_partial(const float* p, int64_t n) {  // lanes >= n are 0
+    return _mm256_maskload_ps(p, lanes_below(n));
+  }
+  HEADS_INLINE static void store_partial(float* p, R x, int64_t n) {
+    _mm256_maskstore_ps(p, lanes_below(n), x);
+  }
+  // Lane i of the result = sum of the lanes of a[i] (a transpose-and-add tree).
+  HEADS_INLINE static R reduce_lanes(const R* a) {
+    R s[4], t[2];
+    for (int p = 0; p < 4; ++p) {  // lanes 0-3: partials of a[2p], lanes 4-7: of a[2p+1]
+      s[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                           _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    }
+    for (int r = 0; r < 2; ++r) {  // half h: 2 partials of a[4r + h], 2 of a[4r + 2 + h]
+      t[r] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * r], s[2 * r + 1], 0x44),
+                           _mm256_shuffle_ps(s[2 * r], s[2 * r + 1], 0xEE));
+    }
+    // lane 4h + k holds the sum of a[2k + h]
+    const R z = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  HEADS_INLINE static float reduce_add(R x) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
   HEADS_INLINE static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   HEADS_INLINE static R add(R a, R b) { return _mm256_add_ps(a, b); }
   HEADS_INLINE static R sub(R a, R b) { return _mm256_sub_ps(a, b); }

@@ -12,6 +12,34 @@ struct Vec {
   HEADS_INLINE static R set1(float x) { return _mm512_set1_ps(x); }
   HEADS_INLINE static R load(const float* p) { return _mm512_load_ps(p); }
   HEADS_INLINE static void store(float* p, R x) { _mm512_store_ps(p, x); }
+  HEADS_INLINE static R loadu(const float* p) { return _mm512_loadu_ps(p); }
+  HEADS_INLINE static void storeu(float* p, R x) { _mm512_storeu_ps(p, x); }
+  HEADS_INLINE static R load_partial(const float* p, int64_t n) {  // lanes >= n are 0
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+  }
+  HEADS_INLINE static void store_partial(float* p, R x, int64_t n) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), x);
+  }
+  HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
+  // Lane i of the result = sum of the lanes of a[i] (a transpose-and-add tree).
+  HEADS_INLINE static R reduce_lanes(const R* a) {
+    R s[8], t[4], w[2];
+    for (int p = 0; p < 8; ++p) {  // lanes 0-7: partials of a[2p], lanes 8-15: of a[2p+1]
+      s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    }
+    for (int r = 0; r < 4; ++r) {  // quarter c: 4 partials of a[4r + c]
+      t[r] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * r], s[2 * r + 1], 0x88),
+                           _mm512_shuffle_f32x4(s[2 * r], s[2 * r + 1], 0xDD));
+    }
+    for (int m = 0; m < 2; ++m) {  // quarter c: 2 partials of a[8m + c], 2 of a[8m + 4 + c]
+      w[m] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * m], t[2 * m + 1], 0x44),
+                           _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], 0xEE));
+    }
+    // lane 4c + k holds the sum of a[4k + c]
+    const R z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+  }
   HEADS_INLINE static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   HEADS_INLINE static R add(R a, R b) { return _mm512_add_ps(a, b); }
   HEADS_INLINE static R sub(R a, R b) { return _mm512_sub_ps(a, b); }

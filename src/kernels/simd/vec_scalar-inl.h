@@ -3,7 +3,8 @@
 //
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
-//   zero, set1, load/store (64-byte aligned), fma(a, b, c) = a*b + c, add, sub, mul, max
+//   zero, set1, load/store (64-byte aligned), loadu/storeu, load_partial/store_partial (first n
+//   lanes; loads zero the rest), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
 //   exp2(x): 2^x with degree-6 polynomial on [-1/2, 1/2]; exactly 0 for x < -126 and -inf
@@ -29,6 +30,27 @@ struct Vec {
   }
   static void store(float* p, R x) {
     for (int i = 0; i < W; ++i) p[i] = x.v[i];
+  }
+  static R loadu(const float* p) { return load(p); }
+  static void storeu(float* p, R x) { store(p, x); }
+  static R load_partial(const float* p, int64_t n) {
+    R r = zero();
+    for (int64_t i = 0; i < n; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static void store_partial(float* p, R x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) p[i] = x.v[i];
+  }
+  static float reduce_add(R x) {  // pairwise, like the SIMD paths
+    for (int w = W / 2; w > 0; w /= 2) {
+      for (int i = 0; i < w; ++i) x.v[i] += x.v[i + w];
+    }
+    return x.v[0];
+  }
+  static R reduce_lanes(const R* a) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = reduce_add(a[i]);
+    return r;
   }
   static R fma(R a, R b, R c) {
     for (int i = 0; i < W; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);

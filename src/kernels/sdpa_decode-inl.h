@@ -1,0 +1,333 @@
+// sdpa_decode-inl.h — SDPA forward for few queries against many keys (decode), written once over
+// `Vec`. Included by src/kernels/isa_<isa>.cc after sdpa_flash_fwd-inl.h.
+//
+// Shapes as sdpa_flash_fwd-inl.h. Used when Lq <= kMaxDecodeLq, where a queries-on-lanes tile
+// would leave most lanes idle and the work is bound by reading K and V once.
+// Layout: every query row that shares a key/value head (H/Hkv heads x Lq rows) is processed
+//   together, so K and V stream through once per (b, hk); dot products run along D (keys on the
+//   outer loop), P·V accumulates into per-row O in f32.
+// Parallel: tasks are (b, hk, key chunk). When B·Hkv alone cannot feed every thread, the keys are
+//   split into chunks whose partial softmax states (m, l, O) are merged afterwards
+//   (flash-decoding): m = max m_c, l = Σ l_c 2^(m_c - m), O = Σ O_c 2^(m_c - m). The split depends
+//   only on the problem shape, never on the thread count, so results are thread-independent.
+// Masks, dropout and the fully-masked-row rule are those of the tiled kernel; weights, when
+//   requested, are a second sweep from the final lse.
+
+namespace dec {
+
+using VR = Vec::R;
+constexpr int kW = Vec::W;
+constexpr int64_t kBlock = 64;       // keys per online-softmax step
+constexpr int64_t kMinChunk = 512;   // keys per task at least, when splitting
+constexpr int64_t kTargetTasks = 8;  // split until B·Hkv·chunks reaches this
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Setup {
+  const SdpaProblem& P;
+  const float *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];
+  int64_t rows, Dp, Dvp;  // query rows per kv head; D and Dv padded to whole vectors
+  int64_t chunk, n_chunks;
+  int64_t head(int64_t r) const { return r / P.Lq; }  // within the group
+  int64_t pos(int64_t r) const { return r % P.Lq; }
+};
+
+// Partial sums (one vector) of the dot product of a K row with a padded, pre-scaled query row.
+HEADS_INLINE VR dot_partial(const float* kj, const float* qr, int64_t D) {
+  VR a0 = Vec::zero(), a1 = Vec::zero();
+  int64_t d = 0;
+  for (; d + 2 * kW <= D; d += 2 * kW) {
+    a0 = Vec::fma(Vec::loadu(kj + d), Vec::load(qr + d), a0);
+    a1 = Vec::fma(Vec::loadu(kj + d + kW), Vec::load(qr + d + kW), a1);
+  }
+  if (d + kW <= D) {
+    a0 = Vec::fma(Vec::loadu(kj + d), Vec::load(qr + d), a0);
+    d += kW;
+  }
+  if (d < D) a1 = Vec::fma(Vec::load_partial(kj + d, D - d), Vec::load(qr + d), a1);
+  return Vec::add(a0, a1);
+}
+
+// Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
+// sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf.
+inline void row_scores(const Setup& S, const float* kh, const float* qr, int64_t b, int64_t h,
+                       int64_t i, int64_t j0, int64_t nk, float* sr) {
+  const SdpaProblem& P = S.P;
+  // Causal hides a suffix of the block: only keys [j0, j0 + nv) are computed.
+  const int64_t nv = std::clamp<int64_t>(P.key_end(i) - j0, 0, nk);
+  for (int64_t g = 0; g < kBlock; g += kW) {
+    if (g >= nv) {
+      Vec::store(sr + g, Vec::set1(-kInf));
+      continue;
+    }
+    VR part[kW];
+    for (int u = 0; u < kW; ++u) {
+      part[u] = g + u < nv ? dot_partial(kh + (j0 + g + u) * S.ks[2], qr, P.D) : Vec::zero();
+    }
+    Vec::store(sr + g, Vec::reduce_lanes(part));
+    for (int64_t u = std::max(g, nv); u < g + kW; ++u) sr[u] = -kInf;  // past nv
+  }
+  if (P.mask_kind == MaskKind::Bool) {
+    const auto* m = static_cast<const uint8_t*>(P.mask.raw_data()) + P.mask_offset(b, h, i);
+    const int64_t ms = P.mask.stride(3);
+    for (int64_t u = 0; u < nv; ++u) {
+      if (!m[(j0 + u) * ms]) sr[u] = -kInf;
+    }
+  } else if (P.mask_kind == MaskKind::Float) {
+    const auto* m = static_cast<const float*>(P.mask.raw_data()) + P.mask_offset(b, h, i);
+    const int64_t ms = P.mask.stride(3);
+    for (int64_t u = 0; u < nv; ++u) sr[u] += m[(j0 + u) * ms] * kLog2e;
+  }
+}
+
+// O row += sum_j p[j] · V[j] for nk keys, the row held in NV registers.
+template <int NV>
+HEADS_INLINE void pv_row_regs(const float* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv,
+                              float* orow) {
+  VR acc[NV];
+#pragma GCC unroll 16
+  for (int c = 0; c < NV; ++c) acc[c] = Vec::load(orow + c * kW);
+  const int64_t tail = Dv - (NV - 1) * kW;  // lanes used in the last vector
+  for (int64_t j = 0; j < nk; ++j) {
+    if (p[j] == 0.0f) continue;
+    const VR pv = Vec::set1(p[j]);
+    const float* vj = vh + j * vs;
+#pragma GCC unroll 16
+    for (int c = 0; c < NV - 1; ++c) acc[c] = Vec::fma(pv, Vec::loadu(vj + c * kW), acc[c]);
+    const float* vl = vj + (NV - 1) * kW;
+    acc[NV - 1] = Vec::fma(pv, tail == kW ? Vec::loadu(vl) : Vec::load_partial(vl, tail), acc[NV - 1]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < NV; ++c) Vec::store(orow + c * kW, acc[c]);
+}
+
+template <int NV>
+HEADS_INLINE bool pv_row_dispatch(int64_t nv, const float* vh, int64_t vs, const float* p,
+                                  int64_t nk, int64_t Dv, float* orow) {
+  if constexpr (NV > 0) {
+    if (nv == NV) {
+      pv_row_regs<NV>(vh, vs, p, nk, Dv, orow);
+      return true;
+    }
+    return pv_row_dispatch<NV - 1>(nv, vh, vs, p, nk, Dv, orow);
+  }
+  return false;
+}
+
+inline void pv_row(const float* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* orow) {
+  const int64_t nv = (Dv + kW - 1) / kW;
+  if (pv_row_dispatch<256 / kW>(nv, vh, vs, p, nk, Dv, orow)) return;
+  for (int64_t j = 0; j < nk; ++j) {  // wide heads: accumulate through memory
+    if (p[j] == 0.0f) continue;
+    const VR pv = Vec::set1(p[j]);
+    const float* vj = vh + j * vs;
+    int64_t d = 0;
+    for (; d + kW <= Dv; d += kW) Vec::store(orow + d, Vec::fma(pv, Vec::loadu(vj + d), Vec::load(orow + d)));
+    if (d < Dv) Vec::store(orow + d, Vec::fma(pv, Vec::load_partial(vj + d, Dv - d), Vec::load(orow + d)));
+  }
+}
+
+// Scaled (log2 units), masked score of row r against key j (the weights sweep).
+HEADS_INLINE float score(const Setup& S, const float* kh, const float* qrow, int64_t b, int64_t h,
+                         int64_t i, int64_t j) {
+  const SdpaProblem& P = S.P;
+  if (!P.visible_causal(i, j)) return -kInf;
+  float s = Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, P.D));
+  if (P.mask_kind == MaskKind::Bool) {
+    const auto* m = static_cast<const uint8_t*>(P.mask.raw_data());
+    if (!m[P.mask_offset(b, h, i) + j * P.mask.stride(3)]) s = -kInf;
+  } else if (P.mask_kind == MaskKind::Float) {
+    const auto* m = static_cast<const float*>(P.mask.raw_data());
+    s += m[P.mask_offset(b, h, i) + j * P.mask.stride(3)] * kLog2e;
+  }
+  return s;
+}
+
+// Packs the query rows of (b, hk) as [rows][Dp], times scale·log2(e), zero padded.
+inline void pack_queries(const Setup& S, int64_t b, int64_t hk, float* qp) {
+  const SdpaProblem& P = S.P;
+  const float c = static_cast<float>(P.scale) * kLog2e;
+  for (int64_t r = 0; r < S.rows; ++r) {
+    const int64_t h = hk * P.group() + S.head(r);
+    const float* src = S.q + b * S.qs[0] + h * S.qs[1] + S.pos(r) * S.qs[2];
+    for (int64_t d = 0; d < S.Dp; ++d) qp[r * S.Dp + d] = d < P.D ? src[d] * c : 0.0f;
+  }
+}
+
+// Partial attention of every row of (b, hk) over keys [j0, j1): m, l, O (unnormalised).
+inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
+                  float* s, float* m, float* l, float* o) {
+  const SdpaProblem& P = S.P;
+  const float* kh = S.k + b * S.ks[0] + hk * S.ks[1];
+  const float* vh = S.v + b * S.vs[0] + hk * S.vs[1];
+  const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
+  pack_queries(S, b, hk, qp);
+  for (int64_t r = 0; r < S.rows; ++r) {
+    m[r] = -kInf;
+    l[r] = 0.0f;
+  }
+  std::fill(o, o + S.rows * S.Dvp, 0.0f);
+  for (int64_t b0 = j0; b0 < j1; b0 += kBlock) {
+    const int64_t nk = std::min(kBlock, j1 - b0);
+    // 1. S = q K_j^T (+ mask), one row per query
+    for (int64_t r = 0; r < S.rows; ++r) {
+      const int64_t h = hk * P.group() + S.head(r);
+      row_scores(S, kh, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock);
+    }
+    // 2-3. online softmax per row
+    for (int64_t r = 0; r < S.rows; ++r) {
+      float* sr = s + r * kBlock;
+      VR mxv = Vec::set1(-kInf);
+      for (int64_t jj = 0; jj < kBlock; jj += kW) mxv = Vec::max(mxv, Vec::load(sr + jj));
+      alignas(64) float mxl[kW];
+      Vec::store(mxl, mxv);
+      float mx = -kInf;
+      for (int u = 0; u < kW; ++u) mx = std::max(mx, mxl[u]);
+      const float m_new = std::max(m[r], mx);
+      if (m_new == -kInf) {  // nothing visible yet
+        for (int64_t jj = 0; jj < kBlock; ++jj) sr[jj] = 0.0f;
+        continue;
+      }
+      VR sum = Vec::zero();
+      const VR mv = Vec::set1(m_new);
+      for (int64_t jj = 0; jj < kBlock; jj += kW) {
+        const VR p = Vec::exp2(Vec::sub(Vec::load(sr + jj), mv));
+        sum = Vec::add(sum, p);
+        Vec::store(sr + jj, p);
+      }
+      const float alpha = m[r] == -kInf ? 0.0f : std::exp2(m[r] - m_new);
+      l[r] = l[r] * alpha + Vec::reduce_add(sum);
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        const VR av = Vec::set1(alpha);
+        float* orow = o + r * S.Dvp;
+        for (int64_t d = 0; d < S.Dvp; d += kW) Vec::store(orow + d, Vec::mul(Vec::load(orow + d), av));
+      }
+      if (P.dropout_p > 0.0) {
+        const int64_t h = hk * P.group() + S.head(r);
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          const bool keep = dropout_keep(P.seed, dropout_index(P, b, h, S.pos(r), b0 + jj), P.dropout_p);
+          sr[jj] = keep ? sr[jj] * keep_scale : 0.0f;
+        }
+      }
+    }
+    // 4. O += P V_j
+    for (int64_t r = 0; r < S.rows; ++r) {
+      pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, P.Dv, o + r * S.Dvp);
+    }
+  }
+}
+
+// Weights of every row of (b, hk) for keys [j0, j1), from the final lse (log2 units, +inf for
+// rows that see nothing).
+inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
+                          const float* lse2, float* w) {
+  const SdpaProblem& P = S.P;
+  const float* kh = S.k + b * S.ks[0] + hk * S.ks[1];
+  const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
+  pack_queries(S, b, hk, qp);
+  for (int64_t r = 0; r < S.rows; ++r) {
+    const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
+    float* wrow = w + ((b * P.H + h) * P.Lq + i) * P.Lk;
+    for (int64_t j = j0; j < j1; ++j) {
+      float x = std::exp2(score(S, kh, qp + r * S.Dp, b, h, i, j) - lse2[r]);
+      if (P.dropout_p > 0.0) {
+        x = dropout_keep(P.seed, dropout_index(P, b, h, i, j), P.dropout_p) ? x * keep_scale : 0.0f;
+      }
+      wrow[j] = x;
+    }
+  }
+}
+
+}  // namespace dec
+
+inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  using namespace dec;
+  if (P.B == 0 || P.H == 0 || P.Lq == 0) return;
+  Setup S{P, q.data<float>(), k.data<float>(), v.data<float>(), {}, {}, {}, 0, 0, 0, 0, 0};
+  for (int d = 0; d < 3; ++d) {
+    S.qs[d] = q.stride(d);
+    S.ks[d] = k.stride(d);
+    S.vs[d] = v.stride(d);
+  }
+  S.rows = P.group() * P.Lq;
+  S.Dp = round_up(P.D, kW);
+  S.Dvp = round_up(P.Dv, kW);
+  const int64_t heads = P.B * P.Hkv;
+  // Split keys only while there are too few (b, hk) pairs; a function of the shape alone.
+  S.n_chunks = 1;
+  if (heads < kTargetTasks && P.Lk > kMinChunk) {
+    S.n_chunks = std::min((kTargetTasks + heads - 1) / heads, (P.Lk + kMinChunk - 1) / kMinChunk);
+  }
+  S.chunk = round_up((P.Lk + S.n_chunks - 1) / S.n_chunks, kBlock);
+  S.n_chunks = std::max<int64_t>(1, (P.Lk + S.chunk - 1) / S.chunk);
+  const int64_t n_tasks = heads * S.n_chunks;
+  // Partial states per task: m, l [rows], O [rows][Dvp].
+  std::vector<float> pm(static_cast<size_t>(n_tasks * S.rows)), pl(pm.size());
+  std::vector<float> po(static_cast<size_t>(n_tasks * S.rows * S.Dvp + 16));
+  float* po_base = po.data() + (16 - (reinterpret_cast<uintptr_t>(po.data()) / 4) % 16) % 16;
+  const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
+  const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock, 16);
+  std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
+  float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
+  float* lse_p = lse.data<float>();
+  float* out_p = out.data<float>();
+  const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* qp = arena + per * omp_get_thread_num();
+    float* sc = qp + S.rows * S.Dp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_tasks; ++t) {
+      const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
+      const int64_t j0 = c * S.chunk, j1 = std::min(P.Lk, j0 + S.chunk);
+      chunk(S, bh / P.Hkv, bh % P.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
+            pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp);
+    }
+    // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < heads; ++bh) {
+      const int64_t b = bh / P.Hkv, hk = bh % P.Hkv;
+      for (int64_t r = 0; r < S.rows; ++r) {
+        float m = -kInf;
+        for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, pm[(bh * S.n_chunks + c) * S.rows + r]);
+        const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
+        float* orow = out_p + b * os[0] + h * os[1] + i * os[2];
+        for (int64_t d = 0; d < P.Dv; ++d) orow[d] = 0.0f;
+        float l = 0.0f;
+        if (m != -kInf) {
+          for (int64_t c = 0; c < S.n_chunks; ++c) {
+            const int64_t t = bh * S.n_chunks + c;
+            if (pm[t * S.rows + r] == -kInf) continue;
+            const float f = std::exp2(pm[t * S.rows + r] - m);
+            l += pl[t * S.rows + r] * f;
+            const float* oc = po_base + (t * S.rows + r) * S.Dvp;
+            for (int64_t d = 0; d < P.Dv; ++d) orow[d] += oc[d] * f;
+          }
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int64_t d = 0; d < P.Dv; ++d) orow[d] *= inv;
+        lse_p[(b * P.H + h) * P.Lq + i] = l > 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
+      }
+    }
+    if (weights.defined()) {
+      float* w = weights.data<float>();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < n_tasks; ++t) {
+        const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
+        const int64_t b = bh / P.Hkv, hk = bh % P.Hkv;
+        float* lse2 = sc;  // [rows] in log2 units; +inf -> weight 0
+        for (int64_t r = 0; r < S.rows; ++r) {
+          const float x = lse_p[(b * P.H + hk * P.group() + S.head(r)) * P.Lq + S.pos(r)];
+          lse2[r] = x == -kInf ? kInf : x * kLog2e;
+        }
+        const int64_t j0 = c * S.chunk, j1 = std::min(P.Lk, j0 + S.chunk);
+        weights_chunk(S, b, hk, j0, j1, qp, lse2, w);
+      }
+    }
+  }
+}

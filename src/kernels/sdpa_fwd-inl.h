@@ -1,0 +1,18 @@
+// sdpa_fwd-inl.h — the f32 SDPA forward of one ISA build: picks the tiled kernel or the decode
+// kernel by shape. Included by src/kernels/isa_<isa>.cc inside namespace heads::kernels::<isa>.
+
+#include "kernels/sdpa_flash_fwd-inl.h"
+#include "kernels/sdpa_decode-inl.h"
+
+// Up to this many query rows per head, a queries-on-lanes tile would leave most lanes idle:
+// the decode kernel reads K and V once per key/value head instead.
+constexpr int64_t kMaxDecodeLq = 4;
+
+inline void sdpa_fwd_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  if (P.Lq <= kMaxDecodeLq) {
+    sdpa_decode_f32(P, q, k, v, out, lse, weights);
+  } else {
+    sdpa_tiled_f32(P, q, k, v, out, lse, weights);
+  }
+}
