@@ -1,8 +1,20 @@
-// linear.cc — plain f32 linear layer: blocked dot products, OpenMP over output blocks.
+// linear.cc — y = x Wᵀ + b in f32 through oneDNN's matmul (JIT GEMM with runtime ISA dispatch),
+// with the plain loop kept beside it as the obvious version.
+//
+// W is stored [N, K] as torch stores it; oneDNN reads it as a [K, N] matrix with strides {1, K},
+// so no copy is made. Primitives are created once per shape and kept (the GEMM's JIT code is
+// also cached by oneDNN itself). oneDNN runs on the same OpenMP runtime and thread count as
+// heads' own kernels.
 #include "kernels/linear.h"
 
 #include <algorithm>
+#include <map>
+#include <unordered_map>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
 
+#include "heads/error.h"
 #include "heads/runtime.h"
 #include "kernels/vec.h"
 
@@ -10,28 +22,73 @@ namespace heads::kernels {
 
 namespace {
 
-constexpr int64_t kRows = 16;  // x rows per task: W block is reused from cache across them
-constexpr int64_t kCols = 64;  // W rows per task
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+
+struct Entry {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul prim;
+};
+
+// Matmul primitives by (M, K, N, x_stride, y_stride, bias); bounded.
+const Entry& primitive_for(const Key& key) {
+  static std::mutex mu;
+  static std::map<Key, Entry> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (cache.size() >= 256) cache.clear();
+  const auto [M, K, N, xs, ys, has_bias] = key;
+  using dt = dnnl::memory::data_type;
+  const dnnl::memory::desc src({M, K}, dt::f32, {xs, 1});
+  const dnnl::memory::desc wei({K, N}, dt::f32, {1, K});
+  const dnnl::memory::desc dst({M, N}, dt::f32, {ys, 1});
+  const dnnl::memory::desc bias({1, N}, dt::f32, {N, 1});
+  const auto desc = has_bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
+  dnnl::matmul::primitive_desc pd(desc, cpu_engine());
+  return cache.emplace(key, Entry{pd, dnnl::matmul(pd)}).first->second;
+}
 
 }  // namespace
 
+void linear_f32_plain(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                      const float* bias, int64_t N, float* y, int64_t y_stride) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      y[m * y_stride + n] = dot_f32(x + m * x_stride, W + n * K, K) + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+
 void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                 const float* bias, int64_t N, float* y, int64_t y_stride) {
-  const int64_t mb = (M + kRows - 1) / kRows, nb = (N + kCols - 1) / kCols;
-  const int64_t tasks = mb * nb;
-  if (tasks == 0) return;
-  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t m0 = (t / nb) * kRows, n0 = (t % nb) * kCols;
-    const int64_t m1 = std::min(M, m0 + kRows), n1 = std::min(N, n0 + kCols);
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = x + m * x_stride;
-      float* yr = y + m * y_stride;
-      for (int64_t n = n0; n < n1; ++n) {
-        yr[n] = dot_f32(xr, W + n * K, K) + (bias ? bias[n] : 0.0f);
-      }
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) y[m * y_stride + n] = bias ? bias[n] : 0.0f;
     }
+    return;
+  }
+  try {
+    const Entry& e = primitive_for({M, K, N, x_stride, y_stride, bias != nullptr});
+    const auto& pd = e.pd;
+    dnnl::engine& eng = cpu_engine();
+    dnnl::stream stream(eng);
+    dnnl::memory src(pd.src_desc(), eng, const_cast<float*>(x));
+    dnnl::memory wei(pd.weights_desc(), eng, const_cast<float*>(W));
+    dnnl::memory dst(pd.dst_desc(), eng, y);
+    std::unordered_map<int, dnnl::memory> args{
+        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
+    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));
+    e.prim.execute(stream, args);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    fail("linear: oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K,
+         "]: ", e.what());
   }
 }
 

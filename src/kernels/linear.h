@@ -6,9 +6,14 @@
 namespace heads::kernels {
 
 // x: M rows of K (row stride x_stride, unit inner stride); W: [N, K] contiguous; bias: N or null;
-// y: M rows of N (row stride y_stride). Parallel over row and column blocks; each output element
-// is one fixed-order dot product, so results do not depend on the thread count.
+// y: M rows of N (row stride y_stride). Runs oneDNN's matmul on all threads.
 void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                 const float* bias, int64_t N, float* y, int64_t y_stride);
 
+}  // namespace heads::kernels
+
+namespace heads::kernels {
+// The obvious version (one dot product per output), for tests and as the specification.
+void linear_f32_plain(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                      const float* bias, int64_t N, float* y, int64_t y_stride);
 }  // namespace heads::kernels

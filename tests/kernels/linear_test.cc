@@ -1,0 +1,44 @@
+// linear_test.cc — the GEMM-backed linear layer against a float64 loop, odd sizes and strides.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/testing.h"
+#include "kernels/linear.h"
+
+namespace heads {
+namespace {
+
+TEST(Linear, MatchesFloat64OnOddShapesAndStrides) {
+  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 5}, {129, 63, 17},
+                         {64, 768, 2304}, {3, 1000, 1}, {5, 4, 0}, {0, 4, 3}, {2, 0, 3}}) {
+    for (bool bias : {false, true}) {
+      const int64_t xs = K + 3, ys = N + 5;  // row strides wider than the rows
+      const Tensor x = testing::randn({std::max<int64_t>(M, 1), xs});
+      const Tensor W = testing::randn({std::max<int64_t>(N, 1), std::max<int64_t>(K, 1)});
+      const Tensor b = testing::randn({std::max<int64_t>(N, 1)});
+      Tensor y = Tensor::zeros({std::max<int64_t>(M, 1), ys}, DType::F32);
+      kernels::linear_f32(x.data<float>(), M, K, xs, W.data<float>(), bias ? b.data<float>() : nullptr,
+                          N, y.data<float>(), ys);
+      double worst = 0, scale = 1e-30;
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = bias ? b.data<float>()[n] : 0.0;
+          for (int64_t k = 0; k < K; ++k) {
+            ref += static_cast<double>(x.data<float>()[m * xs + k]) * W.data<float>()[n * K + k];
+          }
+          worst = std::max(worst, std::fabs(y.data<float>()[m * ys + n] - ref));
+          scale = std::max(scale, std::fabs(ref));
+        }
+      }
+      EXPECT_LE(worst, 1e-5 * scale + 1e-6) << "M=" << M << " K=" << K << " N=" << N << " bias=" << bias;
+      // the row padding is never written
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = N; n < ys; ++n) EXPECT_EQ(y.data<float>()[m * ys + n], 0.0f);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace heads
