@@ -196,9 +196,18 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
                ks[2], vs[2], W.tmp};
   // Qt[d][l] = q[i0 + l][d] · scale · log2(e); lanes past the last query are 0.
   const float c = static_cast<float>(P.scale) * kLog2e;
-  for (int64_t l = 0; l < kTQ; ++l) {
-    const float* qr = q + b * qs[0] + h * qs[1] + (i0 + l) * qs[2];
-    for (int64_t d = 0; d < P.D; ++d) W.qt[d * kTQ + l] = l < nq ? qr[d] * c : 0.0f;
+  const float* q0 = q + b * qs[0] + h * qs[1] + i0 * qs[2];
+  for (int v = 0; v < kNQ; ++v) {
+    const int64_t l0 = v * kW;
+    int64_t d0 = 0;
+    if (l0 + kW <= nq) {  // W whole query rows: transpose W x W blocks
+      for (; d0 + kW <= P.D; d0 += kW) {
+        Vec::transpose_scaled(q0 + l0 * qs[2] + d0, qs[2], W.qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
+      }
+    }
+    for (int64_t l = l0; l < l0 + kW; ++l) {
+      for (int64_t d = d0; d < P.D; ++d) W.qt[d * kTQ + l] = l < nq ? q0[l * qs[2] + d] * c : 0.0f;
+    }
   }
   std::fill(W.ot, W.ot + P.Dv * kTQ, 0.0f);
   VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
@@ -240,12 +249,24 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
     Vec::store(m_l + v * kW, m[v]);
     Vec::store(l_l + v * kW, l[v]);
   }
+  alignas(64) float inv_l[kTQ];
+  for (int64_t r = 0; r < kTQ; ++r) inv_l[r] = l_l[r] > 0.0f ? 1.0f / l_l[r] : 0.0f;
+  float* o0 = out + b * os[0] + h * os[1] + i0 * os[2];
+  for (int v = 0; v < kNQ; ++v) {
+    const int64_t l0 = v * kW;
+    if (l0 >= nq) break;
+    int64_t d0 = 0;
+    if (l0 + kW <= nq) {  // W whole output rows: transpose W x W blocks of Ot / l
+      for (; d0 + kW <= P.Dv; d0 += kW) {
+        Vec::transpose_scaled(W.ot + d0 * kTQ + l0, kTQ, o0 + l0 * os[2] + d0, os[2], Vec::load(inv_l + l0));
+      }
+    }
+    for (int64_t r = l0; r < std::min(nq, l0 + kW); ++r) {
+      for (int64_t d = d0; d < P.Dv; ++d) o0[r * os[2] + d] = W.ot[d * kTQ + r] * inv_l[r];
+    }
+  }
   for (int64_t r = 0; r < nq; ++r) {
-    const int64_t i = i0 + r;
-    float* orow = out + b * os[0] + h * os[1] + i * os[2];
-    const float inv = l_l[r] > 0.0f ? 1.0f / l_l[r] : 0.0f;
-    for (int64_t d = 0; d < P.Dv; ++d) orow[d] = W.ot[d * kTQ + r] * inv;
-    lse[(b * P.H + h) * P.Lq + i] = l_l[r] > 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
+    lse[(b * P.H + h) * P.Lq + i0 + r] = l_l[r] > 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
   }
 
   // 6. Weights on request: w = 2^(S - log2-lse), dropped like P above.

@@ -22,6 +22,26 @@ struct Vec {
   HEADS_INLINE static void store_partial(float* p, R x, int64_t n) {
     _mm256_maskstore_ps(p, lanes_below(n), x);
   }
+  // dst row c (stride ds) = column c of the W x W block at src (row stride ss), each source row
+  // multiplied lane-wise by `scale` first.
+  HEADS_INLINE static void transpose_scaled(const float* src, int64_t ss, float* dst, int64_t ds, R scale) {
+    R r[8], a[8], b[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(src + i * ss), scale);
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // b[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3
+      b[4 * i + 0] = _mm256_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+      b[4 * i + 1] = _mm256_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+      b[4 * i + 2] = _mm256_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+      b[4 * i + 3] = _mm256_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm256_storeu_ps(dst + k * ds, _mm256_permute2f128_ps(b[k], b[4 + k], 0x20));
+      _mm256_storeu_ps(dst + (4 + k) * ds, _mm256_permute2f128_ps(b[k], b[4 + k], 0x31));
+    }
+  }
   // Lane i of the result = sum of the lanes of a[i] (a transpose-and-add tree).
   HEADS_INLINE static R reduce_lanes(const R* a) {
     R s[4], t[2];

@@ -21,6 +21,30 @@ struct Vec {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), x);
   }
   HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
+  // dst row c (stride ds) = column c of the W x W block at src (row stride ss), each source row
+  // multiplied lane-wise by `scale` first.
+  HEADS_INLINE static void transpose_scaled(const float* src, int64_t ss, float* dst, int64_t ds, R scale) {
+    R r[16], a[16], b[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(_mm512_loadu_ps(src + i * ss), scale);
+    for (int i = 0; i < 8; ++i) {
+      a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // b[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3
+      b[4 * i + 0] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+      b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+      b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+      b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+      const R c0 = _mm512_shuffle_f32x4(b[k], b[4 + k], 0x88), c1 = _mm512_shuffle_f32x4(b[k], b[4 + k], 0xDD);
+      const R d0 = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0x88), d1 = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0xDD);
+      _mm512_storeu_ps(dst + k * ds, _mm512_shuffle_f32x4(c0, d0, 0x88));
+      _mm512_storeu_ps(dst + (4 + k) * ds, _mm512_shuffle_f32x4(c1, d1, 0x88));
+      _mm512_storeu_ps(dst + (8 + k) * ds, _mm512_shuffle_f32x4(c0, d0, 0xDD));
+      _mm512_storeu_ps(dst + (12 + k) * ds, _mm512_shuffle_f32x4(c1, d1, 0xDD));
+    }
+  }
   // Lane i of the result = sum of the lanes of a[i] (a transpose-and-add tree).
   HEADS_INLINE static R reduce_lanes(const R* a) {
     R s[8], t[4], w[2];

@@ -4,7 +4,8 @@
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), loadu/storeu, load_partial/store_partial (first n
-//   lanes; loads zero the rest), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]), fma(a, b, c) = a*b + c, add, sub, mul, max
+//   lanes; loads zero the rest), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]),
+//   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
 //   exp2(x): 2^x with degree-6 polynomial on [-1/2, 1/2]; exactly 0 for x < -126 and -inf
@@ -46,6 +47,11 @@ struct Vec {
       for (int i = 0; i < w; ++i) x.v[i] += x.v[i + w];
     }
     return x.v[0];
+  }
+  static void transpose_scaled(const float* src, int64_t ss, float* dst, int64_t ds, R scale) {
+    for (int r = 0; r < W; ++r) {
+      for (int c = 0; c < W; ++c) dst[c * ds + r] = src[r * ss + c] * scale.v[c];
+    }
   }
   static R reduce_lanes(const R* a) {
     R r;

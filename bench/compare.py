@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Compare heads with PyTorch and ONNX Runtime on the shapes of bench/shapes.json, in one run.
+
+    python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--only NAME ...]
+
+Prints one markdown table: GFLOP/s (ms for decode shapes, Lq = 1), the ratio of heads to the best
+peer, heads' share of the FMA peak measured here (`heads bench peak`), and the peak extra memory
+of each runner (resident-set high-water mark during the calls minus the resident set before them,
+inputs and outputs excluded). heads is timed by its CLI (`heads bench ... --json`); the peers by
+the same rule (warm-up, repeats for at least --min-time seconds, median).
+Needs: torch==2.13.0, onnxruntime, onnx (pip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def median_ms(fn, min_time):
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < 5 or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0  # kB -> MB
+    return float("nan")
+
+
+class Meter:
+    """Peak extra resident memory: VmHWM after the calls minus VmRSS once inputs exist."""
+
+    def __init__(self):
+        self.base = _status("VmRSS")
+
+    def extra_mb(self):
+        return max(0.0, _status("VmHWM") - self.base)
+
+
+def heads_cli():
+    exe = os.environ.get("HEADS_CLI") or shutil.which("heads")
+    if not exe:
+        sys.exit("compare: the heads CLI is not on PATH (run scripts/setup.sh) and HEADS_CLI is unset")
+    return exe
+
+
+def run_heads(args, *cmd):
+    out = subprocess.run([heads_cli(), "bench", *cmd, "--threads", str(args.threads),
+                          "--min-time", str(args.min_time), "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- SDPA runners
+
+def torch_sdpa(s, args, torch):
+    import torch.nn.functional as F
+
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s["B"], s["H"], s["Lq"], s["D"], generator=g).to(dt)
+    k = torch.randn(s["B"], s["H"], s["Lk"], s["D"], generator=g).to(dt)
+    v = torch.randn(s["B"], s["H"], s["Lk"], s["D"], generator=g).to(dt)
+    out = torch.empty(s["B"], s["H"], s["Lq"], s["D"], dtype=dt)
+    meter = Meter()
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=s["causal"])
+    with torch.inference_mode():
+        ms = median_ms(fn, args.min_time)
+    del out
+    return ms, meter.extra_mb()
+
+
+def heads_sdpa_mem(s, args):
+    """Extra memory of one heads.sdpa call (the CLI does the timing)."""
+    import heads
+
+    heads.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((s["B"], s["H"], s["Lq"], s["D"]), dtype=np.float32)
+    k = rng.standard_normal((s["B"], s["H"], s["Lk"], s["D"]), dtype=np.float32)
+    v = rng.standard_normal((s["B"], s["H"], s["Lk"], s["D"]), dtype=np.float32)
+    out = np.empty((s["B"], s["H"], s["Lq"], s["D"]), np.float32)
+    out.fill(0)
+    meter = Meter()
+    del out
+    heads.sdpa(q, k, v, is_causal=s["causal"])
+    return None, meter.extra_mb()
+
+
+def ort_session(model, args):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = args.threads
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def ort_sdpa(s, args):
+    """Best of ORT's contrib MultiHeadAttention ([B, L, H*D]) and ONNX Attention (opset 23)."""
+    from onnx import TensorProto, helper
+
+    B, H, Lq, Lk, D, causal = s["B"], s["H"], s["Lq"], s["Lk"], s["D"], s["causal"]
+    rng = np.random.default_rng(0)
+    results = []
+    # contrib MultiHeadAttention
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft",
+                            num_heads=H, unidirectional=int(causal))
+    graph = helper.make_graph(
+        [node], "mha",
+        [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, Lq, H * D]),
+         helper.make_tensor_value_info("k", TensorProto.FLOAT, [B, Lk, H * D]),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, [B, Lk, H * D])],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [B, Lq, H * D])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"q": rng.standard_normal((B, Lq, H * D), dtype=np.float32),
+             "k": rng.standard_normal((B, Lk, H * D), dtype=np.float32),
+             "v": rng.standard_normal((B, Lk, H * D), dtype=np.float32)}
+    try:
+        sess = ort_session(model, args)
+        out = np.zeros((B, Lq, H * D), np.float32)
+        meter = Meter()
+        del out
+        fn = lambda: sess.run(None, feeds)
+        results.append(("MultiHeadAttention", median_ms(fn, args.min_time), meter.extra_mb()))
+        del sess
+    except Exception as e:  # an op/shape ORT cannot run here is reported, not hidden
+        print(f"  ORT MultiHeadAttention failed on {s['name']}: {e}", file=sys.stderr)
+    # ONNX Attention (opset 23), 4-D inputs
+    node = helper.make_node("Attention", ["q", "k", "v"], ["o"], is_causal=int(causal))
+    graph = helper.make_graph(
+        [node], "attn",
+        [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, H, Lq, D]),
+         helper.make_tensor_value_info("k", TensorProto.FLOAT, [B, H, Lk, D]),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, [B, H, Lk, D])],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [B, H, Lq, D])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 23)])
+    feeds = {"q": rng.standard_normal((B, H, Lq, D), dtype=np.float32),
+             "k": rng.standard_normal((B, H, Lk, D), dtype=np.float32),
+             "v": rng.standard_normal((B, H, Lk, D), dtype=np.float32)}
+    try:
+        sess = ort_session(model, args)
+        out = np.zeros((B, H, Lq, D), np.float32)
+        meter = Meter()
+        del out
+        fn = lambda: sess.run(None, feeds)
+        results.append(("Attention-23", median_ms(fn, args.min_time), meter.extra_mb()))
+    except Exception as e:
+        print(f"  ORT Attention failed on {s['name']}: {e}", file=sys.stderr)
+    if not results:
+        return None, None, None
+    return min(results, key=lambda r: r[1])
+
+
+# ---------------------------------------------------------------- MHA runners
+
+def torch_mha(m, args, torch):
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    mod = torch.nn.MultiheadAttention(m["E"], m["H"], batch_first=True).eval().to(dt)
+    x = torch.randn(m["B"], m["L"], m["E"]).to(dt)
+    meter = Meter()
+    fn = lambda: mod(x, x, x, need_weights=False)
+    with torch.inference_mode():
+        return median_ms(fn, args.min_time), meter.extra_mb()
+
+
+def ort_mha(m, args):
+    """contrib Attention (fused QKV projection) followed by the output projection."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    B, L, E, H = m["B"], m["L"], m["E"], m["H"]
+    rng = np.random.default_rng(0)
+    w_qkv = numpy_helper.from_array(rng.standard_normal((E, 3 * E), dtype=np.float32) * 0.02, "w_qkv")
+    b_qkv = numpy_helper.from_array(np.zeros(3 * E, np.float32), "b_qkv")
+    w_o = numpy_helper.from_array(rng.standard_normal((E, E), dtype=np.float32) * 0.02, "w_o")
+    b_o = numpy_helper.from_array(np.zeros(E, np.float32), "b_o")
+    nodes = [helper.make_node("Attention", ["x", "w_qkv", "b_qkv"], ["a"], domain="com.microsoft", num_heads=H),
+             helper.make_node("MatMul", ["a", "w_o"], ["p"]),
+             helper.make_node("Add", ["p", "b_o"], ["y"])]
+    graph = helper.make_graph(nodes, "mha", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, L, E])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, L, E])],
+                              initializer=[w_qkv, b_qkv, w_o, b_o])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    sess = ort_session(model, args)
+    feeds = {"x": rng.standard_normal((B, L, E), dtype=np.float32)}
+    meter = Meter()
+    fn = lambda: sess.run(None, feeds)
+    return median_ms(fn, args.min_time), meter.extra_mb()
+
+
+# ---------------------------------------------------------------- workers
+# Every measurement runs in a fresh process: thread pools of one runner never compete with the
+# next, and the memory high-water mark belongs to that runner alone.
+
+def worker(kind, spec, args):
+    if kind == "torch-sdpa":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return torch_sdpa(spec, args, torch)
+    if kind == "torch-mha":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return torch_mha(spec, args, torch)
+    if kind == "ort-sdpa":
+        name, ms, mem = ort_sdpa(spec, args)
+        return ms, mem, name
+    if kind == "ort-mha":
+        return ort_mha(spec, args)
+    if kind == "heads-sdpa-mem":
+        return heads_sdpa_mem(spec, args)
+    raise SystemExit(f"unknown worker {kind}")
+
+
+def in_subprocess(kind, spec, args):
+    cmd = [sys.executable, __file__, "--worker", kind, json.dumps(spec), "--threads", str(args.threads),
+           "--min-time", str(args.min_time), "--dtype", args.dtype]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"  {kind} failed on {spec.get('name')}: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def fmt(x, unit):
+    if x is None:
+        return "—"
+    return f"{x:.2f} ms" if unit == "ms" else f"{x:.0f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-time", type=float, default=1.0)
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
+    ap.add_argument("--shapes", default=str(HERE / "shapes.json"))
+    ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only heads' extra memory per shape, plus L = 32768 (B 1, H 8, D 128)")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], json.loads(args.worker[1]), args)))
+        return
+
+    import torch
+
+    shapes = json.loads(Path(args.shapes).read_text())
+    if args.memory_only:
+        long = {"name": "long32k", "B": 1, "H": 8, "Lq": 32768, "Lk": 32768, "D": 128, "causal": False}
+        print("| shape | heads extra memory (MB) |\n|---|---|")
+        for s in shapes["sdpa"] + [long]:
+            r = in_subprocess("heads-sdpa-mem", s, args)
+            print(f"| {s['name']} | {'—' if r is None else f'{r[1]:.1f}'} |")
+        return
+    peak = run_heads(args, "peak")["gflops"]
+    print(f"machine: f32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads (heads bench peak); "
+          f"torch {torch.__version__}; dtype {args.dtype}\n")
+    rows = []
+    for s in shapes["sdpa"]:
+        if args.only and s["name"] not in args.only:
+            continue
+        flops = 4.0 * s["B"] * s["H"] * s["Lq"] * s["Lk"] * s["D"] / (2 if s["causal"] else 1)
+        decode = s["Lq"] == 1
+        cmd = ["sdpa", "--batch", s["B"], "--heads", s["H"], "--q-len", s["Lq"], "--kv-len", s["Lk"],
+               "--head-dim", s["D"], "--dtype", args.dtype] + (["--causal"] if s["causal"] else [])
+        h = run_heads(args, *map(str, cmd))
+        hm = in_subprocess("heads-sdpa-mem", s, args) if args.dtype == "f32" else None
+        h_mem = hm[1] if hm else float("nan")
+        t_ms, t_mem = in_subprocess("torch-sdpa", s, args) or (None, None)
+        o_ms, o_mem, o_name = (in_subprocess("ort-sdpa", s, args) if args.dtype == "f32" else None) or (None, None, None)
+        rows.append((s["name"], decode, flops, h["ms"], h_mem, t_ms, t_mem, o_ms, o_mem, o_name))
+        print(f"  {s['name']}: heads {h['ms']:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms ({o_name})",
+              file=sys.stderr)
+    for m in shapes["mha_module"]:
+        if args.only and m["name"] not in args.only:
+            continue
+        flops = 4.0 * m["B"] * m["L"] * m["L"] * m["E"] + 4 * 2.0 * m["B"] * m["L"] * m["E"] ** 2
+        h = run_heads(args, *map(str, ["mha", "--batch", m["B"], "--seq", m["L"], "--embed", m["E"],
+                                       "--heads", m["H"], "--dtype", args.dtype]))
+        t_ms, t_mem = in_subprocess("torch-mha", m, args) or (None, None)
+        o_ms, o_mem = (in_subprocess("ort-mha", m, args) if args.dtype == "f32" else None) or (None, None)
+        rows.append((m["name"], False, flops, h["ms"], float("nan"), t_ms, t_mem, o_ms, o_mem, "Attention+MatMul"))
+
+    print("| shape | heads | PyTorch | ONNX Runtime | heads ÷ best peer | % of FMA peak | extra memory heads / torch / ORT (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, o_name in rows:
+        unit = "ms" if decode else "gf"
+        val = (lambda ms: ms) if decode else (lambda ms: None if ms is None else flops / ms / 1e6)
+        peers = [x for x in (t_ms, o_ms) if x is not None]
+        ratio = min(peers) / h_ms if peers else float("nan")  # > 1: heads is faster
+        pct = flops / h_ms / 1e6 / peak * 100
+        mem = " / ".join("—" if x is None or x != x else f"{x:.0f}" for x in (h_mem, t_mem, o_mem))
+        print(f"| {name} | {fmt(val(h_ms), unit)} | {fmt(val(t_ms), unit)} | {fmt(val(o_ms), unit)} | "
+              f"{ratio:.2f}× | {pct:.0f}% | {mem} |")
+    print("\nGFLOP/s unless marked ms (decode shapes: time per call). flops = 4·B·H·Lq·Lk·D (half when causal); "
+          "mha adds 2·B·L·E² per projection.")
+
+
+if __name__ == "__main__":
+    main()
