@@ -17,6 +17,9 @@ struct KernelTable {
   // Fused SDPA forward, f32: see sdpa_flash_fwd-inl.h.
   void (*sdpa_fwd_f32)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& out, const Tensor& lse, const Tensor& weights);
+  // The same with bf16 q, k, v, out (f32 accumulation).
+  void (*sdpa_fwd_bf16)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, const Tensor& weights);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -19,7 +21,7 @@ namespace heads::kernels::avx2 {
 #include "kernels/sdpa_fwd-inl.h"
 #include "kernels/peak-inl.h"
 
-const KernelTable kTable{Isa::Avx2, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};
+const KernelTable kTable{Isa::Avx2, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
 }  // namespace heads::kernels::avx2
 
 #pragma GCC pop_options

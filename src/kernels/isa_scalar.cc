@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -15,5 +17,5 @@ namespace heads::kernels::scalar {
 #include "kernels/sdpa_fwd-inl.h"
 #include "kernels/peak-inl.h"
 
-const KernelTable kTable{Isa::Scalar, &sdpa_fwd_f32, &fma_probe, &fma_probe_flops_per_iter};
+const KernelTable kTable{Isa::Scalar, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
 }  // namespace heads::kernels::scalar

@@ -72,10 +72,13 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
   return P;
 }
 
-static void check_f32_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
-  HEADS_CHECK(q.dtype() == DType::F32, op, ": query: expected f32, got ", dtype_name(q.dtype()));
-  HEADS_CHECK(k.dtype() == DType::F32, op, ": key: expected f32, got ", dtype_name(k.dtype()));
-  HEADS_CHECK(v.dtype() == DType::F32, op, ": value: expected f32, got ", dtype_name(v.dtype()));
+static void check_dtypes(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  HEADS_CHECK(q.dtype() == DType::F32 || q.dtype() == DType::BF16, op,
+              ": query: expected f32 or bf16, got ", dtype_name(q.dtype()));
+  HEADS_CHECK(k.dtype() == q.dtype(), op, ": key: expected ", dtype_name(q.dtype()),
+              " like query, got ", dtype_name(k.dtype()));
+  HEADS_CHECK(v.dtype() == q.dtype(), op, ": value: expected ", dtype_name(q.dtype()),
+              " like query, got ", dtype_name(v.dtype()));
 }
 
 // Kernels read rows with unit stride; other strides are free.
@@ -87,22 +90,24 @@ namespace heads {
 
 namespace {
 
-SdpaResult run_f32(const kernels::SdpaProblem& P, const Tensor& out, const Tensor& q,
-                   const Tensor& k, const Tensor& v) {
+SdpaResult run(const kernels::SdpaProblem& P, const Tensor& out, const Tensor& q, const Tensor& k,
+               const Tensor& v) {
   using namespace kernels;
   const char* op = "sdpa";
-  check_f32_inputs(op, q, k, v);
+  check_dtypes(op, q, k, v);
   const Shape want{P.B, P.H, P.Lq, P.Dv};
-  HEADS_CHECK(out.defined() && out.dtype() == DType::F32 && out.shape() == want, op,
-              ": out: expected f32 [B, H, Lq, Dv] = ", want, ", got ",
-              out.defined() ? out.shape() : Shape{});
+  HEADS_CHECK(out.defined() && out.dtype() == q.dtype() && out.shape() == want, op, ": out: expected ",
+              dtype_name(q.dtype()), " [B, H, Lq, Dv] = ", want, ", got ",
+              out.defined() ? std::string(dtype_name(out.dtype())) + " " + shape_str(out.shape())
+                            : std::string("none"));
   HEADS_CHECK(out.stride(-1) == 1 || P.Dv == 1, op,
               ": out: innermost stride must be 1, got strides ", out.strides());
   SdpaResult r;
   r.out = out;
   r.lse = Tensor::empty({P.B, P.H, P.Lq}, DType::F32);
   if (P.need_weights) r.weights = Tensor::empty({P.B, P.H, P.Lq, P.Lk}, DType::F32);
-  active().sdpa_fwd_f32(P, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
+  const auto fwd = q.dtype() == DType::BF16 ? active().sdpa_fwd_bf16 : active().sdpa_fwd_f32;
+  fwd(P, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
   return r;
 }
 
@@ -110,12 +115,12 @@ SdpaResult run_f32(const kernels::SdpaProblem& P, const Tensor& out, const Tenso
 
 SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                     const SdpaOptions& opts) {
-  return run_f32(kernels::make_sdpa_problem("sdpa", q, k, v, opts), out, q, k, v);
+  return run(kernels::make_sdpa_problem("sdpa", q, k, v, opts), out, q, k, v);
 }
 
 SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opts) {
   const kernels::SdpaProblem P = kernels::make_sdpa_problem("sdpa", q, k, v, opts);
-  return run_f32(P, Tensor::empty({P.B, P.H, P.Lq, P.Dv}, DType::F32), q, k, v);
+  return run(P, Tensor::empty({P.B, P.H, P.Lq, P.Dv}, q.dtype()), q, k, v);
 }
 
 }  // namespace heads

@@ -24,9 +24,19 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Rows of f32 or bf16 (uint16_t bits) as f32 vectors.
+HEADS_INLINE VR load_row(const float* p) { return Vec::loadu(p); }
+HEADS_INLINE VR load_row(const uint16_t* p) { return Vec::loadu_bf16(p); }
+HEADS_INLINE VR load_row_partial(const float* p, int64_t n) { return Vec::load_partial(p, n); }
+HEADS_INLINE VR load_row_partial(const uint16_t* p, int64_t n) { return Vec::load_partial_bf16(p, n); }
+HEADS_INLINE float to_f32(float x) { return x; }
+HEADS_INLINE float to_f32(uint16_t x) { return bf16_to_f32(x); }
+HEADS_INLINE void from_f32(float x, float* p) { *p = x; }
+HEADS_INLINE void from_f32(float x, uint16_t* p) { *p = f32_to_bf16(x); }
+
 struct Setup {
   const SdpaProblem& P;
-  const float *q, *k, *v;
+  const void *q, *k, *v;
   int64_t qs[3], ks[3], vs[3];
   int64_t rows, Dp, Dvp;  // query rows per kv head; D and Dv padded to whole vectors
   int64_t chunk, n_chunks;
@@ -35,24 +45,26 @@ struct Setup {
 };
 
 // Partial sums (one vector) of the dot product of a K row with a padded, pre-scaled query row.
-HEADS_INLINE VR dot_partial(const float* kj, const float* qr, int64_t D) {
+template <class T>
+HEADS_INLINE VR dot_partial(const T* kj, const float* qr, int64_t D) {
   VR a0 = Vec::zero(), a1 = Vec::zero();
   int64_t d = 0;
   for (; d + 2 * kW <= D; d += 2 * kW) {
-    a0 = Vec::fma(Vec::loadu(kj + d), Vec::load(qr + d), a0);
-    a1 = Vec::fma(Vec::loadu(kj + d + kW), Vec::load(qr + d + kW), a1);
+    a0 = Vec::fma(load_row(kj + d), Vec::load(qr + d), a0);
+    a1 = Vec::fma(load_row(kj + d + kW), Vec::load(qr + d + kW), a1);
   }
   if (d + kW <= D) {
-    a0 = Vec::fma(Vec::loadu(kj + d), Vec::load(qr + d), a0);
+    a0 = Vec::fma(load_row(kj + d), Vec::load(qr + d), a0);
     d += kW;
   }
-  if (d < D) a1 = Vec::fma(Vec::load_partial(kj + d, D - d), Vec::load(qr + d), a1);
+  if (d < D) a1 = Vec::fma(load_row_partial(kj + d, D - d), Vec::load(qr + d), a1);
   return Vec::add(a0, a1);
 }
 
 // Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
 // sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf.
-inline void row_scores(const Setup& S, const float* kh, const float* qr, int64_t b, int64_t h,
+template <class T>
+inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, int64_t h,
                        int64_t i, int64_t j0, int64_t nk, float* sr) {
   const SdpaProblem& P = S.P;
   // Causal hides a suffix of the block: only keys [j0, j0 + nv) are computed.
@@ -83,8 +95,8 @@ inline void row_scores(const Setup& S, const float* kh, const float* qr, int64_t
 }
 
 // O row += sum_j p[j] · V[j] for nk keys, the row held in NV registers.
-template <int NV>
-HEADS_INLINE void pv_row_regs(const float* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv,
+template <int NV, class T>
+HEADS_INLINE void pv_row_regs(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv,
                               float* orow) {
   VR acc[NV];
 #pragma GCC unroll 16
@@ -93,18 +105,18 @@ HEADS_INLINE void pv_row_regs(const float* vh, int64_t vs, const float* p, int64
   for (int64_t j = 0; j < nk; ++j) {
     if (p[j] == 0.0f) continue;
     const VR pv = Vec::set1(p[j]);
-    const float* vj = vh + j * vs;
+    const T* vj = vh + j * vs;
 #pragma GCC unroll 16
-    for (int c = 0; c < NV - 1; ++c) acc[c] = Vec::fma(pv, Vec::loadu(vj + c * kW), acc[c]);
-    const float* vl = vj + (NV - 1) * kW;
-    acc[NV - 1] = Vec::fma(pv, tail == kW ? Vec::loadu(vl) : Vec::load_partial(vl, tail), acc[NV - 1]);
+    for (int c = 0; c < NV - 1; ++c) acc[c] = Vec::fma(pv, load_row(vj + c * kW), acc[c]);
+    const T* vl = vj + (NV - 1) * kW;
+    acc[NV - 1] = Vec::fma(pv, tail == kW ? load_row(vl) : load_row_partial(vl, tail), acc[NV - 1]);
   }
 #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) Vec::store(orow + c * kW, acc[c]);
 }
 
-template <int NV>
-HEADS_INLINE bool pv_row_dispatch(int64_t nv, const float* vh, int64_t vs, const float* p,
+template <int NV, class T>
+HEADS_INLINE bool pv_row_dispatch(int64_t nv, const T* vh, int64_t vs, const float* p,
                                   int64_t nk, int64_t Dv, float* orow) {
   if constexpr (NV > 0) {
     if (nv == NV) {
@@ -116,21 +128,23 @@ HEADS_INLINE bool pv_row_dispatch(int64_t nv, const float* vh, int64_t vs, const
   return false;
 }
 
-inline void pv_row(const float* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* orow) {
+template <class T>
+inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* orow) {
   const int64_t nv = (Dv + kW - 1) / kW;
   if (pv_row_dispatch<256 / kW>(nv, vh, vs, p, nk, Dv, orow)) return;
   for (int64_t j = 0; j < nk; ++j) {  // wide heads: accumulate through memory
     if (p[j] == 0.0f) continue;
     const VR pv = Vec::set1(p[j]);
-    const float* vj = vh + j * vs;
+    const T* vj = vh + j * vs;
     int64_t d = 0;
-    for (; d + kW <= Dv; d += kW) Vec::store(orow + d, Vec::fma(pv, Vec::loadu(vj + d), Vec::load(orow + d)));
-    if (d < Dv) Vec::store(orow + d, Vec::fma(pv, Vec::load_partial(vj + d, Dv - d), Vec::load(orow + d)));
+    for (; d + kW <= Dv; d += kW) Vec::store(orow + d, Vec::fma(pv, load_row(vj + d), Vec::load(orow + d)));
+    if (d < Dv) Vec::store(orow + d, Vec::fma(pv, load_row_partial(vj + d, Dv - d), Vec::load(orow + d)));
   }
 }
 
 // Scaled (log2 units), masked score of row r against key j (the weights sweep).
-HEADS_INLINE float score(const Setup& S, const float* kh, const float* qrow, int64_t b, int64_t h,
+template <class T>
+HEADS_INLINE float score(const Setup& S, const T* kh, const float* qrow, int64_t b, int64_t h,
                          int64_t i, int64_t j) {
   const SdpaProblem& P = S.P;
   if (!P.visible_causal(i, j)) return -kInf;
@@ -146,24 +160,26 @@ HEADS_INLINE float score(const Setup& S, const float* kh, const float* qrow, int
 }
 
 // Packs the query rows of (b, hk) as [rows][Dp], times scale·log2(e), zero padded.
+template <class T>
 inline void pack_queries(const Setup& S, int64_t b, int64_t hk, float* qp) {
   const SdpaProblem& P = S.P;
   const float c = static_cast<float>(P.scale) * kLog2e;
   for (int64_t r = 0; r < S.rows; ++r) {
     const int64_t h = hk * P.group() + S.head(r);
-    const float* src = S.q + b * S.qs[0] + h * S.qs[1] + S.pos(r) * S.qs[2];
-    for (int64_t d = 0; d < S.Dp; ++d) qp[r * S.Dp + d] = d < P.D ? src[d] * c : 0.0f;
+    const T* src = static_cast<const T*>(S.q) + b * S.qs[0] + h * S.qs[1] + S.pos(r) * S.qs[2];
+    for (int64_t d = 0; d < S.Dp; ++d) qp[r * S.Dp + d] = d < P.D ? to_f32(src[d]) * c : 0.0f;
   }
 }
 
 // Partial attention of every row of (b, hk) over keys [j0, j1): m, l, O (unnormalised).
+template <class T>
 inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
                   float* s, float* m, float* l, float* o) {
   const SdpaProblem& P = S.P;
-  const float* kh = S.k + b * S.ks[0] + hk * S.ks[1];
-  const float* vh = S.v + b * S.vs[0] + hk * S.vs[1];
+  const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
+  const T* vh = static_cast<const T*>(S.v) + b * S.vs[0] + hk * S.vs[1];
   const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
-  pack_queries(S, b, hk, qp);
+  pack_queries<T>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     m[r] = -kInf;
     l[r] = 0.0f;
@@ -222,12 +238,13 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
 
 // Weights of every row of (b, hk) for keys [j0, j1), from the final lse (log2 units, +inf for
 // rows that see nothing).
+template <class T>
 inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
                           const float* lse2, float* w) {
   const SdpaProblem& P = S.P;
-  const float* kh = S.k + b * S.ks[0] + hk * S.ks[1];
+  const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
   const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
-  pack_queries(S, b, hk, qp);
+  pack_queries<T>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
     float* wrow = w + ((b * P.H + h) * P.Lq + i) * P.Lk;
@@ -243,11 +260,12 @@ inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int
 
 }  // namespace dec
 
-inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& out, const Tensor& lse, const Tensor& weights) {
+template <class T>
+inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, const Tensor& weights) {
   using namespace dec;
   if (P.B == 0 || P.H == 0 || P.Lq == 0) return;
-  Setup S{P, q.data<float>(), k.data<float>(), v.data<float>(), {}, {}, {}, 0, 0, 0, 0, 0};
+  Setup S{P, q.raw_data(), k.raw_data(), v.raw_data(), {}, {}, {}, 0, 0, 0, 0, 0};
   for (int d = 0; d < 3; ++d) {
     S.qs[d] = q.stride(d);
     S.ks[d] = k.stride(d);
@@ -270,11 +288,11 @@ inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor&
   std::vector<float> po(static_cast<size_t>(n_tasks * S.rows * S.Dvp + 16));
   float* po_base = po.data() + (16 - (reinterpret_cast<uintptr_t>(po.data()) / 4) % 16) % 16;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
-  const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock, 16);
+  const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock + S.Dvp, 16);
   std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
   float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
   float* lse_p = lse.data<float>();
-  float* out_p = out.data<float>();
+  T* out_p = static_cast<T*>(out.raw_data());
   const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
 
 #pragma omp parallel num_threads(n_threads)
@@ -285,7 +303,7 @@ inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor&
     for (int64_t t = 0; t < n_tasks; ++t) {
       const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
       const int64_t j0 = c * S.chunk, j1 = std::min(P.Lk, j0 + S.chunk);
-      chunk(S, bh / P.Hkv, bh % P.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
+      chunk<T>(S, bh / P.Hkv, bh % P.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
             pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp);
     }
     // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
@@ -296,8 +314,8 @@ inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor&
         float m = -kInf;
         for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, pm[(bh * S.n_chunks + c) * S.rows + r]);
         const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
-        float* orow = out_p + b * os[0] + h * os[1] + i * os[2];
-        for (int64_t d = 0; d < P.Dv; ++d) orow[d] = 0.0f;
+        float* acc = sc + S.rows * kBlock;  // this thread's scratch: [Dv] merged O row
+        for (int64_t d = 0; d < P.Dv; ++d) acc[d] = 0.0f;
         float l = 0.0f;
         if (m != -kInf) {
           for (int64_t c = 0; c < S.n_chunks; ++c) {
@@ -306,11 +324,12 @@ inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor&
             const float f = std::exp2(pm[t * S.rows + r] - m);
             l += pl[t * S.rows + r] * f;
             const float* oc = po_base + (t * S.rows + r) * S.Dvp;
-            for (int64_t d = 0; d < P.Dv; ++d) orow[d] += oc[d] * f;
+            for (int64_t d = 0; d < P.Dv; ++d) acc[d] += oc[d] * f;
           }
         }
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t d = 0; d < P.Dv; ++d) orow[d] *= inv;
+        T* orow = out_p + b * os[0] + h * os[1] + i * os[2];
+        for (int64_t d = 0; d < P.Dv; ++d) from_f32(acc[d] * inv, orow + d);
         lse_p[(b * P.H + h) * P.Lq + i] = l > 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
       }
     }
@@ -326,7 +345,7 @@ inline void sdpa_decode_f32(const SdpaProblem& P, const Tensor& q, const Tensor&
           lse2[r] = x == -kInf ? kInf : x * kLog2e;
         }
         const int64_t j0 = c * S.chunk, j1 = std::min(P.Lk, j0 + S.chunk);
-        weights_chunk(S, b, hk, j0, j1, qp, lse2, w);
+        weights_chunk<T>(S, b, hk, j0, j1, qp, lse2, w);
       }
     }
   }

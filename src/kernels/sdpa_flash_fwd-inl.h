@@ -20,6 +20,10 @@
 //   when requested (a second sweep from the final lse).
 // Parallel: over (B, H, query tile), heaviest causal tiles first; each row is computed by one
 //   task in a fixed order, so the output is bitwise independent of the thread count.
+// Precision: the tile loop is a template over a policy that packs Q, runs the two products and
+//   stores O: F32; Bf16Widen (bf16 inputs widened to f32 as they are read, for every ISA); and,
+//   in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S, softmax and O stay
+//   f32 in all of them.
 // Reference: ref::sdpa_fwd_f64 in sdpa_ref.cc.
 
 namespace fwd {
@@ -31,20 +35,29 @@ constexpr int64_t kTQ = kNQ * kW;    // queries per tile
 constexpr int64_t kTK = 64;          // keys per block
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// Inputs are f32 or bf16 (uint16_t bits); widen() gives the f32 value.
+HEADS_INLINE float widen(float x) { return x; }
+HEADS_INLINE float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // S rows r < R:  S[r][:] = sum_d K[r][d] · Qt[d][:];  mx = max(mx, S[r][:]) when mx != nullptr.
-template <int R>
-HEADS_INLINE void qk_rows(const float* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
+template <int R, class T>
+HEADS_INLINE void qk_rows(const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
   VR acc[R][kNQ];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
-  const float* kr[R];
+  const T* kr[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) kr[r] = k + r * ks;
   for (int64_t d = 0; d < D; ++d) {
     const VR b0 = Vec::load(qt + d * kTQ), b1 = Vec::load(qt + d * kTQ + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const VR x = Vec::set1(kr[r][d]);
+      const VR x = Vec::set1(widen(kr[r][d]));
       acc[r][0] = Vec::fma(x, b0, acc[r][0]);
       acc[r][1] = Vec::fma(x, b1, acc[r][1]);
     }
@@ -61,8 +74,8 @@ HEADS_INLINE void qk_rows(const float* k, int64_t ks, const float* qt, int64_t D
 }
 
 // Ot rows r < R (head-dim entries d0 + r):  Ot[r][:] = Ot[r][:] · alpha + sum_j V[j][r] · P[j][:].
-template <int R>
-HEADS_INLINE void pv_rows(const float* v, int64_t vs, const float* p, int64_t nk, float* ot,
+template <int R, class T>
+HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
                           const VR* alpha) {
   VR acc[R][kNQ];
 #pragma GCC unroll 16
@@ -72,10 +85,10 @@ HEADS_INLINE void pv_rows(const float* v, int64_t vs, const float* p, int64_t nk
   }
   for (int64_t j = 0; j < nk; ++j) {
     const VR b0 = Vec::load(p + j * kTQ), b1 = Vec::load(p + j * kTQ + kW);
-    const float* vj = v + j * vs;
+    const T* vj = v + j * vs;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const VR x = Vec::set1(vj[r]);
+      const VR x = Vec::set1(widen(vj[r]));
       acc[r][0] = Vec::fma(x, b0, acc[r][0]);
       acc[r][1] = Vec::fma(x, b1, acc[r][1]);
     }
@@ -88,31 +101,32 @@ HEADS_INLINE void pv_rows(const float* v, int64_t vs, const float* p, int64_t nk
 }
 
 // Runs rows [0, n) in steps of R, the remainder through the smaller instantiations.
-template <int R>
-HEADS_INLINE void qk_tail(int64_t n, const float* k, int64_t ks, const float* qt, int64_t D,
-                          float* s, VR* mx) {
+template <int R, class T>
+HEADS_INLINE void qk_tail(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s,
+                          VR* mx) {
   if constexpr (R > 0) {
     if (n == R) return qk_rows<R>(k, ks, qt, D, s, mx);
     qk_tail<R - 1>(n, k, ks, qt, D, s, mx);
   }
 }
-inline void qk_block(int64_t n, const float* k, int64_t ks, const float* qt, int64_t D, float* s,
-                     VR* mx) {
+template <class T>
+inline void qk_block(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
   constexpr int R = Vec::kRowsQK;
   int64_t r = 0;
   for (; r + R <= n; r += R) qk_rows<R>(k + r * ks, ks, qt, D, s + r * kTQ, mx);
   if (r < n) qk_tail<R - 1>(n - r, k + r * ks, ks, qt, D, s + r * kTQ, mx);
 }
 
-template <int R>
-HEADS_INLINE void pv_tail(int64_t n, const float* v, int64_t vs, const float* p, int64_t nk,
-                          float* ot, const VR* alpha) {
+template <int R, class T>
+HEADS_INLINE void pv_tail(int64_t n, const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
+                          const VR* alpha) {
   if constexpr (R > 0) {
     if (n == R) return pv_rows<R>(v, vs, p, nk, ot, alpha);
     pv_tail<R - 1>(n, v, vs, p, nk, ot, alpha);
   }
 }
-inline void pv_block(int64_t Dv, const float* v, int64_t vs, const float* p, int64_t nk, float* ot,
+template <class T>
+inline void pv_block(int64_t Dv, const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
                      const VR* alpha) {
   constexpr int R = Vec::kRowsPV;
   int64_t d = 0;
@@ -123,10 +137,7 @@ inline void pv_block(int64_t Dv, const float* v, int64_t vs, const float* p, int
 struct Tile {
   const SdpaProblem& P;
   int64_t b, h, hk, i0, nq;
-  const float* k;  // key rows of head hk, stride ks
-  const float* v;  // value rows of head hk, stride vs
-  int64_t ks, vs;
-  float* tmp;      // [kTQ] scratch for gathered mask values
+  float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
 // Applies causal and attn_mask to S rows [0, nk) (keys j0 + r), folding in the running max.
@@ -178,37 +189,87 @@ inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
 }
 
 struct Scratch {
-  float* qt;   // [D][kTQ]
+  float* qt;   // [D][kTQ] (a policy may store another layout in the same space)
   float* s;    // [kTK][kTQ]
   float* ot;   // [Dv][kTQ]
   float* tmp;  // [kTQ]
-  static int64_t floats(int64_t D, int64_t Dv) { return (D + kTK + Dv + 1) * kTQ; }
+  float* aux;  // policy scratch: [kTK][kTQ + Dv + W] floats
+  static int64_t floats(int64_t D, int64_t Dv) {
+    return (D + kTK + Dv + 1) * kTQ + kTK * (kTQ + Dv + kW);
+  }
 };
 
-inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs, const float* kb,
-                         const int64_t* ks, const float* vb, const int64_t* vs, float* out,
-                         const int64_t* os, float* lse, float* weights, int64_t b, int64_t h,
-                         int64_t qt_index, const Scratch& W) {
+// f32 and widened-bf16 inputs: the f32 micro-kernels, reading K and V in place.
+template <class T>
+struct Widen {
+  using In = T;
+  // Qt[d][l] = q[l][d] · c for l < nq, else 0 (q0: first query row, row stride qs2).
+  static void pack_q(const T* q0, int64_t qs2, int64_t nq, int64_t D, float c, float* qt) {
+    for (int v = 0; v < kNQ; ++v) {
+      const int64_t l0 = v * kW;
+      int64_t d0 = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        if (l0 + kW <= nq) {  // W whole query rows: transpose W x W blocks
+          for (; d0 + kW <= D; d0 += kW) {
+            Vec::transpose_scaled(q0 + l0 * qs2 + d0, qs2, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
+          }
+        }
+      }
+      for (int64_t l = l0; l < l0 + kW; ++l) {
+        for (int64_t d = d0; d < D; ++d) qt[d * kTQ + l] = l < nq ? widen(q0[l * qs2 + d]) * c : 0.0f;
+      }
+    }
+  }
+  static void qk(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
+    qk_block(n, k, ks, qt, D, s, mx);
+  }
+  static void pv(int64_t Dv, const T* v, int64_t vs, float* p, int64_t nk, float* ot,
+                 const VR* alpha, float* /*aux*/) {
+    pv_block(Dv, v, vs, p, nk, ot, alpha);
+  }
+  // out[l][d] = Ot[d][l] · inv_l[l] for l < nq.
+  static void store_out(const float* ot, const float* inv_l, int64_t nq, int64_t Dv, T* o0,
+                        int64_t os2) {
+    for (int v = 0; v < kNQ; ++v) {
+      const int64_t l0 = v * kW;
+      if (l0 >= nq) break;
+      int64_t d0 = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        if (l0 + kW <= nq) {  // W whole output rows: transpose W x W blocks of Ot / l
+          for (; d0 + kW <= Dv; d0 += kW) {
+            Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, o0 + l0 * os2 + d0, os2, Vec::load(inv_l + l0));
+          }
+        }
+      }
+      for (int64_t r = l0; r < std::min(nq, l0 + kW); ++r) {
+        for (int64_t d = d0; d < Dv; ++d) {
+          const float x = ot[d * kTQ + r] * inv_l[r];
+          if constexpr (std::is_same_v<T, float>) {
+            o0[r * os2 + d] = x;
+          } else {
+            o0[r * os2 + d] = f32_to_bf16(x);
+          }
+        }
+      }
+    }
+  }
+};
+
+template <class Pol>
+inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const int64_t* qs,
+                         const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
+                         const int64_t* vs, typename Pol::In* out, const int64_t* os, float* lse,
+                         float* weights, int64_t b, int64_t h, int64_t qt_index, const Scratch& W) {
+  using T = typename Pol::In;
   const int64_t hk = h / P.group();
   const int64_t i0 = qt_index * kTQ, nq = std::min(P.Lq - i0, kTQ);
   const int64_t jend = P.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
-  const Tile t{P, b, h, hk, i0, nq, kb + b * ks[0] + hk * ks[1], vb + b * vs[0] + hk * vs[1],
-               ks[2], vs[2], W.tmp};
-  // Qt[d][l] = q[i0 + l][d] · scale · log2(e); lanes past the last query are 0.
-  const float c = static_cast<float>(P.scale) * kLog2e;
-  const float* q0 = q + b * qs[0] + h * qs[1] + i0 * qs[2];
-  for (int v = 0; v < kNQ; ++v) {
-    const int64_t l0 = v * kW;
-    int64_t d0 = 0;
-    if (l0 + kW <= nq) {  // W whole query rows: transpose W x W blocks
-      for (; d0 + kW <= P.D; d0 += kW) {
-        Vec::transpose_scaled(q0 + l0 * qs[2] + d0, qs[2], W.qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
-      }
-    }
-    for (int64_t l = l0; l < l0 + kW; ++l) {
-      for (int64_t d = d0; d < P.D; ++d) W.qt[d * kTQ + l] = l < nq ? q0[l * qs[2] + d] * c : 0.0f;
-    }
-  }
+  const Tile t{P, b, h, hk, i0, nq, W.tmp};
+  const T* kh = kb + b * ks[0] + hk * ks[1];
+  const T* vh = vb + b * vs[0] + hk * vs[1];
+  // Qt = Q_i^T · scale · log2(e), zero lanes past the last query.
+  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, P.D,
+              static_cast<float>(P.scale) * kLog2e, W.qt);
   std::fill(W.ot, W.ot + P.Dv * kTQ, 0.0f);
   VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
   VR l[kNQ] = {Vec::zero(), Vec::zero()};
@@ -219,7 +280,7 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
     const bool masked = causal_here || P.mask_kind != MaskKind::None;
     // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
     VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
-    qk_block(nk, t.k + j0 * t.ks, t.ks, W.qt, P.D, W.s, masked ? nullptr : mx);
+    Pol::qk(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, masked ? nullptr : mx);
     if (masked) apply_masks(t, j0, nk, causal_here, W.s, mx);
     // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
     VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
@@ -240,31 +301,17 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
     for (int v = 0; v < kNQ; ++v) l[v] = Vec::fma(l[v], alpha[v], sum[v]);
     if (P.dropout_p > 0.0) apply_dropout(t, j0, nk, W.s);
     // 4. O = O·2^(m - m_new) + P V_j
-    pv_block(P.Dv, t.v + j0 * t.vs, t.vs, W.s, nk, W.ot, alpha);
+    Pol::pv(P.Dv, vh + j0 * vs[2], vs[2], W.s, nk, W.ot, alpha, W.aux);
   }
 
   // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf.
-  alignas(64) float m_l[kTQ], l_l[kTQ];
+  alignas(64) float m_l[kTQ], l_l[kTQ], inv_l[kTQ];
   for (int v = 0; v < kNQ; ++v) {
     Vec::store(m_l + v * kW, m[v]);
     Vec::store(l_l + v * kW, l[v]);
   }
-  alignas(64) float inv_l[kTQ];
   for (int64_t r = 0; r < kTQ; ++r) inv_l[r] = l_l[r] > 0.0f ? 1.0f / l_l[r] : 0.0f;
-  float* o0 = out + b * os[0] + h * os[1] + i0 * os[2];
-  for (int v = 0; v < kNQ; ++v) {
-    const int64_t l0 = v * kW;
-    if (l0 >= nq) break;
-    int64_t d0 = 0;
-    if (l0 + kW <= nq) {  // W whole output rows: transpose W x W blocks of Ot / l
-      for (; d0 + kW <= P.Dv; d0 += kW) {
-        Vec::transpose_scaled(W.ot + d0 * kTQ + l0, kTQ, o0 + l0 * os[2] + d0, os[2], Vec::load(inv_l + l0));
-      }
-    }
-    for (int64_t r = l0; r < std::min(nq, l0 + kW); ++r) {
-      for (int64_t d = d0; d < P.Dv; ++d) o0[r * os[2] + d] = W.ot[d * kTQ + r] * inv_l[r];
-    }
-  }
+  Pol::store_out(W.ot, inv_l, nq, P.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
   for (int64_t r = 0; r < nq; ++r) {
     lse[(b * P.H + h) * P.Lq + i0 + r] = l_l[r] > 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
   }
@@ -282,7 +329,7 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
     if (nv > 0) {
       const bool causal_here = P.causal && j0 + nv - 1 > i0 + P.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-      qk_block(nv, t.k + j0 * t.ks, t.ks, W.qt, P.D, W.s, nullptr);
+      Pol::qk(nv, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
       if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, W.s, mx);
       for (int64_t r = 0; r < nv; ++r) {
         for (int v = 0; v < kNQ; ++v) {
@@ -299,20 +346,19 @@ inline void forward_tile(const SdpaProblem& P, const float* q, const int64_t* qs
   }
 }
 
-}  // namespace fwd
-
-inline void sdpa_tiled_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, const Tensor& weights) {
-  using namespace fwd;
+template <class Pol>
+inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  using T = typename Pol::In;
   if (P.B == 0 || P.H == 0 || P.Lq == 0) return;
   const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
   const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
   const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
   const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
-  const float* qp = q.data<float>();
-  const float* kp = k.data<float>();
-  const float* vp = v.data<float>();
-  float* op = out.data<float>();
+  const T* qp = static_cast<const T*>(q.raw_data());
+  const T* kp = static_cast<const T*>(k.raw_data());
+  const T* vp = static_cast<const T*>(v.raw_data());
+  T* op = static_cast<T*>(out.raw_data());
   float* lp = lse.data<float>();
   float* wp = weights.defined() ? weights.data<float>() : nullptr;
   const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
@@ -328,13 +374,26 @@ inline void sdpa_tiled_f32(const SdpaProblem& P, const Tensor& q, const Tensor& 
   {
     float* base = arena + per * omp_get_thread_num();
     const Scratch W{base, base + P.D * kTQ, base + (P.D + kTK) * kTQ,
-                    base + (P.D + kTK + P.Dv) * kTQ};
+                    base + (P.D + kTK + P.Dv) * kTQ, base + (P.D + kTK + P.Dv + 1) * kTQ};
     // Causal tiles grow with the query index: hand out the heaviest first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t qt = P.causal ? n_qt - 1 - task / (P.B * P.H) : task % n_qt;
       const int64_t bh = P.causal ? task % (P.B * P.H) : task / n_qt;
-      forward_tile(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, W);
+      forward_tile<Pol>(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, W);
     }
   }
+}
+
+}  // namespace fwd
+
+inline void sdpa_tiled_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  fwd::sdpa_tiled<fwd::Widen<float>>(P, q, k, v, out, lse, weights);
+}
+
+inline void sdpa_tiled_bf16_widen(const SdpaProblem& P, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  const Tensor& weights) {
+  fwd::sdpa_tiled<fwd::Widen<uint16_t>>(P, q, k, v, out, lse, weights);
 }

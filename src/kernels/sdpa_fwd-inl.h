@@ -11,8 +11,19 @@ constexpr int64_t kMaxDecodeLq = 4;
 inline void sdpa_fwd_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& out, const Tensor& lse, const Tensor& weights) {
   if (P.Lq <= kMaxDecodeLq) {
-    sdpa_decode_f32(P, q, k, v, out, lse, weights);
+    sdpa_decode<float>(P, q, k, v, out, lse, weights);
   } else {
     sdpa_tiled_f32(P, q, k, v, out, lse, weights);
+  }
+}
+
+// bf16 q, k, v and out (f32 accumulation). The tiled part widens bf16 to f32 as it reads;
+// isa_avx512bf16.cc replaces it with vdpbf16ps kernels where the CPU has them.
+inline void sdpa_fwd_bf16(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  if (P.Lq <= kMaxDecodeLq) {
+    sdpa_decode<uint16_t>(P, q, k, v, out, lse, weights);
+  } else {
+    sdpa_tiled_bf16_widen(P, q, k, v, out, lse, weights);
   }
 }

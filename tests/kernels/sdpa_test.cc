@@ -301,6 +301,70 @@ TEST(Sdpa, ResultIndependentOfThreadCount) {
   set_num_threads(saved);
 }
 
+// bf16 inputs, f32 accumulation: within twice the error of a plain bf16 computation (P and the
+// output rounded to bf16), both measured against float64 on the same bf16 inputs (STYLE.md).
+double naive_bf16_error(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& o,
+                        const SdpaResult& ref) {
+  // Naive: exact softmax weights rounded to bf16, products summed in f32, output rounded.
+  const Tensor w = ref.weights;  // f64 [B, H, Lq, Lk]
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
+  const int64_t group = H / k.size(1);
+  double err = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Lq; ++i)
+        for (int64_t d = 0; d < Dv; ++d) {
+          float acc = 0;
+          for (int64_t j = 0; j < Lk; ++j) {
+            const float p = bf16_to_f32(f32_to_bf16(static_cast<float>(w.item_as_double({b, h, i, j}))));
+            acc += p * static_cast<float>(v.item_as_double({b, h / group, j, d}));
+          }
+          const double naive = bf16_to_f32(f32_to_bf16(acc));
+          err = std::max(err, std::fabs(naive - ref.out.item_as_double({b, h, i, d})));
+        }
+  (void)o;
+  return err;
+}
+
+TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
+  struct Case { int64_t B, H, Hkv, Lq, Lk, D, Dv; };
+  IsaGuard guard;
+  int n = 0;
+  for (const Case& c : {Case{1, 2, 2, 7, 129, 64, 64}, Case{2, 4, 2, 129, 64, 63, 80},
+                        Case{1, 1, 1, 64, 7, 128, 128}, Case{1, 4, 1, 1, 1100, 80, 80},
+                        Case{1, 2, 2, 33, 200, 1, 8}, Case{2, 2, 1, 3, 77, 32, 17}}) {
+    for (int variant = 0; variant < 3; ++variant, ++n) {
+      const Tensor q = randn({c.B, c.H, c.Lq, c.D}).to(DType::BF16);
+      const Tensor k = randn({c.B, c.Hkv, c.Lk, c.D}).to(DType::BF16);
+      const Tensor v = randn({c.B, c.Hkv, c.Lk, c.Dv}).to(DType::BF16);
+      SdpaOptions o;
+      o.enable_gqa = c.H != c.Hkv;
+      if (variant == 1) o.attn_mask = testing::rand_bool({c.Lq, c.Lk}, 0.7);
+      if (variant == 2) {
+        o.is_causal = true;
+        o.causal_align = CausalAlign::BottomRight;
+        o.attn_mask = randn({c.B, 1, 1, c.Lk});
+      }
+      o.need_weights = true;
+      const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);  // float64 on the bf16 inputs
+      const double naive = naive_bf16_error(q, k, v, o, ref);
+      const double scale = testing::compare(ref.out, ref.out).max_ref;
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const std::string what = describe(c.B, c.H, c.Hkv, c.Lq, c.Lk, c.D, c.Dv,
+                                          "bf16 variant=" + std::to_string(variant) + " isa=" + isa_name(isa));
+        const SdpaResult r = sdpa(q, k, v, o);
+        ASSERT_EQ(r.out.dtype(), DType::BF16);
+        const auto e = testing::compare(r.out, ref.out);
+        EXPECT_TRUE(!e.nan && e.max_abs <= 2 * naive + 1e-6 * scale)
+            << what << ": error " << e.max_abs << " vs naive bf16 " << naive;
+        // weights stay f32: as tight as the f32 kernel
+        EXPECT_TRUE(testing::compare(r.weights, ref.weights).within(kRtol, kAtol)) << what;
+      }
+    }
+  }
+}
+
 TEST(Dispatch, EveryPathIsSelectableAndNamed) {
   IsaGuard guard;
   const auto isas = supported_isas();
@@ -354,7 +418,9 @@ TEST(Sdpa, BadInputNamesArgumentAndShapes) {
   o.attn_mask = Tensor();
   o.dropout_p = 1.0;
   EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1)"));
-  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::F64), k, v); }), HasSubstr("query: expected f32, got f64"));
+  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::F64), k, v); }), HasSubstr("query: expected f32 or bf16, got f64"));
+  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::BF16), k, v); }),
+              HasSubstr("key: expected bf16 like query, got f32"));
   EXPECT_THAT(error_of([&] { sdpa_out(Tensor::zeros({2, 4, 7, 15}, DType::F32), q, k, v); }),
               HasSubstr("out: expected f32 [B, H, Lq, Dv] = [2, 4, 7, 16]"));
 }

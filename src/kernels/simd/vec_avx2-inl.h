@@ -57,6 +57,15 @@ struct Vec {
     const R z = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
     return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
+  HEADS_INLINE static R loadu_bf16(const uint16_t* p) {  // W bf16 values, widened exactly
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  HEADS_INLINE static R load_partial_bf16(const uint16_t* p, int64_t n) {
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; ++i) tmp[i] = p[i];
+    return loadu_bf16(tmp);
+  }
   HEADS_INLINE static float reduce_add(R x) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -20,6 +20,14 @@ struct Vec {
   HEADS_INLINE static void store_partial(float* p, R x, int64_t n) {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), x);
   }
+  HEADS_INLINE static R loadu_bf16(const uint16_t* p) {  // W bf16 values, widened exactly
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  HEADS_INLINE static R load_partial_bf16(const uint16_t* p, int64_t n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p)), 16));
+  }
   HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
   // dst row c (stride ds) = column c of the W x W block at src (row stride ss), each source row
   // multiplied lane-wise by `scale` first.

@@ -4,7 +4,7 @@
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), loadu/storeu, load_partial/store_partial (first n
-//   lanes; loads zero the rest), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]),
+//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
@@ -41,6 +41,12 @@ struct Vec {
   }
   static void store_partial(float* p, R x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) p[i] = x.v[i];
+  }
+  static R loadu_bf16(const uint16_t* p) { return load_partial_bf16(p, W); }
+  static R load_partial_bf16(const uint16_t* p, int64_t n) {
+    R r = zero();
+    for (int64_t i = 0; i < n; ++i) r.v[i] = bf16_to_f32(p[i]);
+    return r;
   }
   static float reduce_add(R x) {  // pairwise, like the SIMD paths
     for (int w = W / 2; w > 0; w /= 2) {
