@@ -59,7 +59,11 @@ const kernels::KernelTable* table_of(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return &kernels::scalar::kTable;
     case Isa::Avx2: return &kernels::avx2::kTable;
-    case Isa::Avx512: return &kernels::avx512::kTable;
+    case Isa::Avx512:
+#if defined(__x86_64__) || defined(__i386__)
+      if (__builtin_cpu_supports("avx512bf16")) return &kernels::avx512bf16::kTable;
+#endif
+      return &kernels::avx512::kTable;
   }
   return &kernels::scalar::kTable;
 }

@@ -28,6 +28,7 @@ struct KernelTable {
 namespace scalar { extern const KernelTable kTable; }
 namespace avx2 { extern const KernelTable kTable; }
 namespace avx512 { extern const KernelTable kTable; }
+namespace avx512bf16 { extern const KernelTable kTable; }  // avx512 + AVX512_BF16
 
 const KernelTable& active();
 

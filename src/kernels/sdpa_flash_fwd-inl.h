@@ -220,7 +220,9 @@ struct Widen {
       }
     }
   }
-  static void qk(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
+  // S = K · Qt; the scale c is already folded into Qt.
+  static void qk(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float /*c*/, float* s,
+                 VR* mx) {
     qk_block(n, k, ks, qt, D, s, mx);
   }
   static void pv(int64_t Dv, const T* v, int64_t vs, float* p, int64_t nk, float* ot,
@@ -267,9 +269,9 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
   const Tile t{P, b, h, hk, i0, nq, W.tmp};
   const T* kh = kb + b * ks[0] + hk * ks[1];
   const T* vh = vb + b * vs[0] + hk * vs[1];
-  // Qt = Q_i^T · scale · log2(e), zero lanes past the last query.
-  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, P.D,
-              static_cast<float>(P.scale) * kLog2e, W.qt);
+  // Qt = Q_i^T (· c where the policy folds it in), zero lanes past the last query.
+  const float c = static_cast<float>(P.scale) * kLog2e;
+  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, P.D, c, W.qt);
   std::fill(W.ot, W.ot + P.Dv * kTQ, 0.0f);
   VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
   VR l[kNQ] = {Vec::zero(), Vec::zero()};
@@ -280,7 +282,7 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     const bool masked = causal_here || P.mask_kind != MaskKind::None;
     // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
     VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
-    Pol::qk(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, masked ? nullptr : mx);
+    Pol::qk(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, c, W.s, masked ? nullptr : mx);
     if (masked) apply_masks(t, j0, nk, causal_here, W.s, mx);
     // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
     VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
@@ -329,7 +331,7 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     if (nv > 0) {
       const bool causal_here = P.causal && j0 + nv - 1 > i0 + P.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-      Pol::qk(nv, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
+      Pol::qk(nv, kh + j0 * ks[2], ks[2], W.qt, P.D, c, W.s, nullptr);
       if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, W.s, mx);
       for (int64_t r = 0; r < nv; ++r) {
         for (int v = 0; v < kNQ; ++v) {

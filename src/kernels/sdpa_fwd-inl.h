@@ -3,6 +3,9 @@
 
 #include "kernels/sdpa_flash_fwd-inl.h"
 #include "kernels/sdpa_decode-inl.h"
+#ifdef HEADS_NATIVE_BF16
+#include "kernels/sdpa_flash_bf16-inl.h"
+#endif
 
 // Up to this many query rows per head, a queries-on-lanes tile would leave most lanes idle:
 // the decode kernel reads K and V once per key/value head instead.
@@ -24,6 +27,10 @@ inline void sdpa_fwd_bf16(const SdpaProblem& P, const Tensor& q, const Tensor& k
   if (P.Lq <= kMaxDecodeLq) {
     sdpa_decode<uint16_t>(P, q, k, v, out, lse, weights);
   } else {
+#ifdef HEADS_NATIVE_BF16
+    sdpa_tiled_bf16_dot(P, q, k, v, out, lse, weights);
+#else
     sdpa_tiled_bf16_widen(P, q, k, v, out, lse, weights);
+#endif
   }
 }

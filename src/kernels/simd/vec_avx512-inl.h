@@ -32,8 +32,18 @@ struct Vec {
   // dst row c (stride ds) = column c of the W x W block at src (row stride ss), each source row
   // multiplied lane-wise by `scale` first.
   HEADS_INLINE static void transpose_scaled(const float* src, int64_t ss, float* dst, int64_t ds, R scale) {
-    R r[16], a[16], b[16];
+    R r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(_mm512_loadu_ps(src + i * ss), scale);
+    transpose_regs(r, dst, ds);
+  }
+  // The same without arithmetic: moves 32-bit words bit for bit (e.g. pairs of bf16).
+  HEADS_INLINE static void transpose_bits(const float* src, int64_t ss, float* dst, int64_t ds) {
+    R r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+    transpose_regs(r, dst, ds);
+  }
+  HEADS_INLINE static void transpose_regs(const R* r, float* dst, int64_t ds) {
+    R a[16], b[16];
     for (int i = 0; i < 8; ++i) {
       a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
       a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);

@@ -1,0 +1,32 @@
+// isa_avx512bf16.cc — the AVX-512 kernels again, with AVX512_BF16 (vdpbf16ps) for bf16 SDPA.
+// Chosen instead of isa_avx512.cc's table when the CPU has AVX512_BF16.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "heads/runtime.h"
+#include "kernels/dispatch.h"
+#include "kernels/simd/common.h"
+
+// GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
+
+#define HEADS_NATIVE_BF16 1
+namespace heads::kernels::avx512bf16 {
+#include "kernels/simd/vec_avx512-inl.h"
+#include "kernels/sdpa_fwd-inl.h"
+#include "kernels/peak-inl.h"
+
+const KernelTable kTable{Isa::Avx512, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
+}  // namespace heads::kernels::avx512bf16
+#undef HEADS_NATIVE_BF16
+
+#pragma GCC pop_options

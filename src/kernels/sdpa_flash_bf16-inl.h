@@ -1,0 +1,226 @@
+// sdpa_flash_bf16-inl.h — the tiled SDPA's products in bf16 with vdpbf16ps (AVX512_BF16).
+// Included by isa_avx512bf16.cc after sdpa_flash_fwd-inl.h; plugs a policy into its tile loop.
+//
+// vdpbf16ps acc, a, b: f32 lane i += a[2i]·b[2i] + a[2i+1]·b[2i+1] — the two bf16 of a dword are
+// consecutive steps of the reduction. So both products keep pairs along their reduction:
+//   S  = K · Qt:  Qt2 [D/2][kTQ] dwords (q[l][2p], q[l][2p+1]); the K pair (K[j][2p], K[j][2p+1])
+//                 is adjacent in K as stored, so K is still broadcast in place.
+//   O += V2ᵀ · P2: P2 [nk/2][kTQ] dwords (P[2p][l], P[2p+1][l]) from the f32 probabilities;
+//                 V2 [nk/2][Dv] dwords (V[2p][d], V[2p+1][d]), re-laid per key block.
+// q and k stay exact (bf16 inputs); the scale is applied in f32 when S is stored. P is rounded
+// to bf16 for the product (like every bf16 attention kernel); S, softmax, l and O stay f32.
+
+namespace fwd {
+
+HEADS_INLINE __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+HEADS_INLINE uint32_t load_pair(const uint16_t* p) {  // two adjacent bf16 as one dword
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// S rows r < R: S[r][:] = c · sum_p K[r][2p..2p+1] · Qt2[p][:];  mx = max(mx, S rows).
+template <int R>
+HEADS_INLINE void qk_rows_bf(const uint16_t* k, int64_t ks, const uint32_t* qt2, int64_t D, float c,
+                             float* s, VR* mx) {
+  __m512 acc[R][kNQ];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* kr[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) kr[r] = k + r * ks;
+  const int64_t D2 = D / 2;
+  for (int64_t p = 0; p < D2; ++p) {
+    const __m512bh b0 = as_bh(_mm512_load_si512(qt2 + p * kTQ));
+    const __m512bh b1 = as_bh(_mm512_load_si512(qt2 + p * kTQ + kW));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(load_pair(kr[r] + 2 * p))));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  if (D & 1) {  // last pair (q, 0): broadcast the lone K value into both halves
+    const __m512bh b0 = as_bh(_mm512_load_si512(qt2 + D2 * kTQ));
+    const __m512bh b1 = as_bh(_mm512_load_si512(qt2 + D2 * kTQ + kW));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = as_bh(_mm512_set1_epi16(static_cast<short>(kr[r][D - 1])));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  const __m512 cv = _mm512_set1_ps(c);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kNQ; ++v) {
+      const __m512 x = _mm512_mul_ps(acc[r][v], cv);
+      _mm512_store_ps(s + r * kTQ + v * kW, x);
+      if (mx != nullptr) mx[v] = _mm512_max_ps(mx[v], x);
+    }
+  }
+}
+
+// Ot rows r < R: Ot[r][:] = Ot[r][:] · alpha + sum_p V2[p][r] · P2[p][:].
+template <int R>
+HEADS_INLINE void pv_rows_bf(const uint32_t* v2, int64_t v2s, const uint32_t* p2, int64_t nk2,
+                             float* ot, const VR* alpha) {
+  __m512 acc[R][kNQ];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_mul_ps(_mm512_load_ps(ot + r * kTQ), alpha[0]);
+    acc[r][1] = _mm512_mul_ps(_mm512_load_ps(ot + r * kTQ + kW), alpha[1]);
+  }
+  for (int64_t p = 0; p < nk2; ++p) {
+    const __m512bh b0 = as_bh(_mm512_load_si512(p2 + p * kTQ));
+    const __m512bh b1 = as_bh(_mm512_load_si512(p2 + p * kTQ + kW));
+    const uint32_t* vp = v2 + p * v2s;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(vp[r])));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(ot + r * kTQ, acc[r][0]);
+    _mm512_store_ps(ot + r * kTQ + kW, acc[r][1]);
+  }
+}
+
+template <int R>
+HEADS_INLINE void qk_tail_bf(int64_t n, const uint16_t* k, int64_t ks, const uint32_t* qt2, int64_t D,
+                             float c, float* s, VR* mx) {
+  if constexpr (R > 0) {
+    if (n == R) return qk_rows_bf<R>(k, ks, qt2, D, c, s, mx);
+    qk_tail_bf<R - 1>(n, k, ks, qt2, D, c, s, mx);
+  }
+}
+
+template <int R>
+HEADS_INLINE void pv_tail_bf(int64_t n, const uint32_t* v2, int64_t v2s, const uint32_t* p2,
+                             int64_t nk2, float* ot, const VR* alpha) {
+  if constexpr (R > 0) {
+    if (n == R) return pv_rows_bf<R>(v2, v2s, p2, nk2, ot, alpha);
+    pv_tail_bf<R - 1>(n, v2, v2s, p2, nk2, ot, alpha);
+  }
+}
+
+struct Bf16Dot {
+  using In = uint16_t;
+  static constexpr int R = Vec::kRowsQK;
+
+  // Qt2[p][l] = (q[l][2p], q[l][2p+1]) as one dword, (q[l][D-1], 0) for odd D; 0 past nq.
+  // q stays exact: the scale c is applied in f32 when S is stored (see qk).
+  static void pack_q(const uint16_t* q0, int64_t qs2, int64_t nq, int64_t D, float /*c*/, float* space) {
+    auto* qt2 = reinterpret_cast<uint32_t*>(space);
+    const int64_t D2 = D / 2, Dh = (D + 1) / 2;
+    const bool dwords = (qs2 % 2 == 0) && reinterpret_cast<uintptr_t>(q0) % 4 == 0;
+    for (int v = 0; v < kNQ; ++v) {
+      const int64_t l0 = v * kW;
+      int64_t p0 = 0;
+      if (dwords && l0 + kW <= nq) {  // 16 whole rows: transpose 16 x 16 blocks of dwords
+        for (; p0 + kW <= D2; p0 += kW) {
+          Vec::transpose_bits(reinterpret_cast<const float*>(q0 + l0 * qs2 + 2 * p0), qs2 / 2,
+                              reinterpret_cast<float*>(qt2 + p0 * kTQ + l0), kTQ);
+        }
+      }
+      for (int64_t l = l0; l < l0 + kW; ++l) {
+        const uint16_t* row = q0 + l * qs2;
+        for (int64_t p = p0; p < Dh; ++p) {
+          uint32_t w = 0;
+          if (l < nq) w = row[2 * p] | (2 * p + 1 < D ? static_cast<uint32_t>(row[2 * p + 1]) << 16 : 0u);
+          qt2[p * kTQ + l] = w;
+        }
+      }
+    }
+  }
+
+  static void qk(int64_t n, const uint16_t* k, int64_t ks, const float* space, int64_t D, float c,
+                 float* s, VR* mx) {
+    const auto* qt2 = reinterpret_cast<const uint32_t*>(space);
+    int64_t r = 0;
+    for (; r + R <= n; r += R) qk_rows_bf<R>(k + r * ks, ks, qt2, D, c, s + r * kTQ, mx);
+    if (r < n) qk_tail_bf<R - 1>(n - r, k + r * ks, ks, qt2, D, c, s + r * kTQ, mx);
+  }
+
+  static void pv(int64_t Dv, const uint16_t* v, int64_t vs, float* p, int64_t nk, float* ot,
+                 const VR* alpha, float* aux) {
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    alignas(64) static constexpr uint16_t kPairLo[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static constexpr uint16_t kPairHi[32] = {
+        16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+    const __m512i pair_lo = _mm512_load_si512(kPairLo), pair_hi = _mm512_load_si512(kPairHi);
+    const int64_t nk2 = (nk + 1) / 2;
+    const int64_t v2s = (Dv + 31) / 32 * 32;
+    auto* p2 = reinterpret_cast<uint32_t*>(aux);  // [kTK/2][kTQ]
+    uint32_t* v2 = p2 + (kTK / 2) * kTQ;           // [kTK/2][v2s]
+    // P2: rows 2p and 2p+1 of P rounded to bf16 and interleaved.
+    for (int64_t q2 = 0; q2 < nk2; ++q2) {
+      for (int vv = 0; vv < kNQ; ++vv) {
+        const __m512 r0 = _mm512_load_ps(p + 2 * q2 * kTQ + vv * kW);
+        const __m512 r1 = 2 * q2 + 1 < nk ? _mm512_load_ps(p + (2 * q2 + 1) * kTQ + vv * kW) : _mm512_setzero_ps();
+        const __m512i x = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(r1, r0));
+        _mm512_store_si512(p2 + q2 * kTQ + vv * kW, _mm512_permutexvar_epi16(interleave, x));
+      }
+    }
+    // V2: rows 2p and 2p+1 of V interleaved element by element.
+    for (int64_t q2 = 0; q2 < nk2; ++q2) {
+      const uint16_t* a = v + 2 * q2 * vs;
+      const uint16_t* b = 2 * q2 + 1 < nk ? v + (2 * q2 + 1) * vs : nullptr;
+      for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+        const int64_t n = std::min<int64_t>(32, Dv - d0);
+        const __mmask32 m = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
+        const __m512i A = _mm512_maskz_loadu_epi16(m, a + d0);
+        const __m512i B = b ? _mm512_maskz_loadu_epi16(m, b + d0) : _mm512_setzero_si512();
+        _mm512_store_si512(v2 + q2 * v2s + d0, _mm512_permutex2var_epi16(A, pair_lo, B));
+        _mm512_store_si512(v2 + q2 * v2s + d0 + 16, _mm512_permutex2var_epi16(A, pair_hi, B));
+      }
+    }
+    int64_t d = 0;
+    for (; d + R <= Dv; d += R) pv_rows_bf<R>(v2 + d, v2s, p2, nk2, ot + d * kTQ, alpha);
+    if (d < Dv) pv_tail_bf<R - 1>(Dv - d, v2 + d, v2s, p2, nk2, ot + d * kTQ, alpha);
+  }
+
+  // out[l][d] = bf16(Ot[d][l] · inv_l[l]) for l < nq: 16 x 16 transposes, then vcvtneps2bf16.
+  static void store_out(const float* ot, const float* inv_l, int64_t nq, int64_t Dv, uint16_t* o0,
+                        int64_t os2) {
+    alignas(64) float tmp[kW * kW];
+    for (int v = 0; v < kNQ; ++v) {
+      const int64_t l0 = v * kW;
+      if (l0 >= nq) break;
+      const int64_t rows = std::min<int64_t>(kW, nq - l0);
+      for (int64_t d0 = 0; d0 < Dv; d0 += kW) {
+        const int64_t n = std::min<int64_t>(kW, Dv - d0);
+        if (n == kW) {
+          Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, tmp, kW, Vec::load(inv_l + l0));
+        } else {
+          for (int64_t r = 0; r < kW; ++r) {
+            for (int64_t c = 0; c < n; ++c) tmp[r * kW + c] = ot[(d0 + c) * kTQ + l0 + r] * inv_l[l0 + r];
+          }
+        }
+        const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m256i y = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(tmp + r * kW)));
+          _mm256_mask_storeu_epi16(o0 + (l0 + r) * os2 + d0, m, y);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace fwd
+
+inline void sdpa_tiled_bf16_dot(const SdpaProblem& P, const Tensor& q, const Tensor& k,
+                                const Tensor& v, const Tensor& out, const Tensor& lse,
+                                const Tensor& weights) {
+  fwd::sdpa_tiled<fwd::Bf16Dot>(P, q, k, v, out, lse, weights);
+}
