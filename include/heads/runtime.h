@@ -9,9 +9,10 @@ namespace heads {
 
 // Instruction-set paths of the kernels. `scalar` is portable C++ (no intrinsics); every SIMD
 // path is tested against it and against the float64 references.
-enum class Isa { Scalar, Avx2, Avx512 };
+// avx512bf16 is avx512 plus AVX512_BF16 (vdpbf16ps) for bf16 attention.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16 };
 
-std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512"
+std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16"
 Isa isa_from_name(const std::string& s);  // throws heads::Error for an unknown name
 bool isa_supported(Isa isa);              // can this CPU run it?
 std::vector<Isa> supported_isas();        // best last

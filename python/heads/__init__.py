@@ -46,15 +46,6 @@ def _arg(x: Any, name: str) -> Any:
     return np.asarray(x)
 
 
-def _like(result: Any, query: Any) -> Any:
-    """Hand numpy results back as torch tensors when the query was one (zero-copy)."""
-    if result is None or not _is_torch(query):
-        return result
-    import torch
-
-    return torch.from_numpy(result)
-
-
 def sdpa(
     query: Any,
     key: Any,
@@ -71,7 +62,7 @@ def sdpa(
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     query ``[..., Lq, D]``, key ``[..., Lk, D]``, value ``[..., Lk, Dv]`` with up to two leading
-    dims (``[B, H, L, D]``); ``attn_mask`` bool (True = may attend) or float (added), broadcast to
+    dims (``[B, H, L, D]``), float32, or bfloat16 torch tensors (f32 accumulation); ``attn_mask`` bool (True = may attend) or float (added), broadcast to
     ``[..., Lq, Lk]``. Rows that can attend to nothing give zeros (torch gives NaN).
     Extensions: ``need_weights=True`` returns ``(out, weights)``; ``seed`` fixes the dropout mask
     (default: the generator set by ``heads.manual_seed``).
@@ -87,10 +78,9 @@ def sdpa(
         bool(enable_gqa),
         bool(need_weights),
         seed,
+        _is_torch(query),
     )
-    if need_weights:
-        return _like(r[0], query), _like(r[1], query)
-    return _like(r, query)
+    return tuple(r) if need_weights else r
 
 
 class MultiheadAttention:
@@ -187,8 +177,9 @@ class MultiheadAttention:
             _arg(attn_mask, "attn_mask"),
             bool(average_attn_weights),
             bool(is_causal),
+            _is_torch(query),
         )
-        return _like(out, query), _like(weights, query)
+        return out, weights
 
     __call__ = forward
 

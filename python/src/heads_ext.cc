@@ -70,17 +70,26 @@ nb::dlpack::dtype dl_dtype(heads::DType dt) {
   return nb::dtype<float>();
 }
 
-// A numpy array owning (a reference to) the tensor's storage.
-nb::object to_numpy(const heads::Tensor& t) {
+// A numpy array (or torch tensor) owning (a reference to) the tensor's storage; no copy.
+nb::object to_array(const heads::Tensor& t, bool torch) {
   if (!t.defined()) return nb::none();
   auto* keep = new heads::Tensor(t);
   nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<heads::Tensor*>(p); });
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());
   std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
-  nb::ndarray<nb::numpy> arr(t.raw_data(), shape.size(), shape.data(), owner, strides.data(),
-                             dl_dtype(t.dtype()));
-  return arr.cast();
+  if (torch) {
+    return nb::ndarray<nb::pytorch>(t.raw_data(), shape.size(), shape.data(), owner, strides.data(),
+                                    dl_dtype(t.dtype()))
+        .cast();
+  }
+  HEADS_CHECK(t.dtype() != heads::DType::BF16,
+              "numpy has no bfloat16: pass torch tensors for bf16 attention");
+  return nb::ndarray<nb::numpy>(t.raw_data(), shape.size(), shape.data(), owner, strides.data(),
+                                dl_dtype(t.dtype()))
+      .cast();
 }
+
+nb::object to_numpy(const heads::Tensor& t) { return to_array(t, false); }
 
 // torch-style leading batch dims: [L, D] -> [1, 1, L, D], [X, L, D] -> [1, X, L, D].
 heads::Tensor to_4d(heads::Tensor t, const char* name) {
@@ -93,7 +102,7 @@ heads::Tensor to_4d(heads::Tensor t, const char* name) {
 nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
                 const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
                 std::optional<double> scale, bool enable_gqa, bool need_weights,
-                std::optional<uint64_t> seed) {
+                std::optional<uint64_t> seed, bool torch_out) {
   const heads::Tensor q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   const int64_t rank = q.dim();
   HEADS_CHECK(k.dim() == rank && v.dim() == rank, "sdpa: query ", q.shape(), ", key ", k.shape(),
@@ -117,8 +126,8 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
     out = out.squeeze(0);
     if (w.defined()) w = w.squeeze(0);
   }
-  if (!need_weights) return to_numpy(out);
-  return nb::make_tuple(to_numpy(out), to_numpy(w));
+  if (!need_weights) return to_array(out, torch_out);
+  return nb::make_tuple(to_array(out, torch_out), to_array(w, torch_out));
 }
 
 }  // namespace
@@ -138,7 +147,8 @@ NB_MODULE(_heads, m) {
   m.def("manual_seed", &heads::manual_seed, "seed"_a);
   m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
-        "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none());
+        "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
+        "torch_out"_a = false);
 
   nb::class_<heads::MultiheadAttention>(m, "MultiheadAttention")
       .def("__init__",
@@ -190,7 +200,7 @@ NB_MODULE(_heads, m) {
            [](const heads::MultiheadAttention& s, const InArray& query, const InArray& key,
               const InArray& value, const std::optional<InArray>& key_padding_mask,
               bool need_weights, const std::optional<InArray>& attn_mask,
-              bool average_attn_weights, bool is_causal) {
+              bool average_attn_weights, bool is_causal, bool torch_out) {
              heads::MhaForwardArgs a;
              a.key_padding_mask = opt_view(key_padding_mask, "key_padding_mask");
              a.attn_mask = opt_view(attn_mask, "attn_mask");
@@ -204,9 +214,9 @@ NB_MODULE(_heads, m) {
                nb::gil_scoped_release release;
                r = s.forward(q, k, v, a);
              }
-             return nb::make_tuple(to_numpy(r.first), to_numpy(r.second));
+             return nb::make_tuple(to_array(r.first, torch_out), to_array(r.second, torch_out));
            },
            "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = nb::none(),
            "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
-           "is_causal"_a = false);
+           "is_causal"_a = false, "torch_out"_a = false);
 }

@@ -17,15 +17,16 @@ std::string isa_name(Isa isa) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
     case Isa::Avx512: return "avx512";
+    case Isa::Avx512Bf16: return "avx512bf16";
   }
   return "?";
 }
 
 Isa isa_from_name(const std::string& s) {
-  for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}) {
     if (isa_name(i) == s) return i;
   }
-  fail("unknown ISA \"", s, "\" (expected scalar, avx2 or avx512)");
+  fail("unknown ISA \"", s, "\" (expected scalar, avx2, avx512 or avx512bf16)");
 }
 
 bool isa_supported(Isa isa) {
@@ -38,6 +39,8 @@ bool isa_supported(Isa isa) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("fma");
+    case Isa::Avx512Bf16:
+      return isa_supported(Isa::Avx512) && __builtin_cpu_supports("avx512bf16");
 #else
     default: return false;
 #endif
@@ -47,7 +50,7 @@ bool isa_supported(Isa isa) {
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}) {
     if (isa_supported(i)) out.push_back(i);
   }
   return out;
@@ -59,11 +62,8 @@ const kernels::KernelTable* table_of(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return &kernels::scalar::kTable;
     case Isa::Avx2: return &kernels::avx2::kTable;
-    case Isa::Avx512:
-#if defined(__x86_64__) || defined(__i386__)
-      if (__builtin_cpu_supports("avx512bf16")) return &kernels::avx512bf16::kTable;
-#endif
-      return &kernels::avx512::kTable;
+    case Isa::Avx512: return &kernels::avx512::kTable;
+    case Isa::Avx512Bf16: return &kernels::avx512bf16::kTable;
   }
   return &kernels::scalar::kTable;
 }

@@ -1,7 +1,8 @@
 // dispatch.h — CPU detection and the per-ISA kernel table.
 //
-// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512) fills one
-// table; the active table is chosen once from CPUID, or forced by HEADS_ISA=scalar|avx2|avx512
+// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512, avx512bf16)
+// fills one table; the active table is chosen once from CPUID, or forced by
+// HEADS_ISA=scalar|avx2|avx512|avx512bf16
 // (an error if this CPU cannot run it), or by heads::set_isa().
 #pragma once
 

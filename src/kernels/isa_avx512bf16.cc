@@ -1,5 +1,5 @@
 // isa_avx512bf16.cc — the AVX-512 kernels again, with AVX512_BF16 (vdpbf16ps) for bf16 SDPA.
-// Chosen instead of isa_avx512.cc's table when the CPU has AVX512_BF16.
+// The best path on CPUs with AVX512_BF16 (HEADS_ISA=avx512bf16); f32 kernels as in isa_avx512.cc.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -25,7 +25,7 @@ namespace heads::kernels::avx512bf16 {
 #include "kernels/sdpa_fwd-inl.h"
 #include "kernels/peak-inl.h"
 
-const KernelTable kTable{Isa::Avx512, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
+const KernelTable kTable{Isa::Avx512Bf16, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
 }  // namespace heads::kernels::avx512bf16
 #undef HEADS_NATIVE_BF16
 

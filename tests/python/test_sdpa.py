@@ -145,3 +145,22 @@ def test_bad_masks_raise_value_error():
         heads.sdpa(q, q, q, attn_mask=np.ones((7, 7), np.int32))
     with pytest.raises(ValueError, match="dropout_p must be in"):
         heads.sdpa(q, q, q, dropout_p=1.5)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 4, 129, 77, 64, 64), (1, 8, 2, 3, 1500, 128, 128),
+                                   (1, 2, 2, 200, 200, 63, 80)],
+                         ids=lambda s: "B{}H{}Hkv{}Lq{}Lk{}D{}Dv{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_error_within_twice_torch_bf16(shape, causal):
+    """bf16 in, bf16 out: error against float64 at most twice that of torch's own bf16 SDPA."""
+    B, H, Hkv, Lq, Lk, D, Dv = shape
+    q = randn(B, H, Lq, D).bfloat16()
+    k, v = randn(B, Hkv, Lk, D).bfloat16(), randn(B, Hkv, Lk, Dv).bfloat16()
+    kw = dict(is_causal=causal, enable_gqa=H != Hkv)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    ours = heads.sdpa(q, k, v, **kw)
+    assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
+    err_ours = (ours.double() - ref).abs().max().item()
+    err_torch = (theirs.double() - ref).abs().max().item()
+    assert err_ours <= 2 * err_torch + 1e-6, (err_ours, err_torch)
