@@ -6,7 +6,8 @@
 //   S  = K · Qt:  Qt2 [D/2][kTQ] dwords (q[l][2p], q[l][2p+1]); the K pair (K[j][2p], K[j][2p+1])
 //                 is adjacent in K as stored, so K is still broadcast in place.
 //   O += V2ᵀ · P2: P2 [nk/2][kTQ] dwords (P[2p][l], P[2p+1][l]) from the f32 probabilities;
-//                 V2 [nk/2][Dv] dwords (V[2p][d], V[2p+1][d]), re-laid per key block.
+//                 V2 [Lk/2][Dv] dwords (V[2p][d], V[2p+1][d]), re-laid once per (b, kv head) and
+//                 thread, and reused by every query tile of that head the thread runs.
 // q and k stay exact (bf16 inputs); the scale is applied in f32 when S is stored. P is rounded
 // to bf16 for the product (like every bf16 attention kernel); S, softmax, l and O stay f32.
 
@@ -112,6 +113,8 @@ struct Bf16Dot {
   using In = uint16_t;
   static constexpr int R = Vec::kRowsQK;
 
+  HEADS_INLINE static VR exp2(VR x) { return Vec::exp2(x); }
+
   // Qt2[p][l] = (q[l][2p], q[l][2p+1]) as one dword, (q[l][D-1], 0) for odd D; 0 past nq.
   // q stays exact: the scale c is applied in f32 when S is stored (see qk).
   static void pack_q(const uint16_t* q0, int64_t qs2, int64_t nq, int64_t D, float /*c*/, float* space) {
@@ -146,24 +149,60 @@ struct Bf16Dot {
     if (r < n) qk_tail_bf<R - 1>(n - r, k + r * ks, ks, qt2, D, c, s + r * kTQ, mx);
   }
 
-  static void pv(int64_t Dv, const uint16_t* v, int64_t vs, float* p, int64_t nk, float* ot,
-                 const VR* alpha, float* aux) {
-    alignas(64) static constexpr uint16_t kInterleave[32] = {
-        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  // V2 [ceil(Lk/2)][v2s] dwords for one (b, hk), kept per thread across that head's tiles.
+  static int64_t v2_stride(int64_t Dv) { return (Dv + 31) / 32 * 32; }
+  static int64_t cache_floats(const SdpaProblem& P) { return (P.Lk + 1) / 2 * v2_stride(P.Dv); }
+
+  // Pairs V rows [j_begin, j_end) (j_begin even) into the cache: V2[p][d] = (V[2p][d], V[2p+1][d]),
+  // the missing partner of an odd end is 0.
+  static void pack_v(const uint16_t* vh, int64_t vs, int64_t Dv, int64_t j_begin, int64_t j_end,
+                     uint32_t* v2) {
     alignas(64) static constexpr uint16_t kPairLo[32] = {
         0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     alignas(64) static constexpr uint16_t kPairHi[32] = {
         16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-    const __m512i interleave = _mm512_load_si512(kInterleave);
     const __m512i pair_lo = _mm512_load_si512(kPairLo), pair_hi = _mm512_load_si512(kPairHi);
+    const int64_t v2s = v2_stride(Dv);
+    for (int64_t j = j_begin; j < j_end; j += 2) {
+      const uint16_t* a = vh + j * vs;
+      const uint16_t* b = j + 1 < j_end ? vh + (j + 1) * vs : nullptr;
+      uint32_t* dst = v2 + (j / 2) * v2s;
+      for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+        const int64_t n = std::min<int64_t>(32, Dv - d0);
+        const __mmask32 m = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
+        const __m512i A = _mm512_maskz_loadu_epi16(m, a + d0);
+        const __m512i B = b ? _mm512_maskz_loadu_epi16(m, b + d0) : _mm512_setzero_si512();
+        _mm512_store_si512(dst + d0, _mm512_permutex2var_epi16(A, pair_lo, B));
+        _mm512_store_si512(dst + d0 + 16, _mm512_permutex2var_epi16(A, pair_hi, B));
+      }
+    }
+  }
+
+  static void pv(const Tile& t, const Scratch& W, const uint16_t* vh, int64_t vs, int64_t j0,
+                 int64_t nk, const VR* alpha) {
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+    const int64_t Dv = t.P.Dv, v2s = v2_stride(Dv);
     const int64_t nk2 = (nk + 1) / 2;
-    const int64_t v2s = (Dv + 31) / 32 * 32;
-    auto* p2 = reinterpret_cast<uint32_t*>(aux);  // [kTK/2][kTQ]
-    uint32_t* v2 = p2 + (kTK / 2) * kTQ;           // [kTK/2][v2s]
+    // V2 cache: state = {b, hk, keys paired so far (even)}.
+    auto* v2 = reinterpret_cast<uint32_t*>(W.cache);
+    int64_t* st = W.cache_state;
+    if (st[0] != t.b || st[1] != t.hk) {
+      st[0] = t.b;
+      st[1] = t.hk;
+      st[2] = 0;
+    }
+    if (st[2] < j0 + nk) {
+      pack_v(vh, vs, Dv, st[2], j0 + nk, v2);
+      st[2] = (j0 + nk) / 2 * 2;  // an odd end's half pair is packed again when extended
+    }
     // P2: rows 2p and 2p+1 of P rounded to bf16 and interleaved.
+    auto* p2 = reinterpret_cast<uint32_t*>(W.aux);  // [kTK/2][kTQ]
+    const float* p = W.s;
     for (int64_t q2 = 0; q2 < nk2; ++q2) {
       for (int vv = 0; vv < kNQ; ++vv) {
         const __m512 r0 = _mm512_load_ps(p + 2 * q2 * kTQ + vv * kW);
@@ -172,22 +211,10 @@ struct Bf16Dot {
         _mm512_store_si512(p2 + q2 * kTQ + vv * kW, _mm512_permutexvar_epi16(interleave, x));
       }
     }
-    // V2: rows 2p and 2p+1 of V interleaved element by element.
-    for (int64_t q2 = 0; q2 < nk2; ++q2) {
-      const uint16_t* a = v + 2 * q2 * vs;
-      const uint16_t* b = 2 * q2 + 1 < nk ? v + (2 * q2 + 1) * vs : nullptr;
-      for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-        const int64_t n = std::min<int64_t>(32, Dv - d0);
-        const __mmask32 m = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
-        const __m512i A = _mm512_maskz_loadu_epi16(m, a + d0);
-        const __m512i B = b ? _mm512_maskz_loadu_epi16(m, b + d0) : _mm512_setzero_si512();
-        _mm512_store_si512(v2 + q2 * v2s + d0, _mm512_permutex2var_epi16(A, pair_lo, B));
-        _mm512_store_si512(v2 + q2 * v2s + d0 + 16, _mm512_permutex2var_epi16(A, pair_hi, B));
-      }
-    }
+    const uint32_t* vb = v2 + (j0 / 2) * v2s;
     int64_t d = 0;
-    for (; d + R <= Dv; d += R) pv_rows_bf<R>(v2 + d, v2s, p2, nk2, ot + d * kTQ, alpha);
-    if (d < Dv) pv_tail_bf<R - 1>(Dv - d, v2 + d, v2s, p2, nk2, ot + d * kTQ, alpha);
+    for (; d + R <= Dv; d += R) pv_rows_bf<R>(vb + d, v2s, p2, nk2, W.ot + d * kTQ, alpha);
+    if (d < Dv) pv_tail_bf<R - 1>(Dv - d, vb + d, v2s, p2, nk2, W.ot + d * kTQ, alpha);
   }
 
   // out[l][d] = bf16(Ot[d][l] · inv_l[l]) for l < nq: 16 x 16 transposes, then vcvtneps2bf16.

@@ -194,6 +194,8 @@ struct Scratch {
   float* ot;   // [Dv][kTQ]
   float* tmp;  // [kTQ]
   float* aux;  // policy scratch: [kTK][kTQ + Dv + W] floats
+  float* cache;          // policy's per-thread cache across tiles (Pol::cache_floats)
+  int64_t* cache_state;  // its key and fill level (4 integers), owned by the thread
   static int64_t floats(int64_t D, int64_t Dv) {
     return (D + kTK + Dv + 1) * kTQ + kTK * (kTQ + Dv + kW);
   }
@@ -203,6 +205,7 @@ struct Scratch {
 template <class T>
 struct Widen {
   using In = T;
+  HEADS_INLINE static VR exp2(VR x) { return Vec::exp2(x); }
   // Qt[d][l] = q[l][d] · c for l < nq, else 0 (q0: first query row, row stride qs2).
   static void pack_q(const T* q0, int64_t qs2, int64_t nq, int64_t D, float c, float* qt) {
     for (int v = 0; v < kNQ; ++v) {
@@ -225,9 +228,11 @@ struct Widen {
                  VR* mx) {
     qk_block(n, k, ks, qt, D, s, mx);
   }
-  static void pv(int64_t Dv, const T* v, int64_t vs, float* p, int64_t nk, float* ot,
-                 const VR* alpha, float* /*aux*/) {
-    pv_block(Dv, v, vs, p, nk, ot, alpha);
+  static int64_t cache_floats(const SdpaProblem&) { return 0; }
+  // Ot = Ot · alpha + P · V[j0 : j0 + nk] (V rows read in place).
+  static void pv(const Tile& t, const Scratch& W, const T* vh, int64_t vs, int64_t j0, int64_t nk,
+                 const VR* alpha) {
+    pv_block(t.P.Dv, vh + j0 * vs, vs, W.s, nk, W.ot, alpha);
   }
   // out[l][d] = Ot[d][l] · inv_l[l] for l < nq.
   static void store_out(const float* ot, const float* inv_l, int64_t nq, int64_t Dv, T* o0,
@@ -289,13 +294,13 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     for (int v = 0; v < kNQ; ++v) {
       const VR m_new = Vec::max(m[v], mx[v]);
       m_safe[v] = Vec::fill_if_eq(m_new, -kInf, 0.0f);  // nothing visible yet: P = 0, alpha = 0
-      alpha[v] = Vec::exp2(Vec::sub(m[v], m_safe[v]));
+      alpha[v] = Pol::exp2(Vec::sub(m[v], m_safe[v]));
       sum[v] = Vec::zero();
       m[v] = m_new;
     }
     for (int64_t r = 0; r < nk; ++r) {
       for (int v = 0; v < kNQ; ++v) {
-        const VR p = Vec::exp2(Vec::sub(Vec::load(W.s + r * kTQ + v * kW), m_safe[v]));
+        const VR p = Pol::exp2(Vec::sub(Vec::load(W.s + r * kTQ + v * kW), m_safe[v]));
         sum[v] = Vec::add(sum[v], p);
         Vec::store(W.s + r * kTQ + v * kW, p);
       }
@@ -303,7 +308,7 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     for (int v = 0; v < kNQ; ++v) l[v] = Vec::fma(l[v], alpha[v], sum[v]);
     if (P.dropout_p > 0.0) apply_dropout(t, j0, nk, W.s);
     // 4. O = O·2^(m - m_new) + P V_j
-    Pol::pv(P.Dv, vh + j0 * vs[2], vs[2], W.s, nk, W.ot, alpha, W.aux);
+    Pol::pv(t, W, vh, vs[2], j0, nk, alpha);
   }
 
   // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf.
@@ -367,21 +372,26 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
   const int64_t n_tasks = P.B * P.H * n_qt;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
   // Per-thread scratch, each slice a multiple of 64 bytes.
-  const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16;
+  const int64_t cache = (Pol::cache_floats(P) + 15) / 16 * 16;
+  const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16 + cache;
   std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
   float* arena = arena_storage.data();
   arena += (16 - (reinterpret_cast<uintptr_t>(arena) / sizeof(float)) % 16) % 16;
+  std::vector<int64_t> cache_state(static_cast<size_t>(16 * n_threads), -1);  // a line per thread
 
 #pragma omp parallel num_threads(n_threads)
   {
-    float* base = arena + per * omp_get_thread_num();
+    const int tid = omp_get_thread_num();
+    float* base = arena + per * tid;
     const Scratch W{base, base + P.D * kTQ, base + (P.D + kTK) * kTQ,
-                    base + (P.D + kTK + P.Dv) * kTQ, base + (P.D + kTK + P.Dv + 1) * kTQ};
-    // Causal tiles grow with the query index: hand out the heaviest first.
+                    base + (P.D + kTK + P.Dv) * kTQ, base + (P.D + kTK + P.Dv + 1) * kTQ,
+                    base + per - cache, cache_state.data() + 16 * tid};
+    // Head by head (a policy's per-head cache stays warm); causal tiles grow with the query
+    // index, so within a head the heaviest go first and the run ends on light tiles.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t qt = P.causal ? n_qt - 1 - task / (P.B * P.H) : task % n_qt;
-      const int64_t bh = P.causal ? task % (P.B * P.H) : task / n_qt;
+      const int64_t bh = task / n_qt;
+      const int64_t qt = P.causal ? n_qt - 1 - task % n_qt : task % n_qt;
       forward_tile<Pol>(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, W);
     }
   }

@@ -359,7 +359,8 @@ TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
         EXPECT_TRUE(!e.nan && e.max_abs <= 2 * naive + 1e-6 * scale)
             << what << ": error " << e.max_abs << " vs naive bf16 " << naive;
         // weights stay f32: as tight as the f32 kernel
-        EXPECT_TRUE(testing::compare(r.weights, ref.weights).within(kRtol, kAtol)) << what;
+        const auto ew = testing::compare(r.weights, ref.weights);
+        EXPECT_TRUE(ew.within(kRtol, kAtol)) << what << ": weights max err " << ew.max_abs;
       }
     }
   }
