@@ -32,7 +32,7 @@ using VR = Vec::R;
 constexpr int kW = Vec::W;
 constexpr int kNQ = 2;               // query vectors per tile
 constexpr int64_t kTQ = kNQ * kW;    // queries per tile
-constexpr int64_t kTK = 64;          // keys per block
+constexpr int64_t kTK = 128;         // keys per block
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Inputs are f32 or bf16 (uint16_t bits); widen() gives the f32 value.
