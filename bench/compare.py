@@ -276,9 +276,11 @@ def main():
             r = in_subprocess("heads-sdpa-mem", s, args)
             print(f"| {s['name']} | {'—' if r is None else f'{r[1]:.1f}'} |")
         return
-    peak = run_heads(args, "peak")["gflops"]
-    print(f"machine: f32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads (heads bench peak); "
-          f"torch {torch.__version__}; dtype {args.dtype}\n")
+    pk = run_heads(args, "peak")
+    peak = pk["bf16_gflops"] if args.dtype == "bf16" and pk.get("bf16_gflops") else pk["gflops"]
+    print(f"machine: f32 FMA peak {pk['gflops']:.0f} GFLOP/s, bf16 dot peak {pk.get('bf16_gflops', 0):.0f} "
+          f"on {args.threads} threads (heads bench peak); torch {torch.__version__}; dtype {args.dtype}; "
+          f"% of peak is of the {args.dtype} peak\n")
     rows = []
     for s in shapes["sdpa"]:
         if args.only and s["name"] not in args.only:
@@ -305,7 +307,7 @@ def main():
         o_ms, o_mem = (in_subprocess("ort-mha", m, args) if args.dtype == "f32" else None) or (None, None)
         rows.append((m["name"], False, flops, h["ms"], float("nan"), t_ms, t_mem, o_ms, o_mem, "Attention+MatMul"))
 
-    print("| shape | heads | PyTorch | ONNX Runtime | heads ÷ best peer | % of FMA peak | extra memory heads / torch / ORT (MB) |")
+    print("| shape | heads | PyTorch | ONNX Runtime | heads ÷ best peer | % of peak | extra memory heads / torch / ORT (MB) |")
     print("|---|---|---|---|---|---|---|")
     for name, decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, o_name in rows:
         unit = "ms" if decode else "gf"

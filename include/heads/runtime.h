@@ -24,6 +24,8 @@ void set_isa(Isa isa);
 // Measured f32 FMA throughput of the active path on `threads` threads (GFLOP/s): independent
 // FMA chains on every thread at once, best of a few runs of about `seconds` each.
 double measure_fma_peak_gflops(int threads, double seconds = 0.2);
+// The same for the bf16 dot product (vdpbf16ps); 0 when the active path has none.
+double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
 
 // Worker threads for every parallel kernel (default: all cores, or OMP_NUM_THREADS).
 void set_num_threads(int n);

@@ -89,9 +89,10 @@ void set_isa(Isa isa) {
   g_table.store(table_of(isa));
 }
 
-double measure_fma_peak_gflops(int threads, double seconds) {
-  HEADS_CHECK(threads >= 1, "measure_fma_peak_gflops: threads must be positive, got ", threads);
-  const kernels::KernelTable& k = kernels::active();
+namespace {
+
+// Runs `probe` on `threads` threads at once; best GFLOP/s of a few runs of about `seconds`.
+double measure_probe(float (*probe)(int64_t), int flops_per_iter, int threads, double seconds) {
   using clock = std::chrono::steady_clock;
   int64_t iters = 1 << 16;
   volatile float sink = 0;
@@ -100,20 +101,34 @@ double measure_fma_peak_gflops(int threads, double seconds) {
     const auto t0 = clock::now();
 #pragma omp parallel num_threads(threads)
     {
-      const float r = k.fma_probe(iters);
+      const float r = probe(iters);
 #pragma omp atomic
       sink += r;
     }
     const double s = std::chrono::duration<double>(clock::now() - t0).count();
-    const double flops = static_cast<double>(iters) * k.fma_probe_flops_per_iter() * threads;
     if (s < seconds / 4) {  // too short to time: grow and retry
       iters *= 4;
       continue;
     }
-    best = std::max(best, flops / s / 1e9);
+    best = std::max(best, static_cast<double>(iters) * flops_per_iter * threads / s / 1e9);
     if (round >= 4) break;
   }
   return best;
+}
+
+}  // namespace
+
+double measure_fma_peak_gflops(int threads, double seconds) {
+  HEADS_CHECK(threads >= 1, "measure_fma_peak_gflops: threads must be positive, got ", threads);
+  const kernels::KernelTable& k = kernels::active();
+  return measure_probe(k.fma_probe, k.fma_probe_flops_per_iter(), threads, seconds);
+}
+
+double measure_bf16_peak_gflops(int threads, double seconds) {
+  HEADS_CHECK(threads >= 1, "measure_bf16_peak_gflops: threads must be positive, got ", threads);
+  const kernels::KernelTable& k = kernels::active();
+  if (k.bf16_probe == nullptr) return 0.0;
+  return measure_probe(k.bf16_probe, k.bf16_probe_flops_per_iter(), threads, seconds);
 }
 
 namespace kernels {

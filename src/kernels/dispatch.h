@@ -24,6 +24,9 @@ struct KernelTable {
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();
+  // The same for the bf16 dot product (vdpbf16ps); null where the path has none.
+  float (*bf16_probe)(int64_t iters) = nullptr;
+  int (*bf16_probe_flops_per_iter)() = nullptr;
 };
 
 namespace scalar { extern const KernelTable kTable; }

@@ -251,3 +251,19 @@ inline void sdpa_tiled_bf16_dot(const SdpaProblem& P, const Tensor& q, const Ten
                                 const Tensor& weights) {
   fwd::sdpa_tiled<fwd::Bf16Dot>(P, q, k, v, out, lse, weights);
 }
+
+// vdpbf16ps throughput probe, as fma_probe (peak-inl.h): flops per iteration = chains · 16 · 4.
+inline float bf16_probe(int64_t iters) {
+  constexpr int kChains = 2 * Vec::kRowsQK;
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+  __m512bh a = fwd::as_bh(_mm512_set1_epi32(0x3f803f80)), b = fwd::as_bh(_mm512_set1_epi32(0x3f7f3f7f));
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 32
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  }
+  __m512 s = acc[0];
+  for (int c = 1; c < kChains; ++c) s = _mm512_add_ps(s, acc[c]);
+  return _mm512_reduce_add_ps(s);
+}
+inline int bf16_probe_flops_per_iter() { return 2 * Vec::kRowsQK * 16 * 4; }

@@ -130,12 +130,15 @@ void run_peak(const BenchArgs& a) {
   const int threads = get_num_threads();
   const double g1 = measure_fma_peak_gflops(1, a.min_time / 5);
   const double gn = threads > 1 ? measure_fma_peak_gflops(threads, a.min_time / 5) : g1;
+  const double bf = measure_bf16_peak_gflops(threads, a.min_time / 5);
   if (a.json) {
-    std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f}\n",
-                isa_name(active_isa()).c_str(), g1, threads, gn);
+    std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f,"
+                "\"bf16_gflops\":%.1f}\n",
+                isa_name(active_isa()).c_str(), g1, threads, gn, bf);
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
+    if (bf > 0) std::printf("bf16 dot peak (vdpbf16ps): %.1f GFLOP/s on %d threads\n", bf, threads);
   }
 }
 
