@@ -21,6 +21,12 @@ struct KernelTable {
   // The same with bf16 q, k, v, out (f32 accumulation).
   void (*sdpa_fwd_bf16)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights);
+  // Elementwise (elementwise-inl.h): rows of n values, row strides xs / ys.
+  void (*gelu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
+                   bool tanh_form);
+  void (*relu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys);
+  void (*layer_norm_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
+                         const float* w, const float* b, float eps);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

@@ -21,9 +21,11 @@
 namespace heads::kernels::avx512 {
 #include "kernels/simd/vec_avx512-inl.h"
 #include "kernels/sdpa_fwd-inl.h"
+#include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
 
-const KernelTable kTable{Isa::Avx512, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
+const KernelTable kTable{Isa::Avx512, &sdpa_fwd_f32, &sdpa_fwd_bf16, &gelu_f32, &relu_f32, &layer_norm_f32,
+                        &fma_probe, &fma_probe_flops_per_iter};
 }  // namespace heads::kernels::avx512
 
 #pragma GCC pop_options

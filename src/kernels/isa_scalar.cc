@@ -15,7 +15,9 @@
 namespace heads::kernels::scalar {
 #include "kernels/simd/vec_scalar-inl.h"
 #include "kernels/sdpa_fwd-inl.h"
+#include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
 
-const KernelTable kTable{Isa::Scalar, &sdpa_fwd_f32, &sdpa_fwd_bf16, &fma_probe, &fma_probe_flops_per_iter};
+const KernelTable kTable{Isa::Scalar, &sdpa_fwd_f32, &sdpa_fwd_bf16, &gelu_f32, &relu_f32, &layer_norm_f32,
+                        &fma_probe, &fma_probe_flops_per_iter};
 }  // namespace heads::kernels::scalar

@@ -76,6 +76,12 @@ struct Vec {
   HEADS_INLINE static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   HEADS_INLINE static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   HEADS_INLINE static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  HEADS_INLINE static R div(R a, R b) { return _mm256_div_ps(a, b); }
+  HEADS_INLINE static R min(R a, R b) { return _mm256_min_ps(a, b); }
+  HEADS_INLINE static R abs(R a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  HEADS_INLINE static R select_neg(R x, R a, R b) {
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  }
   HEADS_INLINE static R iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
   HEADS_INLINE static R fill_if_gt(R x, R a, R b, float fill) {
     return _mm256_blendv_ps(x, _mm256_set1_ps(fill), _mm256_cmp_ps(a, b, _CMP_GT_OQ));
@@ -85,7 +91,7 @@ struct Vec {
   }
   HEADS_INLINE static R exp2(R x) {
     const R live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(128.0f));
     const R n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const R f = _mm256_sub_ps(x, n);
     R p = _mm256_set1_ps(kExp2C6);
@@ -95,7 +101,7 @@ struct Vec {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C2));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    // 2^n for n in [-127, 127] from the exponent field (n = -127 gives +0).
+    // 2^n for n in [-127, 128] from the exponent field (n = -127 gives +0, n = 128 gives inf).
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
   }

@@ -87,6 +87,13 @@ struct Vec {
   HEADS_INLINE static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   HEADS_INLINE static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   HEADS_INLINE static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  HEADS_INLINE static R div(R a, R b) { return _mm512_div_ps(a, b); }
+  HEADS_INLINE static R min(R a, R b) { return _mm512_min_ps(a, b); }
+  HEADS_INLINE static R abs(R a) { return _mm512_abs_ps(a); }
+  // (x < 0) ? a : b, per lane
+  HEADS_INLINE static R select_neg(R x, R a, R b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
+  }
   HEADS_INLINE static R iota() {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   }

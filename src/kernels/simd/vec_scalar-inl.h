@@ -3,7 +3,7 @@
 //
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
-//   zero, set1, load/store (64-byte aligned), loadu/storeu, load_partial/store_partial (first n
+//   zero, set1, load/store (64-byte aligned), div, min, abs, select_neg(x, a, b) = x < 0 ? a : b, loadu/storeu, load_partial/store_partial (first n
 //   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
@@ -83,6 +83,22 @@ struct Vec {
   static R max(R a, R b) {
     for (int i = 0; i < W; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
     return a;
+  }
+  static R div(R a, R b) {
+    for (int i = 0; i < W; ++i) a.v[i] /= b.v[i];
+    return a;
+  }
+  static R min(R a, R b) {
+    for (int i = 0; i < W; ++i) a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
+    return a;
+  }
+  static R abs(R a) {
+    for (int i = 0; i < W; ++i) a.v[i] = std::fabs(a.v[i]);
+    return a;
+  }
+  static R select_neg(R x, R a, R b) {
+    for (int i = 0; i < W; ++i) b.v[i] = x.v[i] < 0.0f ? a.v[i] : b.v[i];
+    return b;
   }
   static R iota() {
     R r;

@@ -1,0 +1,37 @@
+// ops.h — functional building blocks of transformer layers, as torch.nn.functional:
+// linear, layer_norm, gelu (erf and tanh forms), relu, dropout. f32; they act on the last
+// dimension and accept any strides (the last dimension is made contiguous if it is not).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "heads/tensor.h"
+
+namespace heads {
+
+// y = x Wᵀ + b: x [..., in], weight [out, in] (torch's layout), bias [out] or undefined.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+
+// Normalises over the last dimension: (x - mean) / sqrt(var + eps) · weight + bias (biased
+// variance). weight, bias [n] or undefined.
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+
+enum class Activation { Relu, Gelu, GeluTanh };  // GeluTanh = gelu(approximate="tanh")
+Tensor activation(const Tensor& x, Activation act);
+Activation activation_from_name(const std::string& name);  // "relu", "gelu", "gelu_tanh"
+
+// Zeroes each element with probability p (a pure function of seed and index) and scales the
+// rest by 1/(1-p). p = 0 returns x.
+Tensor dropout(const Tensor& x, double p, uint64_t seed);
+
+// y = a + b (same shapes), for residual connections.
+Tensor add(const Tensor& a, const Tensor& b);
+
+namespace ref {
+// float64 specifications (any floating input, f64 output).
+Tensor layer_norm_f64(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+Tensor activation_f64(const Tensor& x, Activation act);
+}  // namespace ref
+
+}  // namespace heads

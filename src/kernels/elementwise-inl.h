@@ -1,0 +1,135 @@
+// elementwise-inl.h — LayerNorm, GELU (erf and tanh forms) and ReLU in f32, written once over
+// `Vec`. Included by src/kernels/isa_<isa>.cc inside namespace heads::kernels::<isa>.
+//
+// Rows are the last dimension; other dimensions are flattened into `rows` with a row stride.
+// Parallel over rows (LayerNorm) or chunks (activations); every element is computed the same way
+// whatever the thread count. References: ref::layer_norm_f64, ref::gelu_f64 in ops_ref.cc.
+
+namespace ew {
+
+using VR = Vec::R;
+constexpr int kW = Vec::W;
+
+// e^x for vectors.
+HEADS_INLINE VR exp(VR x) { return Vec::exp2(Vec::mul(x, Vec::set1(kLog2e))); }
+
+// erfc(z) for z >= 0: t·exp(-z² + P(t)), t = 1/(1 + z/2), a Chebyshev fit with relative error
+// below 1.2e-7 everywhere (Numerical Recipes' erfcc); relative accuracy holds for large z too.
+HEADS_INLINE VR erfc_pos(VR z) {
+  const VR t = Vec::div(Vec::set1(1.0f), Vec::fma(z, Vec::set1(0.5f), Vec::set1(1.0f)));
+  VR p = Vec::set1(0.17087277f);
+  p = Vec::fma(p, t, Vec::set1(-0.82215223f));
+  p = Vec::fma(p, t, Vec::set1(1.48851587f));
+  p = Vec::fma(p, t, Vec::set1(-1.13520398f));
+  p = Vec::fma(p, t, Vec::set1(0.27886807f));
+  p = Vec::fma(p, t, Vec::set1(-0.18628806f));
+  p = Vec::fma(p, t, Vec::set1(0.09678418f));
+  p = Vec::fma(p, t, Vec::set1(0.37409196f));
+  p = Vec::fma(p, t, Vec::set1(1.00002368f));
+  p = Vec::fma(p, t, Vec::set1(-1.26551223f));
+  return Vec::mul(t, exp(Vec::sub(p, Vec::mul(z, z))));
+}
+
+// GELU(x) = x·Φ(x) = ½x·erfc(-x/√2), evaluated as ½x·(2 - erfc(|x|/√2)) for x >= 0 and
+// ½x·erfc(|x|/√2) for x < 0, so the negative tail keeps its relative accuracy.
+HEADS_INLINE VR gelu_erf(VR x) {
+  const VR e = erfc_pos(Vec::mul(Vec::abs(x), Vec::set1(0.70710678118654752f)));
+  const VR phi2 = Vec::select_neg(x, e, Vec::sub(Vec::set1(2.0f), e));  // 2·Φ(x)
+  return Vec::mul(Vec::mul(x, Vec::set1(0.5f)), phi2);
+}
+
+// GELU, tanh form: ½x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715x³), evaluated as x / (1 + e^{-2u})
+// (the same value, without the cancellation of 1 + tanh(u) for negative u).
+HEADS_INLINE VR gelu_tanh(VR x) {
+  const VR u = Vec::mul(Vec::set1(0.7978845608028654f),
+                        Vec::fma(Vec::mul(Vec::mul(x, x), x), Vec::set1(0.044715f), x));
+  return Vec::div(x, Vec::add(Vec::set1(1.0f), exp(Vec::mul(u, Vec::set1(-2.0f)))));
+}
+
+HEADS_INLINE VR relu(VR x) { return Vec::max(x, Vec::zero()); }
+
+template <class F>
+inline void map_rows(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys, F f) {
+  const int64_t per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));  // rows per task
+  const int64_t tasks = (rows + per_task - 1) / per_task;
+  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
+      const float* xr = x + r * xs;
+      float* yr = y + r * ys;
+      int64_t i = 0;
+      for (; i + kW <= n; i += kW) Vec::storeu(yr + i, f(Vec::loadu(xr + i)));
+      if (i < n) Vec::store_partial(yr + i, f(Vec::load_partial(xr + i, n - i)), n - i);
+    }
+  }
+}
+
+}  // namespace ew
+
+inline void gelu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
+                     bool tanh_form) {
+  if (tanh_form) {
+    ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::gelu_tanh(v); });
+  } else {
+    ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::gelu_erf(v); });
+  }
+}
+
+inline void relu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys) {
+  ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::relu(v); });
+}
+
+// y = (x - mean) / sqrt(var + eps) · w + b per row (biased variance, two passes in f32).
+// w and b may be null (elementwise_affine=False / bias=False).
+inline void layer_norm_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
+                           const float* w, const float* b, float eps) {
+  using namespace ew;
+  const int64_t per_task = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
+  const int64_t tasks = (rows + per_task - 1) / per_task;
+  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
+      const float* xr = x + r * xs;
+      float* yr = y + r * ys;
+      VR s0 = Vec::zero(), s1 = Vec::zero();
+      int64_t i = 0;
+      for (; i + 2 * kW <= n; i += 2 * kW) {
+        s0 = Vec::add(s0, Vec::loadu(xr + i));
+        s1 = Vec::add(s1, Vec::loadu(xr + i + kW));
+      }
+      for (; i < n; i += kW) s0 = Vec::add(s0, Vec::load_partial(xr + i, std::min<int64_t>(kW, n - i)));
+      const float mean = Vec::reduce_add(Vec::add(s0, s1)) / static_cast<float>(n);
+      const VR mv = Vec::set1(mean);
+      s0 = s1 = Vec::zero();
+      for (i = 0; i + kW <= n; i += kW) {
+        const VR d = Vec::sub(Vec::loadu(xr + i), mv);
+        s0 = Vec::fma(d, d, s0);
+      }
+      if (i < n) {  // lanes past n must not count: zero them through a partial load of ones
+        alignas(64) static constexpr float kOnes[64] = {
+            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+        const VR d = Vec::mul(Vec::sub(Vec::load_partial(xr + i, n - i), mv), Vec::load_partial(kOnes, n - i));
+        s1 = Vec::fma(d, d, s1);
+      }
+      const float var = Vec::reduce_add(Vec::add(s0, s1)) / static_cast<float>(n);
+      const float rstd = 1.0f / std::sqrt(var + eps);
+      const VR rv = Vec::set1(rstd);
+      for (i = 0; i + kW <= n; i += kW) {
+        VR v = Vec::mul(Vec::sub(Vec::loadu(xr + i), mv), rv);
+        if (w != nullptr) v = Vec::mul(v, Vec::loadu(w + i));
+        if (b != nullptr) v = Vec::add(v, Vec::loadu(b + i));
+        Vec::storeu(yr + i, v);
+      }
+      if (i < n) {
+        const int64_t m = n - i;
+        VR v = Vec::mul(Vec::sub(Vec::load_partial(xr + i, m), mv), rv);
+        if (w != nullptr) v = Vec::mul(v, Vec::load_partial(w + i, m));
+        if (b != nullptr) v = Vec::add(v, Vec::load_partial(b + i, m));
+        Vec::store_partial(yr + i, v, m);
+      }
+    }
+  }
+}

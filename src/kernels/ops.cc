@@ -1,0 +1,160 @@
+// ops.cc — functional ops (linear, layer_norm, activations, dropout, add): validation, then the
+// active ISA's kernels; float64 references beside them.
+#include "heads/ops.h"
+
+#include <cmath>
+
+#include "kernels/dispatch.h"
+#include "kernels/linear.h"
+#include "kernels/sdpa_problem.h"
+
+namespace heads {
+
+namespace {
+
+// f32, contiguous (a copy only when needed).
+Tensor f32(const Tensor& t, const char* op, const char* name) {
+  HEADS_CHECK(t.defined(), op, ": ", name, " is required");
+  HEADS_CHECK(is_floating(t.dtype()), op, ": ", name, ": expected a floating dtype, got ",
+              dtype_name(t.dtype()));
+  return t.to(DType::F32);
+}
+
+Shape with_last(Shape s, int64_t n) {
+  s.back() = n;
+  return s;
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in) {
+  const char* op = "linear";
+  HEADS_CHECK(x_in.defined() && x_in.dim() >= 1, op, ": input must have at least 1 dimension");
+  HEADS_CHECK(w_in.defined() && w_in.dim() == 2, op, ": weight: expected [out, in], got ",
+              w_in.defined() ? w_in.shape() : Shape{});
+  const int64_t in = w_in.size(1), out = w_in.size(0);
+  HEADS_CHECK(x_in.size(-1) == in, op, ": input ", x_in.shape(), " does not match weight ",
+              w_in.shape(), " (expected last dim ", in, ")");
+  HEADS_CHECK(!b_in.defined() || b_in.shape() == Shape({out}), op, ": bias: expected [", out,
+              "], got ", b_in.defined() ? b_in.shape() : Shape{});
+  const Tensor x = f32(x_in, op, "input"), w = f32(w_in, op, "weight");
+  const Tensor b = b_in.defined() ? f32(b_in, op, "bias") : Tensor();
+  Tensor y = Tensor::empty(with_last(x.shape(), out), DType::F32);
+  const int64_t rows = in > 0 ? x.numel() / in : y.numel() / std::max<int64_t>(out, 1);
+  kernels::linear_f32(x.data<float>(), rows, in, in, w.data<float>(),
+                      b.defined() ? b.data<float>() : nullptr, out, y.data<float>(), out);
+  return y;
+}
+
+Tensor layer_norm(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps) {
+  const char* op = "layer_norm";
+  HEADS_CHECK(x_in.defined() && x_in.dim() >= 1, op, ": input must have at least 1 dimension");
+  const int64_t n = x_in.size(-1);
+  for (const auto& [t, name] : {std::pair{&w_in, "weight"}, {&b_in, "bias"}}) {
+    HEADS_CHECK(!t->defined() || t->shape() == Shape({n}), op, ": ", name, ": expected [", n,
+                "] to match input ", x_in.shape(), ", got ", t->defined() ? t->shape() : Shape{});
+  }
+  HEADS_CHECK(eps >= 0.0, op, ": eps must be non-negative, got ", eps);
+  const Tensor x = f32(x_in, op, "input");
+  const Tensor w = w_in.defined() ? f32(w_in, op, "weight") : Tensor();
+  const Tensor b = b_in.defined() ? f32(b_in, op, "bias") : Tensor();
+  Tensor y = Tensor::empty(x.shape(), DType::F32);
+  if (n == 0) return y;
+  kernels::active().layer_norm_f32(x.data<float>(), y.data<float>(), x.numel() / n, n, n, n,
+                                   w.defined() ? w.data<float>() : nullptr,
+                                   b.defined() ? b.data<float>() : nullptr, static_cast<float>(eps));
+  return y;
+}
+
+Activation activation_from_name(const std::string& name) {
+  if (name == "relu") return Activation::Relu;
+  if (name == "gelu") return Activation::Gelu;
+  if (name == "gelu_tanh" || name == "gelu_new" || name == "gelu_pytorch_tanh") return Activation::GeluTanh;
+  fail("activation must be relu, gelu or gelu_tanh, got \"", name, "\"");
+}
+
+Tensor activation(const Tensor& x_in, Activation act) {
+  const Tensor x = f32(x_in, "activation", "input");
+  Tensor y = Tensor::empty(x.shape(), DType::F32);
+  const int64_t n = x.numel();
+  if (n == 0) return y;
+  const auto& k = kernels::active();
+  if (act == Activation::Relu) {
+    k.relu_f32(x.data<float>(), y.data<float>(), 1, n, n, n);
+  } else {
+    k.gelu_f32(x.data<float>(), y.data<float>(), 1, n, n, n, act == Activation::GeluTanh);
+  }
+  return y;
+}
+
+Tensor dropout(const Tensor& x_in, double p, uint64_t seed) {
+  HEADS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got ", p);
+  if (p == 0.0) return x_in;
+  Tensor y = f32(x_in, "dropout", "input").clone();
+  float* v = y.data<float>();
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    v[i] = kernels::dropout_keep(seed, static_cast<uint64_t>(i), p) ? v[i] * scale : 0.0f;
+  }
+  return y;
+}
+
+Tensor add(const Tensor& a_in, const Tensor& b_in) {
+  HEADS_CHECK(a_in.defined() && b_in.defined() && a_in.shape() == b_in.shape(), "add: shapes ",
+              a_in.defined() ? a_in.shape() : Shape{}, " and ", b_in.defined() ? b_in.shape() : Shape{},
+              " differ");
+  Tensor y = f32(a_in, "add", "a").clone();
+  const Tensor b = f32(b_in, "add", "b");
+  float* yp = y.data<float>();
+  const float* bp = b.data<float>();
+  for (int64_t i = 0; i < y.numel(); ++i) yp[i] += bp[i];
+  return y;
+}
+
+namespace ref {
+
+Tensor layer_norm_f64(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps) {
+  const Tensor x = x_in.to(DType::F64);
+  const Tensor w = w_in.defined() ? w_in.to(DType::F64) : Tensor();
+  const Tensor b = b_in.defined() ? b_in.to(DType::F64) : Tensor();
+  Tensor y = Tensor::empty(x.shape(), DType::F64);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const double* xp = x.data<double>();
+  double* yp = y.data<double>();
+  for (int64_t r = 0; r < rows; ++r) {
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < n; ++i) mean += xp[r * n + i];
+    mean /= static_cast<double>(n);
+    for (int64_t i = 0; i < n; ++i) var += (xp[r * n + i] - mean) * (xp[r * n + i] - mean);
+    var /= static_cast<double>(n);
+    for (int64_t i = 0; i < n; ++i) {
+      double v = (xp[r * n + i] - mean) / std::sqrt(var + eps);
+      if (w.defined()) v *= w.data<double>()[i];
+      if (b.defined()) v += b.data<double>()[i];
+      yp[r * n + i] = v;
+    }
+  }
+  return y;
+}
+
+Tensor activation_f64(const Tensor& x_in, Activation act) {
+  Tensor y = x_in.to(DType::F64).clone();
+  double* p = y.data<double>();
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    const double x = p[i];
+    switch (act) {
+      case Activation::Relu: p[i] = x > 0 ? x : 0.0; break;
+      case Activation::Gelu: p[i] = 0.5 * x * std::erfc(-x / std::sqrt(2.0)); break;
+      case Activation::GeluTanh: {  // ½x(1 + tanh u) = x / (1 + e^{-2u}), without cancellation
+        const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
+        p[i] = x / (1.0 + std::exp(-2.0 * u));
+        break;
+      }
+    }
+  }
+  return y;
+}
+
+}  // namespace ref
+
+}  // namespace heads

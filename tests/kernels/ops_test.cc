@@ -1,0 +1,100 @@
+// ops_test.cc — layer_norm, activations, linear, dropout against float64, on every ISA path.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/testing.h"
+#include "heads/ops.h"
+#include "heads/runtime.h"
+
+namespace heads {
+namespace {
+
+struct IsaGuard {
+  Isa saved = active_isa();
+  ~IsaGuard() { set_isa(saved); }
+};
+
+TEST(Ops, LayerNormMatchesFloat64) {
+  IsaGuard guard;
+  for (int64_t n : {1, 7, 16, 17, 384, 1001}) {
+    const Tensor x = testing::randn({5, 3, n}, 3.0);
+    // a large common offset stresses the two-pass variance
+    Tensor xo = x.clone();
+    for (int64_t i = 0; i < xo.numel(); ++i) xo.data<float>()[i] += 100.0f;
+    const Tensor w = testing::randn({n}), b = testing::randn({n});
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      for (bool affine : {true, false}) {
+        for (const Tensor* in : {&x, static_cast<const Tensor*>(&xo)}) {
+          const Tensor y = layer_norm(*in, affine ? w : Tensor(), affine ? b : Tensor(), 1e-5);
+          const Tensor ref = ref::layer_norm_f64(*in, affine ? w : Tensor(), affine ? b : Tensor(), 1e-5);
+          const auto e = testing::compare(y, ref);
+          EXPECT_TRUE(e.within(1e-5, 1e-5)) << "n=" << n << " isa=" << isa_name(isa) << " err " << e.max_abs;
+        }
+      }
+    }
+  }
+}
+
+TEST(Ops, ActivationsMatchFloat64) {
+  IsaGuard guard;
+  // a sweep over [-12, 12] plus random values, odd length for the vector tails
+  Tensor x = Tensor::empty({4801}, DType::F32);
+  for (int64_t i = 0; i < 2401; ++i) x.data<float>()[i] = -12.0f + 0.01f * static_cast<float>(i);
+  const Tensor r = testing::randn({2400}, 3.0);
+  for (int64_t i = 0; i < 2400; ++i) x.data<float>()[2401 + i] = r.data<float>()[i];
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (Activation act : {Activation::Relu, Activation::Gelu, Activation::GeluTanh}) {
+      const Tensor y = activation(x, act);
+      const Tensor ref = ref::activation_f64(x, act);
+      double worst = 0;
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        const double a = y.data<float>()[i], b = ref.data<double>()[i];
+        worst = std::max(worst, std::fabs(a - b) / (std::fabs(b) + 1e-30));
+        // In the negative tail exp(-x²/2) evaluated in f32 carries a relative error ~x²·6e-8.
+        const double xv = x.data<float>()[i];
+        const double rtol = 1e-6 + 2.5e-7 * xv * xv;
+        if (std::fabs(b) > 1e-30) {
+          ASSERT_LE(std::fabs(a - b), rtol * std::fabs(b) + 1e-37)
+              << "x=" << x.data<float>()[i] << " act=" << static_cast<int>(act) << " isa=" << isa_name(isa);
+        }
+      }
+    }
+  }
+}
+
+TEST(Ops, LinearAndErrors) {
+  const Tensor x = testing::randn({2, 3, 7}), w = testing::randn({5, 7}), b = testing::randn({5});
+  const Tensor y = linear(x, w, b);
+  ASSERT_EQ(y.shape(), Shape({2, 3, 5}));
+  for (int64_t i = 0; i < 6; ++i) {
+    for (int64_t o = 0; o < 5; ++o) {
+      double ref = b.data<float>()[o];
+      for (int64_t k = 0; k < 7; ++k) ref += double(x.data<float>()[i * 7 + k]) * w.data<float>()[o * 7 + k];
+      EXPECT_NEAR(y.data<float>()[i * 5 + o], ref, 1e-5 * (1 + std::fabs(ref)));
+    }
+  }
+  EXPECT_THROW(linear(x, testing::randn({5, 6})), Error);
+  EXPECT_THROW(linear(x, w, testing::randn({4})), Error);
+  EXPECT_THROW(layer_norm(x, testing::randn({6}), Tensor()), Error);
+  EXPECT_THROW(activation_from_name("swish"), Error);
+  // dropout: keep rate and scaling, reproducible
+  const Tensor z = testing::randn({100000});
+  const Tensor d1 = dropout(z, 0.25, 9), d2 = dropout(z, 0.25, 9);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < z.numel(); ++i) {
+    const float v = d1.data<float>()[i];
+    EXPECT_EQ(v, d2.data<float>()[i]);
+    if (v != 0.0f) {
+      ++kept;
+      EXPECT_NEAR(v, z.data<float>()[i] / 0.75f, 1e-6f * std::fabs(v));
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(kept) / z.numel(), 0.75, 0.01);
+}
+
+}  // namespace
+}  // namespace heads
