@@ -17,6 +17,8 @@ from . import _heads
 __all__ = [
     "sdpa",
     "MultiheadAttention",
+    "TransformerEncoderLayer",
+    "TransformerEncoder",
     "manual_seed",
     "set_num_threads",
     "get_num_threads",
@@ -188,3 +190,79 @@ class MultiheadAttention:
             f"MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"kdim={self.kdim}, vdim={self.vdim}, batch_first={self.batch_first})"
         )
+
+
+class _Module:
+    """Shared state-dict and train/eval plumbing of the wrapped native modules."""
+
+    _m: Any
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    def train(self, mode: bool = True):
+        self._training = bool(mode)
+        self._m._set_training(self._training)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self) -> dict:
+        """Parameters by PyTorch's names as numpy arrays sharing the module's memory."""
+        return self._m.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        self._m.load_state_dict([(str(k), _arg(v, k)) for k, v in state_dict.items()], strict)
+
+
+class TransformerEncoderLayer(_Module):
+    """``torch.nn.TransformerEncoderLayer`` in heads: same constructor, names and call.
+
+    ``activation`` is "relu", "gelu" (erf form) or "gelu_tanh". ``seed`` (an extension) fixes the
+    initial parameters.
+    """
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: str = "relu", layer_norm_eps: float = 1e-5, batch_first: bool = False,
+                 norm_first: bool = False, bias: bool = True, *, seed: Optional[int] = None) -> None:
+        if callable(activation):
+            activation = getattr(activation, "__name__", str(activation))
+        self._args = dict(d_model=int(d_model), nhead=int(nhead), dim_feedforward=int(dim_feedforward),
+                          dropout=float(dropout), activation=str(activation),
+                          layer_norm_eps=float(layer_norm_eps), batch_first=bool(batch_first),
+                          norm_first=bool(norm_first), bias=bool(bias))
+        self._m = _heads.TransformerEncoderLayer(**self._args, seed=seed)
+        self._training = True
+
+    def forward(self, src: Any, src_mask: Any = None, src_key_padding_mask: Any = None,
+                is_causal: bool = False):
+        return self._m.forward(_arg(src, "src"), _arg(src_mask, "src_mask"),
+                               _arg(src_key_padding_mask, "src_key_padding_mask"), bool(is_causal),
+                               _is_torch(src))
+
+    __call__ = forward
+
+
+class TransformerEncoder(_Module):
+    """``torch.nn.TransformerEncoder(encoder_layer, num_layers, norm)``: num_layers copies of
+    ``encoder_layer`` (a heads.TransformerEncoderLayer, its parameters copied as torch deep-copies),
+    with a final LayerNorm(d_model) when ``norm`` is true (or a LayerNorm-like object)."""
+
+    def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: Any = None) -> None:
+        if not isinstance(encoder_layer, TransformerEncoderLayer):
+            raise ValueError("TransformerEncoder: encoder_layer must be a heads.TransformerEncoderLayer")
+        self._m = _heads.TransformerEncoder(**encoder_layer._args, num_layers=int(num_layers),
+                                            final_norm=norm is not None and norm is not False)
+        layer_sd = encoder_layer.state_dict()
+        self.load_state_dict({f"layers.{i}.{k}": v for i in range(int(num_layers)) for k, v in layer_sd.items()},
+                             strict=False)
+        self._training = True
+
+    def forward(self, src: Any, mask: Any = None, src_key_padding_mask: Any = None, is_causal: bool = False):
+        return self._m.forward(_arg(src, "src"), _arg(mask, "mask"),
+                               _arg(src_key_padding_mask, "src_key_padding_mask"), bool(is_causal),
+                               _is_torch(src))
+
+    __call__ = forward

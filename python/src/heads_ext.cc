@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "heads/encoder.h"
 #include "heads/error.h"
 #include "heads/mha.h"
 #include "heads/runtime.h"
@@ -132,6 +133,35 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
 
 }  // namespace
 
+heads::TransformerEncoderLayerOptions layer_options(int64_t d_model, int64_t nhead, int64_t dim_feedforward,
+                                                    double dropout, const std::string& activation,
+                                                    double layer_norm_eps, bool batch_first,
+                                                    bool norm_first, bool bias) {
+  heads::TransformerEncoderLayerOptions o;
+  o.d_model = d_model;
+  o.nhead = nhead;
+  o.dim_feedforward = dim_feedforward;
+  o.dropout = dropout;
+  o.activation = heads::activation_from_name(activation);
+  o.layer_norm_eps = layer_norm_eps;
+  o.batch_first = batch_first;
+  o.norm_first = norm_first;
+  o.bias = bias;
+  return o;
+}
+
+nb::dict to_dict(const heads::StateDict& sd) {
+  nb::dict d;
+  for (const auto& [name, t] : sd) d[name.c_str()] = to_numpy(t);
+  return d;
+}
+
+heads::StateDict from_items(const std::vector<std::pair<std::string, InArray>>& items) {
+  heads::StateDict sd;
+  for (const auto& [name, a] : items) sd.emplace_back(name, view_of(a, name.c_str()));
+  return sd;
+}
+
 NB_MODULE(_heads, m) {
   m.doc() = "heads: multi-head attention for CPUs (native core)";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
@@ -218,5 +248,78 @@ NB_MODULE(_heads, m) {
            },
            "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = nb::none(),
            "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
+           "is_causal"_a = false, "torch_out"_a = false);
+
+  nb::class_<heads::TransformerEncoderLayer>(m, "TransformerEncoderLayer")
+      .def("__init__",
+           [](heads::TransformerEncoderLayer* self, int64_t d_model, int64_t nhead, int64_t dim_feedforward,
+              double dropout, const std::string& activation, double layer_norm_eps, bool batch_first,
+              bool norm_first, bool bias, std::optional<uint64_t> seed) {
+             new (self) heads::TransformerEncoderLayer(
+                 layer_options(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                               batch_first, norm_first, bias),
+                 seed);
+           },
+           "d_model"_a, "nhead"_a, "dim_feedforward"_a = 2048, "dropout"_a = 0.1,
+           "activation"_a = "relu", "layer_norm_eps"_a = 1e-5, "batch_first"_a = false,
+           "norm_first"_a = false, "bias"_a = true, "seed"_a = nb::none())
+      .def_prop_ro("training", &heads::TransformerEncoderLayer::training)
+      .def("_set_training", &heads::TransformerEncoderLayer::train, "mode"_a)
+      .def("state_dict", [](const heads::TransformerEncoderLayer& s) { return to_dict(s.state_dict()); })
+      .def("load_state_dict",
+           [](heads::TransformerEncoderLayer& s, const std::vector<std::pair<std::string, InArray>>& items,
+              bool strict) { s.load_state_dict(from_items(items), strict); },
+           "items"_a, "strict"_a = true)
+      .def("forward",
+           [](const heads::TransformerEncoderLayer& s, const InArray& src, const std::optional<InArray>& src_mask,
+              const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out) {
+             heads::EncoderForwardArgs a;
+             a.src_mask = opt_view(src_mask, "src_mask");
+             a.src_key_padding_mask = opt_view(src_key_padding_mask, "src_key_padding_mask");
+             a.is_causal = is_causal;
+             const heads::Tensor x = view_of(src, "src");
+             heads::Tensor out;
+             {
+               nb::gil_scoped_release release;
+               out = s.forward(x, a);
+             }
+             return to_array(out, torch_out);
+           },
+           "src"_a, "src_mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(),
+           "is_causal"_a = false, "torch_out"_a = false);
+
+  nb::class_<heads::TransformerEncoder>(m, "TransformerEncoder")
+      .def("__init__",
+           [](heads::TransformerEncoder* self, int64_t d_model, int64_t nhead, int64_t dim_feedforward,
+              double dropout, const std::string& activation, double layer_norm_eps, bool batch_first,
+              bool norm_first, bool bias, int64_t num_layers, bool final_norm, std::optional<uint64_t> seed) {
+             new (self) heads::TransformerEncoder(
+                 layer_options(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                               batch_first, norm_first, bias),
+                 num_layers, final_norm, seed);
+           },
+           "d_model"_a, "nhead"_a, "dim_feedforward"_a, "dropout"_a, "activation"_a,
+           "layer_norm_eps"_a, "batch_first"_a, "norm_first"_a, "bias"_a, "num_layers"_a,
+           "final_norm"_a, "seed"_a = nb::none())
+      .def("_set_training", &heads::TransformerEncoder::train, "mode"_a)
+      .def("state_dict", [](const heads::TransformerEncoder& s) { return to_dict(s.state_dict()); })
+      .def("load_state_dict",
+           [](heads::TransformerEncoder& s, const std::vector<std::pair<std::string, InArray>>& items,
+              bool strict) { s.load_state_dict(from_items(items), strict); },
+           "items"_a, "strict"_a = true)
+      .def("forward",
+           [](const heads::TransformerEncoder& s, const InArray& src, const std::optional<InArray>& mask,
+              const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out) {
+             const heads::Tensor x = view_of(src, "src");
+             const heads::Tensor mk = opt_view(mask, "mask");
+             const heads::Tensor kp = opt_view(src_key_padding_mask, "src_key_padding_mask");
+             heads::Tensor out;
+             {
+               nb::gil_scoped_release release;
+               out = s.forward(x, mk, kp, is_causal);
+             }
+             return to_array(out, torch_out);
+           },
+           "src"_a, "mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(),
            "is_causal"_a = false, "torch_out"_a = false);
 }

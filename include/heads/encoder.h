@@ -1,0 +1,96 @@
+// encoder.h — TransformerEncoderLayer and TransformerEncoder, mirroring torch.nn.
+//
+// State-dict names are torch's: self_attn.{in_proj_weight, in_proj_bias, out_proj.weight,
+// out_proj.bias}, linear1.{weight, bias}, linear2.{weight, bias}, norm1.{weight, bias},
+// norm2.{weight, bias}; an encoder prefixes them with layers.<i>. and adds norm.{weight, bias}
+// when built with a final norm.
+// forward(src, src_mask, src_key_padding_mask, is_causal) takes [L, N, E] ([N, L, E] with
+// batch_first, or unbatched [L, E]); masks as torch.nn.MultiheadAttention (bool true = masked).
+// Padded positions are computed like every other position (torch's nested-tensor fast path
+// returns zeros there instead).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "heads/mha.h"
+#include "heads/ops.h"
+#include "heads/tensor.h"
+
+namespace heads {
+
+struct TransformerEncoderLayerOptions {
+  int64_t d_model = 0;
+  int64_t nhead = 1;
+  int64_t dim_feedforward = 2048;
+  double dropout = 0.1;
+  Activation activation = Activation::Relu;
+  double layer_norm_eps = 1e-5;
+  bool batch_first = false;
+  bool norm_first = false;
+  bool bias = true;
+};
+
+struct EncoderForwardArgs {
+  Tensor src_mask;              // [L, L] or [N * nhead, L, L]
+  Tensor src_key_padding_mask;  // [N, L] (unbatched: [L])
+  bool is_causal = false;
+  // When set, receives the attention weights [N, nhead, L, L] (unbatched: [nhead, L, L]).
+  Tensor* attn_weights = nullptr;
+};
+
+class TransformerEncoderLayer {
+ public:
+  // Parameters initialised as torch does (see MultiheadAttention; linear layers Kaiming-uniform
+  // with a = √5, norms 1 and 0) from `seed` (default: heads::next_seed()).
+  explicit TransformerEncoderLayer(const TransformerEncoderLayerOptions& options,
+                                   std::optional<uint64_t> seed = std::nullopt);
+
+  Tensor forward(const Tensor& src, const EncoderForwardArgs& args = {}) const;
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool training() const { return training_; }
+  const TransformerEncoderLayerOptions& options() const { return opt_; }
+
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& sd, bool strict = true);
+
+ private:
+  TransformerEncoderLayerOptions opt_;
+  MultiheadAttention self_attn_;
+  std::vector<std::pair<std::string, Tensor>> params_;  // linear1/2, norm1/2
+  const Tensor* param(const std::string& name) const;
+  bool training_ = true;
+};
+
+class TransformerEncoder {
+ public:
+  // num_layers copies of a layer built from `layer` (identical initial parameters, as torch's
+  // deep copies); a final LayerNorm(d_model, layer_norm_eps) when final_norm.
+  TransformerEncoder(const TransformerEncoderLayerOptions& layer, int64_t num_layers,
+                     bool final_norm = false, std::optional<uint64_t> seed = std::nullopt);
+
+  // attn_weights, when set, receives one [N, nhead, L, L] tensor per layer.
+  Tensor forward(const Tensor& src, const Tensor& mask = {}, const Tensor& src_key_padding_mask = {},
+                 bool is_causal = false, std::vector<Tensor>* attn_weights = nullptr) const;
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  const TransformerEncoderLayer& layer(int64_t i) const { return layers_.at(static_cast<size_t>(i)); }
+
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& sd, bool strict = true);
+  void load(const std::string& safetensors_path, bool strict = true);
+  void save(const std::string& safetensors_path) const;
+
+ private:
+  std::vector<TransformerEncoderLayer> layers_;
+  Tensor norm_w_, norm_b_;
+  double eps_;
+};
+
+}  // namespace heads
