@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 PREFIX=${PREFIX:-/usr/local}
-APT_PACKAGES=(g++ make ninja-build libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev)
+APT_PACKAGES=(g++ make ninja-build libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev libicu-dev libcairo2-dev)
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2.13.0)
 
 missing=()

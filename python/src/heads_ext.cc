@@ -18,6 +18,7 @@
 #include "heads/mha.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "heads/tokenizer.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -322,4 +323,20 @@ NB_MODULE(_heads, m) {
            },
            "src"_a, "mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(),
            "is_causal"_a = false, "torch_out"_a = false);
+
+  nb::class_<heads::WordPieceTokenizer>(m, "WordPieceTokenizer")
+      .def_static("from_vocab_file", &heads::WordPieceTokenizer::from_vocab_file, "path"_a,
+                  "lowercase"_a = true)
+      .def("encode",
+           [](const heads::WordPieceTokenizer& t, nb::bytes text, int64_t max_length) {
+             return t.encode(std::string_view(text.c_str(), text.size()), max_length).ids;
+           },
+           "text"_a, "max_length"_a = 0)
+      .def("pre_tokenize",
+           [](const heads::WordPieceTokenizer& t, nb::bytes text) {
+             return t.pre_tokenize(std::string_view(text.c_str(), text.size()));
+           },
+           "text"_a)
+      .def("token", &heads::WordPieceTokenizer::token, "id"_a)
+      .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
 }

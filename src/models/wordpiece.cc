@@ -1,0 +1,370 @@
+// wordpiece.cc — BERT WordPiece tokenizer matching Hugging Face tokenizers (see tokenizer.h).
+//
+// Unicode data: ICU, with the character properties pinned to the versions the reference
+// tokenizer's Rust crates were generated from: general categories as of Unicode 8.0
+// (unicode_categories 0.1.1), canonical decompositions as of 9.0
+// (unicode-normalization-alignments 0.1.12). Characters assigned later are treated as the
+// reference does: not controls, not punctuation, not marks, not decomposed. A handful of
+// characters whose category changed after 8.0 are listed explicitly.
+#include "heads/tokenizer.h"
+
+#include <unicode/normalizer2.h>
+#include <unicode/uchar.h>
+#include <unicode/unistr.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+
+#include "heads/error.h"
+
+namespace heads {
+
+namespace {
+
+// age(c) <= major.minor
+bool age_at_most(char32_t c, int major, int minor) {
+  UVersionInfo v;
+  u_charAge(static_cast<UChar32>(c), v);
+  return v[0] < major || (v[0] == major && v[1] <= minor);
+}
+
+int8_t category(char32_t c) { return u_charType(static_cast<UChar32>(c)); }
+
+// clean_text deletes these: Cc, Cf, Co as of Unicode 8.0, except TAB, LF, CR.
+bool is_control(char32_t c) {
+  if (c == U'\t' || c == U'\n' || c == U'\r') return false;
+  const int8_t t = category(c);
+  return (t == U_CONTROL_CHAR || t == U_FORMAT_CHAR || t == U_PRIVATE_USE_CHAR) && age_at_most(c, 8, 0);
+}
+
+bool is_whitespace(char32_t c) {
+  return c == U'\t' || c == U'\n' || c == U'\r' || u_isUWhiteSpace(static_cast<UChar32>(c));
+}
+
+bool is_cjk(char32_t c) {
+  return (c >= 0x4E00 && c <= 0x9FFF) || (c >= 0x3400 && c <= 0x4DBF) ||
+         (c >= 0x20000 && c <= 0x2A6DF) || (c >= 0x2A700 && c <= 0x2B73F) ||
+         (c >= 0x2B740 && c <= 0x2B81F) || (c >= 0x2B920 && c <= 0x2CEAF) ||
+         (c >= 0xF900 && c <= 0xFAFF) || (c >= 0x2F800 && c <= 0x2FA1F);
+}
+
+bool is_punctuation(char32_t c) {
+  if ((c >= 0x21 && c <= 0x2F) || (c >= 0x3A && c <= 0x40) || (c >= 0x5B && c <= 0x60) ||
+      (c >= 0x7B && c <= 0x7E)) {
+    return true;
+  }
+  if (c == 0x166D || c == 0x111C9) return true;  // punctuation in Unicode 8.0, not any more
+  const int8_t t = category(c);
+  const bool p = t == U_CONNECTOR_PUNCTUATION || t == U_DASH_PUNCTUATION || t == U_START_PUNCTUATION ||
+                 t == U_END_PUNCTUATION || t == U_INITIAL_PUNCTUATION || t == U_FINAL_PUNCTUATION ||
+                 t == U_OTHER_PUNCTUATION;
+  return p && age_at_most(c, 8, 0);
+}
+
+// Non-spacing marks as of Unicode 8.0 (strip_accents removes them).
+bool is_nonspacing_mark(char32_t c) {
+  if (c == 0x1734) return true;  // Mn in 8.0, Mc now
+  if (c == 0x1885 || c == 0x1886 || c == 0xA9BD || c == 0x111C9) return false;  // not Mn in 8.0
+  return category(c) == U_NON_SPACING_MARK && age_at_most(c, 8, 0);
+}
+
+int combining_class(char32_t c) {
+  if (!age_at_most(c, 9, 0)) return 0;
+  return u_getCombiningClass(static_cast<UChar32>(c));
+}
+
+// Canonical decomposition as of Unicode 9.0 (Hangul syllables algorithmically).
+void decompose(char32_t c, std::u32string& out, const icu::Normalizer2* nfd) {
+  constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
+  constexpr int kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount, kSCount = 19 * kNCount;
+  if (c >= kSBase && c < kSBase + kSCount) {
+    const int s = static_cast<int>(c - kSBase);
+    out.push_back(kLBase + s / kNCount);
+    out.push_back(kVBase + (s % kNCount) / kTCount);
+    if (s % kTCount != 0) out.push_back(kTBase + s % kTCount);
+    return;
+  }
+  icu::UnicodeString d;
+  if (age_at_most(c, 9, 0) && nfd->getDecomposition(static_cast<UChar32>(c), d)) {
+    for (int32_t i = 0; i < d.length();) {
+      const UChar32 x = d.char32At(i);
+      out.push_back(static_cast<char32_t>(x));
+      i += U16_LENGTH(x);
+    }
+    return;
+  }
+  out.push_back(c);
+}
+
+// UTF-8 -> code points; malformed sequences become U+FFFD.
+std::u32string decode_utf8(std::string_view s) {
+  std::u32string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b0 = static_cast<uint8_t>(s[i]);
+    char32_t c;
+    size_t n;
+    if (b0 < 0x80) {
+      c = b0;
+      n = 1;
+    } else if (b0 >= 0xC2 && b0 <= 0xDF) {
+      c = b0 & 0x1F;
+      n = 2;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      c = b0 & 0x0F;
+      n = 3;
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+      c = b0 & 0x07;
+      n = 4;
+    } else {
+      out.push_back(0xFFFD);
+      ++i;
+      continue;
+    }
+    bool ok = i + n <= s.size();
+    for (size_t k = 1; ok && k < n; ++k) {
+      const auto b = static_cast<uint8_t>(s[i + k]);
+      ok = (b & 0xC0) == 0x80;
+      c = (c << 6) | (b & 0x3F);
+    }
+    // reject overlong forms, surrogates and values past U+10FFFF
+    if (ok && ((n == 3 && (c < 0x800 || (c >= 0xD800 && c <= 0xDFFF))) || (n == 4 && (c < 0x10000 || c > 0x10FFFF)))) {
+      ok = false;
+    }
+    if (!ok) {
+      out.push_back(0xFFFD);
+      ++i;  // resynchronise on the next byte
+      continue;
+    }
+    out.push_back(c);
+    i += n;
+  }
+  return out;
+}
+
+void append_utf8(std::string& out, char32_t c) {
+  if (c < 0x80) {
+    out.push_back(static_cast<char>(c));
+  } else if (c < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (c >> 6)));
+    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+  } else if (c < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (c >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (c >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+  }
+}
+
+std::string to_utf8(std::u32string_view s) {
+  std::string out;
+  for (char32_t c : s) append_utf8(out, c);
+  return out;
+}
+
+const icu::Normalizer2* nfd_instance() {
+  UErrorCode status = U_ZERO_ERROR;
+  const icu::Normalizer2* n = icu::Normalizer2::getNFDInstance(status);
+  HEADS_CHECK(U_SUCCESS(status) && n != nullptr, "tokenizer: ICU NFD data unavailable (",
+              u_errorName(status), ")");
+  return n;
+}
+
+}  // namespace
+
+WordPieceTokenizer WordPieceTokenizer::from_vocab_file(const std::string& path, bool lowercase) {
+  std::ifstream in(path, std::ios::binary);
+  HEADS_CHECK(in.good(), path, ": cannot open vocabulary");
+  WordPieceTokenizer t;
+  t.lowercase_ = lowercase;
+  std::string line;
+  while (std::getline(in, line)) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == '\n' || line.back() == ' ' ||
+                             line.back() == '\t')) {
+      line.pop_back();  // trim_end
+    }
+    const auto id = static_cast<int64_t>(t.tokens_.size());
+    t.vocab_[line] = id;  // a later duplicate wins
+    t.tokens_.push_back(line);
+  }
+  HEADS_CHECK(!t.tokens_.empty(), path, ": empty vocabulary");
+  auto need = [&](const char* name, int64_t* slot) {
+    const auto it = t.vocab_.find(name);
+    HEADS_CHECK(it != t.vocab_.end(), path, ": vocabulary has no ", name, " token");
+    *slot = it->second;
+  };
+  need("[UNK]", &t.unk_);
+  need("[CLS]", &t.cls_);
+  need("[SEP]", &t.sep_);
+  need("[PAD]", &t.pad_);
+  need("[MASK]", &t.mask_);
+  return t;
+}
+
+const std::string& WordPieceTokenizer::token(int64_t id) const {
+  if (id < 0 || id >= vocab_size()) return tokens_[static_cast<size_t>(unk_)];
+  return tokens_[static_cast<size_t>(id)];
+}
+
+int64_t WordPieceTokenizer::id(const std::string& token) const {
+  const auto it = vocab_.find(token);
+  return it == vocab_.end() ? -1 : it->second;
+}
+
+void WordPieceTokenizer::normalize_and_split(std::u32string_view segment,
+                                             std::vector<std::u32string>& words) const {
+  static const icu::Normalizer2* nfd = nfd_instance();
+  // 1. clean text; 2. space around CJK ideographs
+  std::u32string a;
+  a.reserve(segment.size());
+  for (char32_t c : segment) {
+    if (c == 0 || c == 0xFFFD || is_control(c)) continue;
+    if (is_whitespace(c)) {
+      a.push_back(U' ');
+    } else if (is_cjk(c)) {
+      a.push_back(U' ');
+      a.push_back(c);
+      a.push_back(U' ');
+    } else {
+      a.push_back(c);
+    }
+  }
+  // 3. strip accents (NFD, canonical order, drop non-spacing marks); 4. lower case
+  std::u32string d;
+  if (lowercase_) {
+    d.reserve(a.size());
+    for (char32_t c : a) decompose(c, d, nfd);
+    for (size_t i = 0; i < d.size();) {  // stable sort runs of non-zero combining class
+      if (combining_class(d[i]) == 0) {
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      while (j < d.size() && combining_class(d[j]) != 0) ++j;
+      std::stable_sort(d.begin() + static_cast<std::ptrdiff_t>(i), d.begin() + static_cast<std::ptrdiff_t>(j),
+                       [](char32_t x, char32_t y) { return combining_class(x) < combining_class(y); });
+      i = j;
+    }
+    std::u32string e;
+    e.reserve(d.size());
+    for (char32_t c : d) {
+      if (is_nonspacing_mark(c)) continue;
+      e.push_back(static_cast<char32_t>(u_tolower(static_cast<UChar32>(c))));
+    }
+    d.swap(e);
+  } else {
+    d = a;
+  }
+  // 5. split on whitespace, isolate punctuation
+  std::u32string cur;
+  auto flush = [&] {
+    if (!cur.empty()) words.push_back(cur);
+    cur.clear();
+  };
+  for (char32_t c : d) {
+    if (is_whitespace(c)) {
+      flush();
+    } else if (is_punctuation(c)) {
+      flush();
+      words.emplace_back(1, c);
+    } else {
+      cur.push_back(c);
+    }
+  }
+  flush();
+}
+
+void WordPieceTokenizer::wordpiece(const std::u32string& word, std::vector<int64_t>& out) const {
+  if (static_cast<int64_t>(word.size()) > max_chars_per_word_) {
+    out.push_back(unk_);
+    return;
+  }
+  const size_t mark = out.size();
+  size_t start = 0;
+  while (start < word.size()) {
+    size_t end = word.size();
+    int64_t found = -1;
+    while (start < end) {
+      std::string piece = start > 0 ? "##" : "";
+      piece += to_utf8(std::u32string_view(word).substr(start, end - start));
+      const auto it = vocab_.find(piece);
+      if (it != vocab_.end()) {
+        found = it->second;
+        break;
+      }
+      --end;
+    }
+    if (found < 0) {  // an unknown piece makes the whole word [UNK]
+      out.resize(mark);
+      out.push_back(unk_);
+      return;
+    }
+    out.push_back(found);
+    start = end;
+  }
+}
+
+std::vector<std::string> WordPieceTokenizer::pre_tokenize(std::string_view text) const {
+  std::vector<std::u32string> words;
+  normalize_and_split(decode_utf8(text), words);
+  std::vector<std::string> out;
+  for (const auto& w : words) out.push_back(to_utf8(w));
+  return out;
+}
+
+WordPieceTokenizer::Encoding WordPieceTokenizer::encode(std::string_view text, int64_t max_length) const {
+  static const std::pair<const char32_t*, int64_t WordPieceTokenizer::*> kSpecial[] = {
+      {U"[PAD]", &WordPieceTokenizer::pad_}, {U"[UNK]", &WordPieceTokenizer::unk_},
+      {U"[CLS]", &WordPieceTokenizer::cls_}, {U"[SEP]", &WordPieceTokenizer::sep_},
+      {U"[MASK]", &WordPieceTokenizer::mask_}};
+  const std::u32string s = decode_utf8(text);
+  std::vector<int64_t> pieces;
+  std::vector<std::u32string> words;
+  size_t seg = 0, i = 0;
+  auto emit_segment = [&](size_t end) {
+    words.clear();
+    normalize_and_split(std::u32string_view(s).substr(seg, end - seg), words);
+    for (const auto& w : words) wordpiece(w, pieces);
+  };
+  while (i < s.size()) {
+    // special tokens are matched on the raw text, exactly (leftmost-longest)
+    int64_t matched = -1;
+    size_t len = 0;
+    if (s[i] == U'[') {
+      for (const auto& [name, slot] : kSpecial) {
+        const size_t n = std::char_traits<char32_t>::length(name);
+        if (n > len && s.compare(i, n, name) == 0) {
+          matched = this->*slot;
+          len = n;
+        }
+      }
+    }
+    if (matched >= 0) {
+      emit_segment(i);
+      pieces.push_back(matched);
+      i += len;
+      seg = i;
+    } else {
+      ++i;
+    }
+  }
+  emit_segment(s.size());
+  Encoding e;
+  if (max_length > 0 && static_cast<int64_t>(pieces.size()) > std::max<int64_t>(max_length - 2, 0)) {
+    pieces.resize(static_cast<size_t>(std::max<int64_t>(max_length - 2, 0)));
+    e.truncated = true;
+  }
+  e.ids.reserve(pieces.size() + 2);
+  e.ids.push_back(cls_);
+  e.ids.insert(e.ids.end(), pieces.begin(), pieces.end());
+  e.ids.push_back(sep_);
+  return e;
+}
+
+}  // namespace heads
