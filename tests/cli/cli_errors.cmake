@@ -17,8 +17,9 @@ expect_exit(0 "${HEADS}" mha --help)
 if(NOT last_out MATCHES "--num-heads")
   message(FATAL_ERROR "mha --help does not mention --num-heads: ${last_out}")
 endif()
-expect_exit(0 "${HEADS}" demo)
-if(NOT last_out MATCHES "head 1" OR NOT last_out MATCHES "output shape: \\[6, 16\\]")
+expect_exit(0 "${HEADS}" demo --output "${WORK}/demo.png")
+if(NOT last_out MATCHES "Cosine similarity" OR NOT last_out MATCHES "\\[CLS\\] the cat sat on the mat \\[SEP\\]"
+   OR NOT EXISTS "${WORK}/demo.png")
   message(FATAL_ERROR "demo output unexpected: ${last_out}")
 endif()
 

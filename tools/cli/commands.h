@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <string>
 
 namespace heads::cli {
 
@@ -12,6 +13,20 @@ using Action = std::function<void()>;
 void add_mha_command(CLI::App& app, Action* action);
 void add_demo_command(CLI::App& app, Action* action);
 void add_bench_command(CLI::App& app, Action* action);
+void add_embed_command(CLI::App& app, Action* action);
+void add_viz_command(CLI::App& app, Action* action);
+
+}  // namespace heads::cli
+
+namespace heads {
+class SentenceEncoder;
+}
+
+namespace heads::cli {
+
+// Draws a sentence's attention (cmd_viz.cc): one layer's heads, or the rollout.
+void render_sentence_attention(const SentenceEncoder& enc, const std::string& text, int64_t layer,
+                               bool rollout, const std::string& output);
 
 // --threads N shared by the commands (0 = default).
 void apply_threads(int threads);

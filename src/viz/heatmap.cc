@@ -1,0 +1,223 @@
+// heatmap.cc — attention heatmaps with cairo: a grid of heads or one matrix, token labels,
+// viridis colours, a colour bar. Output is PNG or SVG by extension, written to a temporary name
+// and renamed at the end.
+#include <cairo-svg.h>
+#include <cairo.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+
+#include "heads/error.h"
+#include "heads/viz.h"
+
+namespace heads {
+
+namespace {
+
+// viridis at 9 anchors, linearly interpolated.
+void viridis(double t, double* r, double* g, double* b) {
+  static const double k[9][3] = {{0.267, 0.005, 0.329}, {0.283, 0.141, 0.458}, {0.254, 0.265, 0.530},
+                                 {0.207, 0.372, 0.553}, {0.164, 0.471, 0.558}, {0.128, 0.567, 0.551},
+                                 {0.135, 0.659, 0.518}, {0.478, 0.821, 0.318}, {0.993, 0.906, 0.144}};
+  t = std::clamp(t, 0.0, 1.0) * 8.0;
+  const int i = std::min(7, static_cast<int>(t));
+  const double f = t - i;
+  *r = k[i][0] + f * (k[i + 1][0] - k[i][0]);
+  *g = k[i][1] + f * (k[i + 1][1] - k[i][1]);
+  *b = k[i][2] + f * (k[i + 1][2] - k[i][2]);
+}
+
+std::string ellipsize(const std::string& s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return s;
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // UTF-8 boundary
+  return s.substr(0, cut) + "…";
+}
+
+struct Canvas {
+  cairo_surface_t* surface = nullptr;
+  cairo_t* cr = nullptr;
+  std::string path, tmp;
+  bool png = true;
+
+  Canvas(const std::string& p, double w, double h) : path(p) {
+    const std::string ext = std::filesystem::path(p).extension().string();
+    HEADS_CHECK(ext == ".png" || ext == ".svg", p, ": output must end in .png or .svg");
+    png = ext == ".png";
+    std::random_device rd;
+    tmp = p + ".tmp" + std::to_string(rd() % 1000000);
+    surface = png ? cairo_image_surface_create(CAIRO_FORMAT_ARGB32, static_cast<int>(w), static_cast<int>(h))
+                  : cairo_svg_surface_create(tmp.c_str(), w, h);
+    HEADS_CHECK(cairo_surface_status(surface) == CAIRO_STATUS_SUCCESS, p, ": cannot create the drawing (",
+                cairo_status_to_string(cairo_surface_status(surface)), ")");
+    cr = cairo_create(surface);
+    cairo_set_source_rgb(cr, 1, 1, 1);
+    cairo_paint(cr);
+  }
+  ~Canvas() {
+    if (cr) cairo_destroy(cr);
+    if (surface) cairo_surface_destroy(surface);
+    std::remove(tmp.c_str());
+  }
+  void finish() {
+    cairo_destroy(cr);
+    cr = nullptr;
+    cairo_status_t st = CAIRO_STATUS_SUCCESS;
+    if (png) {
+      st = cairo_surface_write_to_png(surface, tmp.c_str());
+    } else {
+      cairo_surface_finish(surface);
+      st = cairo_surface_status(surface);
+    }
+    cairo_surface_destroy(surface);
+    surface = nullptr;
+    HEADS_CHECK(st == CAIRO_STATUS_SUCCESS, path, ": cannot write (", cairo_status_to_string(st), ")");
+    HEADS_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, path, ": cannot move the drawing into place");
+  }
+};
+
+void text(cairo_t* cr, const std::string& s, double x, double y, double size, double angle = 0,
+          bool right = false, bool center = false, bool bold = false) {
+  cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
+                         bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
+  cairo_set_font_size(cr, size);
+  cairo_text_extents_t ext;
+  cairo_text_extents(cr, s.c_str(), &ext);
+  cairo_save(cr);
+  cairo_translate(cr, x, y);
+  cairo_rotate(cr, angle);
+  double dx = 0;
+  if (right) dx = -ext.x_advance;
+  if (center) dx = -ext.x_advance / 2;
+  cairo_move_to(cr, dx, ext.height / 2 - 1);
+  cairo_set_source_rgb(cr, 0.1, 0.1, 0.1);
+  cairo_show_text(cr, s.c_str());
+  cairo_restore(cr);
+}
+
+// One heatmap with its top-left corner at (x, y), cells of `cell` pixels.
+void heatmap(cairo_t* cr, const std::vector<std::string>& tokens, const float* m, int64_t L, double x,
+             double y, double cell, double vmax, const std::string& title, double label_size) {
+  text(cr, title, x + cell * static_cast<double>(L) / 2, y - 12, label_size + 3, 0, false, true, true);
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j < L; ++j) {
+      double r, g, b;
+      viridis(vmax > 0 ? m[i * L + j] / vmax : 0.0, &r, &g, &b);
+      cairo_set_source_rgb(cr, r, g, b);
+      cairo_rectangle(cr, x + j * cell, y + i * cell, cell, cell);
+      cairo_fill(cr);
+    }
+  }
+  cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
+  cairo_set_line_width(cr, 0.8);
+  cairo_rectangle(cr, x, y, cell * L, cell * L);
+  cairo_stroke(cr);
+  for (int64_t i = 0; i < L; ++i) {  // queries on the left, keys below (rotated)
+    text(cr, ellipsize(tokens[static_cast<size_t>(i)], 14), x - 4, y + (i + 0.5) * cell, label_size, 0, true);
+    text(cr, ellipsize(tokens[static_cast<size_t>(i)], 14), x + (i + 0.5) * cell, y + L * cell + 4, label_size,
+         M_PI / 2);
+  }
+}
+
+void colorbar(cairo_t* cr, double x, double y, double h, double vmax) {
+  const int steps = 100;
+  for (int s = 0; s < steps; ++s) {
+    double r, g, b;
+    viridis(1.0 - (s + 0.5) / steps, &r, &g, &b);
+    cairo_set_source_rgb(cr, r, g, b);
+    cairo_rectangle(cr, x, y + h * s / steps, 16, h / steps + 0.5);
+    cairo_fill(cr);
+  }
+  cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
+  cairo_rectangle(cr, x, y, 16, h);
+  cairo_stroke(cr);
+  char buf[32];
+  for (int k = 0; k <= 4; ++k) {
+    std::snprintf(buf, sizeof buf, "%.2f", vmax * (1.0 - k / 4.0));
+    text(cr, buf, x + 22, y + h * k / 4.0, 11);
+  }
+  text(cr, "attention weight", x + 62, y + h / 2, 11, M_PI / 2, false, true);
+}
+
+double label_width(const std::vector<std::string>& tokens, double size) {
+  size_t longest = 1;
+  for (const auto& t : tokens) longest = std::max(longest, std::min<size_t>(t.size(), 15));
+  return static_cast<double>(longest) * size * 0.62 + 10;
+}
+
+}  // namespace
+
+void render_attention_heads(const std::vector<std::string>& tokens, const Tensor& weights_in,
+                            const std::string& title, const std::string& path) {
+  HEADS_CHECK(weights_in.dim() == 3 && weights_in.size(1) == weights_in.size(2) &&
+                  weights_in.size(1) == static_cast<int64_t>(tokens.size()),
+              "viz: weights ", weights_in.shape(), " do not match ", tokens.size(), " tokens ([H, L, L])");
+  const Tensor w = weights_in.to(DType::F32);
+  const int64_t H = w.size(0), L = w.size(1);
+  HEADS_CHECK(H >= 1 && L >= 1, "viz: nothing to draw");
+  const int64_t cols = H <= 4 ? H : (H <= 9 ? 3 : 4), rows = (H + cols - 1) / cols;
+  const double cell = std::clamp(360.0 / static_cast<double>(L), 6.0, 34.0);
+  const double label = std::clamp(cell * 0.45, 7.0, 12.0);
+  const double lw = label_width(tokens, label);
+  const double panel_w = lw + cell * L + 30, panel_h = 40 + cell * L + lw;
+  const double width = 40 + cols * panel_w + 110, height = 70 + rows * panel_h;
+  Canvas c(path, width, height);
+  text(c.cr, title, width / 2, 24, 17, 0, false, true, true);
+  text(c.cr, "rows: query token (attends)  ·  columns: key token (attended to)", width / 2, 48, 12, 0, false, true);
+  float vmax = 0;
+  for (int64_t i = 0; i < w.numel(); ++i) vmax = std::max(vmax, w.data<float>()[i]);
+  for (int64_t h = 0; h < H; ++h) {
+    const double x = 40 + (h % cols) * panel_w + lw, y = 70 + (h / cols) * panel_h + 30;
+    heatmap(c.cr, tokens, w.data<float>() + h * L * L, L, x, y, cell, vmax, "head " + std::to_string(h), label);
+  }
+  colorbar(c.cr, width - 100, 100, std::min(300.0, height - 160), vmax);
+  c.finish();
+}
+
+void render_attention_matrix(const std::vector<std::string>& tokens, const Tensor& m_in,
+                             const std::string& title, const std::string& path) {
+  HEADS_CHECK(m_in.dim() == 2 && m_in.size(0) == m_in.size(1) &&
+                  m_in.size(0) == static_cast<int64_t>(tokens.size()),
+              "viz: matrix ", m_in.shape(), " does not match ", tokens.size(), " tokens ([L, L])");
+  render_attention_heads(tokens, m_in.unsqueeze(0), title, path);
+}
+
+Tensor attention_rollout(const std::vector<Tensor>& layers) {
+  HEADS_CHECK(!layers.empty(), "attention_rollout: no layers");
+  const int64_t L = layers[0].size(-1);
+  std::vector<double> R(static_cast<size_t>(L * L), 0.0), A(R.size()), T(R.size());
+  for (int64_t i = 0; i < L; ++i) R[static_cast<size_t>(i * L + i)] = 1.0;
+  for (const Tensor& lw : layers) {
+    HEADS_CHECK(lw.dim() == 3 && lw.size(1) == L && lw.size(2) == L, "attention_rollout: layer ",
+                lw.shape(), " is not [H, ", L, ", ", L, "]");
+    const Tensor w = lw.to(DType::F64);
+    const int64_t H = w.size(0);
+    for (int64_t i = 0; i < L; ++i) {
+      double row = 0;
+      for (int64_t j = 0; j < L; ++j) {
+        double a = 0;
+        for (int64_t h = 0; h < H; ++h) a += w.data<double>()[(h * L + i) * L + j];
+        a = 0.5 * a / static_cast<double>(H) + (i == j ? 0.5 : 0.0);
+        A[static_cast<size_t>(i * L + j)] = a;
+        row += a;
+      }
+      for (int64_t j = 0; j < L; ++j) A[static_cast<size_t>(i * L + j)] /= row;
+    }
+    for (int64_t i = 0; i < L; ++i) {  // R = A · R
+      for (int64_t j = 0; j < L; ++j) {
+        double s = 0;
+        for (int64_t k = 0; k < L; ++k) s += A[static_cast<size_t>(i * L + k)] * R[static_cast<size_t>(k * L + j)];
+        T[static_cast<size_t>(i * L + j)] = s;
+      }
+    }
+    R.swap(T);
+  }
+  Tensor out = Tensor::empty({L, L}, DType::F32);
+  for (int64_t i = 0; i < L * L; ++i) out.data<float>()[i] = static_cast<float>(R[static_cast<size_t>(i)]);
+  return out;
+}
+
+}  // namespace heads

