@@ -16,6 +16,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
 // Normalises over the last dimension: (x - mean) / sqrt(var + eps) · weight + bias (biased
 // variance). weight, bias [n] or undefined.
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+// layer_norm(x + residual, ...) in one pass (post-norm residual connections).
+Tensor add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+                      double eps = 1e-5);
 
 enum class Activation { Relu, Gelu, GeluTanh };  // GeluTanh = gelu(approximate="tanh")
 Tensor activation(const Tensor& x, Activation act);

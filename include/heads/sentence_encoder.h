@@ -63,7 +63,7 @@ class SentenceEncoder {
   static std::string default_model_dir();
 
   // [N, dim] f32 embeddings, row i for texts[i]. Texts are batched by length (batch_size at
-  // most); progress(done, total) is called after each batch; *truncated counts texts cut to
+  // most, and about 512 padded tokens per batch so activations stay in cache); progress(done, total) is called after each batch; *truncated counts texts cut to
   // max_seq_length.
   Tensor encode(const std::vector<std::string>& texts, int64_t batch_size = 32,
                 const std::function<void(int64_t, int64_t)>& progress = {},

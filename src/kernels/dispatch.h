@@ -25,8 +25,9 @@ struct KernelTable {
   void (*gelu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
                    bool tanh_form);
   void (*relu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys);
-  void (*layer_norm_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
-                         const float* w, const float* b, float eps);
+  void (*layer_norm_f32)(const float* x, const float* res, float* y, int64_t rows, int64_t n,
+                         int64_t xs, int64_t ys, const float* w, const float* b, float eps);
+  void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

@@ -80,10 +80,11 @@ inline void relu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t 
   ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::relu(v); });
 }
 
-// y = (x - mean) / sqrt(var + eps) · w + b per row (biased variance, two passes in f32).
-// w and b may be null (elementwise_affine=False / bias=False).
-inline void layer_norm_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
-                           const float* w, const float* b, float eps) {
+// y = LN(x [+ res]): (v - mean) / sqrt(var + eps) · w + b per row, v = x + res (the residual
+// connection fused in; res may be null), biased variance, two passes in f32. w and b may be null
+// (elementwise_affine=False / bias=False). res has the row stride of x.
+inline void layer_norm_f32(const float* x, const float* res, float* y, int64_t rows, int64_t n,
+                           int64_t xs, int64_t ys, const float* w, const float* b, float eps) {
   using namespace ew;
   const int64_t per_task = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
   const int64_t tasks = (rows + per_task - 1) / per_task;
@@ -93,6 +94,13 @@ inline void layer_norm_f32(const float* x, float* y, int64_t rows, int64_t n, in
     for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
       const float* xr = x + r * xs;
       float* yr = y + r * ys;
+      if (res != nullptr) {  // v = x + res into y, then normalise y in place
+        const float* rr = res + r * xs;
+        int64_t i = 0;
+        for (; i + kW <= n; i += kW) Vec::storeu(yr + i, Vec::add(Vec::loadu(xr + i), Vec::loadu(rr + i)));
+        if (i < n) Vec::store_partial(yr + i, Vec::add(Vec::load_partial(xr + i, n - i), Vec::load_partial(rr + i, n - i)), n - i);
+        xr = yr;
+      }
       VR s0 = Vec::zero(), s1 = Vec::zero();
       int64_t i = 0;
       for (; i + 2 * kW <= n; i += 2 * kW) {
@@ -131,5 +139,19 @@ inline void layer_norm_f32(const float* x, float* y, int64_t rows, int64_t n, in
         Vec::store_partial(yr + i, v, m);
       }
     }
+  }
+}
+
+// y = a + b elementwise (n values), parallel in chunks.
+inline void add_f32(const float* a, const float* b, float* y, int64_t n) {
+  constexpr int64_t kChunk = 16384;
+  const int64_t tasks = (n + kChunk - 1) / kChunk;
+  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t i0 = t * kChunk, i1 = std::min(n, i0 + kChunk);
+    int64_t i = i0;
+    for (; i + ew::kW <= i1; i += ew::kW) Vec::storeu(y + i, Vec::add(Vec::loadu(a + i), Vec::loadu(b + i)));
+    if (i < i1) Vec::store_partial(y + i, Vec::add(Vec::load_partial(a + i, i1 - i), Vec::load_partial(b + i, i1 - i)), i1 - i);
   }
 }

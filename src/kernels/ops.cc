@@ -46,7 +46,10 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in) {
   return y;
 }
 
-Tensor layer_norm(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps) {
+namespace {
+
+Tensor layer_norm_impl(const Tensor& x_in, const Tensor* r_in, const Tensor& w_in, const Tensor& b_in,
+                       double eps) {
   const char* op = "layer_norm";
   HEADS_CHECK(x_in.defined() && x_in.dim() >= 1, op, ": input must have at least 1 dimension");
   const int64_t n = x_in.size(-1);
@@ -54,16 +57,30 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, do
     HEADS_CHECK(!t->defined() || t->shape() == Shape({n}), op, ": ", name, ": expected [", n,
                 "] to match input ", x_in.shape(), ", got ", t->defined() ? t->shape() : Shape{});
   }
+  HEADS_CHECK(r_in == nullptr || (r_in->defined() && r_in->shape() == x_in.shape()), op,
+              ": residual ", r_in && r_in->defined() ? r_in->shape() : Shape{}, " does not match input ",
+              x_in.shape());
   HEADS_CHECK(eps >= 0.0, op, ": eps must be non-negative, got ", eps);
   const Tensor x = f32(x_in, op, "input");
+  const Tensor r = r_in ? f32(*r_in, op, "residual") : Tensor();
   const Tensor w = w_in.defined() ? f32(w_in, op, "weight") : Tensor();
   const Tensor b = b_in.defined() ? f32(b_in, op, "bias") : Tensor();
   Tensor y = Tensor::empty(x.shape(), DType::F32);
   if (n == 0) return y;
-  kernels::active().layer_norm_f32(x.data<float>(), y.data<float>(), x.numel() / n, n, n, n,
-                                   w.defined() ? w.data<float>() : nullptr,
+  kernels::active().layer_norm_f32(x.data<float>(), r.defined() ? r.data<float>() : nullptr, y.data<float>(),
+                                   x.numel() / n, n, n, n, w.defined() ? w.data<float>() : nullptr,
                                    b.defined() ? b.data<float>() : nullptr, static_cast<float>(eps));
   return y;
+}
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  return layer_norm_impl(x, nullptr, w, b, eps);
+}
+
+Tensor add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& w, const Tensor& b, double eps) {
+  return layer_norm_impl(x, &residual, w, b, eps);
 }
 
 Activation activation_from_name(const std::string& name) {
@@ -103,11 +120,9 @@ Tensor add(const Tensor& a_in, const Tensor& b_in) {
   HEADS_CHECK(a_in.defined() && b_in.defined() && a_in.shape() == b_in.shape(), "add: shapes ",
               a_in.defined() ? a_in.shape() : Shape{}, " and ", b_in.defined() ? b_in.shape() : Shape{},
               " differ");
-  Tensor y = f32(a_in, "add", "a").clone();
-  const Tensor b = f32(b_in, "add", "b");
-  float* yp = y.data<float>();
-  const float* bp = b.data<float>();
-  for (int64_t i = 0; i < y.numel(); ++i) yp[i] += bp[i];
+  const Tensor a = f32(a_in, "add", "a"), b = f32(b_in, "add", "b");
+  Tensor y = Tensor::empty(a.shape(), DType::F32);
+  kernels::active().add_f32(a.data<float>(), b.data<float>(), y.data<float>(), a.numel());
   return y;
 }
 

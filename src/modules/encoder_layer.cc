@@ -133,6 +133,10 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
     const std::string w = "norm" + std::to_string(i) + ".weight", b = "norm" + std::to_string(i) + ".bias";
     return layer_norm(x, *param(w), opt_param(b), eps);
   };
+  auto add_norm = [&](const Tensor& x, const Tensor& r, int i) {  // norm_i(x + r), one pass
+    const std::string w = "norm" + std::to_string(i) + ".weight", b = "norm" + std::to_string(i) + ".bias";
+    return add_layer_norm(x, r, *param(w), opt_param(b), eps);
+  };
   auto sa = [&](const Tensor& x) {
     MhaForwardArgs m;
     m.attn_mask = a.src_mask;
@@ -154,8 +158,8 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
     x = add(x, sa(norm(x, 1)));
     x = add(x, ff(norm(x, 2)));
   } else {
-    x = norm(add(x, sa(x)), 1);
-    x = norm(add(x, ff(x)), 2);
+    x = add_norm(x, sa(x), 1);
+    x = add_norm(x, ff(x), 2);
   }
   return x;
 }

@@ -38,6 +38,21 @@ TEST(Ops, LayerNormMatchesFloat64) {
   }
 }
 
+TEST(Ops, AddLayerNormIsLayerNormOfTheSum) {
+  IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int64_t n : {1, 17, 384}) {
+      const Tensor x = testing::randn({7, n}), r = testing::randn({7, n}), w = testing::randn({n}), b = testing::randn({n});
+      const Tensor fused = add_layer_norm(x, r, w, b, 1e-12);
+      const Tensor ref = ref::layer_norm_f64(add(x, r), w, b, 1e-12);
+      EXPECT_TRUE(testing::compare(fused, ref).within(1e-5, 1e-5)) << "n=" << n << " isa=" << isa_name(isa);
+      const Tensor s = add(x, r);
+      for (int64_t i = 0; i < s.numel(); ++i) ASSERT_EQ(s.data<float>()[i], x.data<float>()[i] + r.data<float>()[i]);
+    }
+  }
+}
+
 TEST(Ops, ActivationsMatchFloat64) {
   IsaGuard guard;
   // a sweep over [-12, 12] plus random values, odd length for the vector tails

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -15,12 +16,15 @@
 #include "heads/mha.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "heads/sentence_encoder.h"
 
 namespace heads::cli {
 
 namespace {
 
 struct BenchArgs {
+  std::string model, input;
+  int64_t batch_size = 32;
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, L = 128, E = 768;
   bool causal = false, json = false;
   std::string dtype = "f32";
@@ -125,6 +129,33 @@ void run_mha(const BenchArgs& a) {
   }
 }
 
+void run_embed(const BenchArgs& a) {
+  apply_threads(a.threads);
+  std::ifstream in(a.input, std::ios::binary);
+  HEADS_CHECK(in.good(), a.input, ": cannot open");
+  std::vector<std::string> texts;
+  for (std::string line; std::getline(in, line);) texts.push_back(line);
+  HEADS_CHECK(!texts.empty(), a.input, ": no lines");
+  const SentenceEncoder enc = SentenceEncoder::load(a.model);
+  int64_t tokens = 0;
+  for (const auto& t : texts) tokens += static_cast<int64_t>(enc.tokenize(t).size());
+  const double ms = median_ms([&] { enc.encode(texts, a.batch_size); }, a.min_time);
+  const double per_s = static_cast<double>(texts.size()) / ms * 1e3;
+  if (a.json) {
+    std::printf("{\"op\":\"embed\",\"sentences\":%zu,\"tokens\":%lld,\"batch_size\":%lld,\"isa\":\"%s\","
+                "\"threads\":%d,\"ms\":%.3f,\"sentences_per_s\":%.1f,\"tokens_per_s\":%.0f,\"peak_rss_mb\":%.1f}\n",
+                texts.size(), static_cast<long long>(tokens), static_cast<long long>(a.batch_size),
+                isa_name(active_isa()).c_str(), get_num_threads(), ms, per_s,
+                static_cast<double>(tokens) / ms * 1e3, peak_rss_mb());
+  } else {
+    std::printf("embed %zu sentences (%lld tokens), batch %lld, %s threads=%d: %.1f ms, %.1f sentences/s, "
+                "%.0f tokens/s\n",
+                texts.size(), static_cast<long long>(tokens), static_cast<long long>(a.batch_size),
+                isa_name(active_isa()).c_str(), get_num_threads(), ms, per_s,
+                static_cast<double>(tokens) / ms * 1e3);
+  }
+}
+
 void run_peak(const BenchArgs& a) {
   apply_threads(a.threads);
   const int threads = get_num_threads();
@@ -173,6 +204,16 @@ void add_bench_command(CLI::App& app, Action* action) {
   m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
   m->add_flag("--json", args->json, "one JSON line");
   m->callback([args, action] { *action = [args] { run_mha(*args); }; });
+
+  CLI::App* e = bench->add_subcommand(
+      "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");
+  e->add_option("--input", args->input, "texts, one per line (e.g. bench/sentences.txt)")->required();
+  e->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
+  e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(CLI::PositiveNumber);
+  e->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
+  e->add_flag("--json", args->json, "one JSON line");
+  e->callback([args, action] { *action = [args] { run_embed(*args); }; });
 
   CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine.");
   p->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);

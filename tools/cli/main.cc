@@ -2,6 +2,8 @@
 //
 // Exit codes (DESIGN.md): 0 success, 2 usage error, 1 any other error; errors are one line on
 // stderr. Commands write outputs to a temporary name and rename at the end.
+#include <malloc.h>
+
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -19,6 +21,10 @@ void apply_threads(int threads) {
 }  // namespace heads::cli
 
 int main(int argc, char** argv) {
+  // Keep freed tensor buffers in the heap for reuse instead of returning them to the kernel:
+  // layer after layer allocates the same sizes, and fresh pages cost a fault each.
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
   CLI::App app{"heads — multi-head attention for CPUs.\n"
                "Tensors travel in safetensors files; see `heads COMMAND --help`."};
   app.name("heads");
