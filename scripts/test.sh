@@ -15,8 +15,8 @@ echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DHEADS_SANITIZE=address,undefined -DHEADS_BUILD_PYTHON=OFF >/dev/null
 cmake --build build-asan
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j2
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest --test-dir build-asan --output-on-failure -j2
 
 echo "== Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'))"
 HEADS_CLI="$PWD/build/heads" "$PYTHON" -m pytest -q tests/python

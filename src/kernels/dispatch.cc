@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 
 #include "heads/error.h"
@@ -95,16 +96,12 @@ namespace {
 double measure_probe(float (*probe)(int64_t), int flops_per_iter, int threads, double seconds) {
   using clock = std::chrono::steady_clock;
   int64_t iters = 1 << 16;
-  volatile float sink = 0;
+  float sink = 0;  // consumed below, so the probe's result is live
   double best = 0;
   for (int round = 0; round < 8; ++round) {
     const auto t0 = clock::now();
-#pragma omp parallel num_threads(threads)
-    {
-      const float r = probe(iters);
-#pragma omp atomic
-      sink += r;
-    }
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += probe(iters);
     const double s = std::chrono::duration<double>(clock::now() - t0).count();
     if (s < seconds / 4) {  // too short to time: grow and retry
       iters *= 4;
@@ -113,7 +110,7 @@ double measure_probe(float (*probe)(int64_t), int flops_per_iter, int threads, d
     best = std::max(best, static_cast<double>(iters) * flops_per_iter * threads / s / 1e9);
     if (round >= 4) break;
   }
-  return best;
+  return std::isnan(sink) ? 0.0 : best;
 }
 
 }  // namespace

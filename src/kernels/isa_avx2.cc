@@ -13,6 +13,8 @@
 #include "kernels/dispatch.h"
 #include "kernels/simd/common.h"
 
+// Vector arguments of the lambdas inside these kernels never cross an ABI boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2")
 

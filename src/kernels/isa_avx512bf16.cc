@@ -16,6 +16,8 @@
 
 // GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Vector arguments of the lambdas inside these kernels never cross an ABI boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
 
