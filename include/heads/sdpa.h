@@ -41,6 +41,12 @@ struct SdpaResult {
   Tensor out;      // [B, H, Lq, Dv], dtype of q (f32)
   Tensor weights;  // [B, H, Lq, Lk] f32 (after dropout), only with need_weights
   Tensor lse;      // [B, H, Lq] f32 log-sum-exp of the masked, scaled scores (-inf: fully masked)
+  uint64_t dropout_seed = 0;  // the dropout stream used (pass it to the backward)
+};
+
+struct SdpaGrads {
+  Tensor dq, dk, dv;  // f32, shapes of q, k, v (dk/dv summed over the query heads of a group)
+  Tensor dmask;       // gradient of a float attn_mask, in the mask's shape (when requested)
 };
 
 // Fused forward: online softmax over key blocks; allocates no Lq x Lk buffer unless
@@ -52,7 +58,19 @@ SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOpt
 SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                     const SdpaOptions& opts = {});
 
+// Backward of sdpa (FlashAttention-2, arXiv:2307.08691, Alg. 2): scores and probabilities are
+// recomputed block by block from q, k and fwd.lse, so no Lq x Lk buffer exists unless the mask
+// gradient is requested. `fwd` is the forward's result for the same inputs and options (its lse
+// and dropout seed are used). f32 inputs.
+SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const SdpaResult& fwd, const SdpaOptions& opts = {}, bool mask_grad = false);
+
 namespace ref {
+// Backward specification in float64 (recomputes the forward; dropout_seed must be set when
+// dropout_p > 0).
+SdpaGrads sdpa_bwd_f64(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const SdpaOptions& opts = {}, bool mask_grad = false);
+
 // The specification: float64 throughout, full score matrix, plain softmax. Accepts any floating
 // dtype; returns out, weights (always) and lse as f64 tensors.
 SdpaResult sdpa_fwd_f64(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -21,6 +21,11 @@ struct KernelTable {
   // The same with bf16 q, k, v, out (f32 accumulation).
   void (*sdpa_fwd_bf16)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights);
+  // SDPA backward, f32 (sdpa_bwd-inl.h): dq, dk, dv contiguous, dq zeroed by the caller;
+  // dmask_full [B, H, Lq, Lk] or null.
+  void (*sdpa_bwd_f32)(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
+                       const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                       const Tensor& dk, const Tensor& dv, float* dmask_full);
   // Elementwise (elementwise-inl.h): rows of n values, row strides xs / ys.
   void (*gelu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
                    bool tanh_form);

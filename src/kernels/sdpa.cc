@@ -103,6 +103,7 @@ SdpaResult run(const kernels::SdpaProblem& P, const Tensor& out, const Tensor& q
   HEADS_CHECK(out.stride(-1) == 1 || P.Dv == 1, op,
               ": out: innermost stride must be 1, got strides ", out.strides());
   SdpaResult r;
+  r.dropout_seed = P.seed;
   r.out = out;
   r.lse = Tensor::empty({P.B, P.H, P.Lq}, DType::F32);
   if (P.need_weights) r.weights = Tensor::empty({P.B, P.H, P.Lq, P.Lk}, DType::F32);
@@ -121,6 +122,36 @@ SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const T
 SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opts) {
   const kernels::SdpaProblem P = kernels::make_sdpa_problem("sdpa", q, k, v, opts);
   return run(P, Tensor::empty({P.B, P.H, P.Lq, P.Dv}, q.dtype()), q, k, v);
+}
+
+SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const SdpaResult& fwd, const SdpaOptions& opts_in, bool mask_grad) {
+  using namespace kernels;
+  const char* op = "sdpa_backward";
+  SdpaOptions opts = opts_in;
+  opts.need_weights = false;
+  if (opts.dropout_p > 0.0) opts.dropout_seed = fwd.dropout_seed;  // the forward's stream
+  const SdpaProblem P = make_sdpa_problem(op, q, k, v, opts);
+  for (const auto& [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}, {&dout, "dout"}}) {
+    HEADS_CHECK(t->defined() && t->dtype() == DType::F32, op, ": ", name, ": expected f32");
+  }
+  const Shape oshape{P.B, P.H, P.Lq, P.Dv};
+  HEADS_CHECK(dout.shape() == oshape, op, ": dout: expected ", oshape, ", got ", dout.shape());
+  HEADS_CHECK(fwd.out.defined() && fwd.out.shape() == oshape && fwd.out.dtype() == DType::F32, op,
+              ": fwd.out: expected the forward's f32 output ", oshape);
+  HEADS_CHECK(fwd.lse.defined() && fwd.lse.shape() == Shape({P.B, P.H, P.Lq}), op,
+              ": fwd.lse: expected the forward's lse [B, H, Lq] = ", Shape({P.B, P.H, P.Lq}));
+  HEADS_CHECK(!mask_grad || P.mask_kind == MaskKind::Float, op,
+              ": mask_grad needs a floating attn_mask");
+  SdpaGrads g;
+  g.dq = Tensor::zeros(q.shape(), DType::F32);
+  g.dk = Tensor::zeros(k.shape(), DType::F32);
+  g.dv = Tensor::zeros(v.shape(), DType::F32);
+  Tensor dm_full = mask_grad ? Tensor::zeros({P.B, P.H, P.Lq, P.Lk}, DType::F32) : Tensor();
+  active().sdpa_bwd_f32(P, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), unit_inner(fwd.out),
+                        fwd.lse.contiguous(), g.dq, g.dk, g.dv, mask_grad ? dm_full.data<float>() : nullptr);
+  if (mask_grad) g.dmask = reduce_to_shape(dm_full, opts.attn_mask.shape()).to(DType::F32);
+  return g;
 }
 
 }  // namespace heads

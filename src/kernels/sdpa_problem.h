@@ -52,6 +52,9 @@ inline bool dropout_keep(uint64_t seed, uint64_t index, double p) {
   return u >= p;
 }
 
+// Sums a [B, H, Lq, Lk] gradient over the dimensions `shape` broadcasts (f64 result in `shape`).
+Tensor reduce_to_shape(const Tensor& full, const Shape& shape);
+
 inline uint64_t dropout_index(const SdpaProblem& P, int64_t b, int64_t h, int64_t i, int64_t j) {
   return static_cast<uint64_t>(((b * P.H + h) * P.Lq + i) * P.Lk + j);
 }

@@ -8,7 +8,31 @@
 
 #include "kernels/sdpa_problem.h"
 
+namespace heads::kernels {
+
+// Sums a [B, H, Lq, Lk] gradient over the dimensions `shape` broadcasts (trailing-aligned).
+Tensor reduce_to_shape(const Tensor& full, const Shape& shape) {
+  const Tensor f = full.to(DType::F64);
+  Shape s4(4 - shape.size(), 1);
+  s4.insert(s4.end(), shape.begin(), shape.end());
+  Tensor out = Tensor::zeros(s4, DType::F64);
+  const Shape& fs = f.shape();
+  for (int64_t a = 0; a < fs[0]; ++a)
+    for (int64_t b = 0; b < fs[1]; ++b)
+      for (int64_t c = 0; c < fs[2]; ++c)
+        for (int64_t d = 0; d < fs[3]; ++d) {
+          const int64_t o = (((s4[0] > 1 ? a : 0) * s4[1] + (s4[1] > 1 ? b : 0)) * s4[2] + (s4[2] > 1 ? c : 0)) * s4[3] +
+                            (s4[3] > 1 ? d : 0);
+          out.data<double>()[o] += f.data<double>()[((a * fs[1] + b) * fs[2] + c) * fs[3] + d];
+        }
+  return out.reshape(shape);
+}
+
+}  // namespace heads::kernels
+
 namespace heads::ref {
+
+using kernels::reduce_to_shape;
 
 SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                         const SdpaOptions& opts) {
@@ -77,6 +101,88 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     }
   }
   return r;
+}
+
+SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
+                       const Tensor& v_in, const SdpaOptions& opts, bool mask_grad) {
+  using namespace kernels;
+  const SdpaProblem P = make_sdpa_problem("ref::sdpa_bwd_f64", q_in, k_in, v_in, opts);
+  HEADS_CHECK(P.dropout_p == 0.0 || opts.dropout_seed.has_value(),
+              "ref::sdpa_bwd_f64: dropout needs the forward's dropout_seed");
+  HEADS_CHECK(dout_in.defined() && dout_in.shape() == Shape({P.B, P.H, P.Lq, P.Dv}),
+              "ref::sdpa_bwd_f64: dout: expected [B, H, Lq, Dv] = ", Shape({P.B, P.H, P.Lq, P.Dv}));
+  const Tensor q = q_in.to(DType::F64), k = k_in.to(DType::F64), v = v_in.to(DType::F64);
+  const Tensor dO = dout_in.to(DType::F64);
+  const double* qp = q.data<double>();
+  const double* kp = k.data<double>();
+  const double* vp = v.data<double>();
+  const double* gp = dO.data<double>();
+  SdpaGrads g;
+  g.dq = Tensor::zeros(q.shape(), DType::F64);
+  g.dk = Tensor::zeros(k.shape(), DType::F64);
+  g.dv = Tensor::zeros(v.shape(), DType::F64);
+  Tensor dm_full;
+  if (mask_grad) {
+    HEADS_CHECK(P.mask_kind == MaskKind::Float, "ref::sdpa_bwd_f64: mask_grad needs a float attn_mask");
+    dm_full = Tensor::zeros({P.B, P.H, P.Lq, P.Lk}, DType::F64);
+  }
+  const SdpaResult fw = sdpa_fwd_f64(q_in, k_in, v_in, opts);  // weights include dropout
+  const double ninf = -std::numeric_limits<double>::infinity();
+  std::vector<double> p(static_cast<size_t>(P.Lk)), dp(static_cast<size_t>(P.Lk));
+  const double keep_scale = P.dropout_p > 0 ? 1.0 / (1.0 - P.dropout_p) : 1.0;
+  for (int64_t b = 0; b < P.B; ++b) {
+    for (int64_t h = 0; h < P.H; ++h) {
+      const int64_t hk = h / P.group();
+      for (int64_t i = 0; i < P.Lq; ++i) {
+        const double lse = fw.lse.data<double>()[(b * P.H + h) * P.Lq + i];
+        if (lse == ninf) continue;  // sees no key: zero gradients
+        const double* qi = qp + ((b * P.H + h) * P.Lq + i) * P.D;
+        const double* gi = gp + ((b * P.H + h) * P.Lq + i) * P.Dv;
+        double Dsum = 0;
+        for (int64_t j = 0; j < P.Lk; ++j) {
+          // P (undropped) from the scores, exactly as the forward
+          const double* kj = kp + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
+          double s = 0;
+          for (int64_t d = 0; d < P.D; ++d) s += qi[d] * kj[d];
+          s *= P.scale;
+          if (!P.visible_causal(i, j)) s = ninf;
+          if (P.mask_kind != MaskKind::None) {
+            const int64_t off = P.mask_offset(b, h, i) + j * P.mask.stride(3);
+            if (P.mask_kind == MaskKind::Bool) {
+              if (!static_cast<const uint8_t*>(P.mask.raw_data())[off]) s = ninf;
+            } else {
+              s += static_cast<const float*>(P.mask.raw_data())[off];
+            }
+          }
+          p[static_cast<size_t>(j)] = std::exp(s - lse);
+          const double z = P.dropout_p > 0 ? (dropout_keep(P.seed, dropout_index(P, b, h, i, j), P.dropout_p) ? keep_scale : 0.0) : 1.0;
+          // dV += (P z) dO;  dP = (dO · v_j) z
+          const double* vj = vp + ((b * P.Hkv + hk) * P.Lk + j) * P.Dv;
+          double* dvj = g.dv.data<double>() + ((b * P.Hkv + hk) * P.Lk + j) * P.Dv;
+          double d = 0;
+          for (int64_t c = 0; c < P.Dv; ++c) {
+            dvj[c] += p[static_cast<size_t>(j)] * z * gi[c];
+            d += gi[c] * vj[c];
+          }
+          dp[static_cast<size_t>(j)] = d * z;
+          Dsum += p[static_cast<size_t>(j)] * dp[static_cast<size_t>(j)];
+        }
+        double* dqi = g.dq.data<double>() + ((b * P.H + h) * P.Lq + i) * P.D;
+        for (int64_t j = 0; j < P.Lk; ++j) {
+          const double ds = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - Dsum);  // dL/dS
+          if (mask_grad) dm_full.data<double>()[((b * P.H + h) * P.Lq + i) * P.Lk + j] = ds;
+          const double* kj = kp + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
+          double* dkj = g.dk.data<double>() + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
+          for (int64_t d = 0; d < P.D; ++d) {
+            dqi[d] += P.scale * ds * kj[d];
+            dkj[d] += P.scale * ds * qi[d];
+          }
+        }
+      }
+    }
+  }
+  if (mask_grad) g.dmask = reduce_to_shape(dm_full, opts.attn_mask.shape());
+  return g;
 }
 
 }  // namespace heads::ref

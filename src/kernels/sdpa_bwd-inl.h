@@ -1,0 +1,199 @@
+// sdpa_bwd-inl.h — SDPA backward (FlashAttention-2, arXiv:2307.08691, Alg. 2), written once over
+// `Vec`. Included by src/kernels/isa_<isa>.cc after sdpa_flash_fwd-inl.h, whose tile pieces it
+// reuses (Q packing, the K·Qt micro-kernel, masks, dropout).
+//
+// Shapes as the forward; dout [B, H, Lq, Dv], lse [B, H, Lq] from the forward.
+//   D_i = rowsum(dO_i ∘ O_i)                                   (the softmax Jacobian's diagonal)
+// per key block j of one (b, kv head), per query tile i of every head in the group:
+//   1. S = Q_i K_j^T (recomputed, log2 units, masked);  P = 2^(S - lse2_i)      (forward 1-3)
+//   2. dP = dO_i V_j^T; with dropout Pd = P∘Z/(1-p), dP = dP∘Z/(1-p)            (forward 4)
+//   3. dV_j += Pd^T dO_i
+//   4. dS = P ∘ (dP - D_i)                                       (softmax backward)
+//   5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j          (S = scale · Q K^T)
+// Layout: scores transposed as in the forward ([keys][queries on lanes]). Memory: per thread a
+// few tiles plus dK_j, dV_j; no Lq x Lk buffer (unless the mask gradient is requested, which
+// receives dS). Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its
+// query heads, in a fixed order, so results do not depend on the thread count.
+
+namespace bwd {
+
+using fwd::kNQ;
+using fwd::kTK;
+using fwd::kTQ;
+using fwd::kW;
+using fwd::VR;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// C[m][0:N] += alpha · sum_k A(m, k) · B[k][0:N] for m < M; A(m, k) = a[m·sam + k·sak] (broadcast),
+// B rows contiguous (stride ldb), C rows stride ldc. Register block: R rows x 2 vectors.
+template <int R>
+HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
+                            int64_t K, float* c, int64_t ldc, int64_t n0, int64_t n1, float alpha) {
+  VR acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const VR b0 = Vec::load_partial(b + k * ldb, n0), b1 = Vec::load_partial(b + k * ldb + kW, n1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const VR x = Vec::set1(a[r * sam + k * sak]);
+      acc[r][0] = Vec::fma(x, b0, acc[r][0]);
+      acc[r][1] = Vec::fma(x, b1, acc[r][1]);
+    }
+  }
+  const VR al = Vec::set1(alpha);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    Vec::store_partial(c + r * ldc, Vec::fma(acc[r][0], al, Vec::load_partial(c + r * ldc, n0)), n0);
+    Vec::store_partial(c + r * ldc + kW, Vec::fma(acc[r][1], al, Vec::load_partial(c + r * ldc + kW, n1)), n1);
+  }
+}
+
+template <int R>
+HEADS_INLINE void gemm_tail(int64_t n, const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
+                            int64_t K, float* c, int64_t ldc, int64_t n0, int64_t n1, float alpha) {
+  if constexpr (R > 0) {
+    if (n == R) return gemm_rows<R>(a, sam, sak, b, ldb, K, c, ldc, n0, n1, alpha);
+    gemm_tail<R - 1>(n, a, sam, sak, b, ldb, K, c, ldc, n0, n1, alpha);
+  }
+}
+
+inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+                     const float* b, int64_t ldb, float* c, int64_t ldc, float alpha) {
+  constexpr int R = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
+  for (int64_t j = 0; j < N; j += 2 * kW) {
+    const int64_t n0 = std::min<int64_t>(kW, N - j), n1 = std::clamp<int64_t>(N - j - kW, 0, kW);
+    int64_t m = 0;
+    for (; m + R <= M; m += R) gemm_rows<R>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, n0, n1, alpha);
+    if (m < M) gemm_tail<R - 1>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, n0, n1, alpha);
+  }
+}
+
+struct Scratch {
+  float *qt, *dot, *s, *dp, *dk, *dv, *tmp, *dcol;
+  static int64_t floats(int64_t D, int64_t Dv) {
+    return (D + Dv + 2 * kTK) * kTQ + kTK * (D + Dv) + 2 * kTQ + 64;
+  }
+};
+
+}  // namespace bwd
+
+inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
+                         const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                         const Tensor& dk, const Tensor& dv, float* dmask_full) {
+  using namespace bwd;
+  if (P.B == 0 || P.H == 0 || P.Lq == 0 || P.Lk == 0) return;
+  const int64_t G = P.group();
+  auto str = [](const Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
+  const auto qs = str(q), ks = str(k), vs = str(v), os = str(out), gs = str(dout);
+  const float *qp = q.data<float>(), *kp = k.data<float>(), *vp = v.data<float>();
+  const float *op = out.data<float>(), *gp = dout.data<float>(), *lp = lse.data<float>();
+  float *dqp = dq.data<float>(), *dkp = dk.data<float>(), *dvp = dv.data<float>();  // contiguous
+  const float scale = static_cast<float>(P.scale);
+  const float c = scale * kLog2e;
+  const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
+  const int64_t n_tasks = P.B * P.Hkv;
+  const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
+  const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16;
+  std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
+  float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
+  const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* base = arena + per * omp_get_thread_num();
+    Scratch W;
+    W.qt = base;
+    W.dot = W.qt + P.D * kTQ;
+    W.s = W.dot + P.Dv * kTQ;
+    W.dp = W.s + kTK * kTQ;
+    W.dk = W.dp + kTK * kTQ;
+    W.dv = W.dk + kTK * P.D;
+    W.tmp = W.dv + kTK * P.Dv;
+    W.dcol = W.tmp + kTQ;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n_tasks; ++task) {
+      const int64_t b = task / P.Hkv, hk = task % P.Hkv;
+      const float* kh = kp + b * ks[0] + hk * ks[1];
+      const float* vh = vp + b * vs[0] + hk * vs[1];
+      for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
+        const int64_t nk = std::min(P.Lk - j0, kTK);
+        std::fill(W.dk, W.dk + nk * P.D, 0.0f);
+        std::fill(W.dv, W.dv + nk * P.Dv, 0.0f);
+        for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+          for (int64_t it = 0; it < n_qt; ++it) {
+            const int64_t i0 = it * kTQ, nq = std::min(P.Lq - i0, kTQ);
+            if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) continue;  // every key hidden
+            const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
+            const float* q0 = qp + b * qs[0] + h * qs[1] + i0 * qs[2];
+            const float* g0 = gp + b * gs[0] + h * gs[1] + i0 * gs[2];
+            const float* o0 = op + b * os[0] + h * os[1] + i0 * os[2];
+            // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
+            fwd::Widen<float>::pack_q(q0, qs[2], nq, P.D, c, W.qt);
+            VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+            fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
+            const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
+            if (causal_here || P.mask_kind != MaskKind::None) fwd::apply_masks(t, j0, nk, causal_here, W.s, mx);
+            alignas(64) float lse2[kTQ], dsum[kTQ];
+            for (int64_t l = 0; l < kTQ; ++l) {
+              const float x = l < nq ? lp[(b * P.H + h) * P.Lq + i0 + l] : -kInf;
+              lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
+              double d = 0;  // D_i = dO_i · O_i
+              if (l < nq) {
+                for (int64_t e = 0; e < P.Dv; ++e) d += static_cast<double>(g0[l * gs[2] + e]) * o0[l * os[2] + e];
+              }
+              dsum[l] = static_cast<float>(d);
+            }
+            for (int64_t r = 0; r < nk; ++r) {
+              for (int vv = 0; vv < kNQ; ++vv) {
+                float* sp = W.s + r * kTQ + vv * kW;
+                Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), Vec::load(lse2 + vv * kW))));
+              }
+            }
+            // 2. dP^T = V_j · dO_i^T
+            fwd::Widen<float>::pack_q(g0, gs[2], nq, P.Dv, 1.0f, W.dot);
+            fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot, P.Dv, W.dp, nullptr);
+            // 3. dV_j += Pd^T dO_i
+            if (P.dropout_p > 0.0) {
+              for (int64_t r = 0; r < nk; ++r) {
+                for (int64_t l = 0; l < nq; ++l) {
+                  const float z = dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p) ? keep_scale : 0.0f;
+                  W.dp[r * kTQ + l] *= z;       // dP = dP ∘ Z/(1-p)
+                  W.dcol[l] = z;
+                }
+                // dV_j[r] += sum_l P[r][l] z[r][l] dO[l]
+                for (int64_t l = 0; l < nq; ++l) W.dcol[l] *= W.s[r * kTQ + l];  // Pd = P z
+                gemm_acc(1, P.Dv, nq, W.dcol, 0, 1, g0, gs[2], W.dv + r * P.Dv, P.Dv, 1.0f);
+              }
+            } else {
+              gemm_acc(nk, P.Dv, nq, W.s, kTQ, 1, g0, gs[2], W.dv, P.Dv, 1.0f);
+            }
+            // 4. dS = P ∘ (dP - D)
+            for (int64_t r = 0; r < nk; ++r) {
+              for (int vv = 0; vv < kNQ; ++vv) {
+                const VR pv = Vec::load(W.s + r * kTQ + vv * kW);
+                const VR d = Vec::sub(Vec::load(W.dp + r * kTQ + vv * kW), Vec::load(dsum + vv * kW));
+                Vec::store(W.dp + r * kTQ + vv * kW, Vec::mul(pv, d));
+              }
+              if (nq < kTQ) std::fill(W.dp + r * kTQ + nq, W.dp + (r + 1) * kTQ, 0.0f);
+            }
+            if (dmask_full != nullptr) {
+              for (int64_t l = 0; l < nq; ++l) {
+                float* row = dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0;
+                for (int64_t r = 0; r < nk; ++r) row[r] = W.dp[r * kTQ + l];
+              }
+            }
+            // 5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j
+            gemm_acc(nk, P.D, nq, W.dp, kTQ, 1, q0, qs[2], W.dk, P.D, scale);
+            gemm_acc(nq, P.D, nk, W.dp, 1, kTQ, kh + j0 * ks[2], ks[2], dqp + ((b * P.H + h) * P.Lq + i0) * P.D,
+                     P.D, scale);
+          }
+        }
+        float* dkj = dkp + ((b * P.Hkv + hk) * P.Lk + j0) * P.D;
+        float* dvj = dvp + ((b * P.Hkv + hk) * P.Lk + j0) * P.Dv;
+        std::copy(W.dk, W.dk + nk * P.D, dkj);
+        std::copy(W.dv, W.dv + nk * P.Dv, dvj);
+      }
+    }
+  }
+}

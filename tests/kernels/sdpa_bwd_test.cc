@@ -1,0 +1,154 @@
+// sdpa_bwd_test.cc — SDPA backward: the float64 reference against central finite differences,
+// the fast kernel against the reference on the forward's shape grid, every ISA path.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "common/testing.h"
+#include "heads/runtime.h"
+#include "heads/sdpa.h"
+
+namespace heads {
+namespace {
+
+using testing::randn;
+
+struct IsaGuard {
+  Isa saved = active_isa();
+  ~IsaGuard() { set_isa(saved); }
+};
+
+// L = sum(out ∘ G) for a fixed random G, so dL/dout = G.
+double loss_f64(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& o, const Tensor& G) {
+  const Tensor out = ref::sdpa_fwd_f64(q, k, v, o).out;
+  double s = 0;
+  for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * G.data<double>()[i];
+  return s;
+}
+
+// Central differences of the float64 forward, as torch.autograd.gradcheck does.
+void expect_matches_finite_differences(const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o,
+                                       const std::string& what) {
+  const Tensor G = randn({q.size(0), q.size(1), q.size(2), v.size(3)}).to(DType::F64);
+  const Tensor q64 = q.to(DType::F64).clone(), k64 = k.to(DType::F64).clone(), v64 = v.to(DType::F64).clone();
+  const bool float_mask = o.attn_mask.defined() && is_floating(o.attn_mask.dtype());
+  Tensor m64 = float_mask ? o.attn_mask.to(DType::F64).clone() : Tensor();
+  if (float_mask) o.attn_mask = m64;
+  const SdpaGrads g = ref::sdpa_bwd_f64(G, q64, k64, v64, o, float_mask);
+  auto check = [&](Tensor& x, const Tensor& grad, const char* name) {
+    // The kernels hold a float mask in f32: probe it with a step f32 resolves.
+    const bool mask = std::string(name) == "mask";
+    const double eps = mask ? 1e-2 : 1e-6, tol = mask ? 1e-4 : 1e-6;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      double* p = x.data<double>() + i;
+      const double save = *p;
+      *p = save + eps;
+      const double up = loss_f64(q64, k64, v64, o, G);
+      *p = save - eps;
+      const double down = loss_f64(q64, k64, v64, o, G);
+      *p = save;
+      const double fd = (up - down) / (2 * eps), an = grad.data<double>()[i];
+      ASSERT_NEAR(an, fd, tol * (1 + std::fabs(fd))) << what << " d" << name << "[" << i << "]";
+    }
+  };
+  check(const_cast<Tensor&>(q64), g.dq, "q");
+  check(const_cast<Tensor&>(k64), g.dk, "k");
+  check(const_cast<Tensor&>(v64), g.dv, "v");
+  if (float_mask) check(m64, g.dmask, "mask");
+}
+
+TEST(SdpaBackward, ReferenceMatchesFiniteDifferences) {
+  const Tensor q = randn({1, 2, 3, 4}), k = randn({1, 2, 5, 4}), v = randn({1, 2, 5, 3});
+  SdpaOptions o;
+  expect_matches_finite_differences(q, k, v, o, "plain");
+  o.scale = 0.7;
+  expect_matches_finite_differences(q, k, v, o, "scale");
+  o = {};
+  o.is_causal = true;
+  expect_matches_finite_differences(q, k, v, o, "causal");
+  o.causal_align = CausalAlign::BottomRight;
+  expect_matches_finite_differences(q, k, v, o, "causal-br");
+  o = {};
+  Tensor bm = testing::rand_bool({3, 5}, 0.6);
+  for (int j = 0; j < 5; ++j) static_cast<uint8_t*>(bm.raw_data())[2 * 5 + j] = 0;  // row 2 fully masked
+  o.attn_mask = bm;
+  expect_matches_finite_differences(q, k, v, o, "bool mask with a fully masked row");
+  o.attn_mask = randn({1, 1, 3, 5});
+  expect_matches_finite_differences(q, k, v, o, "float mask (and its gradient)");
+  o = {};
+  o.dropout_p = 0.3;
+  o.dropout_seed = 9;
+  expect_matches_finite_differences(q, k, v, o, "dropout");
+  o = {};
+  o.enable_gqa = true;
+  expect_matches_finite_differences(randn({1, 4, 3, 4}), k, v, o, "gqa");
+}
+
+TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
+  IsaGuard guard;
+  int64_t n = 0;
+  for (int64_t B : {1, 2}) {
+    for (auto [H, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {4, 4}, {4, 1}, {4, 2}}) {
+      for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{1, 7}, {7, 1}, {64, 129}, {129, 64}, {33, 33}}) {
+        for (int64_t D : {1, 8, 63, 64, 80}) {
+          ++n;
+          const int64_t Dv = n % 3 == 0 ? D + 5 : D;
+          const Tensor q = randn({B, H, Lq, D}), k = randn({B, Hkv, Lk, D}), v = randn({B, Hkv, Lk, Dv});
+          const Tensor dout = randn({B, H, Lq, Dv});
+          SdpaOptions o;
+          o.enable_gqa = H != Hkv;
+          std::string what;
+          bool mask_grad = false;
+          switch (n % 6) {
+            case 1: o.attn_mask = testing::rand_bool({Lq, Lk}, 0.7); what = "bool mask"; break;
+            case 2: o.attn_mask = randn({B, 1, Lq, Lk}); mask_grad = true; what = "float mask + grad"; break;
+            case 3: o.is_causal = true; what = "causal"; break;
+            case 4: o.is_causal = true; o.causal_align = CausalAlign::BottomRight; what = "causal-br"; break;
+            case 5: o.dropout_p = 0.2; o.dropout_seed = 77; what = "dropout"; break;
+            default: o.scale = 0.3; what = "scale"; break;
+          }
+          const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
+          for (Isa isa : supported_isas()) {
+            set_isa(isa);
+            std::ostringstream os;
+            os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
+               << " Dv=" << Dv << " " << what << " isa=" << isa_name(isa);
+            const SdpaResult f = sdpa(q, k, v, o);
+            const SdpaGrads g = sdpa_backward(dout, q, k, v, f, o, mask_grad);
+            for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"},
+                                                  {&g.dv, &ref.dv, "dv"}, {&g.dmask, &ref.dmask, "dmask"}}) {
+              if (!want->defined()) continue;
+              const auto e = testing::compare(*got, *want);
+              ASSERT_TRUE(e.within(1e-5, 1e-5)) << os.str() << ": " << name << " max err " << e.max_abs
+                                                << " (ref max " << e.max_ref << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SdpaBackward, IndependentOfThreadCount) {
+  const Tensor q = randn({2, 4, 70, 24}), k = randn({2, 2, 90, 24}), v = randn({2, 2, 90, 16});
+  const Tensor dout = randn({2, 4, 70, 16});
+  SdpaOptions o;
+  o.enable_gqa = true;
+  o.is_causal = true;
+  const int saved = get_num_threads();
+  set_num_threads(1);
+  const SdpaResult f = sdpa(q, k, v, o);
+  const SdpaGrads g1 = sdpa_backward(dout, q, k, v, f, o);
+  for (int t : {2, 3}) {
+    set_num_threads(t);
+    const SdpaGrads gt = sdpa_backward(dout, q, k, v, f, o);
+    EXPECT_TRUE(testing::bitwise_equal(g1.dq, gt.dq) && testing::bitwise_equal(g1.dk, gt.dk) &&
+                testing::bitwise_equal(g1.dv, gt.dv)) << "threads=" << t;
+  }
+  set_num_threads(saved);
+  EXPECT_THROW(sdpa_backward(randn({2, 4, 70, 15}), q, k, v, f, o), Error);
+}
+
+}  // namespace
+}  // namespace heads
