@@ -377,4 +377,56 @@ NB_MODULE(_heads, m) {
       .def_prop_ro("dim", &heads::SentenceEncoder::dim)
       .def_prop_ro("max_seq_length", &heads::SentenceEncoder::max_seq_length)
       .def_prop_ro("model_dir", &heads::SentenceEncoder::model_dir);
+
+  // Training support for heads.torch: forward keeping (out, lse, seed), and the backward.
+  m.def("sdpa_train_forward",
+        [](const InArray& query, const InArray& key, const InArray& value, const std::optional<InArray>& attn_mask,
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+          heads::SdpaOptions o;
+          o.attn_mask = opt_view(attn_mask, "attn_mask");
+          o.dropout_p = dropout_p;
+          o.is_causal = is_causal;
+          o.scale = scale;
+          o.enable_gqa = enable_gqa;
+          const heads::Tensor q = to_4d(view_of(query, "query"), "query");
+          const heads::Tensor k = to_4d(view_of(key, "key"), "key");
+          const heads::Tensor v = to_4d(view_of(value, "value"), "value");
+          heads::SdpaResult r;
+          {
+            nb::gil_scoped_release release;
+            r = heads::sdpa(q, k, v, o);
+          }
+          return nb::make_tuple(to_array(r.out, true), to_array(r.lse, true), r.dropout_seed);
+        },
+        "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
+        "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false);
+  m.def("sdpa_train_backward",
+        [](const InArray& dout, const InArray& query, const InArray& key, const InArray& value,
+           const InArray& out, const InArray& lse, uint64_t seed, const std::optional<InArray>& attn_mask,
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad) {
+          heads::SdpaOptions o;
+          o.attn_mask = opt_view(attn_mask, "attn_mask");
+          o.dropout_p = dropout_p;
+          o.is_causal = is_causal;
+          o.scale = scale;
+          o.enable_gqa = enable_gqa;
+          heads::SdpaResult f;
+          f.out = to_4d(view_of(out, "out"), "out");
+          f.lse = view_of(lse, "lse");
+          f.dropout_seed = seed;
+          const heads::Tensor q = to_4d(view_of(query, "query"), "query");
+          const heads::Tensor k = to_4d(view_of(key, "key"), "key");
+          const heads::Tensor v = to_4d(view_of(value, "value"), "value");
+          const heads::Tensor g = to_4d(view_of(dout, "dout"), "dout");
+          heads::SdpaGrads r;
+          {
+            nb::gil_scoped_release release;
+            r = heads::sdpa_backward(g, q, k, v, f, o, mask_grad);
+          }
+          return nb::make_tuple(to_array(r.dq, true), to_array(r.dk, true), to_array(r.dv, true),
+                                to_array(r.dmask, true));
+        },
+        "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
+        "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
+        "mask_grad"_a = false);
 }

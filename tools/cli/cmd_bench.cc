@@ -26,7 +26,7 @@ struct BenchArgs {
   std::string model, input;
   int64_t batch_size = 32;
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, L = 128, E = 768;
-  bool causal = false, json = false;
+  bool causal = false, json = false, backward = false;
   std::string dtype = "f32";
   int threads = 0;
   double min_time = 1.0;
@@ -81,18 +81,29 @@ void run_sdpa(const BenchArgs& a) {
   o.is_causal = a.causal;
   o.enable_gqa = Hkv != a.H;
   Tensor out = Tensor::empty({a.B, a.H, a.Lq, a.D}, dt);
-  const double ms = median_ms([&] { sdpa_out(out, q, k, v, o); }, a.min_time);
+  double ms = median_ms([&] { sdpa_out(out, q, k, v, o); }, a.min_time);
+  double bwd_ms = 0;
+  if (a.backward) {  // forward + backward, as training runs them
+    HEADS_CHECK(dt == DType::F32, "bench sdpa: --backward is f32");
+    const Tensor dout = random_tensor({a.B, a.H, a.Lq, a.D}, 4);
+    const double fwd_ms = ms;
+    ms = median_ms([&] { sdpa_backward(dout, q, k, v, sdpa(q, k, v, o), o); }, a.min_time);
+    bwd_ms = ms - fwd_ms;
+  }
   double flops = 4.0 * a.B * a.H * a.Lq * Lk * a.D;
   if (a.causal) flops /= 2;
+  if (a.backward) flops *= 3.5;  // the backward's five products are 2.5x the forward's two
   const double gflops = flops / ms / 1e6;
   if (a.json) {
     std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
                 "\"causal\":%s,\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,"
-                "\"peak_rss_mb\":%.1f}\n",
+                "\"peak_rss_mb\":%.1f%s}\n",
                 (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
                 (long long)a.D, a.causal ? "true" : "false", a.dtype.c_str(), isa_name(active_isa()).c_str(), get_num_threads(), ms,
-                gflops, peak_rss_mb());
+                gflops, peak_rss_mb(),
+                a.backward ? (",\"backward\":true,\"backward_ms\":" + std::to_string(bwd_ms)).c_str() : "");
   } else {
+    if (a.backward) std::printf("forward+backward (backward alone ~%.3f ms): ", bwd_ms);
     std::printf("sdpa B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld%s %s %s threads=%d: %.3f ms, "
                 "%.1f GFLOP/s, peak RSS %.1f MB\n",
                 (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
@@ -188,6 +199,8 @@ void add_bench_command(CLI::App& app, Action* action) {
   s->add_option("--kv-len", args->Lk, "key length Lk (default Lq)")->check(CLI::PositiveNumber);
   s->add_option("--head-dim", args->D, "head dim D")->capture_default_str()->check(CLI::PositiveNumber);
   s->add_flag("--causal", args->causal, "causal mask (flops counted half)");
+  s->add_flag("--backward", args->backward,
+              "time forward + backward (flops: 3.5x the forward's); JSON adds backward_ms");
   s->add_option("--dtype", args->dtype, "f32 or bf16 (q, k, v and out in bf16, f32 accumulation)")->capture_default_str();
   s->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
   s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
