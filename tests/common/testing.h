@@ -5,9 +5,16 @@
 #include <cmath>
 #include <random>
 
+#include "heads/runtime.h"
 #include "heads/tensor.h"
 
 namespace heads::testing {
+
+// Restores the active ISA path at scope exit (tests loop over every path).
+struct IsaGuard {
+  Isa saved = active_isa();
+  ~IsaGuard() { set_isa(saved); }
+};
 
 inline std::mt19937_64& rng() {
   static std::mt19937_64 gen(20261121);

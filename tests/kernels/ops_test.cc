@@ -11,10 +11,7 @@
 namespace heads {
 namespace {
 
-struct IsaGuard {
-  Isa saved = active_isa();
-  ~IsaGuard() { set_isa(saved); }
-};
+using testing::IsaGuard;
 
 TEST(Ops, LayerNormMatchesFloat64) {
   IsaGuard guard;

@@ -14,10 +14,7 @@ namespace {
 
 using testing::randn;
 
-struct IsaGuard {
-  Isa saved = active_isa();
-  ~IsaGuard() { set_isa(saved); }
-};
+using testing::IsaGuard;
 
 // L = sum(out ∘ G) for a fixed random G, so dL/dout = G.
 double loss_f64(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& o, const Tensor& G) {

@@ -31,11 +31,7 @@ std::string describe(int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t Lk, 
   return os.str();
 }
 
-// Restores the active ISA at scope exit.
-struct IsaGuard {
-  Isa saved = active_isa();
-  ~IsaGuard() { set_isa(saved); }
-};
+using testing::IsaGuard;
 
 // Every ISA path this CPU runs, with and without weights, against the float64 reference.
 void expect_matches_ref(const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o,
