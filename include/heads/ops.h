@@ -31,6 +31,21 @@ Tensor dropout(const Tensor& x, double p, uint64_t seed);
 // y = a + b (same shapes), for residual connections.
 Tensor add(const Tensor& a, const Tensor& b);
 
+// Backward passes (f32 in, f32 out): given the forward's inputs and dL/dy.
+struct LinearGrads {
+  Tensor dx, dweight, dbias;  // dbias undefined when the forward had no bias
+};
+LinearGrads linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, bool has_bias);
+
+struct LayerNormGrads {
+  Tensor dx, dweight, dbias;  // dweight / dbias undefined when weight / bias were
+};
+LayerNormGrads layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                   const Tensor& bias, double eps = 1e-5);
+
+// dL/dx of activation(x); dropout's backward is dropout(dy, p, seed) with the forward's seed.
+Tensor activation_backward(const Tensor& dy, const Tensor& x, Activation act);
+
 namespace ref {
 // float64 specifications (any floating input, f64 output).
 Tensor layer_norm_f64(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);

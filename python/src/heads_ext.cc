@@ -429,4 +429,25 @@ NB_MODULE(_heads, m) {
         "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
         "mask_grad"_a = false);
+
+  // Backward passes of the functional ops (numpy in / numpy out), for training code and tests.
+  m.def("linear_backward",
+        [](const InArray& dy, const InArray& x, const InArray& w, bool has_bias) {
+          const auto g = heads::linear_backward(view_of(dy, "dy"), view_of(x, "x"), view_of(w, "weight"), has_bias);
+          return nb::make_tuple(to_numpy(g.dx), to_numpy(g.dweight), to_numpy(g.dbias));
+        },
+        "dy"_a, "x"_a, "weight"_a, "has_bias"_a = true);
+  m.def("layer_norm_backward",
+        [](const InArray& dy, const InArray& x, const std::optional<InArray>& w, const std::optional<InArray>& b,
+           double eps) {
+          const auto g = heads::layer_norm_backward(view_of(dy, "dy"), view_of(x, "x"), opt_view(w, "weight"),
+                                                    opt_view(b, "bias"), eps);
+          return nb::make_tuple(to_numpy(g.dx), to_numpy(g.dweight), to_numpy(g.dbias));
+        },
+        "dy"_a, "x"_a, "weight"_a = nb::none(), "bias"_a = nb::none(), "eps"_a = 1e-5);
+  m.def("activation_backward",
+        [](const InArray& dy, const InArray& x, const std::string& act) {
+          return to_numpy(heads::activation_backward(view_of(dy, "dy"), view_of(x, "x"), heads::activation_from_name(act)));
+        },
+        "dy"_a, "x"_a, "activation"_a);
 }

@@ -126,6 +126,108 @@ Tensor add(const Tensor& a_in, const Tensor& b_in) {
   return y;
 }
 
+LinearGrads linear_backward(const Tensor& dy_in, const Tensor& x_in, const Tensor& w_in, bool has_bias) {
+  const char* op = "linear_backward";
+  HEADS_CHECK(w_in.defined() && w_in.dim() == 2, op, ": weight: expected [out, in]");
+  const int64_t out = w_in.size(0), in = w_in.size(1);
+  HEADS_CHECK(x_in.defined() && x_in.dim() >= 1 && x_in.size(-1) == in, op, ": input ",
+              x_in.defined() ? x_in.shape() : Shape{}, " does not match weight ", w_in.shape());
+  Shape ys = x_in.shape();
+  ys.back() = out;
+  HEADS_CHECK(dy_in.defined() && dy_in.shape() == ys, op, ": dy: expected ", ys, ", got ",
+              dy_in.defined() ? dy_in.shape() : Shape{});
+  const Tensor x = f32(x_in, op, "input").reshape({-1, in});
+  const Tensor dy = f32(dy_in, op, "dy").reshape({-1, out});
+  const Tensor w = f32(w_in, op, "weight");
+  LinearGrads g;
+  // dx = dy · W  (a linear layer with weight Wᵀ);  dW = dyᵀ · x  (weight xᵀ);  db = column sums of dy
+  g.dx = linear(dy, w.transpose(0, 1).contiguous()).reshape(x_in.shape());
+  g.dweight = linear(dy.transpose(0, 1).contiguous(), x.transpose(0, 1).contiguous());
+  if (has_bias) {
+    g.dbias = Tensor::zeros({out}, DType::F32);
+    std::vector<double> acc(static_cast<size_t>(out), 0.0);
+    for (int64_t m = 0; m < dy.size(0); ++m) {
+      for (int64_t o = 0; o < out; ++o) acc[static_cast<size_t>(o)] += dy.data<float>()[m * out + o];
+    }
+    for (int64_t o = 0; o < out; ++o) g.dbias.data<float>()[o] = static_cast<float>(acc[static_cast<size_t>(o)]);
+  }
+  return g;
+}
+
+LayerNormGrads layer_norm_backward(const Tensor& dy_in, const Tensor& x_in, const Tensor& w_in,
+                                   const Tensor& b_in, double eps) {
+  const char* op = "layer_norm_backward";
+  HEADS_CHECK(x_in.defined() && x_in.dim() >= 1, op, ": input must have at least 1 dimension");
+  HEADS_CHECK(dy_in.defined() && dy_in.shape() == x_in.shape(), op, ": dy ", dy_in.defined() ? dy_in.shape() : Shape{},
+              " does not match input ", x_in.shape());
+  const int64_t n = x_in.size(-1), rows = n ? x_in.numel() / n : 0;
+  HEADS_CHECK(!w_in.defined() || w_in.shape() == Shape({n}), op, ": weight: expected [", n, "]");
+  const Tensor x = f32(x_in, op, "input"), dy = f32(dy_in, op, "dy");
+  const Tensor w = w_in.defined() ? f32(w_in, op, "weight") : Tensor();
+  LayerNormGrads g;
+  g.dx = Tensor::empty(x.shape(), DType::F32);
+  std::vector<double> dw(static_cast<size_t>(n), 0.0), db(static_cast<size_t>(n), 0.0), xh(static_cast<size_t>(n)),
+      gx(static_cast<size_t>(n));
+  for (int64_t r = 0; r < rows; ++r) {  // xhat = (x - mean)·rstd; dxhat = dy·w
+    const float* xr = x.data<float>() + r * n;
+    const float* gr = dy.data<float>() + r * n;
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < n; ++i) mean += xr[i];
+    mean /= static_cast<double>(n);
+    for (int64_t i = 0; i < n; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    const double rstd = 1.0 / std::sqrt(var / static_cast<double>(n) + eps);
+    double m1 = 0, m2 = 0;  // mean(dxhat), mean(dxhat·xhat)
+    for (int64_t i = 0; i < n; ++i) {
+      xh[static_cast<size_t>(i)] = (xr[i] - mean) * rstd;
+      gx[static_cast<size_t>(i)] = gr[i] * (w.defined() ? w.data<float>()[i] : 1.0f);
+      m1 += gx[static_cast<size_t>(i)];
+      m2 += gx[static_cast<size_t>(i)] * xh[static_cast<size_t>(i)];
+      dw[static_cast<size_t>(i)] += gr[i] * xh[static_cast<size_t>(i)];
+      db[static_cast<size_t>(i)] += gr[i];
+    }
+    m1 /= static_cast<double>(n);
+    m2 /= static_cast<double>(n);
+    float* dxr = g.dx.data<float>() + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      dxr[i] = static_cast<float>(rstd * (gx[static_cast<size_t>(i)] - m1 - xh[static_cast<size_t>(i)] * m2));
+    }
+  }
+  auto vec = [&](const std::vector<double>& v) {
+    Tensor t = Tensor::empty({n}, DType::F32);
+    for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(v[static_cast<size_t>(i)]);
+    return t;
+  };
+  if (w_in.defined()) g.dweight = vec(dw);
+  if (b_in.defined()) g.dbias = vec(db);
+  return g;
+}
+
+Tensor activation_backward(const Tensor& dy_in, const Tensor& x_in, Activation act) {
+  HEADS_CHECK(dy_in.defined() && x_in.defined() && dy_in.shape() == x_in.shape(), "activation_backward: dy ",
+              dy_in.defined() ? dy_in.shape() : Shape{}, " does not match input ", x_in.defined() ? x_in.shape() : Shape{});
+  const Tensor x = f32(x_in, "activation_backward", "input");
+  Tensor g = f32(dy_in, "activation_backward", "dy").clone();
+  float* gp = g.data<float>();
+  const float* xp = x.data<float>();
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    const double v = xp[i];
+    double d;
+    switch (act) {
+      case Activation::Relu: d = v > 0 ? 1.0 : 0.0; break;
+      case Activation::Gelu:  // Φ(x) + x φ(x)
+        d = 0.5 * std::erfc(-v / std::sqrt(2.0)) + v * std::exp(-0.5 * v * v) / std::sqrt(2.0 * M_PI);
+        break;
+      default: {  // y = x s, s = 1/(1 + e^{-2u}): y' = s + x·2s(1-s)·u'
+        const double u = std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v);
+        const double s = 1.0 / (1.0 + std::exp(-2.0 * u));
+        d = s + v * 2.0 * s * (1.0 - s) * std::sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * v * v);
+      }
+    }
+    gp[i] = static_cast<float>(gp[i] * d);
+  }
+  return g;
+}
+
 namespace ref {
 
 Tensor layer_norm_f64(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps) {

@@ -110,3 +110,81 @@ TEST(Ops, LinearAndErrors) {
 
 }  // namespace
 }  // namespace heads
+
+namespace heads {
+namespace {
+
+// sum(f(x) ∘ G) for a float64 function f; its gradient by central differences, entry by entry.
+template <class F>
+Tensor numeric_grad(Tensor x64, const Tensor& G, F f) {
+  Tensor g = Tensor::zeros(x64.shape(), DType::F64);
+  auto loss = [&] {
+    const Tensor y = f();
+    double s = 0;
+    for (int64_t i = 0; i < y.numel(); ++i) s += y.data<double>()[i] * G.data<double>()[i];
+    return s;
+  };
+  for (int64_t i = 0; i < x64.numel(); ++i) {
+    double* p = x64.data<double>() + i;
+    const double save = *p, eps = 1e-5;
+    *p = save + eps;
+    const double up = loss();
+    *p = save - eps;
+    const double down = loss();
+    *p = save;
+    g.data<double>()[i] = (up - down) / (2 * eps);
+  }
+  return g;
+}
+
+TEST(OpsBackward, LayerNormMatchesFiniteDifferences) {
+  for (int64_t n : {1, 7, 33}) {
+    const Tensor x = testing::randn({4, n}, 2.0), w = testing::randn({n}), b = testing::randn({n});
+    const Tensor dy = testing::randn({4, n});
+    const LayerNormGrads g = layer_norm_backward(dy, x, w, b, 1e-5);
+    Tensor x64 = x.to(DType::F64).clone(), w64 = w.to(DType::F64).clone(), b64 = b.to(DType::F64).clone();
+    const Tensor G = dy.to(DType::F64);
+    auto f = [&] { return ref::layer_norm_f64(x64, w64, b64, 1e-5); };
+    EXPECT_TRUE(testing::compare(g.dx, numeric_grad(x64, G, f)).within(1e-4, 1e-5)) << "dx n=" << n;
+    EXPECT_TRUE(testing::compare(g.dweight, numeric_grad(w64, G, f)).within(1e-4, 1e-5)) << "dw n=" << n;
+    EXPECT_TRUE(testing::compare(g.dbias, numeric_grad(b64, G, f)).within(1e-4, 1e-5)) << "db n=" << n;
+  }
+}
+
+TEST(OpsBackward, ActivationsMatchFiniteDifferences) {
+  const Tensor x = testing::randn({257}, 3.0), dy = testing::randn({257});
+  for (Activation act : {Activation::Relu, Activation::Gelu, Activation::GeluTanh}) {
+    const Tensor g = activation_backward(dy, x, act);
+    Tensor x64 = x.to(DType::F64).clone();
+    const Tensor num = numeric_grad(x64, dy.to(DType::F64), [&] { return ref::activation_f64(x64, act); });
+    EXPECT_TRUE(testing::compare(g, num).within(1e-5, 1e-6)) << "act=" << static_cast<int>(act);
+  }
+}
+
+TEST(OpsBackward, LinearMatchesFloat64) {
+  const Tensor x = testing::randn({3, 5, 7}), w = testing::randn({4, 7}), dy = testing::randn({3, 5, 4});
+  const LinearGrads g = linear_backward(dy, x, w, true);
+  ASSERT_EQ(g.dx.shape(), x.shape());
+  ASSERT_EQ(g.dweight.shape(), w.shape());
+  for (int64_t i = 0; i < 7; ++i) {
+    for (int64_t o = 0; o < 4; ++o) {
+      double dw = 0;
+      for (int64_t m = 0; m < 15; ++m) dw += double(dy.data<float>()[m * 4 + o]) * x.data<float>()[m * 7 + i];
+      EXPECT_NEAR(g.dweight.data<float>()[o * 7 + i], dw, 1e-5 * (1 + std::fabs(dw)));
+    }
+    for (int64_t m = 0; m < 15; ++m) {
+      double dx = 0;
+      for (int64_t o = 0; o < 4; ++o) dx += double(dy.data<float>()[m * 4 + o]) * w.data<float>()[o * 7 + i];
+      EXPECT_NEAR(g.dx.data<float>()[m * 7 + i], dx, 1e-5 * (1 + std::fabs(dx)));
+    }
+  }
+  for (int64_t o = 0; o < 4; ++o) {
+    double db = 0;
+    for (int64_t m = 0; m < 15; ++m) db += dy.data<float>()[m * 4 + o];
+    EXPECT_NEAR(g.dbias.data<float>()[o], db, 1e-5 * (1 + std::fabs(db)));
+  }
+  EXPECT_THROW(linear_backward(testing::randn({3, 5, 3}), x, w, true), Error);
+}
+
+}  // namespace
+}  // namespace heads

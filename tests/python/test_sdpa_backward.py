@@ -77,3 +77,30 @@ def test_fully_masked_rows_have_zero_gradients():
     out = heads_sdpa(q, k, v, attn_mask=mask)
     out.sum().backward()
     assert (q.grad[0, 0, 2] == 0).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_op_backwards_match_torch_autograd(check):
+    from heads import _heads
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 7, 33, generator=g, requires_grad=True)
+    w = torch.randn(33, generator=g, requires_grad=True)
+    b = torch.randn(33, generator=g, requires_grad=True)
+    dy = torch.randn(6, 7, 33, generator=g)
+    torch.nn.functional.layer_norm(x, (33,), w, b, 1e-5).backward(dy)
+    dx, dw, db = _heads.layer_norm_backward(dy.numpy(), x.detach().numpy(), w.detach().numpy(), b.detach().numpy(), 1e-5)
+    for name, ours, ref in [("dx", dx, x.grad), ("dweight", dw, w.grad), ("dbias", db, b.grad)]:
+        check(f"layer_norm backward {name}", ours, ref, "6x7x33", tol=1e-5)
+    W = torch.randn(20, 33, generator=g, requires_grad=True)
+    bias = torch.randn(20, generator=g, requires_grad=True)
+    x.grad = None
+    dy2 = torch.randn(6, 7, 20, generator=g)
+    torch.nn.functional.linear(x, W, bias).backward(dy2)
+    dx, dW, dbias = _heads.linear_backward(dy2.numpy(), x.detach().numpy(), W.detach().numpy(), True)
+    for name, ours, ref in [("dx", dx, x.grad), ("dweight", dW, W.grad), ("dbias", dbias, bias.grad)]:
+        check(f"linear backward {name}", ours, ref, "6x7x33 -> 20", tol=1e-5)
+    for act, approx in [("relu", None), ("gelu", "none"), ("gelu_tanh", "tanh")]:
+        x.grad = None
+        y = torch.relu(x) if act == "relu" else torch.nn.functional.gelu(x, approximate=approx)
+        y.backward(dy)
+        check(f"{act} backward", _heads.activation_backward(dy.numpy(), x.detach().numpy(), act), x.grad, act, tol=1e-5)
