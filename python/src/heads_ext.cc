@@ -164,6 +164,18 @@ heads::StateDict from_items(const std::vector<std::pair<std::string, InArray>>& 
   return sd;
 }
 
+// train/state_dict/load_state_dict, shared by the module classes.
+template <class Module, class Class>
+void bind_module_state(Class& cls) {
+  cls.def("_set_training", &Module::train, "mode"_a)
+      .def("state_dict", [](const Module& s) { return to_dict(s.state_dict()); })
+      .def("load_state_dict",
+           [](Module& s, const std::vector<std::pair<std::string, InArray>>& items, bool strict) {
+             s.load_state_dict(from_items(items), strict);
+           },
+           "items"_a, "strict"_a = true);
+}
+
 NB_MODULE(_heads, m) {
   m.doc() = "heads: multi-head attention for CPUs (native core)";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
@@ -252,7 +264,9 @@ NB_MODULE(_heads, m) {
            "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
            "is_causal"_a = false, "torch_out"_a = false);
 
-  nb::class_<heads::TransformerEncoderLayer>(m, "TransformerEncoderLayer")
+  auto layer_cls = nb::class_<heads::TransformerEncoderLayer>(m, "TransformerEncoderLayer");
+  bind_module_state<heads::TransformerEncoderLayer>(layer_cls);
+  layer_cls
       .def("__init__",
            [](heads::TransformerEncoderLayer* self, int64_t d_model, int64_t nhead, int64_t dim_feedforward,
               double dropout, const std::string& activation, double layer_norm_eps, bool batch_first,
@@ -266,12 +280,6 @@ NB_MODULE(_heads, m) {
            "activation"_a = "relu", "layer_norm_eps"_a = 1e-5, "batch_first"_a = false,
            "norm_first"_a = false, "bias"_a = true, "seed"_a = nb::none())
       .def_prop_ro("training", &heads::TransformerEncoderLayer::training)
-      .def("_set_training", &heads::TransformerEncoderLayer::train, "mode"_a)
-      .def("state_dict", [](const heads::TransformerEncoderLayer& s) { return to_dict(s.state_dict()); })
-      .def("load_state_dict",
-           [](heads::TransformerEncoderLayer& s, const std::vector<std::pair<std::string, InArray>>& items,
-              bool strict) { s.load_state_dict(from_items(items), strict); },
-           "items"_a, "strict"_a = true)
       .def("forward",
            [](const heads::TransformerEncoderLayer& s, const InArray& src, const std::optional<InArray>& src_mask,
               const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out) {
@@ -290,7 +298,9 @@ NB_MODULE(_heads, m) {
            "src"_a, "src_mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(),
            "is_causal"_a = false, "torch_out"_a = false);
 
-  nb::class_<heads::TransformerEncoder>(m, "TransformerEncoder")
+  auto enc_cls = nb::class_<heads::TransformerEncoder>(m, "TransformerEncoder");
+  bind_module_state<heads::TransformerEncoder>(enc_cls);
+  enc_cls
       .def("__init__",
            [](heads::TransformerEncoder* self, int64_t d_model, int64_t nhead, int64_t dim_feedforward,
               double dropout, const std::string& activation, double layer_norm_eps, bool batch_first,
@@ -303,12 +313,6 @@ NB_MODULE(_heads, m) {
            "d_model"_a, "nhead"_a, "dim_feedforward"_a, "dropout"_a, "activation"_a,
            "layer_norm_eps"_a, "batch_first"_a, "norm_first"_a, "bias"_a, "num_layers"_a,
            "final_norm"_a, "seed"_a = nb::none())
-      .def("_set_training", &heads::TransformerEncoder::train, "mode"_a)
-      .def("state_dict", [](const heads::TransformerEncoder& s) { return to_dict(s.state_dict()); })
-      .def("load_state_dict",
-           [](heads::TransformerEncoder& s, const std::vector<std::pair<std::string, InArray>>& items,
-              bool strict) { s.load_state_dict(from_items(items), strict); },
-           "items"_a, "strict"_a = true)
       .def("forward",
            [](const heads::TransformerEncoder& s, const InArray& src, const std::optional<InArray>& mask,
               const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out) {

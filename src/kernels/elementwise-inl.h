@@ -48,21 +48,27 @@ HEADS_INLINE VR gelu_tanh(VR x) {
 
 HEADS_INLINE VR relu(VR x) { return Vec::max(x, Vec::zero()); }
 
-template <class F>
-inline void map_rows(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys, F f) {
-  const int64_t per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));  // rows per task
+// Runs body(r) for every row, rows grouped into tasks of about `elems` values, over the threads.
+template <class Body>
+inline void for_rows(int64_t rows, int64_t n, int64_t elems, Body body) {
+  const int64_t per_task = std::max<int64_t>(1, elems / std::max<int64_t>(n, 1));
   const int64_t tasks = (rows + per_task - 1) / per_task;
   const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
-    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
+    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) body(r);
+  }
+}
+
+template <class F>
+inline void map_rows(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys, F f) {
+  for_rows(rows, n, 16384, [&](int64_t r) {
       const float* xr = x + r * xs;
       float* yr = y + r * ys;
       int64_t i = 0;
       for (; i + kW <= n; i += kW) Vec::storeu(yr + i, f(Vec::loadu(xr + i)));
       if (i < n) Vec::store_partial(yr + i, f(Vec::load_partial(xr + i, n - i)), n - i);
-    }
-  }
+  });
 }
 
 }  // namespace ew
@@ -86,12 +92,7 @@ inline void relu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t 
 inline void layer_norm_f32(const float* x, const float* res, float* y, int64_t rows, int64_t n,
                            int64_t xs, int64_t ys, const float* w, const float* b, float eps) {
   using namespace ew;
-  const int64_t per_task = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
-  const int64_t tasks = (rows + per_task - 1) / per_task;
-  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
+  for_rows(rows, n, 8192, [&](int64_t r) {
       const float* xr = x + r * xs;
       float* yr = y + r * ys;
       if (res != nullptr) {  // v = x + res into y, then normalise y in place
@@ -138,8 +139,7 @@ inline void layer_norm_f32(const float* x, const float* res, float* y, int64_t r
         if (b != nullptr) v = Vec::add(v, Vec::load_partial(b + i, m));
         Vec::store_partial(yr + i, v, m);
       }
-    }
-  }
+  });
 }
 
 // y = a + b elementwise (n values), parallel in chunks.
