@@ -16,9 +16,35 @@
 #include <utility>
 #include <vector>
 
+#include "heads/sdpa.h"
 #include "heads/tensor.h"
 
 namespace heads {
+
+using StateDict = std::vector<std::pair<std::string, Tensor>>;
+
+// What a forward keeps for MultiheadAttention::backward (set MhaForwardArgs::tape). It holds
+// the f32 inputs, the projected heads, the SDPA statistics (log-sum-exp, dropout seed) and the
+// attention output: O(L·E) memory, never an L×S matrix.
+struct MhaTape {
+  bool batched = true, self_attn = false;
+  Shape query_shape, key_shape, value_shape, out_shape;
+  Tensor xq, xk, xv;      // f32 inputs as [d0, d1, width] in the caller's dimension order
+  Tensor q4, k4, v4;      // SDPA operands [N, H, L | S + extra, head_dim]
+  SdpaOptions sdpa;       // merged mask, causal flag, dropout (seed fixed to the forward's)
+  SdpaResult attention;   // output, lse and dropout seed of the SDPA call
+  Tensor attn3;           // attention output [d0, d1, E], the out-projection's input
+  bool defined() const { return attn3.defined(); }
+};
+
+// Gradients of a loss with respect to the inputs and parameters of one forward call.
+struct MhaGrads {
+  // Shapes of query, key and value. When the forward saw self-attention (the same tensor passed
+  // as query, key and value) dquery is the whole gradient of that tensor and dkey/dvalue are
+  // undefined; otherwise each is the gradient through its own argument.
+  Tensor dquery, dkey, dvalue;
+  StateDict params;  // by parameter name, in state_dict() order (f32)
+};
 
 struct MultiheadAttentionOptions {
   int64_t embed_dim = 0;
@@ -38,9 +64,10 @@ struct MhaForwardArgs {
   Tensor attn_mask;  // [L, S] or [N * num_heads, L, S]; bool (true = masked) or float (added)
   bool average_attn_weights = true;
   bool is_causal = false;
+  // When set, receives what backward() needs (training). Gradients flow from the output only
+  // (not from the returned weights, nor into the masks).
+  MhaTape* tape = nullptr;
 };
-
-using StateDict = std::vector<std::pair<std::string, Tensor>>;
 
 class MultiheadAttention {
  public:
@@ -60,6 +87,10 @@ class MultiheadAttention {
   // averaged over heads, or [N, H, L, S] (unbatched: without N).
   std::pair<Tensor, Tensor> forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                     const MhaForwardArgs& args = {}) const;
+
+  // Gradients for dL/d(output) `dout` (the shape of the forward's output), from the tape of that
+  // forward. The module's parameters must not have changed in between.
+  MhaGrads backward(const MhaTape& tape, const Tensor& dout) const;
 
   void train(bool on = true) { training_ = on; }
   void eval() { training_ = false; }

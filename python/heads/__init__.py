@@ -21,6 +21,7 @@ __all__ = [
     "TransformerEncoder",
     "SentenceEncoder",
     "Encoder",
+    "Tape",
     "manual_seed",
     "set_num_threads",
     "get_num_threads",
@@ -85,6 +86,29 @@ def sdpa(
         _is_torch(query),
     )
     return tuple(r) if need_weights else r
+
+
+class Tape:
+    """What a module's forward keeps for its ``backward`` (pass ``tape=heads.Tape()``).
+
+    It holds the forward's inputs, intermediate activations and attention statistics (never an
+    L×S matrix); one tape serves one backward of the module that filled it.
+    """
+
+    def __init__(self) -> None:
+        self._native: Any = None
+        self._owner: Any = None
+
+    def _take(self, owner: Any, native: Any) -> Any:
+        self._owner, self._native = owner, native
+        return native
+
+    def _of(self, owner: Any) -> Any:
+        if self._native is None or not self._native.defined:
+            raise ValueError("backward: empty tape; run forward(..., tape=tape) first")
+        if self._owner is not owner:
+            raise ValueError("backward: the tape was filled by another module")
+        return self._native
 
 
 class MultiheadAttention:
@@ -166,8 +190,13 @@ class MultiheadAttention:
         attn_mask: Any = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        tape: Optional[Tape] = None,
     ):
-        """Returns ``(attn_output, attn_weights or None)`` as torch.nn.MultiheadAttention."""
+        """Returns ``(attn_output, attn_weights or None)`` as torch.nn.MultiheadAttention.
+
+        With ``tape`` (a :class:`Tape`), also keeps what :meth:`backward` needs.
+        """
         q = _arg(query, "query")
         # Passing the same object three times keeps self-attention's single fused projection.
         k = q if key is query else _arg(key, "key")
@@ -182,10 +211,22 @@ class MultiheadAttention:
             bool(average_attn_weights),
             bool(is_causal),
             _is_torch(query),
+            None if tape is None else tape._take(self, _heads.MhaTape()),
         )
         return out, weights
 
     __call__ = forward
+
+    def backward(self, tape: Tape, grad_output: Any):
+        """Gradients for ``grad_output`` = dL/d(attn_output) of the forward that filled ``tape``.
+
+        Returns ``((dquery, dkey, dvalue), {parameter name: gradient})``. When query, key and value
+        were the same object (self-attention), dquery is that tensor's whole gradient and dkey,
+        dvalue are None. Gradients flow from attn_output only (not from the weights or masks).
+        """
+        dq, dk, dv, params = self._m.backward(tape._of(self), _arg(grad_output, "grad_output"),
+                                              _is_torch(grad_output))
+        return (dq, dk, dv), params
 
     def __repr__(self) -> str:
         return (

@@ -152,9 +152,9 @@ heads::TransformerEncoderLayerOptions layer_options(int64_t d_model, int64_t nhe
   return o;
 }
 
-nb::dict to_dict(const heads::StateDict& sd) {
+nb::dict to_dict(const heads::StateDict& sd, bool torch = false) {
   nb::dict d;
-  for (const auto& [name, t] : sd) d[name.c_str()] = to_numpy(t);
+  for (const auto& [name, t] : sd) d[name.c_str()] = to_array(t, torch);
   return d;
 }
 
@@ -193,6 +193,8 @@ NB_MODULE(_heads, m) {
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
         "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
         "torch_out"_a = false);
+
+  nb::class_<heads::MhaTape>(m, "MhaTape").def(nb::init<>()).def_prop_ro("defined", &heads::MhaTape::defined);
 
   nb::class_<heads::MultiheadAttention>(m, "MultiheadAttention")
       .def("__init__",
@@ -244,8 +246,9 @@ NB_MODULE(_heads, m) {
            [](const heads::MultiheadAttention& s, const InArray& query, const InArray& key,
               const InArray& value, const std::optional<InArray>& key_padding_mask,
               bool need_weights, const std::optional<InArray>& attn_mask,
-              bool average_attn_weights, bool is_causal, bool torch_out) {
+              bool average_attn_weights, bool is_causal, bool torch_out, heads::MhaTape* tape) {
              heads::MhaForwardArgs a;
+             a.tape = tape;
              a.key_padding_mask = opt_view(key_padding_mask, "key_padding_mask");
              a.attn_mask = opt_view(attn_mask, "attn_mask");
              a.need_weights = need_weights;
@@ -262,7 +265,19 @@ NB_MODULE(_heads, m) {
            },
            "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = nb::none(),
            "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
-           "is_causal"_a = false, "torch_out"_a = false);
+           "is_causal"_a = false, "torch_out"_a = false, "tape"_a = nb::none())
+      .def("backward",
+           [](const heads::MultiheadAttention& s, const heads::MhaTape& tape, const InArray& dout, bool torch_out) {
+             const heads::Tensor d = view_of(dout, "grad_output");
+             heads::MhaGrads g;
+             {
+               nb::gil_scoped_release release;
+               g = s.backward(tape, d);
+             }
+             return nb::make_tuple(to_array(g.dquery, torch_out), to_array(g.dkey, torch_out),
+                                   to_array(g.dvalue, torch_out), to_dict(g.params, torch_out));
+           },
+           "tape"_a, "grad_output"_a, "torch_out"_a = false);
 
   auto layer_cls = nb::class_<heads::TransformerEncoderLayer>(m, "TransformerEncoderLayer");
   bind_module_state<heads::TransformerEncoderLayer>(layer_cls);

@@ -7,9 +7,11 @@
 #include "heads/mha.h"
 
 #include <cmath>
+#include <map>
 #include <limits>
 #include <random>
 
+#include "heads/ops.h"
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
@@ -376,6 +378,25 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   so.dropout_p = training_ ? opt_.dropout : 0.0;
   so.need_weights = args.need_weights;
   const SdpaResult r = sdpa_out(heads4(nle(attn3)), q4, k4, v4, so);
+  if (args.tape != nullptr) {
+    MhaTape& t = *args.tape;
+    t.batched = batched;
+    t.self_attn = self_attn;
+    t.query_shape = query.shape();
+    t.key_shape = key.shape();
+    t.value_shape = value.shape();
+    t.xq = xq;
+    t.xk = xk;
+    t.xv = xv;
+    t.q4 = q4;
+    t.k4 = k4;
+    t.v4 = v4;
+    t.sdpa = so;
+    t.sdpa.need_weights = false;
+    t.sdpa.dropout_seed = r.dropout_seed;
+    t.attention = r;
+    t.attn3 = attn3;
+  }
 
   // Out-projection.
   const Tensor* b_out = param("out_proj.bias");
@@ -402,7 +423,101 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     }
     if (!batched) weights = weights.squeeze(0);
   }
+  if (args.tape != nullptr) args.tape->out_shape = out.shape();
   return {out, weights};
+}
+
+MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) const {
+  const int64_t E = opt_.embed_dim, H = opt_.num_heads, hd = E / H;
+  HEADS_CHECK(t.defined(), kOp, "::backward: empty tape; run forward with MhaForwardArgs::tape set");
+  HEADS_CHECK(t.attn3.size(2) == E && t.q4.size(1) == H, kOp,
+              "::backward: the tape comes from a module of other dimensions");
+  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.out_shape, kOp, "::backward: dout: expected ",
+              t.out_shape, " (the forward's output), got ", dout_in.defined() ? dout_in.shape() : Shape{});
+  HEADS_CHECK(is_floating(dout_in.dtype()), kOp, "::backward: dout: expected a floating dtype, got ",
+              dtype_name(dout_in.dtype()));
+  const bool bf = t.batched && opt_.batch_first;
+  auto nle = [&](const Tensor& x3) { return bf ? x3 : x3.transpose(0, 1); };
+  auto heads4 = [&](const Tensor& t3) {
+    return t3.as_strided({t3.size(0), H, t3.size(1), hd}, {t3.stride(0), hd, t3.stride(1), 1});
+  };
+  auto rows = [](const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); };
+  std::map<std::string, Tensor> pg;  // parameter gradients by name
+
+  // Out-projection: out = attn Woᵀ + bo.
+  const Tensor dout = dout_in.to(DType::F32).reshape({t.attn3.size(0), t.attn3.size(1), E});
+  const LinearGrads go =
+      linear_backward(rows(dout), rows(t.attn3), *param("out_proj.weight"), param("out_proj.bias") != nullptr);
+  pg["out_proj.weight"] = go.dweight;
+  if (go.dbias.defined()) pg["out_proj.bias"] = go.dbias;
+  const Tensor dattn3 = go.dx.reshape(t.attn3.shape());
+
+  // Attention.
+  const SdpaGrads gs = sdpa_backward(heads4(nle(dattn3)), t.q4, t.k4, t.v4, t.attention, t.sdpa);
+  const int64_t N = t.q4.size(0), S = t.xk.size(bf ? 1 : 0);
+  if (opt_.add_bias_kv) {  // bias_k / bias_v were key S of every batch entry: sum over N
+    for (const auto& [g, name] : {std::pair{&gs.dk, "bias_k"}, {&gs.dv, "bias_v"}}) {
+      Tensor d = Tensor::zeros({1, 1, E}, DType::F32);
+      float* dp = d.data<float>();
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* src = g->data<float>() + ((n * H + h) * g->size(2) + S) * hd;
+          for (int64_t c = 0; c < hd; ++c) dp[h * hd + c] += src[c];
+        }
+      }
+      pg[name] = d;
+    }
+  }
+  // Heads back to projection rows [d0, d1, E] in each input's order (appended keys dropped).
+  auto unheads = [&](const Tensor& g4, const Tensor& x3, int64_t len) {
+    Tensor d = Tensor::empty({x3.size(0), x3.size(1), E}, DType::F32);
+    heads4(nle(d)).copy_from(g4.slice(2, 0, len));
+    return d;
+  };
+  const int64_t L = t.xq.size(bf ? 1 : 0);
+  const Tensor dq3 = unheads(gs.dq, t.xq, L), dk3 = unheads(gs.dk, t.xk, S), dv3 = unheads(gs.dv, t.xv, S);
+
+  // In-projection.
+  const Tensor* w_in = param("in_proj_weight");
+  const bool has_bias = param("in_proj_bias") != nullptr;
+  MhaGrads out;
+  auto as_input = [&](const Tensor& dx2, const Tensor& x3, const Shape& shape) {
+    return dx2.reshape(x3.shape()).reshape(shape);
+  };
+  if (t.self_attn && w_in != nullptr) {  // one GEMM: dY = [dq | dk | dv]
+    Tensor dy = Tensor::empty({t.xq.size(0), t.xq.size(1), 3 * E}, DType::F32);
+    dy.slice(2, 0, E).copy_from(dq3);
+    dy.slice(2, E, 2 * E).copy_from(dk3);
+    dy.slice(2, 2 * E, 3 * E).copy_from(dv3);
+    const LinearGrads g = linear_backward(rows(dy), rows(t.xq), *w_in, has_bias);
+    out.dquery = as_input(g.dx, t.xq, t.query_shape);
+    pg["in_proj_weight"] = g.dweight;
+    if (has_bias) pg["in_proj_bias"] = g.dbias;
+  } else {
+    const Tensor* b_in = param("in_proj_bias");
+    Tensor dw_in = w_in ? Tensor::empty({3 * E, E}, DType::F32) : Tensor();
+    Tensor db_in = has_bias ? Tensor::empty({3 * E}, DType::F32) : Tensor();
+    static const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
+    const Tensor* xs[3] = {&t.xq, &t.xk, &t.xv};
+    const Tensor* dys[3] = {&dq3, &dk3, &dv3};
+    const Shape* shapes[3] = {&t.query_shape, &t.key_shape, &t.value_shape};
+    Tensor* dxs[3] = {&out.dquery, &out.dkey, &out.dvalue};
+    for (int64_t part = 0; part < 3; ++part) {
+      const Tensor w = w_in ? w_in->slice(0, part * E, (part + 1) * E) : *param(names[part]);
+      const LinearGrads g = linear_backward(rows(*dys[part]), rows(*xs[part]), w, b_in != nullptr);
+      *dxs[part] = as_input(g.dx, *xs[part], *shapes[part]);
+      if (w_in) {
+        dw_in.slice(0, part * E, (part + 1) * E).copy_from(g.dweight);
+      } else {
+        pg[names[part]] = g.dweight;
+      }
+      if (has_bias) db_in.slice(0, part * E, (part + 1) * E).copy_from(g.dbias);
+    }
+    if (w_in) pg["in_proj_weight"] = dw_in;
+    if (has_bias) pg["in_proj_bias"] = db_in;
+  }
+  for (const auto& p : params_) out.params.emplace_back(p.name, pg.at(p.name));
+  return out;
 }
 
 }  // namespace heads

@@ -1,0 +1,140 @@
+"""Gradients of heads.MultiheadAttention against PyTorch 2.13 autograd on random configurations."""
+
+import numpy as np
+import pytest
+import torch
+
+import heads
+from test_mha import make_config
+
+N_CONFIGS = 120
+
+
+def build_pair(cfg, dropout=0.0):
+    g = torch.Generator().manual_seed(cfg["seed"])
+    E, H = cfg["E"], cfg["H"]
+    torch.manual_seed(cfg["seed"])
+    kw = dict(bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"], add_zero_attn=cfg["add_zero_attn"],
+              kdim=cfg["kdim"], vdim=cfg["vdim"], batch_first=cfg["batch_first"])
+    ref = torch.nn.MultiheadAttention(E, H, dropout=dropout, **kw)
+    with torch.no_grad():  # non-zero biases so their gradients are exercised
+        for name, p in ref.named_parameters():
+            if "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    mine = heads.MultiheadAttention(E, H, dropout=dropout, **kw)
+    mine.load_state_dict(ref.state_dict())
+    return ref, mine, g
+
+
+def inputs(cfg, g):
+    E = cfg["E"]
+    N, L = cfg["N"], cfg["L"]
+    S = cfg["S"] or L
+    kd, vd = cfg["kdim"] or E, cfg["vdim"] or E
+
+    def shape(T, width):
+        if not cfg["batched"]:
+            return (T, width)
+        return (N, T, width) if cfg["batch_first"] else (T, N, width)
+
+    q = torch.randn(shape(L, E), generator=g)
+    if cfg["S"] is None:
+        k = v = q
+    else:
+        k, v = torch.randn(shape(S, kd), generator=g), torch.randn(shape(S, vd), generator=g)
+    Nb = N if cfg["batched"] else 1
+    kw = dict(need_weights=cfg["need_weights"], average_attn_weights=cfg["average"])
+    if cfg["kpm"]:
+        pad = torch.rand(Nb, S, generator=g) < 0.3
+        pad[:, 0] = False
+        kpm = pad if cfg["kpm"] == "bool" else pad.float() * -1e4 + torch.randn(Nb, S, generator=g)
+        kw["key_padding_mask"] = kpm if cfg["batched"] else kpm[0]
+    am = cfg["attn_mask"]
+    if am == "causal":
+        kw["attn_mask"] = torch.nn.Transformer.generate_square_subsequent_mask(L)
+        kw["is_causal"] = True
+    elif am:
+        lead = (Nb * cfg["H"],) if am.startswith("3d") else ()
+        blocked = torch.rand(*lead, L, S, generator=g) < 0.3
+        blocked[..., 0] = False
+        kw["attn_mask"] = blocked if am.endswith("bool") else torch.randn(*lead, L, S, generator=g) - blocked.float() * 1e4
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("i", range(N_CONFIGS))
+def test_gradients_match_torch_autograd(i, check):
+    cfg = make_config(i)
+    ref, mine, g = build_pair(cfg)
+    q, k, v, kw = inputs(cfg, g)
+    self_attn = k is q
+    qt = q.clone().requires_grad_()
+    kt, vt = (qt, qt) if self_attn else (k.clone().requires_grad_(), v.clone().requires_grad_())
+    out_ref, _ = ref(qt, kt, vt, **kw)
+    dout = torch.randn(out_ref.shape, generator=g)
+    (out_ref * dout).sum().backward()
+
+    tape = heads.Tape()
+    out, _ = mine(q, q if self_attn else k, q if self_attn else v, **kw, tape=tape)
+    (dq, dk, dv), grads = mine.backward(tape, dout)
+    what = ", ".join(f"{a}={b}" for a, b in cfg.items())
+    check("MultiheadAttention output", out, out_ref, what)
+    # Gradients that are zero in exact arithmetic (a row seeing one key) are compared on the
+    # scale of the incoming gradient.
+    floor = 1e-3 * float(dout.norm())
+    check("MHA grad input", dq, qt.grad, what, tol=1e-4, floor=floor)
+    if self_attn:
+        assert dk is None and dv is None
+    else:
+        check("MHA grad input", dk, kt.grad, what, tol=1e-4, floor=floor)
+        check("MHA grad input", dv, vt.grad, what, tol=1e-4, floor=floor)
+    names = [n for n, _ in ref.named_parameters()]
+    assert list(grads) == [n for n in ref.state_dict()], "gradients in state_dict order"
+    assert sorted(grads) == sorted(names)
+    for name, p in ref.named_parameters():
+        assert isinstance(grads[name], torch.Tensor)
+        check("MHA grad parameter", grads[name], p.grad, f"{name}: {what}", tol=1e-4, floor=floor)
+
+
+def test_dropout_gradient_matches_finite_differences():
+    """With dropout the masks are heads' own; fixing the seed makes the forward a function whose
+    directional derivative the backward must give."""
+    E, H = 16, 4
+    mine = heads.MultiheadAttention(E, H, dropout=0.3, batch_first=True, seed=3)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 9, E))
+    d = rng.standard_normal(x.shape)
+    w = rng.standard_normal((2, 9, E)).astype(np.float32)
+
+    def loss(xx):
+        heads.manual_seed(11)
+        out, _ = mine(xx.astype(np.float32), xx.astype(np.float32), xx.astype(np.float32), need_weights=False)
+        return float((out.astype(np.float64) * w).sum())
+
+    heads.manual_seed(11)
+    tape = heads.Tape()
+    xf = x.astype(np.float32)
+    mine(xf, xf, xf, need_weights=False, tape=tape)
+    (dq, _, _), _ = mine.backward(tape, w)
+    h = 1e-2
+    fd = (loss(x + h * d) - loss(x - h * d)) / (2 * h)
+    an = float((dq.astype(np.float64) * d).sum())
+    assert abs(fd - an) <= 2e-3 * max(1.0, abs(an)), (fd, an)
+    # Same seed, different draws: dropout really acted (the output differs from eval mode).
+    heads.manual_seed(11)
+    out_train, _ = mine(xf, xf, xf, need_weights=False)
+    out_eval, _ = mine.eval()(xf, xf, xf, need_weights=False)
+    assert not np.allclose(out_train, out_eval)
+
+
+def test_backward_errors():
+    mine = heads.MultiheadAttention(8, 2)
+    x = np.random.default_rng(0).standard_normal((3, 2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="empty tape"):
+        mine.backward(heads.Tape(), x)
+    tape = heads.Tape()
+    mine(x, x, x, tape=tape)
+    with pytest.raises(ValueError, match=r"dout: expected \[3, 2, 8\].*got \[3, 8\]"):
+        mine.backward(tape, x[:, 0])
+    other = heads.MultiheadAttention(8, 2)
+    with pytest.raises(ValueError, match="another module"):
+        other.backward(tape, x)
