@@ -33,12 +33,38 @@ struct TransformerEncoderLayerOptions {
   bool bias = true;
 };
 
+// What TransformerEncoderLayer::forward keeps for backward (EncoderForwardArgs::tape): the
+// inputs of every step (norms, linears, activation), the attention's tape and dropout seeds.
+struct EncoderLayerTape {
+  MhaTape attn;
+  Tensor sa_in;          // self-attention input (pre-norm: norm1(x); post-norm: x)
+  Tensor norm1_in, norm2_in, ff_in;
+  Tensor hidden;         // linear1 output (the activation's input)
+  Tensor hidden_out;     // dropout(activation(hidden)), linear2's input
+  double p = 0.0;        // dropout probability in effect
+  uint64_t seed_attn = 0, seed_hidden = 0, seed_out = 0;
+  bool defined() const { return attn.defined(); }
+};
+
+struct EncoderGrads {
+  Tensor dsrc;       // shape of src
+  StateDict params;  // by parameter name, in state_dict() order
+};
+
+struct EncoderTape {
+  std::vector<EncoderLayerTape> layers;
+  Tensor norm_in;  // input of the final norm (when the encoder has one)
+  bool defined() const { return !layers.empty() && layers.back().defined(); }
+};
+
 struct EncoderForwardArgs {
   Tensor src_mask;              // [L, L] or [N * nhead, L, L]
   Tensor src_key_padding_mask;  // [N, L] (unbatched: [L])
   bool is_causal = false;
   // When set, receives the attention weights [N, nhead, L, L] (unbatched: [nhead, L, L]).
   Tensor* attn_weights = nullptr;
+  // When set, receives what backward() needs (training). Gradients flow from the output only.
+  EncoderLayerTape* tape = nullptr;
 };
 
 class TransformerEncoderLayer {
@@ -49,6 +75,8 @@ class TransformerEncoderLayer {
                                    std::optional<uint64_t> seed = std::nullopt);
 
   Tensor forward(const Tensor& src, const EncoderForwardArgs& args = {}) const;
+  // Gradients for dL/d(output) `dout` from the tape of a forward (parameters unchanged since).
+  EncoderGrads backward(const EncoderLayerTape& tape, const Tensor& dout) const;
 
   void train(bool on = true);
   void eval() { train(false); }
@@ -63,6 +91,7 @@ class TransformerEncoderLayer {
   MultiheadAttention self_attn_;
   std::vector<std::pair<std::string, Tensor>> params_;  // linear1/2, norm1/2
   const Tensor* param(const std::string& name) const;
+  Tensor opt_param(const std::string& name) const;  // undefined when built with bias=False
   bool training_ = true;
 };
 
@@ -75,7 +104,10 @@ class TransformerEncoder {
 
   // attn_weights, when set, receives one [N, nhead, L, L] tensor per layer.
   Tensor forward(const Tensor& src, const Tensor& mask = {}, const Tensor& src_key_padding_mask = {},
-                 bool is_causal = false, std::vector<Tensor>* attn_weights = nullptr) const;
+                 bool is_causal = false, std::vector<Tensor>* attn_weights = nullptr,
+                 EncoderTape* tape = nullptr) const;
+  // Gradients for dL/d(output) from the tape of a forward; names as state_dict().
+  EncoderGrads backward(const EncoderTape& tape, const Tensor& dout) const;
 
   void train(bool on = true);
   void eval() { train(false); }

@@ -259,6 +259,11 @@ class _Module:
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         self._m.load_state_dict([(str(k), _arg(v, k)) for k, v in state_dict.items()], strict)
 
+    def backward(self, tape: Tape, grad_output: Any):
+        """Gradients for ``grad_output`` = dL/d(output) of the forward that filled ``tape``:
+        ``(dsrc, {parameter name: gradient})``, names and order as ``state_dict()``."""
+        return self._m.backward(tape._of(self), _arg(grad_output, "grad_output"), _is_torch(grad_output))
+
 
 class TransformerEncoderLayer(_Module):
     """``torch.nn.TransformerEncoderLayer`` in heads: same constructor, names and call.
@@ -280,10 +285,12 @@ class TransformerEncoderLayer(_Module):
         self._training = True
 
     def forward(self, src: Any, src_mask: Any = None, src_key_padding_mask: Any = None,
-                is_causal: bool = False):
+                is_causal: bool = False, *, tape: Optional[Tape] = None):
+        """The layer's output; with ``tape`` (a :class:`Tape`) also what :meth:`backward` needs."""
         return self._m.forward(_arg(src, "src"), _arg(src_mask, "src_mask"),
                                _arg(src_key_padding_mask, "src_key_padding_mask"), bool(is_causal),
-                               _is_torch(src))
+                               _is_torch(src),
+                               None if tape is None else tape._take(self, _heads.EncoderLayerTape()))
 
     __call__ = forward
 
@@ -303,10 +310,13 @@ class TransformerEncoder(_Module):
                              strict=False)
         self._training = True
 
-    def forward(self, src: Any, mask: Any = None, src_key_padding_mask: Any = None, is_causal: bool = False):
+    def forward(self, src: Any, mask: Any = None, src_key_padding_mask: Any = None, is_causal: bool = False,
+                *, tape: Optional[Tape] = None):
+        """The encoder's output; with ``tape`` (a :class:`Tape`) also what :meth:`backward` needs."""
         return self._m.forward(_arg(src, "src"), _arg(mask, "mask"),
                                _arg(src_key_padding_mask, "src_key_padding_mask"), bool(is_causal),
-                               _is_torch(src))
+                               _is_torch(src),
+                               None if tape is None else tape._take(self, _heads.EncoderTape()))
 
     __call__ = forward
 

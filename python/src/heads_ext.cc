@@ -176,6 +176,18 @@ void bind_module_state(Class& cls) {
            "items"_a, "strict"_a = true);
 }
 
+// (dsrc, {name: gradient}) for the encoder modules' backward.
+template <class Module, class Tape>
+nb::tuple module_backward(const Module& s, const Tape& tape, const InArray& dout, bool torch_out) {
+  const heads::Tensor d = view_of(dout, "grad_output");
+  heads::EncoderGrads g;
+  {
+    nb::gil_scoped_release release;
+    g = s.backward(tape, d);
+  }
+  return nb::make_tuple(to_array(g.dsrc, torch_out), to_dict(g.params, torch_out));
+}
+
 NB_MODULE(_heads, m) {
   m.doc() = "heads: multi-head attention for CPUs (native core)";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
@@ -195,6 +207,10 @@ NB_MODULE(_heads, m) {
         "torch_out"_a = false);
 
   nb::class_<heads::MhaTape>(m, "MhaTape").def(nb::init<>()).def_prop_ro("defined", &heads::MhaTape::defined);
+  nb::class_<heads::EncoderLayerTape>(m, "EncoderLayerTape")
+      .def(nb::init<>())
+      .def_prop_ro("defined", &heads::EncoderLayerTape::defined);
+  nb::class_<heads::EncoderTape>(m, "EncoderTape").def(nb::init<>()).def_prop_ro("defined", &heads::EncoderTape::defined);
 
   nb::class_<heads::MultiheadAttention>(m, "MultiheadAttention")
       .def("__init__",
@@ -297,8 +313,10 @@ NB_MODULE(_heads, m) {
       .def_prop_ro("training", &heads::TransformerEncoderLayer::training)
       .def("forward",
            [](const heads::TransformerEncoderLayer& s, const InArray& src, const std::optional<InArray>& src_mask,
-              const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out) {
+              const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out,
+              heads::EncoderLayerTape* tape) {
              heads::EncoderForwardArgs a;
+             a.tape = tape;
              a.src_mask = opt_view(src_mask, "src_mask");
              a.src_key_padding_mask = opt_view(src_key_padding_mask, "src_key_padding_mask");
              a.is_causal = is_causal;
@@ -311,7 +329,9 @@ NB_MODULE(_heads, m) {
              return to_array(out, torch_out);
            },
            "src"_a, "src_mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(),
-           "is_causal"_a = false, "torch_out"_a = false);
+           "is_causal"_a = false, "torch_out"_a = false, "tape"_a = nb::none())
+      .def("backward", &module_backward<heads::TransformerEncoderLayer, heads::EncoderLayerTape>,
+           "tape"_a, "grad_output"_a, "torch_out"_a = false);
 
   auto enc_cls = nb::class_<heads::TransformerEncoder>(m, "TransformerEncoder");
   bind_module_state<heads::TransformerEncoder>(enc_cls);
@@ -330,19 +350,22 @@ NB_MODULE(_heads, m) {
            "final_norm"_a, "seed"_a = nb::none())
       .def("forward",
            [](const heads::TransformerEncoder& s, const InArray& src, const std::optional<InArray>& mask,
-              const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out) {
+              const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out,
+              heads::EncoderTape* tape) {
              const heads::Tensor x = view_of(src, "src");
              const heads::Tensor mk = opt_view(mask, "mask");
              const heads::Tensor kp = opt_view(src_key_padding_mask, "src_key_padding_mask");
              heads::Tensor out;
              {
                nb::gil_scoped_release release;
-               out = s.forward(x, mk, kp, is_causal);
+               out = s.forward(x, mk, kp, is_causal, nullptr, tape);
              }
              return to_array(out, torch_out);
            },
            "src"_a, "mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(),
-           "is_causal"_a = false, "torch_out"_a = false);
+           "is_causal"_a = false, "torch_out"_a = false, "tape"_a = nb::none())
+      .def("backward", &module_backward<heads::TransformerEncoder, heads::EncoderTape>,
+           "tape"_a, "grad_output"_a, "torch_out"_a = false);
 
   nb::class_<heads::WordPieceTokenizer>(m, "WordPieceTokenizer")
       .def_static("from_vocab_file", &heads::WordPieceTokenizer::from_vocab_file, "path"_a,

@@ -45,6 +45,8 @@ const Tensor* find(const StateDict& sd, const std::string& name) {
   return nullptr;
 }
 
+std::string norm_name(int i, const char* what) { return "norm" + std::to_string(i) + "." + what; }
+
 }  // namespace
 
 TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOptions& o,
@@ -80,6 +82,11 @@ TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOp
 const Tensor* TransformerEncoderLayer::param(const std::string& name) const {
   const Tensor* t = find(params_, name);
   return t;
+}
+
+Tensor TransformerEncoderLayer::opt_param(const std::string& name) const {
+  const Tensor* t = param(name);
+  return t ? *t : Tensor();
 }
 
 void TransformerEncoderLayer::train(bool on) {
@@ -124,18 +131,18 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
   HEADS_CHECK(src.size(-1) == opt_.d_model, kOp, ": src: expected d_model ", opt_.d_model,
               " in the last dim, got ", src.shape());
   const double p = training_ ? opt_.dropout : 0.0;
-  auto opt_param = [&](const std::string& n) {  // undefined when built with bias=False
-    const Tensor* t = param(n);
-    return t ? *t : Tensor();
-  };
+  const uint64_t seed_attn = p > 0 ? next_seed() : 0;
+  const uint64_t seed_hidden = p > 0 ? next_seed() : 0;
+  const uint64_t seed_out = p > 0 ? next_seed() : 0;
+  EncoderLayerTape* tape = a.tape;
   const float eps = static_cast<float>(opt_.layer_norm_eps);
   auto norm = [&](const Tensor& x, int i) {
-    const std::string w = "norm" + std::to_string(i) + ".weight", b = "norm" + std::to_string(i) + ".bias";
-    return layer_norm(x, *param(w), opt_param(b), eps);
+    if (tape) (i == 1 ? tape->norm1_in : tape->norm2_in) = x;
+    return layer_norm(x, *param(norm_name(i, "weight")), opt_param(norm_name(i, "bias")), eps);
   };
-  auto add_norm = [&](const Tensor& x, const Tensor& r, int i) {  // norm_i(x + r), one pass
-    const std::string w = "norm" + std::to_string(i) + ".weight", b = "norm" + std::to_string(i) + ".bias";
-    return add_layer_norm(x, r, *param(w), opt_param(b), eps);
+  auto add_norm = [&](const Tensor& x, const Tensor& r, int i) {  // norm_i(x + r)
+    if (tape) return norm(add(x, r), i);  // the sum is kept for the backward
+    return add_layer_norm(x, r, *param(norm_name(i, "weight")), opt_param(norm_name(i, "bias")), eps);
   };
   auto sa = [&](const Tensor& x) {
     MhaForwardArgs m;
@@ -144,15 +151,31 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
     m.is_causal = a.is_causal;
     m.need_weights = a.attn_weights != nullptr;
     m.average_attn_weights = false;
+    if (tape) {
+      m.tape = &tape->attn;
+      tape->sa_in = x;
+    }
     auto [out, w] = self_attn_.forward(x, x, x, m);
     if (a.attn_weights) *a.attn_weights = w;
-    return dropout(out, p, p > 0 ? next_seed() : 0);
+    return dropout(out, p, seed_attn);
   };
   auto ff = [&](const Tensor& x) {
-    Tensor h = activation(linear(x, *param("linear1.weight"), opt_param("linear1.bias")), opt_.activation);
-    h = dropout(h, p, p > 0 ? next_seed() : 0);
-    return dropout(linear(h, *param("linear2.weight"), opt_param("linear2.bias")), p, p > 0 ? next_seed() : 0);
+    const Tensor hidden = linear(x, *param("linear1.weight"), opt_param("linear1.bias"));
+    const Tensor h = dropout(activation(hidden, opt_.activation), p, seed_hidden);
+    if (tape) {
+      tape->ff_in = x;
+      tape->hidden = hidden;
+      tape->hidden_out = h;
+    }
+    return dropout(linear(h, *param("linear2.weight"), opt_param("linear2.bias")), p, seed_out);
   };
+  if (tape) {
+    *tape = EncoderLayerTape{};
+    tape->p = p;
+    tape->seed_attn = seed_attn;
+    tape->seed_hidden = seed_hidden;
+    tape->seed_out = seed_out;
+  }
   Tensor x = src.to(DType::F32);
   if (opt_.norm_first) {
     x = add(x, sa(norm(x, 1)));
@@ -162,6 +185,61 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
     x = add_norm(x, ff(x), 2);
   }
   return x;
+}
+
+EncoderGrads TransformerEncoderLayer::backward(const EncoderLayerTape& t, const Tensor& dout_in) const {
+  HEADS_CHECK(t.defined(), kOp, "::backward: empty tape; run forward with EncoderForwardArgs::tape set");
+  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.norm1_in.shape(), kOp, "::backward: dout: expected ",
+              t.norm1_in.shape(), " (the forward's output), got ", dout_in.defined() ? dout_in.shape() : Shape{});
+  HEADS_CHECK(is_floating(dout_in.dtype()), kOp, "::backward: dout: expected a floating dtype, got ",
+              dtype_name(dout_in.dtype()));
+  const double eps = opt_.layer_norm_eps;
+  StateDict pg;  // parameter gradients, collected by name
+  auto keep = [&](const std::string& name, const Tensor& g) {
+    if (g.defined()) pg.emplace_back(name, g);
+  };
+  auto norm_back = [&](const Tensor& dy, int i) {  // -> d(norm input)
+    const LayerNormGrads g = layer_norm_backward(dy, i == 1 ? t.norm1_in : t.norm2_in,
+                                                 *param(norm_name(i, "weight")),
+                                                 opt_param(norm_name(i, "bias")), eps);
+    keep(norm_name(i, "weight"), g.dweight);
+    keep(norm_name(i, "bias"), g.dbias);
+    return g.dx;
+  };
+  auto ff_back = [&](const Tensor& dy) {  // -> d(ff input)
+    const LinearGrads g2 = linear_backward(dropout(dy, t.p, t.seed_out), t.hidden_out,
+                                           *param("linear2.weight"), opt_.bias);
+    keep("linear2.weight", g2.dweight);
+    keep("linear2.bias", g2.dbias);
+    const Tensor dh = activation_backward(dropout(g2.dx, t.p, t.seed_hidden), t.hidden, opt_.activation);
+    const LinearGrads g1 = linear_backward(dh, t.ff_in, *param("linear1.weight"), opt_.bias);
+    keep("linear1.weight", g1.dweight);
+    keep("linear1.bias", g1.dbias);
+    return g1.dx;
+  };
+  auto sa_back = [&](const Tensor& dy) {  // -> d(self-attention input)
+    MhaGrads g = self_attn_.backward(t.attn, dropout(dy, t.p, t.seed_attn));
+    for (auto& [n, d] : g.params) pg.emplace_back("self_attn." + n, d);
+    return g.dquery;
+  };
+  const Tensor dout = dout_in.to(DType::F32);
+  Tensor dx;
+  if (opt_.norm_first) {  // x1 = x + sa(norm1(x)); y = x1 + ff(norm2(x1))
+    const Tensor dx1 = add(dout, norm_back(ff_back(dout), 2));
+    dx = add(dx1, norm_back(sa_back(dx1), 1));
+  } else {  // x1 = norm1(x + sa(x)); y = norm2(x1 + ff(x1))
+    const Tensor dz2 = norm_back(dout, 2);
+    const Tensor dz1 = norm_back(add(dz2, ff_back(dz2)), 1);
+    dx = add(dz1, sa_back(dz1));
+  }
+  EncoderGrads out;
+  out.dsrc = dx;
+  for (const auto& [n, v] : state_dict()) {
+    const Tensor* g = find(pg, n);
+    HEADS_CHECK(g != nullptr, kOp, "::backward: no gradient for \"", n, "\"");
+    out.params.emplace_back(n, *g);
+  }
+  return out;
 }
 
 TransformerEncoder::TransformerEncoder(const TransformerEncoderLayerOptions& layer, int64_t num_layers,
@@ -184,21 +262,55 @@ void TransformerEncoder::train(bool on) {
 }
 
 Tensor TransformerEncoder::forward(const Tensor& src, const Tensor& mask, const Tensor& kpm,
-                                   bool is_causal, std::vector<Tensor>* attn_weights) const {
+                                   bool is_causal, std::vector<Tensor>* attn_weights,
+                                   EncoderTape* tape) const {
   Tensor x = src;
   if (attn_weights) attn_weights->clear();
-  for (const auto& l : layers_) {
+  if (tape) *tape = EncoderTape{std::vector<EncoderLayerTape>(layers_.size()), Tensor()};
+  for (size_t i = 0; i < layers_.size(); ++i) {
     EncoderForwardArgs a;
     a.src_mask = mask;
     a.src_key_padding_mask = kpm;
     a.is_causal = is_causal;
     Tensor w;
     if (attn_weights) a.attn_weights = &w;
-    x = l.forward(x, a);
+    if (tape) a.tape = &tape->layers[i];
+    x = layers_[i].forward(x, a);
     if (attn_weights) attn_weights->push_back(w);
   }
-  if (norm_w_.defined()) x = layer_norm(x, norm_w_, norm_b_, eps_);
+  if (norm_w_.defined()) {
+    if (tape) tape->norm_in = x;
+    x = layer_norm(x, norm_w_, norm_b_, eps_);
+  }
   return x;
+}
+
+EncoderGrads TransformerEncoder::backward(const EncoderTape& t, const Tensor& dout) const {
+  HEADS_CHECK(t.defined() && t.layers.size() == layers_.size(),
+              "TransformerEncoder::backward: empty tape or one from another encoder; run forward with a tape");
+  EncoderGrads out;
+  StateDict norm_grads;
+  Tensor dx = dout;
+  if (norm_w_.defined()) {
+    HEADS_CHECK(dout.defined() && dout.shape() == t.norm_in.shape(), "TransformerEncoder::backward: dout: expected ",
+                t.norm_in.shape(), ", got ", dout.defined() ? dout.shape() : Shape{});
+    const LayerNormGrads g = layer_norm_backward(dout, t.norm_in, norm_w_, norm_b_, eps_);
+    dx = g.dx;
+    norm_grads.emplace_back("norm.weight", g.dweight);
+    if (g.dbias.defined()) norm_grads.emplace_back("norm.bias", g.dbias);
+  }
+  std::vector<StateDict> per_layer(layers_.size());
+  for (size_t i = layers_.size(); i-- > 0;) {
+    EncoderGrads g = layers_[i].backward(t.layers[i], dx);
+    dx = g.dsrc;
+    per_layer[i] = std::move(g.params);
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    for (auto& [n, g] : per_layer[i]) out.params.emplace_back("layers." + std::to_string(i) + "." + n, g);
+  }
+  for (auto& ng : norm_grads) out.params.push_back(ng);
+  out.dsrc = dx;
+  return out;
 }
 
 StateDict TransformerEncoder::state_dict() const {
