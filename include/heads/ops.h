@@ -31,6 +31,14 @@ Tensor dropout(const Tensor& x, double p, uint64_t seed);
 // y = a + b (same shapes), for residual connections.
 Tensor add(const Tensor& a, const Tensor& b);
 
+// Rows of weight [num_embeddings, dim] picked by integer ids (i64, any shape) -> [..., dim].
+Tensor embedding(const Tensor& weight, const Tensor& ids);
+
+// Mean cross-entropy of logits [N, C] against class ids target [N] (i64), as
+// torch.nn.functional.cross_entropy(reduction="mean"): targets equal to ignore_index are left out
+// of the sum and of the count (no counted target gives NaN, as torch).
+double cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100);
+
 // Backward passes (f32 in, f32 out): given the forward's inputs and dL/dy.
 struct LinearGrads {
   Tensor dx, dweight, dbias;  // dbias undefined when the forward had no bias
@@ -45,6 +53,13 @@ LayerNormGrads layer_norm_backward(const Tensor& dy, const Tensor& x, const Tens
 
 // dL/dx of activation(x); dropout's backward is dropout(dy, p, seed) with the forward's seed.
 Tensor activation_backward(const Tensor& dy, const Tensor& x, Activation act);
+
+// dL/dweight [num_embeddings, dim] of embedding(weight, ids): rows of dy summed per id.
+Tensor embedding_backward(const Tensor& dy, const Tensor& ids, int64_t num_embeddings);
+
+// dL/dlogits of cross_entropy(logits, target, ignore_index), times dloss.
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
+                              double dloss = 1.0);
 
 namespace ref {
 // float64 specifications (any floating input, f64 output).

@@ -22,6 +22,7 @@ __all__ = [
     "SentenceEncoder",
     "Encoder",
     "Tape",
+    "AdamW",
     "manual_seed",
     "set_num_threads",
     "get_num_threads",
@@ -319,6 +320,38 @@ class TransformerEncoder(_Module):
                                None if tape is None else tape._take(self, _heads.EncoderTape()))
 
     __call__ = forward
+
+
+class AdamW:
+    """``torch.optim.AdamW`` for heads modules, computed in the C++ core.
+
+    ``params``: a heads module (its ``state_dict()`` arrays share the module's memory, so steps
+    update it in place) or a mapping of name -> float32 contiguous array / tensor to update in
+    place. ``step(grads)`` takes gradients by the same names, as the modules' ``backward`` returns
+    them; parameters without a gradient are left alone (as torch skips ``grad is None``).
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False) -> None:
+        items = params.state_dict() if hasattr(params, "state_dict") else dict(params)
+        self._params = {str(k): _arg(v, str(k)) for k, v in items.items()}  # kept alive here
+        self._o = _heads.AdamW(list(self._params.items()), float(lr), float(betas[0]), float(betas[1]),
+                               float(eps), float(weight_decay), bool(amsgrad), bool(maximize))
+
+    def step(self, grads: Mapping[str, Any]) -> None:
+        self._o.step([(str(k), _arg(v, str(k))) for k, v in grads.items()])
+
+    @property
+    def lr(self) -> float:
+        return self._o.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._o.lr = float(value)
+
+    @property
+    def steps(self) -> int:
+        return self._o.steps
 
 
 class SentenceEncoder:

@@ -16,6 +16,8 @@
 #include "heads/encoder.h"
 #include "heads/error.h"
 #include "heads/mha.h"
+#include "heads/ops.h"
+#include "heads/optim.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
 #include "heads/sentence_encoder.h"
@@ -492,4 +494,43 @@ NB_MODULE(_heads, m) {
           return to_numpy(heads::activation_backward(view_of(dy, "dy"), view_of(x, "x"), heads::activation_from_name(act)));
         },
         "dy"_a, "x"_a, "activation"_a);
+  m.def("embedding", [](const InArray& w, const InArray& ids) {
+          return to_numpy(heads::embedding(view_of(w, "weight"), view_of(ids, "ids")));
+        },
+        "weight"_a, "ids"_a);
+  m.def("embedding_backward",
+        [](const InArray& dy, const InArray& ids, int64_t n) {
+          return to_numpy(heads::embedding_backward(view_of(dy, "dy"), view_of(ids, "ids"), n));
+        },
+        "dy"_a, "ids"_a, "num_embeddings"_a);
+  m.def("cross_entropy",
+        [](const InArray& logits, const InArray& target, int64_t ignore_index) {
+          return heads::cross_entropy(view_of(logits, "logits"), view_of(target, "target"), ignore_index);
+        },
+        "logits"_a, "target"_a, "ignore_index"_a = -100);
+  m.def("cross_entropy_backward",
+        [](const InArray& logits, const InArray& target, int64_t ignore_index, double dloss) {
+          return to_numpy(heads::cross_entropy_backward(view_of(logits, "logits"), view_of(target, "target"),
+                                                        ignore_index, dloss));
+        },
+        "logits"_a, "target"_a, "ignore_index"_a = -100, "dloss"_a = 1.0);
+
+  // AdamW over arrays that share memory with the parameters (the Python wrapper keeps them alive).
+  nb::class_<heads::AdamW>(m, "AdamW")
+      .def("__init__",
+           [](heads::AdamW* self, const std::vector<std::pair<std::string, InArray>>& params, double lr,
+              double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
+             heads::AdamWOptions o{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
+             new (self) heads::AdamW(from_items(params), o);
+           },
+           "params"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "amsgrad"_a, "maximize"_a)
+      .def("step",
+           [](heads::AdamW& s, const std::vector<std::pair<std::string, InArray>>& grads) {
+             const heads::StateDict g = from_items(grads);
+             nb::gil_scoped_release release;
+             s.step(g);
+           },
+           "grads"_a)
+      .def_prop_ro("steps", &heads::AdamW::steps)
+      .def_prop_rw("lr", [](const heads::AdamW& s) { return s.options().lr; }, &heads::AdamW::set_lr);
 }
