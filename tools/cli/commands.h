@@ -15,6 +15,7 @@ void add_demo_command(CLI::App& app, Action* action);
 void add_bench_command(CLI::App& app, Action* action);
 void add_embed_command(CLI::App& app, Action* action);
 void add_viz_command(CLI::App& app, Action* action);
+void add_train_demo_command(CLI::App& app, Action* action);
 
 }  // namespace heads::cli
 
