@@ -2,12 +2,16 @@
 """Compare heads with PyTorch and ONNX Runtime on the shapes of bench/shapes.json, in one run.
 
     python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--only NAME ...]
+    python3 bench/compare.py --backward [--only NAME ...]     # training: forward + backward
 
 Prints one markdown table: GFLOP/s (ms for decode shapes, Lq = 1), the ratio of heads to the best
 peer, heads' share of the FMA peak measured here (`heads bench peak`), and the peak extra memory
 of each runner (resident-set high-water mark during the calls minus the resident set before them,
 inputs and outputs excluded). heads is timed by its CLI (`heads bench ... --json`); the peers by
 the same rule (warm-up, repeats for at least --min-time seconds, median).
+With --backward: SDPA forward and backward (dq, dk, dv for a random dout) of heads
+(`heads bench sdpa --backward`) beside PyTorch's autograd through F.scaled_dot_product_attention;
+backward time = (forward + backward) - forward, each a median.
 Needs: torch==2.13.0, onnxruntime, onnx (pip).
 """
 
@@ -88,6 +92,27 @@ def torch_sdpa(s, args, torch):
         ms = median_ms(fn, args.min_time)
     del out
     return ms, meter.extra_mb()
+
+
+def torch_sdpa_backward(s, args, torch):
+    """(forward ms, forward + backward ms) through torch autograd."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s["B"], s["H"], L, s["D"], generator=g).requires_grad_()
+               for L in (s["Lq"], s["Lk"], s["Lk"]))
+    dout = torch.randn(s["B"], s["H"], s["Lq"], s["D"], generator=g)
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=s["causal"])
+
+    def fwd_bwd():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=s["causal"])
+        q.grad = k.grad = v.grad = None
+        out.backward(dout)
+
+    return median_ms(fwd, args.min_time), median_ms(fwd_bwd, args.min_time)
 
 
 def heads_sdpa_mem(s, args):
@@ -220,6 +245,11 @@ def worker(kind, spec, args):
 
         torch.set_num_threads(args.threads)
         return torch_sdpa(spec, args, torch)
+    if kind == "torch-sdpa-backward":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return torch_sdpa_backward(spec, args, torch)
     if kind == "torch-mha":
         import torch
 
@@ -259,6 +289,8 @@ def main():
     ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
     ap.add_argument("--shapes", default=str(HERE / "shapes.json"))
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    ap.add_argument("--backward", action="store_true",
+                    help="forward + backward (training) of heads and PyTorch autograd, f32")
     ap.add_argument("--memory-only", action="store_true",
                     help="only heads' extra memory per shape, plus L = 32768 (B 1, H 8, D 128)")
     args = ap.parse_args()
@@ -275,6 +307,9 @@ def main():
         for s in shapes["sdpa"] + [long]:
             r = in_subprocess("heads-sdpa-mem", s, args)
             print(f"| {s['name']} | {'—' if r is None else f'{r[1]:.1f}'} |")
+        return
+    if args.backward:
+        backward_table(shapes, args)
         return
     pk = run_heads(args, "peak")
     peak = pk["bf16_gflops"] if args.dtype == "bf16" and pk.get("bf16_gflops") else pk["gflops"]
@@ -320,6 +355,33 @@ def main():
               f"{ratio:.2f}× | {pct:.0f}% | {mem} |")
     print("\nGFLOP/s unless marked ms (decode shapes: time per call). flops = 4·B·H·Lq·Lk·D (half when causal); "
           "mha adds 2·B·L·E² per projection.")
+
+
+def backward_table(shapes, args):
+    import torch
+
+    print(f"torch {torch.__version__}, {args.threads} threads, f32; times are medians in ms\n")
+    print("| shape | heads fwd | heads bwd | heads bwd ÷ fwd | PyTorch fwd | PyTorch bwd | heads fwd+bwd | "
+          "PyTorch fwd+bwd | PyTorch ÷ heads (bwd) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in shapes["sdpa"]:
+        if args.only and s["name"] not in args.only:
+            continue
+        cmd = ["sdpa", "--batch", s["B"], "--heads", s["H"], "--q-len", s["Lq"], "--kv-len", s["Lk"],
+               "--head-dim", s["D"]] + (["--causal"] if s["causal"] else [])
+        fwd = run_heads(args, *map(str, cmd))["ms"]
+        both = run_heads(args, *map(str, cmd + ["--backward"]))["ms"]
+        t = in_subprocess("torch-sdpa-backward", s, args)
+        h_bwd = both - fwd
+        if t is None:
+            t_fwd = t_both = t_bwd = None
+        else:
+            t_fwd, t_both = t
+            t_bwd = t_both - t_fwd
+        f = lambda x: "—" if x is None else f"{x:.2f}"
+        ratio = "—" if t_bwd is None else f"{t_bwd / h_bwd:.2f}×"
+        print(f"| {s['name']} | {f(fwd)} | {f(h_bwd)} | {h_bwd / fwd:.2f} | {f(t_fwd)} | {f(t_bwd)} | {f(both)} | "
+              f"{f(t_both)} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":
