@@ -11,7 +11,7 @@
 //   4. dS = P ∘ (dP - D_i)                                       (softmax backward)
 //   5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j          (S = scale · Q K^T)
 // Layout: scores transposed as in the forward ([keys][queries on lanes]). Memory: per thread a
-// few tiles plus dK_j, dV_j; no Lq x Lk buffer (unless the mask gradient is requested, which
+// few tiles plus dK_j, dV_j and the D_i of its (b, kv head); no Lq x Lk buffer (unless the mask gradient is requested, which
 // receives dS). Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its
 // query heads, in a fixed order, so results do not depend on the thread count.
 
@@ -70,9 +70,9 @@ inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sa
 }
 
 struct Scratch {
-  float *qt, *dot, *s, *dp, *dk, *dv, *tmp, *dcol;
-  static int64_t floats(int64_t D, int64_t Dv) {
-    return (D + Dv + 2 * kTK) * kTQ + kTK * (D + Dv) + 2 * kTQ + 64;
+  float *qt, *dot, *s, *dp, *dk, *dv, *tmp, *dcol, *drow;
+  static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {  // rows: G·Lq values of D_i
+    return (D + Dv + 2 * kTK) * kTQ + kTK * (D + Dv) + 2 * kTQ + rows + 64;
   }
 };
 
@@ -94,7 +94,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
   const int64_t n_tasks = P.B * P.Hkv;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
-  const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16;
+  const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
   std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
   float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
   const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
@@ -111,11 +111,29 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
     W.dv = W.dk + kTK * P.D;
     W.tmp = W.dv + kTK * P.Dv;
     W.dcol = W.tmp + kTQ;
+    W.drow = W.dcol + kTQ;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t b = task / P.Hkv, hk = task % P.Hkv;
       const float* kh = kp + b * ks[0] + hk * ks[1];
       const float* vh = vp + b * vs[0] + hk * vs[1];
+      // D_i = dO_i · O_i for every query row of the group's heads, once per task.
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+        for (int64_t i = 0; i < P.Lq; ++i) {
+          const float* g = gp + b * gs[0] + h * gs[1] + i * gs[2];
+          const float* o = op + b * os[0] + h * os[1] + i * os[2];
+          VR acc = Vec::zero();
+          for (int64_t e = 0; e < P.Dv; e += kW) {
+            const int64_t n = std::min<int64_t>(kW, P.Dv - e);
+            acc = Vec::fma(Vec::load_partial(g + e, n), Vec::load_partial(o + e, n), acc);
+          }
+          alignas(64) float lanes[kW];
+          Vec::store(lanes, acc);
+          float sum = 0.0f;
+          for (int l = 0; l < kW; ++l) sum += lanes[l];
+          W.drow[(h - hk * G) * P.Lq + i] = sum;
+        }
+      }
       for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
         const int64_t nk = std::min(P.Lk - j0, kTK);
         std::fill(W.dk, W.dk + nk * P.D, 0.0f);
@@ -127,7 +145,6 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
             const float* q0 = qp + b * qs[0] + h * qs[1] + i0 * qs[2];
             const float* g0 = gp + b * gs[0] + h * gs[1] + i0 * gs[2];
-            const float* o0 = op + b * os[0] + h * os[1] + i0 * os[2];
             // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
             fwd::Widen<float>::pack_q(q0, qs[2], nq, P.D, c, W.qt);
             VR mx[kNQ] = {Vec::zero(), Vec::zero()};
@@ -138,11 +155,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             for (int64_t l = 0; l < kTQ; ++l) {
               const float x = l < nq ? lp[(b * P.H + h) * P.Lq + i0 + l] : -kInf;
               lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
-              double d = 0;  // D_i = dO_i · O_i
-              if (l < nq) {
-                for (int64_t e = 0; e < P.Dv; ++e) d += static_cast<double>(g0[l * gs[2] + e]) * o0[l * os[2] + e];
-              }
-              dsum[l] = static_cast<float>(d);
+              dsum[l] = l < nq ? W.drow[(h - hk * G) * P.Lq + i0 + l] : 0.0f;
             }
             for (int64_t r = 0; r < nk; ++r) {
               for (int vv = 0; vv < kNQ; ++vv) {
