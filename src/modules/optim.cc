@@ -61,8 +61,10 @@ void AdamW::step(const StateDict& grads) {
     g_of[i] = &keep.back();
   }
   ++steps_;
-  const float b1 = static_cast<float>(opt_.beta1),
-              b2 = static_cast<float>(opt_.beta2), eps = static_cast<float>(opt_.eps);
+  // Scalars rounded to f32 from double, as torch passes Python floats to its f32 kernels
+  // (1 - β computed before rounding).
+  const float b2 = static_cast<float>(opt_.beta2), eps = static_cast<float>(opt_.eps);
+  const float one_minus_b1 = static_cast<float>(1.0 - opt_.beta1), one_minus_b2 = static_cast<float>(1.0 - opt_.beta2);
   const float decay = static_cast<float>(1.0 - opt_.lr * opt_.weight_decay);
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (g_of[i] == nullptr) continue;
@@ -84,8 +86,8 @@ void AdamW::step(const StateDict& grads) {
     for (int64_t j = 0; j < n; ++j) {
       const float gj = maximize ? -g[j] : g[j];
       p[j] *= decay;
-      m[j] += (gj - m[j]) * (1.0f - b1);  // lerp, as torch
-      v[j] = v[j] * b2 + (1.0f - b2) * gj * gj;
+      m[j] += (gj - m[j]) * one_minus_b1;  // lerp, as torch
+      v[j] = v[j] * b2 + one_minus_b2 * gj * gj;
       float second = v[j];
       if (vmax) second = vmax[j] = std::max(vmax[j], v[j]);
       const float denom = std::sqrt(second) / bc2_sqrt + eps;
