@@ -289,15 +289,13 @@ EncoderGrads TransformerEncoder::backward(const EncoderTape& t, const Tensor& do
   HEADS_CHECK(t.defined() && t.layers.size() == layers_.size(),
               "TransformerEncoder::backward: empty tape or one from another encoder; run forward with a tape");
   EncoderGrads out;
-  StateDict norm_grads;
+  LayerNormGrads norm_g;  // of the final norm
   Tensor dx = dout;
   if (norm_w_.defined()) {
     HEADS_CHECK(dout.defined() && dout.shape() == t.norm_in.shape(), "TransformerEncoder::backward: dout: expected ",
                 t.norm_in.shape(), ", got ", dout.defined() ? dout.shape() : Shape{});
-    const LayerNormGrads g = layer_norm_backward(dout, t.norm_in, norm_w_, norm_b_, eps_);
-    dx = g.dx;
-    norm_grads.emplace_back("norm.weight", g.dweight);
-    if (g.dbias.defined()) norm_grads.emplace_back("norm.bias", g.dbias);
+    norm_g = layer_norm_backward(dout, t.norm_in, norm_w_, norm_b_, eps_);
+    dx = norm_g.dx;
   }
   std::vector<StateDict> per_layer(layers_.size());
   for (size_t i = layers_.size(); i-- > 0;) {
@@ -308,7 +306,8 @@ EncoderGrads TransformerEncoder::backward(const EncoderTape& t, const Tensor& do
   for (size_t i = 0; i < layers_.size(); ++i) {
     for (auto& [n, g] : per_layer[i]) out.params.emplace_back("layers." + std::to_string(i) + "." + n, g);
   }
-  for (auto& ng : norm_grads) out.params.push_back(ng);
+  if (norm_g.dweight.defined()) out.params.emplace_back(std::string("norm.weight"), norm_g.dweight);
+  if (norm_g.dbias.defined()) out.params.emplace_back(std::string("norm.bias"), norm_g.dbias);
   out.dsrc = dx;
   return out;
 }
