@@ -1,4 +1,4 @@
-"""Gradients of heads.MultiheadAttention against PyTorch 2.13 autograd on random configurations."""
+"""Gradients of heads.MultiheadAttention against PyTorch 2.13 autograd (float64) on random configurations."""
 
 import numpy as np
 import pytest
@@ -67,20 +67,25 @@ def test_gradients_match_torch_autograd(i, check):
     ref, mine, g = build_pair(cfg)
     q, k, v, kw = inputs(cfg, g)
     self_attn = k is q
-    qt = q.clone().requires_grad_()
-    kt, vt = (qt, qt) if self_attn else (k.clone().requires_grad_(), v.clone().requires_grad_())
-    out_ref, _ = ref(qt, kt, vt, **kw)
+    # float64 reference: where a gradient is zero in exact arithmetic (a row seeing one key), the
+    # comparison then measures heads' rounding only.
+    ref = ref.double()
+    kw64 = {a: b.double() if torch.is_tensor(b) and b.is_floating_point() else b for a, b in kw.items()}
+    qt = q.double().requires_grad_()
+    kt, vt = (qt, qt) if self_attn else (k.double().requires_grad_(), v.double().requires_grad_())
+    out_ref, _ = ref(qt, kt, vt, **kw64)
     dout = torch.randn(out_ref.shape, generator=g)
-    (out_ref * dout).sum().backward()
+    (out_ref * dout.double()).sum().backward()
 
     tape = heads.Tape()
     out, _ = mine(q, q if self_attn else k, q if self_attn else v, **kw, tape=tape)
     (dq, dk, dv), grads = mine.backward(tape, dout)
     what = ", ".join(f"{a}={b}" for a, b in cfg.items())
     check("MultiheadAttention output", out, out_ref, what)
-    # Gradients that are zero in exact arithmetic (a row seeing one key) are compared on the
-    # scale of the incoming gradient.
-    floor = 1e-3 * float(dout.norm())
+    # Gradients that are zero in exact arithmetic (a row seeing one key) hold rounding noise only;
+    # they are compared on the scale of the largest gradient of the call.
+    refs = [qt.grad, kt.grad, vt.grad] + [p.grad for p in ref.parameters()]
+    floor = 1e-3 * max(float(r.norm()) for r in refs)
     check("MHA grad input", dq, qt.grad, what, tol=1e-4, floor=floor)
     if self_attn:
         assert dk is None and dv is None
