@@ -27,14 +27,15 @@ dnnl::engine& cpu_engine() {
   return engine;
 }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+// (M, K, N, A strides, B strides, C row stride, bias)
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
 
 struct Entry {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
 };
 
-// Matmul primitives by (M, K, N, x_stride, y_stride, bias); bounded.
+// Matmul primitives by shape and strides; bounded.
 const Entry& primitive_for(const Key& key) {
   static std::mutex mu;
   static std::map<Key, Entry> cache;
@@ -42,15 +43,29 @@ const Entry& primitive_for(const Key& key) {
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   if (cache.size() >= 256) cache.clear();
-  const auto [M, K, N, xs, ys, has_bias] = key;
+  const auto [M, K, N, a_rs, a_cs, b_rs, b_cs, ys, has_bias] = key;
   using dt = dnnl::memory::data_type;
-  const dnnl::memory::desc src({M, K}, dt::f32, {xs, 1});
-  const dnnl::memory::desc wei({K, N}, dt::f32, {1, K});
+  const dnnl::memory::desc src({M, K}, dt::f32, {a_rs, a_cs});
+  const dnnl::memory::desc wei({K, N}, dt::f32, {b_rs, b_cs});
   const dnnl::memory::desc dst({M, N}, dt::f32, {ys, 1});
   const dnnl::memory::desc bias({1, N}, dt::f32, {N, 1});
   const auto desc = has_bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
   dnnl::matmul::primitive_desc pd(desc, cpu_engine());
   return cache.emplace(key, Entry{pd, dnnl::matmul(pd)}).first->second;
+}
+
+void run_matmul(const Key& key, const float* a, const float* b, const float* bias, float* c) {
+  const Entry& e = primitive_for(key);
+  const auto& pd = e.pd;
+  dnnl::engine& eng = cpu_engine();
+  dnnl::stream stream(eng);
+  dnnl::memory src(pd.src_desc(), eng, const_cast<float*>(a));
+  dnnl::memory wei(pd.weights_desc(), eng, const_cast<float*>(b));
+  dnnl::memory dst(pd.dst_desc(), eng, c);
+  std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));
+  e.prim.execute(stream, args);
+  stream.wait();
 }
 
 }  // namespace
@@ -74,21 +89,25 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const fl
     return;
   }
   try {
-    const Entry& e = primitive_for({M, K, N, x_stride, y_stride, bias != nullptr});
-    const auto& pd = e.pd;
-    dnnl::engine& eng = cpu_engine();
-    dnnl::stream stream(eng);
-    dnnl::memory src(pd.src_desc(), eng, const_cast<float*>(x));
-    dnnl::memory wei(pd.weights_desc(), eng, const_cast<float*>(W));
-    dnnl::memory dst(pd.dst_desc(), eng, y);
-    std::unordered_map<int, dnnl::memory> args{
-        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
-    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));
-    e.prim.execute(stream, args);
-    stream.wait();
+    // W [N, K] read as the [K, N] matrix Wᵀ: strides {1, K}.
+    run_matmul({M, K, N, x_stride, 1, 1, K, y_stride, bias != nullptr}, x, W, bias, y);
   } catch (const dnnl::error& e) {
     fail("linear: oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K,
          "]: ", e.what());
+  }
+}
+
+void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
+                const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(C + m * c_stride, C + m * c_stride + N, 0.0f);
+    return;
+  }
+  try {
+    run_matmul({M, K, N, a_rs, a_cs, b_rs, b_cs, c_stride, false}, A, B, nullptr, C);
+  } catch (const dnnl::error& e) {
+    fail("matmul: oneDNN matmul failed for [", M, ", ", K, "] x [", K, ", ", N, "]: ", e.what());
   }
 }
 

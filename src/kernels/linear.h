@@ -10,6 +10,11 @@ namespace heads::kernels {
 void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                 const float* bias, int64_t N, float* y, int64_t y_stride);
 
+// C [M, N] = A [M, K] · B [K, N] with element strides (row, column) for A and B (any layout,
+// e.g. a transposed view, without a copy); C rows of stride c_stride. oneDNN matmul, all threads.
+void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
+                const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
+
 }  // namespace heads::kernels
 
 namespace heads::kernels {

@@ -142,9 +142,13 @@ LinearGrads linear_backward(const Tensor& dy_in, const Tensor& x_in, const Tenso
   const Tensor dy = f32(dy_in, op, "dy").reshape({-1, out});
   const Tensor w = f32(w_in, op, "weight");
   LinearGrads g;
-  // dx = dy · W  (a linear layer with weight Wᵀ);  dW = dyᵀ · x  (weight xᵀ);  db = column sums of dy
-  g.dx = linear(dy, w.transpose(0, 1).contiguous()).reshape(x_in.shape());
-  g.dweight = linear(dy.transpose(0, 1).contiguous(), x.transpose(0, 1).contiguous());
+  // dx = dy · W;  dW = dyᵀ · x (dy read transposed in place);  db = column sums of dy
+  const int64_t M = x.size(0);
+  g.dx = Tensor::empty({M, in}, DType::F32);
+  kernels::matmul_f32(M, in, out, dy.data<float>(), out, 1, w.data<float>(), in, 1, g.dx.data<float>(), in);
+  g.dx = g.dx.reshape(x_in.shape());
+  g.dweight = Tensor::empty({out, in}, DType::F32);  // dyᵀ read in place: strides (1, out)
+  kernels::matmul_f32(out, in, M, dy.data<float>(), 1, out, x.data<float>(), in, 1, g.dweight.data<float>(), in);
   if (has_bias) {
     g.dbias = Tensor::zeros({out}, DType::F32);
     std::vector<double> acc(static_cast<size_t>(out), 0.0);
