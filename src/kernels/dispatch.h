@@ -33,6 +33,8 @@ struct KernelTable {
   void (*layer_norm_f32)(const float* x, const float* res, float* y, int64_t rows, int64_t n,
                          int64_t xs, int64_t ys, const float* w, const float* b, float eps);
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
+  // dx = dy · act'(x), n values; act 0 ReLU, 1 GELU (erf), 2 GELU (tanh form).
+  void (*activation_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n, int act);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

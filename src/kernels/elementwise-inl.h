@@ -142,16 +142,61 @@ inline void layer_norm_f32(const float* x, const float* res, float* y, int64_t r
   });
 }
 
-// y = a + b elementwise (n values), parallel in chunks.
-inline void add_f32(const float* a, const float* b, float* y, int64_t n) {
+namespace ew {
+
+// Runs body(i0, i1) over [0, n) in chunks of 16384 values, over the threads.
+template <class Body>
+inline void for_chunks(int64_t n, Body body) {
   constexpr int64_t kChunk = 16384;
   const int64_t tasks = (n + kChunk - 1) / kChunk;
   const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t i0 = t * kChunk, i1 = std::min(n, i0 + kChunk);
+  for (int64_t t = 0; t < tasks; ++t) body(t * kChunk, std::min(n, (t + 1) * kChunk));
+}
+
+// Φ(x) + x·φ(x), the derivative of x·Φ(x); Φ as in gelu_erf.
+HEADS_INLINE VR gelu_erf_grad(VR x) {
+  const VR e = erfc_pos(Vec::mul(Vec::abs(x), Vec::set1(0.70710678118654752f)));
+  const VR phi2 = Vec::select_neg(x, e, Vec::sub(Vec::set1(2.0f), e));  // 2·Φ(x)
+  const VR pdf = Vec::mul(exp(Vec::mul(Vec::mul(x, x), Vec::set1(-0.5f))), Vec::set1(0.3989422804014327f));
+  return Vec::fma(x, pdf, Vec::mul(phi2, Vec::set1(0.5f)));
+}
+
+// d/dx of x·s, s = 1/(1 + e^{-2u}), u = √(2/π)(x + 0.044715x³): s + x·2s(1 - s)·u'.
+HEADS_INLINE VR gelu_tanh_grad(VR x) {
+  const VR c = Vec::set1(0.7978845608028654f), x2 = Vec::mul(x, x);
+  const VR u = Vec::mul(c, Vec::fma(Vec::mul(x2, x), Vec::set1(0.044715f), x));
+  const VR sg = Vec::div(Vec::set1(1.0f), Vec::add(Vec::set1(1.0f), exp(Vec::mul(u, Vec::set1(-2.0f)))));
+  const VR du = Vec::mul(c, Vec::fma(x2, Vec::set1(3.0f * 0.044715f), Vec::set1(1.0f)));
+  const VR t = Vec::mul(Vec::mul(Vec::set1(2.0f), sg), Vec::sub(Vec::set1(1.0f), sg));
+  return Vec::fma(Vec::mul(x, t), du, sg);
+}
+
+}  // namespace ew
+
+// y = a + b elementwise (n values), parallel in chunks.
+inline void add_f32(const float* a, const float* b, float* y, int64_t n) {
+  ew::for_chunks(n, [&](int64_t i0, int64_t i1) {
     int64_t i = i0;
     for (; i + ew::kW <= i1; i += ew::kW) Vec::storeu(y + i, Vec::add(Vec::loadu(a + i), Vec::loadu(b + i)));
     if (i < i1) Vec::store_partial(y + i, Vec::add(Vec::load_partial(a + i, i1 - i), Vec::load_partial(b + i, i1 - i)), i1 - i);
-  }
+  });
+}
+
+// dx = dy · act'(x) over n values; act 0 = ReLU (derivative 0 at 0, as torch), 1 = GELU (erf),
+// 2 = GELU (tanh form).
+inline void activation_bwd_f32(const float* x, const float* dy, float* dx, int64_t n, int act) {
+  ew::for_chunks(n, [&](int64_t i0, int64_t i1) {
+    if (act == 0) {
+      for (int64_t i = i0; i < i1; ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+      return;
+    }
+    auto grad = [act](ew::VR v) { return act == 1 ? ew::gelu_erf_grad(v) : ew::gelu_tanh_grad(v); };
+    int64_t i = i0;
+    for (; i + ew::kW <= i1; i += ew::kW) Vec::storeu(dx + i, Vec::mul(Vec::loadu(dy + i), grad(Vec::loadu(x + i))));
+    if (i < i1) {
+      const int64_t m = i1 - i;
+      Vec::store_partial(dx + i, Vec::mul(Vec::load_partial(dy + i, m), grad(Vec::load_partial(x + i, m))), m);
+    }
+  });
 }

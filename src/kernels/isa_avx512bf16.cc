@@ -29,7 +29,7 @@ namespace heads::kernels::avx512bf16 {
 #include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
 
-const KernelTable kTable{Isa::Avx512Bf16, &sdpa_fwd_f32, &sdpa_fwd_bf16, &sdpa_bwd_f32, &gelu_f32, &relu_f32, &layer_norm_f32, &add_f32,
+const KernelTable kTable{Isa::Avx512Bf16, &sdpa_fwd_f32, &sdpa_fwd_bf16, &sdpa_bwd_f32, &gelu_f32, &relu_f32, &layer_norm_f32, &add_f32, &activation_bwd_f32,
                         &fma_probe, &fma_probe_flops_per_iter,
                         &bf16_probe, &bf16_probe_flops_per_iter};
 }  // namespace heads::kernels::avx512bf16

@@ -212,26 +212,11 @@ Tensor activation_backward(const Tensor& dy_in, const Tensor& x_in, Activation a
   HEADS_CHECK(dy_in.defined() && x_in.defined() && dy_in.shape() == x_in.shape(), "activation_backward: dy ",
               dy_in.defined() ? dy_in.shape() : Shape{}, " does not match input ", x_in.defined() ? x_in.shape() : Shape{});
   const Tensor x = f32(x_in, "activation_backward", "input");
-  Tensor g = f32(dy_in, "activation_backward", "dy").clone();
-  float* gp = g.data<float>();
-  const float* xp = x.data<float>();
-  for (int64_t i = 0; i < g.numel(); ++i) {
-    const double v = xp[i];
-    double d;
-    switch (act) {
-      case Activation::Relu: d = v > 0 ? 1.0 : 0.0; break;
-      case Activation::Gelu:  // Φ(x) + x φ(x)
-        d = 0.5 * std::erfc(-v / std::sqrt(2.0)) + v * std::exp(-0.5 * v * v) / std::sqrt(2.0 * M_PI);
-        break;
-      default: {  // y = x s, s = 1/(1 + e^{-2u}): y' = s + x·2s(1-s)·u'
-        const double u = std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v);
-        const double s = 1.0 / (1.0 + std::exp(-2.0 * u));
-        d = s + v * 2.0 * s * (1.0 - s) * std::sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * v * v);
-      }
-    }
-    gp[i] = static_cast<float>(gp[i] * d);
-  }
-  return g;
+  const Tensor dy = f32(dy_in, "activation_backward", "dy");
+  Tensor dx = Tensor::empty(x.shape(), DType::F32);
+  const int code = act == Activation::Relu ? 0 : act == Activation::Gelu ? 1 : 2;
+  kernels::active().activation_bwd_f32(x.data<float>(), dy.data<float>(), dx.data<float>(), x.numel(), code);
+  return dx;
 }
 
 namespace {

@@ -152,12 +152,38 @@ TEST(OpsBackward, LayerNormMatchesFiniteDifferences) {
 }
 
 TEST(OpsBackward, ActivationsMatchFiniteDifferences) {
-  const Tensor x = testing::randn({257}, 3.0), dy = testing::randn({257});
+  Tensor x = testing::randn({257}, 3.0);
+  x.data<float>()[1] = -12.0f;
+  x.data<float>()[2] = 12.0f;
+  const Tensor dy = testing::randn({257});
+  IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (Activation act : {Activation::Relu, Activation::Gelu, Activation::GeluTanh}) {
+      const Tensor g = activation_backward(dy, x, act);
+      Tensor x64 = x.to(DType::F64).clone();
+      const Tensor num = numeric_grad(x64, dy.to(DType::F64), [&] { return ref::activation_f64(x64, act); });
+      EXPECT_TRUE(testing::compare(g, num).within(1e-5, 1e-6)) << isa_name(isa) << " act=" << static_cast<int>(act);
+      if (act == Activation::Relu) {  // ReLU'(0) = 0, as torch
+        const Tensor z = Tensor::zeros({3}, DType::F32);
+        EXPECT_EQ(activation_backward(testing::randn({3}), z, act).data<float>()[1], 0.0f);
+      }
+    }
+  }
+}
+
+TEST(OpsBackward, ActivationsAgreeAcrossChunksAndPaths) {
+  // Many chunks (threads) and a ragged tail: every path gives the scalar path's values.
+  const Tensor x = testing::randn({40003}, 3.0), dy = testing::randn({40003});
+  IsaGuard guard;
   for (Activation act : {Activation::Relu, Activation::Gelu, Activation::GeluTanh}) {
-    const Tensor g = activation_backward(dy, x, act);
-    Tensor x64 = x.to(DType::F64).clone();
-    const Tensor num = numeric_grad(x64, dy.to(DType::F64), [&] { return ref::activation_f64(x64, act); });
-    EXPECT_TRUE(testing::compare(g, num).within(1e-5, 1e-6)) << "act=" << static_cast<int>(act);
+    set_isa(Isa::Scalar);
+    const Tensor want = activation_backward(dy, x, act);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      EXPECT_TRUE(testing::compare(activation_backward(dy, x, act), want).within(2e-6, 1e-7))
+          << isa_name(isa) << " act=" << static_cast<int>(act);
+    }
   }
 }
 
