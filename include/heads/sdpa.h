@@ -65,6 +65,13 @@ SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const T
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts = {}, bool mask_grad = false);
 
+// As sdpa_backward, writing the gradients into dq, dk, dv (f32, the shapes of q, k, v, any strides
+// with innermost 1, not overlapping each other or the inputs), e.g. views into the gradient buffer
+// of a fused projection. The result's tensors alias them.
+SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                            const Tensor& q, const Tensor& k, const Tensor& v, const SdpaResult& fwd,
+                            const SdpaOptions& opts = {}, bool mask_grad = false);
+
 namespace ref {
 // Backward specification in float64 (recomputes the forward; dropout_seed must be set when
 // dropout_p > 0).

@@ -21,8 +21,8 @@ struct KernelTable {
   // The same with bf16 q, k, v, out (f32 accumulation).
   void (*sdpa_fwd_bf16)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights);
-  // SDPA backward, f32 (sdpa_bwd-inl.h): dq, dk, dv contiguous, dq zeroed by the caller;
-  // dmask_full [B, H, Lq, Lk] or null.
+  // SDPA backward, f32 (sdpa_bwd-inl.h): dq, dk, dv any strides with a unit inner one, every
+  // element written (when B, H, Lq and Lk are positive); dmask_full [B, H, Lq, Lk] or null.
   void (*sdpa_bwd_f32)(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
                        const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
                        const Tensor& dk, const Tensor& dv, float* dmask_full);

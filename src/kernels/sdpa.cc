@@ -1,5 +1,6 @@
 // sdpa.cc — SDPA entry: validation shared by every kernel, then dispatch.
 #include <cmath>
+#include <tuple>
 
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
@@ -124,8 +125,9 @@ SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOpt
   return run(P, Tensor::empty({P.B, P.H, P.Lq, P.Dv}, q.dtype()), q, k, v);
 }
 
-SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const SdpaResult& fwd, const SdpaOptions& opts_in, bool mask_grad) {
+SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                            const Tensor& q, const Tensor& k, const Tensor& v, const SdpaResult& fwd,
+                            const SdpaOptions& opts_in, bool mask_grad) {
   using namespace kernels;
   const char* op = "sdpa_backward";
   SdpaOptions opts = opts_in;
@@ -135,6 +137,12 @@ SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   for (const auto& [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}, {&dout, "dout"}}) {
     HEADS_CHECK(t->defined() && t->dtype() == DType::F32, op, ": ", name, ": expected f32");
   }
+  for (const auto& [t, like, name] : {std::tuple{&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}}) {
+    HEADS_CHECK(t->defined() && t->dtype() == DType::F32 && t->shape() == like->shape(), op, ": ", name,
+                ": expected an f32 tensor ", like->shape(), ", got ", t->defined() ? t->shape() : Shape{});
+    HEADS_CHECK(t->numel() == 0 || t->stride(3) == 1, op, ": ", name, ": the innermost stride must be 1, got ",
+                t->strides());
+  }
   const Shape oshape{P.B, P.H, P.Lq, P.Dv};
   HEADS_CHECK(dout.shape() == oshape, op, ": dout: expected ", oshape, ", got ", dout.shape());
   HEADS_CHECK(fwd.out.defined() && fwd.out.shape() == oshape && fwd.out.dtype() == DType::F32, op,
@@ -143,15 +151,23 @@ SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
               ": fwd.lse: expected the forward's lse [B, H, Lq] = ", Shape({P.B, P.H, P.Lq}));
   HEADS_CHECK(!mask_grad || P.mask_kind == MaskKind::Float, op,
               ": mask_grad needs a floating attn_mask");
-  SdpaGrads g;
-  g.dq = Tensor::zeros(q.shape(), DType::F32);
-  g.dk = Tensor::zeros(k.shape(), DType::F32);
-  g.dv = Tensor::zeros(v.shape(), DType::F32);
+  SdpaGrads g{dq, dk, dv, Tensor()};
+  if (P.B == 0 || P.H == 0 || P.Lq == 0 || P.Lk == 0) {  // nothing attends: zero gradients
+    for (const Tensor* t : {&dq, &dk, &dv}) Tensor(*t).copy_from(Tensor::zeros(t->shape(), DType::F32));
+    if (mask_grad) g.dmask = Tensor::zeros(opts.attn_mask.shape(), DType::F32);
+    return g;
+  }
   Tensor dm_full = mask_grad ? Tensor::zeros({P.B, P.H, P.Lq, P.Lk}, DType::F32) : Tensor();
   active().sdpa_bwd_f32(P, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), unit_inner(fwd.out),
-                        fwd.lse.contiguous(), g.dq, g.dk, g.dv, mask_grad ? dm_full.data<float>() : nullptr);
+                        fwd.lse.contiguous(), dq, dk, dv, mask_grad ? dm_full.data<float>() : nullptr);
   if (mask_grad) g.dmask = reduce_to_shape(dm_full, opts.attn_mask.shape()).to(DType::F32);
   return g;
+}
+
+SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const SdpaResult& fwd, const SdpaOptions& opts, bool mask_grad) {
+  auto like = [](const Tensor& t) { return t.defined() ? Tensor::empty(t.shape(), DType::F32) : Tensor(); };
+  return sdpa_backward_out(like(q), like(k), like(v), dout, q, k, v, fwd, opts, mask_grad);
 }
 
 }  // namespace heads

@@ -88,7 +88,9 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   const auto qs = str(q), ks = str(k), vs = str(v), os = str(out), gs = str(dout);
   const float *qp = q.data<float>(), *kp = k.data<float>(), *vp = v.data<float>();
   const float *op = out.data<float>(), *gp = dout.data<float>(), *lp = lse.data<float>();
-  float *dqp = dq.data<float>(), *dkp = dk.data<float>(), *dvp = dv.data<float>();  // contiguous
+  // Outputs: any strides with a unit inner one (e.g. views into a projection's gradient buffer).
+  const auto dqs = str(dq), dks = str(dk), dvs = str(dv);
+  float *dqp = dq.data<float>(), *dkp = dk.data<float>(), *dvp = dv.data<float>();
   const float scale = static_cast<float>(P.scale);
   const float c = scale * kLog2e;
   const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
@@ -117,6 +119,12 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
       const int64_t b = task / P.Hkv, hk = task % P.Hkv;
       const float* kh = kp + b * ks[0] + hk * ks[1];
       const float* vh = vp + b * vs[0] + hk * vs[1];
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {  // this task's dQ rows start at zero
+        for (int64_t i = 0; i < P.Lq; ++i) {
+          float* row = dqp + b * dqs[0] + h * dqs[1] + i * dqs[2];
+          std::fill(row, row + P.D, 0.0f);
+        }
+      }
       // D_i = dO_i · O_i for every query row of the group's heads, once per task.
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         for (int64_t i = 0; i < P.Lq; ++i) {
@@ -198,14 +206,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             }
             // 5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j
             gemm_acc(nk, P.D, nq, W.dp, kTQ, 1, q0, qs[2], W.dk, P.D, scale);
-            gemm_acc(nq, P.D, nk, W.dp, 1, kTQ, kh + j0 * ks[2], ks[2], dqp + ((b * P.H + h) * P.Lq + i0) * P.D,
-                     P.D, scale);
+            gemm_acc(nq, P.D, nk, W.dp, 1, kTQ, kh + j0 * ks[2], ks[2], dqp + b * dqs[0] + h * dqs[1] + i0 * dqs[2],
+                     dqs[2], scale);
           }
         }
-        float* dkj = dkp + ((b * P.Hkv + hk) * P.Lk + j0) * P.D;
-        float* dvj = dvp + ((b * P.Hkv + hk) * P.Lk + j0) * P.Dv;
-        std::copy(W.dk, W.dk + nk * P.D, dkj);
-        std::copy(W.dv, W.dv + nk * P.Dv, dvj);
+        for (int64_t r = 0; r < nk; ++r) {
+          std::copy_n(W.dk + r * P.D, P.D, dkp + b * dks[0] + hk * dks[1] + (j0 + r) * dks[2]);
+          std::copy_n(W.dv + r * P.Dv, P.Dv, dvp + b * dvs[0] + hk * dvs[1] + (j0 + r) * dvs[2]);
+        }
       }
     }
   }

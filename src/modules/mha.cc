@@ -452,43 +452,50 @@ MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) c
   if (go.dbias.defined()) pg["out_proj.bias"] = go.dbias;
   const Tensor dattn3 = go.dx.reshape(t.attn3.shape());
 
-  // Attention.
-  const SdpaGrads gs = sdpa_backward(heads4(nle(dattn3)), t.q4, t.k4, t.v4, t.attention, t.sdpa);
-  const int64_t N = t.q4.size(0), S = t.xk.size(bf ? 1 : 0);
-  if (opt_.add_bias_kv) {  // bias_k / bias_v were key S of every batch entry: sum over N
-    for (const auto& [g, name] : {std::pair{&gs.dk, "bias_k"}, {&gs.dv, "bias_v"}}) {
-      Tensor d = Tensor::zeros({1, 1, E}, DType::F32);
-      float* dp = d.data<float>();
-      for (int64_t n = 0; n < N; ++n) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* src = g->data<float>() + ((n * H + h) * g->size(2) + S) * hd;
-          for (int64_t c = 0; c < hd; ++c) dp[h * hd + c] += src[c];
-        }
-      }
-      pg[name] = d;
-    }
-  }
-  // Heads back to projection rows [d0, d1, E] in each input's order (appended keys dropped).
-  auto unheads = [&](const Tensor& g4, const Tensor& x3, int64_t len) {
-    Tensor d = Tensor::empty({x3.size(0), x3.size(1), E}, DType::F32);
-    heads4(nle(d)).copy_from(g4.slice(2, 0, len));
-    return d;
-  };
-  const int64_t L = t.xq.size(bf ? 1 : 0);
-  const Tensor dq3 = unheads(gs.dq, t.xq, L), dk3 = unheads(gs.dk, t.xk, S), dv3 = unheads(gs.dv, t.xv, S);
-
-  // In-projection.
+  // Attention. Gradient buffers of the projections, in each input's row order; SDPA writes
+  // dq, dk, dv straight into them through the head views, unless appended keys (bias_k/v,
+  // add_zero_attn) need rows of their own.
   const Tensor* w_in = param("in_proj_weight");
   const bool has_bias = param("in_proj_bias") != nullptr;
+  const bool fused = t.self_attn && w_in != nullptr;
+  auto buffer = [&](const Tensor& x3, int64_t width) {
+    return Tensor::empty({x3.size(0), x3.size(1), width}, DType::F32);
+  };
+  const Tensor dy = fused ? buffer(t.xq, 3 * E) : Tensor();  // [dq | dk | dv] for one GEMM
+  const Tensor dq3 = fused ? dy.slice(2, 0, E) : buffer(t.xq, E);
+  const Tensor dk3 = fused ? dy.slice(2, E, 2 * E) : buffer(t.xk, E);
+  const Tensor dv3 = fused ? dy.slice(2, 2 * E, 3 * E) : buffer(t.xv, E);
+  const Tensor dattn4 = heads4(nle(dattn3));
+  const int64_t N = t.q4.size(0), S = t.xk.size(bf ? 1 : 0);
+  if (t.k4.size(2) == S) {
+    sdpa_backward_out(heads4(nle(dq3)), heads4(nle(dk3)), heads4(nle(dv3)), dattn4, t.q4, t.k4, t.v4,
+                      t.attention, t.sdpa);
+  } else {
+    const SdpaGrads gs = sdpa_backward(dattn4, t.q4, t.k4, t.v4, t.attention, t.sdpa);
+    if (opt_.add_bias_kv) {  // bias_k / bias_v were key S of every batch entry: sum over N
+      for (const auto& [g, name] : {std::pair{&gs.dk, "bias_k"}, {&gs.dv, "bias_v"}}) {
+        Tensor d = Tensor::zeros({1, 1, E}, DType::F32);
+        float* dp = d.data<float>();
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t h = 0; h < H; ++h) {
+            const float* src = g->data<float>() + ((n * H + h) * g->size(2) + S) * hd;
+            for (int64_t c = 0; c < hd; ++c) dp[h * hd + c] += src[c];
+          }
+        }
+        pg[name] = d;
+      }
+    }
+    heads4(nle(dq3)).copy_from(gs.dq);
+    heads4(nle(dk3)).copy_from(gs.dk.slice(2, 0, S));  // appended keys dropped
+    heads4(nle(dv3)).copy_from(gs.dv.slice(2, 0, S));
+  }
+
+  // In-projection.
   MhaGrads out;
   auto as_input = [&](const Tensor& dx2, const Tensor& x3, const Shape& shape) {
     return dx2.reshape(x3.shape()).reshape(shape);
   };
-  if (t.self_attn && w_in != nullptr) {  // one GEMM: dY = [dq | dk | dv]
-    Tensor dy = Tensor::empty({t.xq.size(0), t.xq.size(1), 3 * E}, DType::F32);
-    dy.slice(2, 0, E).copy_from(dq3);
-    dy.slice(2, E, 2 * E).copy_from(dk3);
-    dy.slice(2, 2 * E, 3 * E).copy_from(dv3);
+  if (fused) {  // one GEMM for dY = [dq | dk | dv]
     const LinearGrads g = linear_backward(rows(dy), rows(t.xq), *w_in, has_bias);
     out.dquery = as_input(g.dx, t.xq, t.query_shape);
     pg["in_proj_weight"] = g.dweight;

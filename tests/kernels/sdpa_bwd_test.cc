@@ -2,6 +2,7 @@
 // the fast kernel against the reference on the forward's shape grid, every ISA path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -145,6 +146,40 @@ TEST(SdpaBackward, IndependentOfThreadCount) {
   }
   set_num_threads(saved);
   EXPECT_THROW(sdpa_backward(randn({2, 4, 70, 15}), q, k, v, f, o), Error);
+}
+
+Tensor filled(const Shape& shape, float value) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::fill(t.data<float>(), t.data<float>() + t.numel(), value);
+  return t;
+}
+
+TEST(SdpaBackward, OutVariantWritesIntoStridedViews) {
+  // Gradients written into head views of [B, L, H, D] buffers (as MultiheadAttention does) equal
+  // the contiguous ones; rows the views do not cover stay untouched.
+  const Tensor q = randn({2, 3, 33, 20}), k = randn({2, 3, 41, 20}), v = randn({2, 3, 41, 12});
+  const Tensor dout = randn({2, 3, 33, 12});
+  SdpaOptions o;
+  o.attn_mask = randn({33, 41});
+  o.dropout_p = 0.2;
+  IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    const SdpaResult f = sdpa(q, k, v, o);
+    const SdpaGrads want = sdpa_backward(dout, q, k, v, f, o);
+    Tensor bq = filled({2, 33, 3, 21}, 7.0f), bk = filled({2, 41, 3, 20}, 7.0f);
+    Tensor bv = filled({2, 41, 3, 12}, 7.0f);
+    const Tensor dq = bq.slice(3, 0, 20).permute({0, 2, 1, 3}), dk = bk.permute({0, 2, 1, 3});
+    const Tensor dv = bv.permute({0, 2, 1, 3});
+    const SdpaGrads got = sdpa_backward_out(dq, dk, dv, dout, q, k, v, f, o);
+    EXPECT_TRUE(testing::bitwise_equal(got.dq.contiguous(), want.dq)) << isa_name(isa);
+    EXPECT_TRUE(testing::bitwise_equal(got.dk.contiguous(), want.dk)) << isa_name(isa);
+    EXPECT_TRUE(testing::bitwise_equal(got.dv.contiguous(), want.dv)) << isa_name(isa);
+    const Tensor pad = bq.slice(3, 20, 21).contiguous();
+    for (int64_t i = 0; i < pad.numel(); ++i) ASSERT_EQ(pad.data<float>()[i], 7.0f);
+    EXPECT_THROW(sdpa_backward_out(dk, dk, dv, dout, q, k, v, f, o), Error);  // dq of k's shape
+    EXPECT_THROW(sdpa_backward_out(dq, dk, bv.permute({0, 2, 3, 1}), dout, q, k, v, f, o), Error);
+  }
 }
 
 }  // namespace
