@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <vector>
 
+#include "heads/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
 #include "kernels/sdpa_problem.h"
@@ -25,6 +27,33 @@ Tensor f32(const Tensor& t, const char* op, const char* name) {
 Shape with_last(Shape s, int64_t n) {
   s.back() = n;
   return s;
+}
+
+// Per-column sums over `rows` of width values each row contributes (row_fn(r, acc) adds row r's
+// into acc), in double. Rows are split into at most 256 fixed blocks that run in parallel; the
+// block sums are added in block order, so the result does not depend on the thread count.
+template <class RowFn>
+std::vector<double> row_block_sums(int64_t rows, int64_t width, RowFn row_fn) {
+  const int64_t per = std::max<int64_t>(16, (rows + 255) / 256);
+  const int64_t blocks = (rows + per - 1) / per;
+  std::vector<double> part(static_cast<size_t>(blocks * width), 0.0);
+  const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), blocks));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * width >= 32768)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    double* acc = part.data() + blk * width;
+    for (int64_t r = blk * per; r < std::min(rows, (blk + 1) * per); ++r) row_fn(r, acc);
+  }
+  std::vector<double> sum(static_cast<size_t>(width), 0.0);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (int64_t i = 0; i < width; ++i) sum[static_cast<size_t>(i)] += part[static_cast<size_t>(blk * width + i)];
+  }
+  return sum;
+}
+
+Tensor to_f32(const std::vector<double>& v, int64_t offset, int64_t n) {
+  Tensor t = Tensor::empty({n}, DType::F32);
+  for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(v[static_cast<size_t>(offset + i)]);
+  return t;
 }
 
 }  // namespace
@@ -150,12 +179,10 @@ LinearGrads linear_backward(const Tensor& dy_in, const Tensor& x_in, const Tenso
   g.dweight = Tensor::empty({out, in}, DType::F32);  // dyᵀ read in place: strides (1, out)
   kernels::matmul_f32(out, in, M, dy.data<float>(), 1, out, x.data<float>(), in, 1, g.dweight.data<float>(), in);
   if (has_bias) {
-    g.dbias = Tensor::zeros({out}, DType::F32);
-    std::vector<double> acc(static_cast<size_t>(out), 0.0);
-    for (int64_t m = 0; m < dy.size(0); ++m) {
-      for (int64_t o = 0; o < out; ++o) acc[static_cast<size_t>(o)] += dy.data<float>()[m * out + o];
-    }
-    for (int64_t o = 0; o < out; ++o) g.dbias.data<float>()[o] = static_cast<float>(acc[static_cast<size_t>(o)]);
+    const float* d = dy.data<float>();
+    g.dbias = to_f32(row_block_sums(M, out, [&](int64_t r, double* acc) {
+                       for (int64_t o = 0; o < out; ++o) acc[o] += d[r * out + o];
+                     }), 0, out);
   }
   return g;
 }
@@ -172,9 +199,10 @@ LayerNormGrads layer_norm_backward(const Tensor& dy_in, const Tensor& x_in, cons
   const Tensor w = w_in.defined() ? f32(w_in, op, "weight") : Tensor();
   LayerNormGrads g;
   g.dx = Tensor::empty(x.shape(), DType::F32);
-  std::vector<double> dw(static_cast<size_t>(n), 0.0), db(static_cast<size_t>(n), 0.0), xh(static_cast<size_t>(n)),
-      gx(static_cast<size_t>(n));
-  for (int64_t r = 0; r < rows; ++r) {  // xhat = (x - mean)·rstd; dxhat = dy·w
+  const float* wp = w.defined() ? w.data<float>() : nullptr;
+  // Per row: xhat = (x - mean)·rstd, dxhat = dy·w, dx = rstd·(dxhat - mean(dxhat) - xhat·mean(dxhat·xhat));
+  // acc[0:n] += dy·xhat (dweight), acc[n:2n] += dy (dbias).
+  const std::vector<double> sums = row_block_sums(rows, 2 * n, [&](int64_t r, double* acc) {
     const float* xr = x.data<float>() + r * n;
     const float* gr = dy.data<float>() + r * n;
     double mean = 0, var = 0;
@@ -184,27 +212,22 @@ LayerNormGrads layer_norm_backward(const Tensor& dy_in, const Tensor& x_in, cons
     const double rstd = 1.0 / std::sqrt(var / static_cast<double>(n) + eps);
     double m1 = 0, m2 = 0;  // mean(dxhat), mean(dxhat·xhat)
     for (int64_t i = 0; i < n; ++i) {
-      xh[static_cast<size_t>(i)] = (xr[i] - mean) * rstd;
-      gx[static_cast<size_t>(i)] = gr[i] * (w.defined() ? w.data<float>()[i] : 1.0f);
-      m1 += gx[static_cast<size_t>(i)];
-      m2 += gx[static_cast<size_t>(i)] * xh[static_cast<size_t>(i)];
-      dw[static_cast<size_t>(i)] += gr[i] * xh[static_cast<size_t>(i)];
-      db[static_cast<size_t>(i)] += gr[i];
+      const double xh = (xr[i] - mean) * rstd, gx = gr[i] * (wp ? wp[i] : 1.0f);
+      m1 += gx;
+      m2 += gx * xh;
+      acc[i] += gr[i] * xh;
+      acc[n + i] += gr[i];
     }
     m1 /= static_cast<double>(n);
     m2 /= static_cast<double>(n);
     float* dxr = g.dx.data<float>() + r * n;
     for (int64_t i = 0; i < n; ++i) {
-      dxr[i] = static_cast<float>(rstd * (gx[static_cast<size_t>(i)] - m1 - xh[static_cast<size_t>(i)] * m2));
+      const double xh = (xr[i] - mean) * rstd, gx = gr[i] * (wp ? wp[i] : 1.0f);
+      dxr[i] = static_cast<float>(rstd * (gx - m1 - xh * m2));
     }
-  }
-  auto vec = [&](const std::vector<double>& v) {
-    Tensor t = Tensor::empty({n}, DType::F32);
-    for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(v[static_cast<size_t>(i)]);
-    return t;
-  };
-  if (w_in.defined()) g.dweight = vec(dw);
-  if (b_in.defined()) g.dbias = vec(db);
+  });
+  if (w_in.defined()) g.dweight = to_f32(sums, 0, n);
+  if (b_in.defined()) g.dbias = to_f32(sums, n, n);
   return g;
 }
 

@@ -187,6 +187,24 @@ TEST(OpsBackward, ActivationsAgreeAcrossChunksAndPaths) {
   }
 }
 
+TEST(OpsBackward, ReductionsIndependentOfThreadCount) {
+  // dweight / dbias sum over rows in fixed blocks: the same bits on any number of threads.
+  const Tensor x = testing::randn({3000, 37}), dy = testing::randn({3000, 37}), w = testing::randn({37});
+  const Tensor b = testing::randn({37}), wl = testing::randn({19, 37}), dyl = testing::randn({3000, 19});
+  const int saved = get_num_threads();
+  set_num_threads(1);
+  const LayerNormGrads g1 = layer_norm_backward(dy, x, w, b);
+  const LinearGrads l1 = linear_backward(dyl, x, wl, true);
+  for (int t : {2, 3}) {
+    set_num_threads(t);
+    const LayerNormGrads gt = layer_norm_backward(dy, x, w, b);
+    EXPECT_TRUE(testing::bitwise_equal(g1.dx, gt.dx) && testing::bitwise_equal(g1.dweight, gt.dweight) &&
+                testing::bitwise_equal(g1.dbias, gt.dbias)) << "threads=" << t;
+    EXPECT_TRUE(testing::bitwise_equal(l1.dbias, linear_backward(dyl, x, wl, true).dbias)) << "threads=" << t;
+  }
+  set_num_threads(saved);
+}
+
 TEST(OpsBackward, LinearMatchesFloat64) {
   const Tensor x = testing::randn({3, 5, 7}), w = testing::randn({4, 7}), dy = testing::randn({3, 5, 4});
   const LinearGrads g = linear_backward(dy, x, w, true);
