@@ -32,7 +32,7 @@ constexpr int64_t kIgnore = -100;    // cross_entropy's ignore_index
 struct TrainArgs {
   std::string task = "reverse", save;
   int64_t length = 8, layers = 2, d_model = 64, heads = 4, ff = 256, batch = 64, steps = 3000;
-  int64_t eval_every = 25, eval_size = 256, warmup = 100;
+  int64_t eval_every = 10, eval_size = 256, warmup = 100;
   double lr = 3e-3, weight_decay = 0.01, dropout = 0.0, target = 0.99;
   uint64_t seed = 0;
   int threads = 0;
