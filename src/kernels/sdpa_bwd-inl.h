@@ -69,6 +69,38 @@ inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sa
   }
 }
 
+// Few-query tiles: out[r·kTQ + l] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of
+// n values, strides lda / ldb), lanes nq..kTQ-1 zero — the layout qk_block writes, at the cost of
+// nq dot products per key instead of a full tile of kTQ lanes.
+inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t nq,
+                       int64_t n, float alpha, float* out) {
+  for (int64_t r = 0; r < nk; ++r) std::fill(out + r * kTQ + nq, out + (r + 1) * kTQ, 0.0f);
+  const VR al = Vec::set1(alpha);
+  for (int64_t r0 = 0; r0 < nk; r0 += kW) {
+    const int64_t nr = std::min<int64_t>(kW, nk - r0);
+    for (int64_t l = 0; l < nq; ++l) {
+      const float* bl = b + l * ldb;
+      VR part[kW];
+      for (int u = 0; u < kW; ++u) {
+        VR acc = Vec::zero();
+        if (u < nr) {
+          const float* ar = a + (r0 + u) * lda;
+          int64_t d = 0;
+          for (; d + kW <= n; d += kW) acc = Vec::fma(Vec::loadu(ar + d), Vec::loadu(bl + d), acc);
+          if (d < n) acc = Vec::fma(Vec::load_partial(ar + d, n - d), Vec::load_partial(bl + d, n - d), acc);
+        }
+        part[u] = acc;
+      }
+      alignas(64) float sums[kW];
+      Vec::store(sums, Vec::mul(Vec::reduce_lanes(part), al));
+      for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * kTQ + l] = sums[u];
+    }
+  }
+}
+
+// Up to this many queries in a tile, scores and dP come from small_dots.
+constexpr int64_t kSmallQ = 4;
+
 struct Scratch {
   float *qt, *dot, *s, *dp, *dk, *dv, *tmp, *dcol, *drow;
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {  // rows: G·Lq values of D_i
@@ -154,9 +186,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             const float* q0 = qp + b * qs[0] + h * qs[1] + i0 * qs[2];
             const float* g0 = gp + b * gs[0] + h * gs[1] + i0 * gs[2];
             // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
-            fwd::Widen<float>::pack_q(q0, qs[2], nq, P.D, c, W.qt);
+            const bool few = nq <= kSmallQ;
+            if (few) {
+              small_dots(nk, kh + j0 * ks[2], ks[2], q0, qs[2], nq, P.D, c, W.s);
+            } else {
+              fwd::Widen<float>::pack_q(q0, qs[2], nq, P.D, c, W.qt);
+              fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
+            }
             VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-            fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
             const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
             if (causal_here || P.mask_kind != MaskKind::None) fwd::apply_masks(t, j0, nk, causal_here, W.s, mx);
             alignas(64) float lse2[kTQ], dsum[kTQ];
@@ -172,8 +209,12 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               }
             }
             // 2. dP^T = V_j · dO_i^T
-            fwd::Widen<float>::pack_q(g0, gs[2], nq, P.Dv, 1.0f, W.dot);
-            fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot, P.Dv, W.dp, nullptr);
+            if (few) {
+              small_dots(nk, vh + j0 * vs[2], vs[2], g0, gs[2], nq, P.Dv, 1.0f, W.dp);
+            } else {
+              fwd::Widen<float>::pack_q(g0, gs[2], nq, P.Dv, 1.0f, W.dot);
+              fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot, P.Dv, W.dp, nullptr);
+            }
             // 3. dV_j += Pd^T dO_i
             if (P.dropout_p > 0.0) {
               for (int64_t r = 0; r < nk; ++r) {
