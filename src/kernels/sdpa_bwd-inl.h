@@ -4,16 +4,19 @@
 //
 // Shapes as the forward; dout [B, H, Lq, Dv], lse [B, H, Lq] from the forward.
 //   D_i = rowsum(dO_i ∘ O_i)                                   (the softmax Jacobian's diagonal)
-// per key block j of one (b, kv head), per query tile i of every head in the group:
+// per group of key blocks (about 256 KB of K/V rows) of one (b, kv head), per query tile i of every
+// head in the group (Q_i and dO_i packed once per group), per key block j of the group:
 //   1. S = Q_i K_j^T (recomputed, log2 units, masked);  P = 2^(S - lse2_i)      (forward 1-3)
 //   2. dP = dO_i V_j^T; with dropout Pd = P∘Z/(1-p), dP = dP∘Z/(1-p)            (forward 4)
 //   3. dV_j += Pd^T dO_i
 //   4. dS = P ∘ (dP - D_i)                                       (softmax backward)
 //   5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j          (S = scale · Q K^T)
-// Layout: scores transposed as in the forward ([keys][queries on lanes]). Memory: per thread a
-// few tiles plus dK_j, dV_j and the D_i of its (b, kv head); no Lq x Lk buffer (unless the mask gradient is requested, which
-// receives dS). Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its
-// query heads, in a fixed order, so results do not depend on the thread count.
+// Layout: scores transposed as in the forward ([keys][queries on lanes]); tiles of at most
+// kSmallQ queries use dot products instead. Memory: per thread a few tiles, the dK/dV
+// accumulators of one key group and the D_i of its (b, kv head); no Lq x Lk buffer (unless the
+// mask gradient is requested, which receives dS). Parallel over (b, kv head): each task owns its
+// dK, dV rows and the dQ rows of its query heads, in a fixed order, so results do not depend on
+// the thread count.
 
 namespace bwd {
 
@@ -103,8 +106,9 @@ constexpr int64_t kSmallQ = 4;
 
 struct Scratch {
   float *qt, *dot, *s, *dp, *dk, *dv, *tmp, *dcol, *drow;
-  static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {  // rows: G·Lq values of D_i
-    return (D + Dv + 2 * kTK) * kTQ + kTK * (D + Dv) + 2 * kTQ + rows + 64;
+  // span: keys per group (dK, dV accumulators); rows: G·Lq values of D_i
+  static int64_t floats(int64_t D, int64_t Dv, int64_t span, int64_t rows) {
+    return (D + Dv + 2 * kTK) * kTQ + span * (D + Dv) + 2 * kTQ + rows + 64;
   }
 };
 
@@ -128,7 +132,9 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
   const int64_t n_tasks = P.B * P.Hkv;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
-  const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
+  // Keys per group: about 256 KB of dK/dV accumulators (and as much K/V), a multiple of kTK.
+  const int64_t span = kTK * std::clamp<int64_t>((256 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, 4);
+  const int64_t per = (Scratch::floats(P.D, P.Dv, span, G * P.Lq) + 15) / 16 * 16;
   std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
   float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
   const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
@@ -142,8 +148,8 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
     W.s = W.dot + P.Dv * kTQ;
     W.dp = W.s + kTK * kTQ;
     W.dk = W.dp + kTK * kTQ;
-    W.dv = W.dk + kTK * P.D;
-    W.tmp = W.dv + kTK * P.Dv;
+    W.dv = W.dk + span * P.D;
+    W.tmp = W.dv + span * P.Dv;
     W.dcol = W.tmp + kTQ;
     W.drow = W.dcol + kTQ;
 #pragma omp for schedule(dynamic, 1)
@@ -174,86 +180,96 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
           W.drow[(h - hk * G) * P.Lq + i] = sum;
         }
       }
-      for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
-        const int64_t nk = std::min(P.Lk - j0, kTK);
-        std::fill(W.dk, W.dk + nk * P.D, 0.0f);
-        std::fill(W.dv, W.dv + nk * P.Dv, 0.0f);
+      // Key groups of `span` keys: their K, V rows and dK, dV accumulators stay in L2 while every
+      // query tile streams past once per group (not once per key block).
+      for (int64_t jg = 0; jg < P.Lk; jg += span) {
+        const int64_t ng = std::min(P.Lk - jg, span);
+        std::fill(W.dk, W.dk + ng * P.D, 0.0f);
+        std::fill(W.dv, W.dv + ng * P.Dv, 0.0f);
         for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
           for (int64_t it = 0; it < n_qt; ++it) {
             const int64_t i0 = it * kTQ, nq = std::min(P.Lq - i0, kTQ);
-            if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) continue;  // every key hidden
+            if (P.causal && jg > i0 + nq - 1 + P.causal_offset) continue;  // every key hidden
             const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
             const float* q0 = qp + b * qs[0] + h * qs[1] + i0 * qs[2];
             const float* g0 = gp + b * gs[0] + h * gs[1] + i0 * gs[2];
-            // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
             const bool few = nq <= kSmallQ;
-            if (few) {
-              small_dots(nk, kh + j0 * ks[2], ks[2], q0, qs[2], nq, P.D, c, W.s);
-            } else {
+            if (!few) {
               fwd::Widen<float>::pack_q(q0, qs[2], nq, P.D, c, W.qt);
-              fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
+              fwd::Widen<float>::pack_q(g0, gs[2], nq, P.Dv, 1.0f, W.dot);
             }
-            VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-            const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
-            if (causal_here || P.mask_kind != MaskKind::None) fwd::apply_masks(t, j0, nk, causal_here, W.s, mx);
             alignas(64) float lse2[kTQ], dsum[kTQ];
             for (int64_t l = 0; l < kTQ; ++l) {
               const float x = l < nq ? lp[(b * P.H + h) * P.Lq + i0 + l] : -kInf;
               lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
               dsum[l] = l < nq ? W.drow[(h - hk * G) * P.Lq + i0 + l] : 0.0f;
             }
-            for (int64_t r = 0; r < nk; ++r) {
-              for (int vv = 0; vv < kNQ; ++vv) {
-                float* sp = W.s + r * kTQ + vv * kW;
-                Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), Vec::load(lse2 + vv * kW))));
+            for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
+              const int64_t nk = std::min(jg + ng - j0, kTK);
+              if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) break;  // this and later keys hidden
+              float* dkj = W.dk + (j0 - jg) * P.D;
+              float* dvj = W.dv + (j0 - jg) * P.Dv;
+              // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
+              if (few) {
+                small_dots(nk, kh + j0 * ks[2], ks[2], q0, qs[2], nq, P.D, c, W.s);
+              } else {
+                fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
               }
-            }
-            // 2. dP^T = V_j · dO_i^T
-            if (few) {
-              small_dots(nk, vh + j0 * vs[2], vs[2], g0, gs[2], nq, P.Dv, 1.0f, W.dp);
-            } else {
-              fwd::Widen<float>::pack_q(g0, gs[2], nq, P.Dv, 1.0f, W.dot);
-              fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot, P.Dv, W.dp, nullptr);
-            }
-            // 3. dV_j += Pd^T dO_i
-            if (P.dropout_p > 0.0) {
+              VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+              const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
+              if (causal_here || P.mask_kind != MaskKind::None) fwd::apply_masks(t, j0, nk, causal_here, W.s, mx);
               for (int64_t r = 0; r < nk; ++r) {
-                for (int64_t l = 0; l < nq; ++l) {
-                  const float z = dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p) ? keep_scale : 0.0f;
-                  W.dp[r * kTQ + l] *= z;       // dP = dP ∘ Z/(1-p)
-                  W.dcol[l] = z;
+                for (int vv = 0; vv < kNQ; ++vv) {
+                  float* sp = W.s + r * kTQ + vv * kW;
+                  Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), Vec::load(lse2 + vv * kW))));
                 }
-                // dV_j[r] += sum_l P[r][l] z[r][l] dO[l]
-                for (int64_t l = 0; l < nq; ++l) W.dcol[l] *= W.s[r * kTQ + l];  // Pd = P z
-                gemm_acc(1, P.Dv, nq, W.dcol, 0, 1, g0, gs[2], W.dv + r * P.Dv, P.Dv, 1.0f);
               }
-            } else {
-              gemm_acc(nk, P.Dv, nq, W.s, kTQ, 1, g0, gs[2], W.dv, P.Dv, 1.0f);
-            }
-            // 4. dS = P ∘ (dP - D)
-            for (int64_t r = 0; r < nk; ++r) {
-              for (int vv = 0; vv < kNQ; ++vv) {
-                const VR pv = Vec::load(W.s + r * kTQ + vv * kW);
-                const VR d = Vec::sub(Vec::load(W.dp + r * kTQ + vv * kW), Vec::load(dsum + vv * kW));
-                Vec::store(W.dp + r * kTQ + vv * kW, Vec::mul(pv, d));
+              // 2. dP^T = V_j · dO_i^T
+              if (few) {
+                small_dots(nk, vh + j0 * vs[2], vs[2], g0, gs[2], nq, P.Dv, 1.0f, W.dp);
+              } else {
+                fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot, P.Dv, W.dp, nullptr);
               }
-              if (nq < kTQ) std::fill(W.dp + r * kTQ + nq, W.dp + (r + 1) * kTQ, 0.0f);
-            }
-            if (dmask_full != nullptr) {
-              for (int64_t l = 0; l < nq; ++l) {
-                float* row = dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0;
-                for (int64_t r = 0; r < nk; ++r) row[r] = W.dp[r * kTQ + l];
+              // 3. dV_j += Pd^T dO_i
+              if (P.dropout_p > 0.0) {
+                for (int64_t r = 0; r < nk; ++r) {
+                  for (int64_t l = 0; l < nq; ++l) {
+                    const float z = dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p) ? keep_scale : 0.0f;
+                    W.dp[r * kTQ + l] *= z;       // dP = dP ∘ Z/(1-p)
+                    W.dcol[l] = z;
+                  }
+                  // dV_j[r] += sum_l P[r][l] z[r][l] dO[l]
+                  for (int64_t l = 0; l < nq; ++l) W.dcol[l] *= W.s[r * kTQ + l];  // Pd = P z
+                  gemm_acc(1, P.Dv, nq, W.dcol, 0, 1, g0, gs[2], dvj + r * P.Dv, P.Dv, 1.0f);
+                }
+              } else {
+                gemm_acc(nk, P.Dv, nq, W.s, kTQ, 1, g0, gs[2], dvj, P.Dv, 1.0f);
               }
+              // 4. dS = P ∘ (dP - D)
+              for (int64_t r = 0; r < nk; ++r) {
+                for (int vv = 0; vv < kNQ; ++vv) {
+                  const VR pv = Vec::load(W.s + r * kTQ + vv * kW);
+                  const VR d = Vec::sub(Vec::load(W.dp + r * kTQ + vv * kW), Vec::load(dsum + vv * kW));
+                  Vec::store(W.dp + r * kTQ + vv * kW, Vec::mul(pv, d));
+                }
+                if (nq < kTQ) std::fill(W.dp + r * kTQ + nq, W.dp + (r + 1) * kTQ, 0.0f);
+              }
+              if (dmask_full != nullptr) {
+                for (int64_t l = 0; l < nq; ++l) {
+                  float* row = dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0;
+                  for (int64_t r = 0; r < nk; ++r) row[r] = W.dp[r * kTQ + l];
+                }
+              }
+              // 5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j
+              gemm_acc(nk, P.D, nq, W.dp, kTQ, 1, q0, qs[2], dkj, P.D, scale);
+              gemm_acc(nq, P.D, nk, W.dp, 1, kTQ, kh + j0 * ks[2], ks[2], dqp + b * dqs[0] + h * dqs[1] + i0 * dqs[2],
+                       dqs[2], scale);
             }
-            // 5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j
-            gemm_acc(nk, P.D, nq, W.dp, kTQ, 1, q0, qs[2], W.dk, P.D, scale);
-            gemm_acc(nq, P.D, nk, W.dp, 1, kTQ, kh + j0 * ks[2], ks[2], dqp + b * dqs[0] + h * dqs[1] + i0 * dqs[2],
-                     dqs[2], scale);
           }
         }
-        for (int64_t r = 0; r < nk; ++r) {
-          std::copy_n(W.dk + r * P.D, P.D, dkp + b * dks[0] + hk * dks[1] + (j0 + r) * dks[2]);
-          std::copy_n(W.dv + r * P.Dv, P.Dv, dvp + b * dvs[0] + hk * dvs[1] + (j0 + r) * dvs[2]);
+        for (int64_t r = 0; r < ng; ++r) {
+          std::copy_n(W.dk + r * P.D, P.D, dkp + b * dks[0] + hk * dks[1] + (jg + r) * dks[2]);
+          std::copy_n(W.dv + r * P.Dv, P.Dv, dvp + b * dvs[0] + hk * dvs[1] + (jg + r) * dvs[2]);
         }
       }
     }
