@@ -148,6 +148,42 @@ TEST(SdpaBackward, IndependentOfThreadCount) {
   EXPECT_THROW(sdpa_backward(randn({2, 4, 70, 15}), q, k, v, f, o), Error);
 }
 
+TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
+  // Key ranges longer than one key group (512 keys for small heads, 256 for D = 128), with
+  // ragged ends, every option that depends on the key position.
+  IsaGuard guard;
+  int n = 0;
+  for (auto [Lq, Lk, D] : {std::tuple<int64_t, int64_t, int64_t>{37, 1100, 16}, {300, 700, 128}, {3, 600, 40}}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      ++n;
+      const Tensor q = randn({1, 2, Lq, D}), k = randn({1, 1, Lk, D}), v = randn({1, 1, Lk, D});
+      const Tensor dout = randn({1, 2, Lq, D});
+      SdpaOptions o;
+      o.enable_gqa = true;
+      bool mask_grad = false;
+      switch (variant) {
+        case 0: o.is_causal = true; o.causal_align = CausalAlign::BottomRight; break;
+        case 1: o.attn_mask = randn({Lq, Lk}); mask_grad = true; break;
+        case 2: o.dropout_p = 0.3; o.dropout_seed = 5; break;
+        default: o.attn_mask = testing::rand_bool({1, 2, Lq, Lk}, 0.8); break;
+      }
+      const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const SdpaResult f = sdpa(q, k, v, o);
+        const SdpaGrads g = sdpa_backward(dout, q, k, v, f, o, mask_grad);
+        for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"},
+                                              {&g.dv, &ref.dv, "dv"}, {&g.dmask, &ref.dmask, "dmask"}}) {
+          if (!want->defined()) continue;
+          const auto e = testing::compare(*got, *want);
+          ASSERT_TRUE(e.within(1e-5, 1e-5)) << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " variant " << variant
+                                            << " isa=" << isa_name(isa) << ": " << name << " max err " << e.max_abs;
+        }
+      }
+    }
+  }
+}
+
 Tensor filled(const Shape& shape, float value) {
   Tensor t = Tensor::empty(shape, DType::F32);
   std::fill(t.data<float>(), t.data<float>() + t.numel(), value);
