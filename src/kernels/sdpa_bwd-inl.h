@@ -28,48 +28,69 @@ using fwd::VR;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // C[m][0:N] += alpha · sum_k A(m, k) · B[k][0:N] for m < M; A(m, k) = a[m·sam + k·sak] (broadcast),
-// B rows contiguous (stride ldb), C rows stride ldc. Register block: R rows x 2 vectors.
-template <int R>
+// B rows contiguous (stride ldb), C rows stride ldc. Register block: R rows x NV vectors; nn[v] lanes
+// of vector v are live (the last ones may be partial or empty).
+template <int R, int NV>
 HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, int64_t n0, int64_t n1, float alpha) {
-  VR acc[R][2];
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha) {
+  VR acc[R][NV];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
+  }
   for (int64_t k = 0; k < K; ++k) {
-    const VR b0 = Vec::load_partial(b + k * ldb, n0), b1 = Vec::load_partial(b + k * ldb + kW, n1);
+    VR bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = Vec::load_partial(b + k * ldb + v * kW, nn[v]);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const VR x = Vec::set1(a[r * sam + k * sak]);
-      acc[r][0] = Vec::fma(x, b0, acc[r][0]);
-      acc[r][1] = Vec::fma(x, b1, acc[r][1]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(x, bv[v], acc[r][v]);
     }
   }
   const VR al = Vec::set1(alpha);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    Vec::store_partial(c + r * ldc, Vec::fma(acc[r][0], al, Vec::load_partial(c + r * ldc, n0)), n0);
-    Vec::store_partial(c + r * ldc + kW, Vec::fma(acc[r][1], al, Vec::load_partial(c + r * ldc + kW, n1)), n1);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* cp = c + r * ldc + v * kW;
+      Vec::store_partial(cp, Vec::fma(acc[r][v], al, Vec::load_partial(cp, nn[v])), nn[v]);
+    }
   }
 }
 
-template <int R>
+template <int R, int NV>
 HEADS_INLINE void gemm_tail(int64_t n, const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, int64_t n0, int64_t n1, float alpha) {
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha) {
   if constexpr (R > 0) {
-    if (n == R) return gemm_rows<R>(a, sam, sak, b, ldb, K, c, ldc, n0, n1, alpha);
-    gemm_tail<R - 1>(n, a, sam, sak, b, ldb, K, c, ldc, n0, n1, alpha);
+    if (n == R) return gemm_rows<R, NV>(a, sam, sak, b, ldb, K, c, ldc, nn, alpha);
+    gemm_tail<R - 1, NV>(n, a, sam, sak, b, ldb, K, c, ldc, nn, alpha);
   }
 }
 
+// Column panels of NV vectors, row blocks of R.
+template <int R, int NV>
+inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+                        const float* b, int64_t ldb, float* c, int64_t ldc, float alpha) {
+  for (int64_t j = 0; j < N; j += NV * kW) {
+    int64_t nn[NV];
+    for (int v = 0; v < NV; ++v) nn[v] = std::clamp<int64_t>(N - j - v * kW, 0, kW);
+    int64_t m = 0;
+    for (; m + R <= M; m += R) gemm_rows<R, NV>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha);
+    if (m < M) gemm_tail<R - 1, NV>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha);
+  }
+}
+
+// Wide rows (N a multiple of 4 vectors, e.g. head dim 128 on AVX-512) use 4-vector panels, which
+// load each broadcast A value once per 4 FMAs instead of 2.
 inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
                      const float* b, int64_t ldb, float* c, int64_t ldc, float alpha) {
-  constexpr int R = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
-  for (int64_t j = 0; j < N; j += 2 * kW) {
-    const int64_t n0 = std::min<int64_t>(kW, N - j), n1 = std::clamp<int64_t>(N - j - kW, 0, kW);
-    int64_t m = 0;
-    for (; m + R <= M; m += R) gemm_rows<R>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, n0, n1, alpha);
-    if (m < M) gemm_tail<R - 1>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, n0, n1, alpha);
-  }
+  constexpr int R2 = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
+  constexpr int R4 = Vec::kRowsPV / 3 > 0 ? Vec::kRowsPV / 3 : 1;
+  if (N >= 8 * kW && N % (4 * kW) == 0) return gemm_panels<R4, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha);
+  gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha);
 }
 
 // Few-query tiles: out[r·kTQ + l] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of
