@@ -1,9 +1,15 @@
-"""heads attention inside PyTorch training: a torch.autograd.Function whose forward and backward
-both run in heads (C++), so a PyTorch model can swap it in for F.scaled_dot_product_attention.
+"""heads attention inside PyTorch training: torch.autograd.Functions whose forward and backward
+both run in heads (C++), so a PyTorch model can swap them in for F.scaled_dot_product_attention and
+nn.MultiheadAttention.
 
     from heads.torch import scaled_dot_product_attention as sdpa
     out = sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
     out.sum().backward()          # q.grad, k.grad, v.grad (and a float attn_mask's grad)
+
+    from heads.torch import MultiheadAttention      # an nn.Module with nn.MultiheadAttention's
+    mha = MultiheadAttention(512, 8, batch_first=True)   # parameters, names and call
+    out, _ = mha(x, x, x, need_weights=False)
+    out.sum().backward()          # x.grad and every parameter's .grad; any torch optimizer
 
 float32 CPU tensors. Dropout draws its mask in heads (seeded by heads.manual_seed); the backward
 reuses exactly the forward's mask. Rows that can attend to nothing give zeros and zero gradients.
@@ -13,7 +19,7 @@ import torch as _torch
 
 from . import _heads
 
-__all__ = ["scaled_dot_product_attention", "SDPAFunction"]
+__all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention"]
 
 
 def _c(x):
@@ -47,3 +53,66 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  scale=None, enable_gqa=False):
     """As torch.nn.functional.scaled_dot_product_attention, computed by heads (forward and backward)."""
     return SDPAFunction.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+class _MhaFunction(_torch.autograd.Function):
+    """Forward and backward of a heads.MultiheadAttention whose parameters are `params` (torch
+    tensors in state_dict order, copied into the native module for this call)."""
+
+    @staticmethod
+    def forward(ctx, native, names, call, query, key, value, *params):
+        from . import Tape
+
+        native.load_state_dict({n: p.detach() for n, p in zip(names, params)})
+        tape = Tape()
+        k = query if key is query else key.detach()
+        v = k if value is key else value.detach()
+        out, weights = native(query.detach(), k, v, **call, tape=tape)
+        ctx.native, ctx.tape, ctx.names = native, tape, names
+        ctx.shapes = (query.shape, key.shape, value.shape)
+        if weights is None:
+            weights = _torch.empty(0)
+        ctx.mark_non_differentiable(weights)
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, dout, _dweights):
+        (dq, dk, dv), grads = ctx.native.backward(ctx.tape, dout.contiguous())
+        ctx.tape = None
+        return (None, None, None, dq, dk, dv, *[grads[n] for n in ctx.names])
+
+
+class MultiheadAttention(_torch.nn.Module):
+    """``torch.nn.MultiheadAttention`` with its forward and backward computed by heads.
+
+    Same constructor, parameter names and shapes (``in_proj_weight`` or ``q/k/v_proj_weight``,
+    ``in_proj_bias``, ``bias_k``, ``bias_v``, ``out_proj.weight``, ``out_proj.bias``), so state dicts
+    load both ways and any torch optimizer trains it. Gradients flow from ``attn_output`` (the
+    returned weights are constants). Dropout masks come from heads' generator (``heads.manual_seed``).
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False):
+        super().__init__()
+        from . import MultiheadAttention as _Native
+
+        self._native = _Native(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
+                               add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first)
+        self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
+        self._names = list(self._native.state_dict())
+        init = self._native.state_dict()  # torch's initialisation, drawn by heads
+        self.out_proj = _torch.nn.Module()
+        for name in self._names:
+            owner, attr = (self.out_proj, name.split(".", 1)[1]) if name.startswith("out_proj.") else (self, name)
+            owner.register_parameter(attr, _torch.nn.Parameter(_torch.tensor(init[name])))
+
+    def _params(self):
+        return [self.get_parameter(n) for n in self._names]
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        self._native.train(self.training)
+        call = dict(key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+                    average_attn_weights=average_attn_weights, is_causal=is_causal)
+        out, weights = _MhaFunction.apply(self._native, self._names, call, query, key, value, *self._params())
+        return out, (weights if need_weights else None)

@@ -192,6 +192,9 @@ nb::tuple module_backward(const Module& s, const Tape& tape, const InArray& dout
 
 NB_MODULE(_heads, m) {
   m.doc() = "heads: multi-head attention for CPUs (native core)";
+  // Autograd graphs still alive at interpreter exit (heads.torch) hold tapes and modules that
+  // torch frees after nanobind's shutdown check; that is not a leak worth a report.
+  nb::set_leak_warnings(false);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

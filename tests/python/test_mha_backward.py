@@ -143,3 +143,42 @@ def test_backward_errors():
     other = heads.MultiheadAttention(8, 2)
     with pytest.raises(ValueError, match="another module"):
         other.backward(tape, x)
+
+
+@pytest.mark.parametrize("i", range(0, N_CONFIGS, 6))
+def test_torch_module_trains_like_nn_multihead_attention(i, check):
+    """heads.torch.MultiheadAttention: an nn.Module whose forward and backward run in heads; the
+    same parameters, gradients and optimizer steps as nn.MultiheadAttention."""
+    import heads.torch as ht
+
+    cfg = make_config(i)
+    ref, _, g = build_pair(cfg)
+    kw = dict(bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"], add_zero_attn=cfg["add_zero_attn"],
+              kdim=cfg["kdim"], vdim=cfg["vdim"], batch_first=cfg["batch_first"])
+    mine = ht.MultiheadAttention(cfg["E"], cfg["H"], **kw)
+    assert [n for n, _ in mine.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    mine.load_state_dict(ref.state_dict())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    what = ", ".join(f"{a}={b}" for a, b in cfg.items())
+    for step in range(3):
+        q, k, v, fkw = inputs(cfg, g)
+        self_attn = k is q
+        qa = q.clone().requires_grad_()
+        qb = q.clone().requires_grad_()
+        ka, kb = (qa, qb) if self_attn else (k.clone().requires_grad_(), k.clone().requires_grad_())
+        va, vb = (qa, qb) if self_attn else (v.clone().requires_grad_(), v.clone().requires_grad_())
+        out_ref, _ = ref(qa, ka, va, **fkw)
+        out, _ = mine(qb, kb, vb, **fkw)
+        w = torch.randn(out_ref.shape, generator=g)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        (out_ref * w).sum().backward()
+        (out * w).sum().backward()
+        check("MultiheadAttention output", out, out_ref, what)
+        floor = 1e-3 * max(float(p.grad.norm()) for p in ref.parameters())
+        check("torch-module grad", qb.grad, qa.grad, what, tol=1e-3, floor=floor)
+        for (name, p), (_, pr) in zip(mine.named_parameters(), ref.named_parameters()):
+            check("torch-module grad", p.grad, pr.grad, f"{name}: {what}", tol=1e-3, floor=floor)
+        opt_ref.step()
+        opt.step()
