@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <string>
+#include <tuple>
 
 #include "common/testing.h"
 #include "heads/runtime.h"
@@ -83,6 +85,20 @@ TEST(SdpaBackward, ReferenceMatchesFiniteDifferences) {
   expect_matches_finite_differences(randn({1, 4, 3, 4}), k, v, o, "gqa");
 }
 
+// The active path's forward + backward against the float64 reference gradients.
+void expect_fast_matches(const SdpaGrads& ref, const Tensor& dout, const Tensor& q, const Tensor& k,
+                         const Tensor& v, const SdpaOptions& o, bool mask_grad, const std::string& what) {
+  const SdpaResult f = sdpa(q, k, v, o);
+  const SdpaGrads g = sdpa_backward(dout, q, k, v, f, o, mask_grad);
+  for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"},
+                                        {&g.dv, &ref.dv, "dv"}, {&g.dmask, &ref.dmask, "dmask"}}) {
+    if (!want->defined()) continue;
+    const auto e = testing::compare(*got, *want);
+    ASSERT_TRUE(e.within(1e-5, 1e-5)) << what << ": " << name << " max err " << e.max_abs << " (ref max "
+                                      << e.max_ref << ")";
+  }
+}
+
 TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
   IsaGuard guard;
   int64_t n = 0;
@@ -112,15 +128,8 @@ TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
             std::ostringstream os;
             os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
                << " Dv=" << Dv << " " << what << " isa=" << isa_name(isa);
-            const SdpaResult f = sdpa(q, k, v, o);
-            const SdpaGrads g = sdpa_backward(dout, q, k, v, f, o, mask_grad);
-            for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"},
-                                                  {&g.dv, &ref.dv, "dv"}, {&g.dmask, &ref.dmask, "dmask"}}) {
-              if (!want->defined()) continue;
-              const auto e = testing::compare(*got, *want);
-              ASSERT_TRUE(e.within(1e-5, 1e-5)) << os.str() << ": " << name << " max err " << e.max_abs
-                                                << " (ref max " << e.max_ref << ")";
-            }
+            expect_fast_matches(ref, dout, q, k, v, o, mask_grad, os.str());
+            if (::testing::Test::HasFatalFailure()) return;
           }
         }
       }
@@ -170,15 +179,10 @@ TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
       const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
       for (Isa isa : supported_isas()) {
         set_isa(isa);
-        const SdpaResult f = sdpa(q, k, v, o);
-        const SdpaGrads g = sdpa_backward(dout, q, k, v, f, o, mask_grad);
-        for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"},
-                                              {&g.dv, &ref.dv, "dv"}, {&g.dmask, &ref.dmask, "dmask"}}) {
-          if (!want->defined()) continue;
-          const auto e = testing::compare(*got, *want);
-          ASSERT_TRUE(e.within(1e-5, 1e-5)) << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " variant " << variant
-                                            << " isa=" << isa_name(isa) << ": " << name << " max err " << e.max_abs;
-        }
+        std::ostringstream os;
+        os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " variant " << variant << " isa=" << isa_name(isa);
+        expect_fast_matches(ref, dout, q, k, v, o, mask_grad, os.str());
+        if (::testing::Test::HasFatalFailure()) return;
       }
     }
   }

@@ -41,25 +41,26 @@ def make_config(i):
     return cfg
 
 
-def run_pair(cfg):
-    g = torch.Generator().manual_seed(cfg["seed"])
-    E, H = cfg["E"], cfg["H"]
+def make_modules(cfg, g, dropout=0.0):
+    """(torch module, heads module) with the same parameters; biases randomised so they count."""
     torch.manual_seed(cfg["seed"])
-    ref = torch.nn.MultiheadAttention(
-        E, H, bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"], add_zero_attn=cfg["add_zero_attn"],
-        kdim=cfg["kdim"], vdim=cfg["vdim"], batch_first=cfg["batch_first"],
-    ).eval()
-    with torch.no_grad():  # non-zero biases so they are checked
+    kw = dict(dropout=dropout, bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"],
+              add_zero_attn=cfg["add_zero_attn"], kdim=cfg["kdim"], vdim=cfg["vdim"],
+              batch_first=cfg["batch_first"])
+    ref = torch.nn.MultiheadAttention(cfg["E"], cfg["H"], **kw)
+    with torch.no_grad():
         for name, p in ref.named_parameters():
             if "bias" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    mine = heads.MultiheadAttention(
-        E, H, bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"], add_zero_attn=cfg["add_zero_attn"],
-        kdim=cfg["kdim"], vdim=cfg["vdim"], batch_first=cfg["batch_first"],
-    ).eval()
+    mine = heads.MultiheadAttention(cfg["E"], cfg["H"], **kw)
     mine.load_state_dict(ref.state_dict())
+    return ref, mine
 
-    N, L = cfg["N"], cfg["L"]
+
+def make_inputs(cfg, g):
+    """(query, key, value, forward kwargs) for a configuration; key is value is query for
+    self-attention. Masks always leave key 0 visible (torch gives NaN for fully masked rows)."""
+    E, N, L = cfg["E"], cfg["N"], cfg["L"]
     S = cfg["S"] or L
     kd, vd = cfg["kdim"] or E, cfg["vdim"] or E
 
@@ -75,11 +76,9 @@ def run_pair(cfg):
         k, v = torch.randn(shape(S, kd), generator=g), torch.randn(shape(S, vd), generator=g)
     Nb = N if cfg["batched"] else 1
     kw = dict(need_weights=cfg["need_weights"], average_attn_weights=cfg["average"])
-    visible = torch.ones(Nb, L, S, dtype=torch.bool)  # keys each query row can see
     if cfg["kpm"]:
         pad = torch.rand(Nb, S, generator=g) < 0.3
-        pad[:, 0] = False  # keep one key so no row is fully masked (torch gives NaN)
-        visible &= ~pad[:, None, :]
+        pad[:, 0] = False
         kpm = pad if cfg["kpm"] == "bool" else pad.float() * -1e4 + torch.randn(Nb, S, generator=g)
         kw["key_padding_mask"] = kpm if cfg["batched"] else kpm[0]
     am = cfg["attn_mask"]
@@ -87,13 +86,22 @@ def run_pair(cfg):
         kw["attn_mask"] = torch.nn.Transformer.generate_square_subsequent_mask(L)
         kw["is_causal"] = True
     elif am:
-        lead = (Nb * H,) if am.startswith("3d") else ()
+        lead = (Nb * cfg["H"],) if am.startswith("3d") else ()
         blocked = torch.rand(*lead, L, S, generator=g) < 0.3
         blocked[..., 0] = False
         if am.endswith("bool"):
             kw["attn_mask"] = blocked
         else:
             kw["attn_mask"] = torch.randn(*lead, L, S, generator=g) - blocked.float() * 1e4
+    return q, k, v, kw
+
+
+def run_pair(cfg):
+    g = torch.Generator().manual_seed(cfg["seed"])
+    ref, mine = make_modules(cfg, g)
+    ref.eval()
+    mine.eval()
+    q, k, v, kw = make_inputs(cfg, g)
     out_ref, w_ref = ref(q, k, v, **kw)
     out, w = mine(q, k, v, **kw)
     return out_ref.detach(), None if w_ref is None else w_ref.detach(), out, w

@@ -5,67 +5,17 @@ import pytest
 import torch
 
 import heads
-from test_mha import make_config
+from test_mha import make_config, make_inputs, make_modules
 
 N_CONFIGS = 120
-
-
-def build_pair(cfg, dropout=0.0):
-    g = torch.Generator().manual_seed(cfg["seed"])
-    E, H = cfg["E"], cfg["H"]
-    torch.manual_seed(cfg["seed"])
-    kw = dict(bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"], add_zero_attn=cfg["add_zero_attn"],
-              kdim=cfg["kdim"], vdim=cfg["vdim"], batch_first=cfg["batch_first"])
-    ref = torch.nn.MultiheadAttention(E, H, dropout=dropout, **kw)
-    with torch.no_grad():  # non-zero biases so their gradients are exercised
-        for name, p in ref.named_parameters():
-            if "bias" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    mine = heads.MultiheadAttention(E, H, dropout=dropout, **kw)
-    mine.load_state_dict(ref.state_dict())
-    return ref, mine, g
-
-
-def inputs(cfg, g):
-    E = cfg["E"]
-    N, L = cfg["N"], cfg["L"]
-    S = cfg["S"] or L
-    kd, vd = cfg["kdim"] or E, cfg["vdim"] or E
-
-    def shape(T, width):
-        if not cfg["batched"]:
-            return (T, width)
-        return (N, T, width) if cfg["batch_first"] else (T, N, width)
-
-    q = torch.randn(shape(L, E), generator=g)
-    if cfg["S"] is None:
-        k = v = q
-    else:
-        k, v = torch.randn(shape(S, kd), generator=g), torch.randn(shape(S, vd), generator=g)
-    Nb = N if cfg["batched"] else 1
-    kw = dict(need_weights=cfg["need_weights"], average_attn_weights=cfg["average"])
-    if cfg["kpm"]:
-        pad = torch.rand(Nb, S, generator=g) < 0.3
-        pad[:, 0] = False
-        kpm = pad if cfg["kpm"] == "bool" else pad.float() * -1e4 + torch.randn(Nb, S, generator=g)
-        kw["key_padding_mask"] = kpm if cfg["batched"] else kpm[0]
-    am = cfg["attn_mask"]
-    if am == "causal":
-        kw["attn_mask"] = torch.nn.Transformer.generate_square_subsequent_mask(L)
-        kw["is_causal"] = True
-    elif am:
-        lead = (Nb * cfg["H"],) if am.startswith("3d") else ()
-        blocked = torch.rand(*lead, L, S, generator=g) < 0.3
-        blocked[..., 0] = False
-        kw["attn_mask"] = blocked if am.endswith("bool") else torch.randn(*lead, L, S, generator=g) - blocked.float() * 1e4
-    return q, k, v, kw
 
 
 @pytest.mark.parametrize("i", range(N_CONFIGS))
 def test_gradients_match_torch_autograd(i, check):
     cfg = make_config(i)
-    ref, mine, g = build_pair(cfg)
-    q, k, v, kw = inputs(cfg, g)
+    g = torch.Generator().manual_seed(cfg["seed"])
+    ref, mine = make_modules(cfg, g)
+    q, k, v, kw = make_inputs(cfg, g)
     self_attn = k is q
     # float64 reference: where a gradient is zero in exact arithmetic (a row seeing one key), the
     # comparison then measures heads' rounding only.
@@ -152,7 +102,8 @@ def test_torch_module_trains_like_nn_multihead_attention(i, check):
     import heads.torch as ht
 
     cfg = make_config(i)
-    ref, _, g = build_pair(cfg)
+    g = torch.Generator().manual_seed(cfg["seed"])
+    ref, _ = make_modules(cfg, g)
     kw = dict(bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"], add_zero_attn=cfg["add_zero_attn"],
               kdim=cfg["kdim"], vdim=cfg["vdim"], batch_first=cfg["batch_first"])
     mine = ht.MultiheadAttention(cfg["E"], cfg["H"], **kw)
@@ -162,7 +113,7 @@ def test_torch_module_trains_like_nn_multihead_attention(i, check):
     opt = torch.optim.AdamW(mine.parameters(), lr=1e-2)
     what = ", ".join(f"{a}={b}" for a, b in cfg.items())
     for step in range(3):
-        q, k, v, fkw = inputs(cfg, g)
+        q, k, v, fkw = make_inputs(cfg, g)
         self_attn = k is q
         qa = q.clone().requires_grad_()
         qb = q.clone().requires_grad_()
