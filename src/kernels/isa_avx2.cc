@@ -12,6 +12,7 @@
 
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
+#include "kernels/scratch.h"
 #include "kernels/simd/common.h"
 
 // Vector arguments of the lambdas inside these kernels never cross an ABI boundary.

@@ -13,6 +13,7 @@
 
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
+#include "kernels/scratch.h"
 #include "kernels/simd/common.h"
 
 // GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.

@@ -11,6 +11,7 @@
 
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
+#include "kernels/scratch.h"
 #include "kernels/simd/common.h"
 
 namespace heads::kernels::scalar {

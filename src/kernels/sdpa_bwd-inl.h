@@ -4,19 +4,22 @@
 //
 // Shapes as the forward; dout [B, H, Lq, Dv], lse [B, H, Lq] from the forward.
 //   D_i = rowsum(dO_i ∘ O_i)                                   (the softmax Jacobian's diagonal)
-// per group of key blocks (about 256 KB of K/V rows) of one (b, kv head), per query tile i of every
-// head in the group (Q_i and dO_i packed once per group), per key block j of the group:
+// per group of key blocks (about 256 KB of K/V rows) of one (b, kv head), per step of kSub query
+// tiles i of every head in the group (Q_i and dO_i packed once per group), per key block j:
 //   1. S = Q_i K_j^T (recomputed, log2 units, masked);  P = 2^(S - lse2_i)      (forward 1-3)
 //   2. dP = dO_i V_j^T; with dropout Pd = P∘Z/(1-p), dP = dP∘Z/(1-p)            (forward 4)
 //   3. dV_j += Pd^T dO_i
 //   4. dS = P ∘ (dP - D_i)                                       (softmax backward)
 //   5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j          (S = scale · Q K^T)
-// Layout: scores transposed as in the forward ([keys][queries on lanes]); tiles of at most
-// kSmallQ queries use dot products instead. Memory: per thread a few tiles, the dK/dV
-// accumulators of one key group and the D_i of its (b, kv head); no Lq x Lk buffer (unless the
-// mask gradient is requested, which receives dS). Parallel over (b, kv head): each task owns its
-// dK, dV rows and the dQ rows of its query heads, in a fixed order, so results do not depend on
-// the thread count.
+// Layout: scores transposed as in the forward ([keys][queries on lanes]), P and dS of the step's
+// tiles side by side, so S and dP come from the forward's K·Qt micro-kernel (P and dS computed from
+// its accumulators when no mask or dropout intervenes) and dQ_i^T [D][queries] from its V^T·P one,
+// accumulated over a key group and added to dQ once per group; dV_j and dK_j from a register-blocked
+// GEMM over all queries of the step. Steps of at most kSmallQ queries use dot products instead.
+// Memory: per thread a few tiles, the dK/dV accumulators of one key group and the D_i of its
+// (b, kv head); no Lq x Lk buffer (unless the mask gradient is requested, which receives dS).
+// Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads,
+// in a fixed order, so results do not depend on the thread count.
 
 namespace bwd {
 
@@ -27,12 +30,12 @@ using fwd::kW;
 using fwd::VR;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// C[m][0:N] += alpha · sum_k A(m, k) · B[k][0:N] for m < M; A(m, k) = a[m·sam + k·sak] (broadcast),
-// B rows contiguous (stride ldb), C rows stride ldc. Register block: R rows x NV vectors; nn[v] lanes
+// C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N] for m < M (C's old values added when acc_c);
+// A(m, k) = a[m·sam + k·sak] (broadcast), B rows contiguous (stride ldb), C rows stride ldc. Register block: R rows x NV vectors; nn[v] lanes
 // of vector v are live (the last ones may be partial or empty).
 template <int R, int NV>
 HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha) {
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, bool acc_c) {
   VR acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -56,49 +59,52 @@ HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const floa
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kW;
-      Vec::store_partial(cp, Vec::fma(acc[r][v], al, Vec::load_partial(cp, nn[v])), nn[v]);
+      const VR y = acc_c ? Vec::fma(acc[r][v], al, Vec::load_partial(cp, nn[v])) : Vec::mul(acc[r][v], al);
+      Vec::store_partial(cp, y, nn[v]);
     }
   }
 }
 
 template <int R, int NV>
 HEADS_INLINE void gemm_tail(int64_t n, const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha) {
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, bool acc_c) {
   if constexpr (R > 0) {
-    if (n == R) return gemm_rows<R, NV>(a, sam, sak, b, ldb, K, c, ldc, nn, alpha);
-    gemm_tail<R - 1, NV>(n, a, sam, sak, b, ldb, K, c, ldc, nn, alpha);
+    if (n == R) return gemm_rows<R, NV>(a, sam, sak, b, ldb, K, c, ldc, nn, alpha, acc_c);
+    gemm_tail<R - 1, NV>(n, a, sam, sak, b, ldb, K, c, ldc, nn, alpha, acc_c);
   }
 }
 
 // Column panels of NV vectors, row blocks of R.
 template <int R, int NV>
 inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
-                        const float* b, int64_t ldb, float* c, int64_t ldc, float alpha) {
+                        const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, bool acc_c) {
   for (int64_t j = 0; j < N; j += NV * kW) {
     int64_t nn[NV];
     for (int v = 0; v < NV; ++v) nn[v] = std::clamp<int64_t>(N - j - v * kW, 0, kW);
     int64_t m = 0;
-    for (; m + R <= M; m += R) gemm_rows<R, NV>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha);
-    if (m < M) gemm_tail<R - 1, NV>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha);
+    for (; m + R <= M; m += R) {
+      gemm_rows<R, NV>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, acc_c);
+    }
+    if (m < M) gemm_tail<R - 1, NV>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, acc_c);
   }
 }
 
 // Wide rows (N a multiple of 4 vectors, e.g. head dim 128 on AVX-512) use 4-vector panels, which
 // load each broadcast A value once per 4 FMAs instead of 2.
 inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
-                     const float* b, int64_t ldb, float* c, int64_t ldc, float alpha) {
+                     const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, bool acc_c) {
   constexpr int R2 = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
   constexpr int R4 = Vec::kRowsPV / 3 > 0 ? Vec::kRowsPV / 3 : 1;
-  if (N >= 8 * kW && N % (4 * kW) == 0) return gemm_panels<R4, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha);
-  gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha);
+  if (N >= 8 * kW && N % (4 * kW) == 0) return gemm_panels<R4, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
+  gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
 }
 
-// Few-query tiles: out[r·kTQ + l] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of
+// Few-query tiles: out[r·ld + l] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of
 // n values, strides lda / ldb), lanes nq..kTQ-1 zero — the layout qk_block writes, at the cost of
 // nq dot products per key instead of a full tile of kTQ lanes.
 inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t nq,
-                       int64_t n, float alpha, float* out) {
-  for (int64_t r = 0; r < nk; ++r) std::fill(out + r * kTQ + nq, out + (r + 1) * kTQ, 0.0f);
+                       int64_t n, float alpha, float* out, int64_t ld) {
+  for (int64_t r = 0; r < nk; ++r) std::fill(out + r * ld + nq, out + r * ld + kTQ, 0.0f);
   const VR al = Vec::set1(alpha);
   for (int64_t r0 = 0; r0 < nk; r0 += kW) {
     const int64_t nr = std::min<int64_t>(kW, nk - r0);
@@ -117,21 +123,68 @@ inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, 
       }
       alignas(64) float sums[kW];
       Vec::store(sums, Vec::mul(Vec::reduce_lanes(part), al));
-      for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * kTQ + l] = sums[u];
+      for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * ld + l] = sums[u];
     }
+  }
+}
+
+// rows [0, n) of n_cols values (stride ld) = 0
+inline void zero_rows(float* x, int64_t ld, int64_t n, int64_t n_cols) {
+  for (int64_t r = 0; r < n; ++r) std::fill(x + r * ld, x + r * ld + n_cols, 0.0f);
+}
+
+// out[i] = a_i · b_i for rows i < n of `len` values (strides lda, ldb): D_i = dO_i · O_i.
+inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n, int64_t len, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    VR acc = Vec::zero();
+    for (int64_t e = 0; e < len; e += kW) {
+      const int64_t m = std::min<int64_t>(kW, len - e);
+      acc = Vec::fma(Vec::load_partial(a + i * lda + e, m), Vec::load_partial(b + i * ldb + e, m), acc);
+    }
+    alignas(64) float lanes[kW];
+    Vec::store(lanes, acc);
+    float sum = 0.0f;
+    for (int l = 0; l < kW; ++l) sum += lanes[l];
+    out[i] = sum;
   }
 }
 
 // Up to this many queries in a tile, scores and dP come from small_dots.
 constexpr int64_t kSmallQ = 4;
+// Query tiles per step: P, dP and dS of kSub tiles side by side ([keys][kSub·kTQ]) feed the dK/dV
+// products, whose accumulators then make one trip through the cache per kSub·kTQ queries.
+constexpr int64_t kSub = 4;
+constexpr int64_t kLd = kSub * kTQ;
+constexpr int64_t kMaxBlocks = 4;  // key blocks per key group
 
 struct Scratch {
-  float *qt, *dot, *s, *dp, *dk, *dv, *tmp, *dcol, *drow;
-  // span: keys per group (dK, dV accumulators); rows: G·Lq values of D_i
-  static int64_t floats(int64_t D, int64_t Dv, int64_t span, int64_t rows) {
-    return (D + Dv + 2 * kTK) * kTQ + span * (D + Dv) + 2 * kTQ + rows + 64;
+  float *qt, *dot, *dqt, *s, *dp, *pd, *tmp, *drow;
+  // rows: G·Lq values of D_i
+  static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
+    return kSub * (2 * D + Dv) * kTQ + 3 * kTK * kLd + kTQ + rows + 64;
   }
 };
+
+// dQ rows [0, nq) (stride ldq) (+)= scale · dQt^T (added when acc_c), dQt [D][kTQ] as pv_block
+// accumulates it.
+inline void add_transposed(const float* dqt, int64_t D, int64_t nq, float scale, float* dq, int64_t ldq,
+                           bool acc_c) {
+  alignas(64) float blk[kW * kW];
+  const VR sc = Vec::set1(scale);
+  int64_t d0 = 0;
+  for (; d0 + kW <= D; d0 += kW) {
+    for (int64_t l0 = 0; l0 < nq; l0 += kW) {
+      Vec::transpose_scaled(dqt + d0 * kTQ + l0, kTQ, blk, kW, sc);  // blk[l][d] = scale · dQt[d0+d][l0+l]
+      for (int64_t l = 0; l < std::min<int64_t>(kW, nq - l0); ++l) {
+        float* row = dq + (l0 + l) * ldq + d0;
+        Vec::storeu(row, acc_c ? Vec::add(Vec::loadu(row), Vec::load(blk + l * kW)) : Vec::load(blk + l * kW));
+      }
+    }
+  }
+  for (; d0 < D; ++d0) {
+    for (int64_t l = 0; l < nq; ++l) dq[l * ldq + d0] = (acc_c ? dq[l * ldq + d0] : 0.0f) + scale * dqt[d0 * kTQ + l];
+  }
+}
 
 }  // namespace bwd
 
@@ -154,143 +207,178 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   const int64_t n_tasks = P.B * P.Hkv;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
   // Keys per group: about 256 KB of dK/dV accumulators (and as much K/V), a multiple of kTK.
-  const int64_t span = kTK * std::clamp<int64_t>((256 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, 4);
-  const int64_t per = (Scratch::floats(P.D, P.Dv, span, G * P.Lq) + 15) / 16 * 16;
-  std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
-  float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
-  const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
+  const int64_t span = kTK * std::clamp<int64_t>((256 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, kMaxBlocks);
+  const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
+  float* arena = thread_scratch(per * n_threads);
 
 #pragma omp parallel num_threads(n_threads)
   {
     float* base = arena + per * omp_get_thread_num();
     Scratch W;
     W.qt = base;
-    W.dot = W.qt + P.D * kTQ;
-    W.s = W.dot + P.Dv * kTQ;
-    W.dp = W.s + kTK * kTQ;
-    W.dk = W.dp + kTK * kTQ;
-    W.dv = W.dk + span * P.D;
-    W.tmp = W.dv + span * P.Dv;
-    W.dcol = W.tmp + kTQ;
-    W.drow = W.dcol + kTQ;
+    W.dot = W.qt + kSub * P.D * kTQ;
+    W.dqt = W.dot + kSub * P.Dv * kTQ;
+    W.s = W.dqt + kSub * P.D * kTQ;
+    W.dp = W.s + kTK * kLd;
+    W.pd = W.dp + kTK * kLd;
+    W.tmp = W.pd + kTK * kLd;
+    W.drow = W.tmp + kTQ;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t b = task / P.Hkv, hk = task % P.Hkv;
       const float* kh = kp + b * ks[0] + hk * ks[1];
       const float* vh = vp + b * vs[0] + hk * vs[1];
-      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {  // this task's dQ rows start at zero
-        for (int64_t i = 0; i < P.Lq; ++i) {
-          float* row = dqp + b * dqs[0] + h * dqs[1] + i * dqs[2];
-          std::fill(row, row + P.D, 0.0f);
-        }
-      }
-      // D_i = dO_i · O_i for every query row of the group's heads, once per task.
-      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-        for (int64_t i = 0; i < P.Lq; ++i) {
-          const float* g = gp + b * gs[0] + h * gs[1] + i * gs[2];
-          const float* o = op + b * os[0] + h * os[1] + i * os[2];
-          VR acc = Vec::zero();
-          for (int64_t e = 0; e < P.Dv; e += kW) {
-            const int64_t n = std::min<int64_t>(kW, P.Dv - e);
-            acc = Vec::fma(Vec::load_partial(g + e, n), Vec::load_partial(o + e, n), acc);
-          }
-          alignas(64) float lanes[kW];
-          Vec::store(lanes, acc);
-          float sum = 0.0f;
-          for (int l = 0; l < kW; ++l) sum += lanes[l];
-          W.drow[(h - hk * G) * P.Lq + i] = sum;
-        }
-      }
       // Key groups of `span` keys: their K, V rows and dK, dV accumulators stay in L2 while every
-      // query tile streams past once per group (not once per key block).
+      // query step streams past once per group (not once per key block).
       for (int64_t jg = 0; jg < P.Lk; jg += span) {
         const int64_t ng = std::min(P.Lk - jg, span);
-        std::fill(W.dk, W.dk + ng * P.D, 0.0f);
-        std::fill(W.dv, W.dv + ng * P.Dv, 0.0f);
+        float* dkg = dkp + b * dks[0] + hk * dks[1] + jg * dks[2];  // accumulated in place
+        float* dvg = dvp + b * dvs[0] + hk * dvs[1] + jg * dvs[2];
+        bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
+        const bool first_group = jg == 0;  // dQ rows and D_i are set up in the first group
         for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-          for (int64_t it = 0; it < n_qt; ++it) {
-            const int64_t i0 = it * kTQ, nq = std::min(P.Lq - i0, kTQ);
-            if (P.causal && jg > i0 + nq - 1 + P.causal_offset) continue;  // every key hidden
-            const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
-            const float* q0 = qp + b * qs[0] + h * qs[1] + i0 * qs[2];
-            const float* g0 = gp + b * gs[0] + h * gs[1] + i0 * gs[2];
-            const bool few = nq <= kSmallQ;
-            if (!few) {
-              fwd::Widen<float>::pack_q(q0, qs[2], nq, P.D, c, W.qt);
-              fwd::Widen<float>::pack_q(g0, gs[2], nq, P.Dv, 1.0f, W.dot);
+          // Steps of kSub query tiles: queries [I0, I0 + nqs), tile u at columns u·kTQ.
+          for (int64_t I0 = 0; I0 < P.Lq; I0 += kLd) {
+            const int64_t nqs = std::min(P.Lq - I0, kLd);
+            const int64_t n_sub = (nqs + kTQ - 1) / kTQ;
+            float* dq0 = dqp + b * dqs[0] + h * dqs[1] + I0 * dqs[2];
+            const bool few = nqs <= kSmallQ;
+            if (P.causal && jg > I0 + nqs - 1 + P.causal_offset) {  // every key hidden
+              if (first_group) zero_rows(dq0, dqs[2], nqs, P.D);
+              continue;
             }
-            alignas(64) float lse2[kTQ], dsum[kTQ];
-            for (int64_t l = 0; l < kTQ; ++l) {
-              const float x = l < nq ? lp[(b * P.H + h) * P.Lq + i0 + l] : -kInf;
+            if (few && first_group) zero_rows(dq0, dqs[2], nqs, P.D);
+            const float* q0 = qp + b * qs[0] + h * qs[1] + I0 * qs[2];
+            const float* g0 = gp + b * gs[0] + h * gs[1] + I0 * gs[2];
+            float* drow = W.drow + (h - hk * G) * P.Lq + I0;
+            if (first_group) row_dots(g0, gs[2], op + b * os[0] + h * os[1] + I0 * os[2], os[2], nqs, P.Dv, drow);
+            alignas(64) float lse2[kLd], dsum[kLd];
+            for (int64_t l = 0; l < kLd; ++l) {
+              const float x = l < nqs ? lp[(b * P.H + h) * P.Lq + I0 + l] : -kInf;
               lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
-              dsum[l] = l < nq ? W.drow[(h - hk * G) * P.Lq + i0 + l] : 0.0f;
+              dsum[l] = l < nqs ? drow[l] : 0.0f;
+            }
+            const VR ones[kNQ] = {Vec::set1(1.0f), Vec::set1(1.0f)};
+            if (!few) {
+              std::fill(W.dqt, W.dqt + n_sub * P.D * kTQ, 0.0f);
+              for (int64_t u = 0; u < n_sub; ++u) {
+                const int64_t nq = std::min(nqs - u * kTQ, kTQ);
+                fwd::Widen<float>::pack_q(q0 + u * kTQ * qs[2], qs[2], nq, P.D, c, W.qt + u * P.D * kTQ);
+                fwd::Widen<float>::pack_q(g0 + u * kTQ * gs[2], gs[2], nq, P.Dv, 1.0f, W.dot + u * P.Dv * kTQ);
+              }
             }
             for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
               const int64_t nk = std::min(jg + ng - j0, kTK);
-              if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) break;  // this and later keys hidden
-              float* dkj = W.dk + (j0 - jg) * P.D;
-              float* dvj = W.dv + (j0 - jg) * P.Dv;
-              // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
-              if (few) {
-                small_dots(nk, kh + j0 * ks[2], ks[2], q0, qs[2], nq, P.D, c, W.s);
-              } else {
-                fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, W.s, nullptr);
-              }
-              VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-              const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
-              if (causal_here || P.mask_kind != MaskKind::None) fwd::apply_masks(t, j0, nk, causal_here, W.s, mx);
-              for (int64_t r = 0; r < nk; ++r) {
-                for (int vv = 0; vv < kNQ; ++vv) {
-                  float* sp = W.s + r * kTQ + vv * kW;
-                  Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), Vec::load(lse2 + vv * kW))));
-                }
-              }
-              // 2. dP^T = V_j · dO_i^T
-              if (few) {
-                small_dots(nk, vh + j0 * vs[2], vs[2], g0, gs[2], nq, P.Dv, 1.0f, W.dp);
-              } else {
-                fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot, P.Dv, W.dp, nullptr);
-              }
-              // 3. dV_j += Pd^T dO_i
-              if (P.dropout_p > 0.0) {
-                for (int64_t r = 0; r < nk; ++r) {
-                  for (int64_t l = 0; l < nq; ++l) {
-                    const float z = dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p) ? keep_scale : 0.0f;
-                    W.dp[r * kTQ + l] *= z;       // dP = dP ∘ Z/(1-p)
-                    W.dcol[l] = z;
+              if (P.causal && j0 > I0 + nqs - 1 + P.causal_offset) break;  // this and later keys hidden
+              float* dkj = dkg + (j0 - jg) * dks[2];
+              float* dvj = dvg + (j0 - jg) * dvs[2];
+              for (int64_t u = 0; u < n_sub; ++u) {
+                const int64_t i0 = I0 + u * kTQ, nq = std::min(nqs - u * kTQ, kTQ);
+                float* s = W.s + u * kTQ;
+                float* dp = W.dp + u * kTQ;
+                float* pd = W.pd + u * kTQ;
+                if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) {  // tile sees none of these keys
+                  for (int64_t r = 0; r < nk; ++r) {
+                    std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
+                    std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
+                    if (P.dropout_p > 0.0) std::fill(pd + r * kLd, pd + r * kLd + kTQ, 0.0f);
                   }
-                  // dV_j[r] += sum_l P[r][l] z[r][l] dO[l]
-                  for (int64_t l = 0; l < nq; ++l) W.dcol[l] *= W.s[r * kTQ + l];  // Pd = P z
-                  gemm_acc(1, P.Dv, nq, W.dcol, 0, 1, g0, gs[2], dvj + r * P.Dv, P.Dv, 1.0f);
+                  continue;
                 }
-              } else {
-                gemm_acc(nk, P.Dv, nq, W.s, kTQ, 1, g0, gs[2], dvj, P.Dv, 1.0f);
-              }
-              // 4. dS = P ∘ (dP - D)
-              for (int64_t r = 0; r < nk; ++r) {
-                for (int vv = 0; vv < kNQ; ++vv) {
-                  const VR pv = Vec::load(W.s + r * kTQ + vv * kW);
-                  const VR d = Vec::sub(Vec::load(W.dp + r * kTQ + vv * kW), Vec::load(dsum + vv * kW));
-                  Vec::store(W.dp + r * kTQ + vv * kW, Vec::mul(pv, d));
+                const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
+                // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
+                const float* l2 = lse2 + u * kTQ;
+                const float* ds = dsum + u * kTQ;
+                const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
+                const VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
+                const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
+                const bool masked = causal_here || P.mask_kind != MaskKind::None;
+                if (!few && !masked) {  // P straight from the accumulators
+                  fwd::qk_block_with(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
+                    Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
+                    Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
+                  });
+                } else {
+                  if (few) {
+                    small_dots(nk, kh + j0 * ks[2], ks[2], q0, qs[2], nq, P.D, c, s, kLd);
+                  } else {
+                    fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
+                  }
+                  VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+                  if (masked) fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
+                  for (int64_t r = 0; r < nk; ++r) {
+                    for (int vv = 0; vv < kNQ; ++vv) {
+                      float* sp = s + r * kLd + vv * kW;
+                      Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), l2v[vv])));
+                    }
+                  }
                 }
-                if (nq < kTQ) std::fill(W.dp + r * kTQ + nq, W.dp + (r + 1) * kTQ, 0.0f);
-              }
-              if (dmask_full != nullptr) {
-                for (int64_t l = 0; l < nq; ++l) {
-                  float* row = dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0;
-                  for (int64_t r = 0; r < nk; ++r) row[r] = W.dp[r * kTQ + l];
+                // 2. dP^T = V_j · dO_i^T; with dropout Pd = P ∘ Z/(1-p) and dP = dP ∘ Z/(1-p)
+                // 4. dS = P ∘ (dP - D)
+                if (!few && P.dropout_p == 0.0) {  // dS straight from the accumulators
+                  fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
+                    Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
+                    Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
+                  });
+                } else {
+                  if (few) {
+                    small_dots(nk, vh + j0 * vs[2], vs[2], g0, gs[2], nq, P.Dv, 1.0f, dp, kLd);
+                  } else {
+                    fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
+                  }
+                  if (P.dropout_p > 0.0) {
+                    for (int64_t r = 0; r < nk; ++r) {
+                      for (int64_t l = 0; l < kTQ; ++l) {
+                        const float z = l < nq && dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p)
+                                            ? keep_scale
+                                            : 0.0f;
+                        dp[r * kLd + l] *= z;
+                        pd[r * kLd + l] = s[r * kLd + l] * z;
+                      }
+                    }
+                  }
+                  for (int64_t r = 0; r < nk; ++r) {
+                    for (int vv = 0; vv < kNQ; ++vv) {
+                      const VR pv = Vec::load(s + r * kLd + vv * kW);
+                      const VR d = Vec::sub(Vec::load(dp + r * kLd + vv * kW), dsv[vv]);
+                      Vec::store(dp + r * kLd + vv * kW, Vec::mul(pv, d));
+                    }
+                  }
+                }
+                if (dmask_full != nullptr) {
+                  for (int64_t l = 0; l < nq; ++l) {
+                    float* row = dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0;
+                    for (int64_t r = 0; r < nk; ++r) row[r] = dp[r * kLd + l];
+                  }
                 }
               }
-              // 5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j
-              gemm_acc(nk, P.D, nq, W.dp, kTQ, 1, q0, qs[2], dkj, P.D, scale);
-              gemm_acc(nq, P.D, nk, W.dp, 1, kTQ, kh + j0 * ks[2], ks[2], dqp + b * dqs[0] + h * dqs[1] + i0 * dqs[2],
-                       dqs[2], scale);
+              // 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j  (all nqs queries)
+              bool& acc_kv = written[(j0 - jg) / kTK];
+              gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? W.pd : W.s, kLd, 1, g0, gs[2], dvj, dvs[2], 1.0f, acc_kv);
+              gemm_acc(nk, P.D, nqs, W.dp, kLd, 1, q0, qs[2], dkj, dks[2], scale, acc_kv);
+              acc_kv = true;
+              if (few) {
+                gemm_acc(nqs, P.D, nk, W.dp, 1, kLd, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale, true);
+              } else {  // dQt [D][queries] += K_j^T · dS^T: the forward's P·V micro-kernel
+                for (int64_t u = 0; u < n_sub; ++u) {
+                  if (P.causal && j0 > I0 + u * kTQ + std::min(nqs - u * kTQ, kTQ) - 1 + P.causal_offset) continue;  // dS = 0
+                  fwd::pv_block(P.D, kh + j0 * ks[2], ks[2], W.dp + u * kTQ, nk, W.dqt + u * P.D * kTQ, ones, kLd);
+                }
+              }
+            }
+            if (!few) {  // dQ += scale · dQt^T for this key group
+              for (int64_t u = 0; u < n_sub; ++u) {
+                add_transposed(W.dqt + u * P.D * kTQ, P.D, std::min(nqs - u * kTQ, kTQ), scale,
+                               dq0 + u * kTQ * dqs[2], dqs[2], !first_group);
+              }
             }
           }
         }
-        for (int64_t r = 0; r < ng; ++r) {
-          std::copy_n(W.dk + r * P.D, P.D, dkp + b * dks[0] + hk * dks[1] + (jg + r) * dks[2]);
-          std::copy_n(W.dv + r * P.Dv, P.Dv, dvp + b * dvs[0] + hk * dvs[1] + (jg + r) * dvs[2]);
+        for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {  // key blocks no query sees
+          if (written[(j0 - jg) / kTK]) continue;
+          const int64_t nk = std::min(jg + ng - j0, kTK);
+          zero_rows(dkg + (j0 - jg) * dks[2], dks[2], nk, P.D);
+          zero_rows(dvg + (j0 - jg) * dvs[2], dvs[2], nk, P.Dv);
         }
       }
     }

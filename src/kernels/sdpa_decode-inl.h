@@ -289,8 +289,7 @@ inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, 
   float* po_base = po.data() + (16 - (reinterpret_cast<uintptr_t>(po.data()) / 4) % 16) % 16;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
   const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock + S.Dvp, 16);
-  std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
-  float* arena = arena_storage.data() + (16 - (reinterpret_cast<uintptr_t>(arena_storage.data()) / 4) % 16) % 16;
+  float* arena = thread_scratch(per * n_threads);
   float* lse_p = lse.data<float>();
   T* out_p = static_cast<T*>(out.raw_data());
   const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};

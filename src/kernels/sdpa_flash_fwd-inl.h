@@ -44,9 +44,10 @@ HEADS_INLINE float widen(uint16_t x) {
   return f;
 }
 
-// S rows r < R:  S[r][:] = sum_d K[r][d] · Qt[d][:];  mx = max(mx, S[r][:]) when mx != nullptr.
-template <int R, class T>
-HEADS_INLINE void qk_rows(const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
+// S rows r < R:  S[r][:] = sum_d K[r][d] · Qt[d][:], handed to out(r, lanes 0..W-1, lanes W..2W-1)
+// (which stores them, possibly transformed).
+template <int R, class T, class Out>
+HEADS_INLINE void qk_rows(const T* k, int64_t ks, const float* qt, int64_t D, Out& out) {
   VR acc[R][kNQ];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
@@ -63,20 +64,49 @@ HEADS_INLINE void qk_rows(const T* k, int64_t ks, const float* qt, int64_t D, fl
     }
   }
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    Vec::store(s + r * kTQ, acc[r][0]);
-    Vec::store(s + r * kTQ + kW, acc[r][1]);
-    if (mx != nullptr) {
-      mx[0] = Vec::max(mx[0], acc[r][0]);
-      mx[1] = Vec::max(mx[1], acc[r][1]);
-    }
-  }
+  for (int r = 0; r < R; ++r) out(r, acc[r][0], acc[r][1]);
 }
 
-// Ot rows r < R (head-dim entries d0 + r):  Ot[r][:] = Ot[r][:] · alpha + sum_j V[j][r] · P[j][:].
+// Runs rows [0, n) in steps of R, the remainder through the smaller instantiations; out(r, ...)
+// receives row r of the block.
+template <int R, class T, class Out>
+HEADS_INLINE void qk_tail(int64_t n, int64_t r0, const T* k, int64_t ks, const float* qt, int64_t D,
+                          Out& out) {
+  if constexpr (R > 0) {
+    auto at = [&](int r, VR a0, VR a1) { out(r0 + r, a0, a1); };
+    if (n == R) return qk_rows<R>(k, ks, qt, D, at);
+    qk_tail<R - 1>(n, r0, k, ks, qt, D, out);
+  }
+}
+template <class T, class Out>
+HEADS_INLINE void qk_block_with(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, Out&& out) {
+  constexpr int R = Vec::kRowsQK;
+  int64_t r = 0;
+  for (; r + R <= n; r += R) {
+    auto at = [&](int i, VR a0, VR a1) { out(r + i, a0, a1); };
+    qk_rows<R>(k + r * ks, ks, qt, D, at);
+  }
+  if (r < n) qk_tail<R - 1>(n - r, r, k + r * ks, ks, qt, D, out);
+}
+// S rows (stride lds) = K · Qt; mx = max(mx, S rows) when mx != nullptr.
+template <class T>
+inline void qk_block(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx,
+                     int64_t lds = kTQ) {
+  qk_block_with(n, k, ks, qt, D, [&](int64_t r, VR a0, VR a1) {
+    Vec::store(s + r * lds, a0);
+    Vec::store(s + r * lds + kW, a1);
+    if (mx != nullptr) {
+      mx[0] = Vec::max(mx[0], a0);
+      mx[1] = Vec::max(mx[1], a1);
+    }
+  });
+}
+
+// Ot rows r < R (head-dim entries d0 + r):  Ot[r][:] = Ot[r][:] · alpha + sum_j V[j][r] · P[j][:]
+// (P rows stride ldp).
 template <int R, class T>
 HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
-                          const VR* alpha) {
+                          const VR* alpha, int64_t ldp) {
   VR acc[R][kNQ];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -84,7 +114,7 @@ HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, fl
     acc[r][1] = Vec::mul(Vec::load(ot + r * kTQ + kW), alpha[1]);
   }
   for (int64_t j = 0; j < nk; ++j) {
-    const VR b0 = Vec::load(p + j * kTQ), b1 = Vec::load(p + j * kTQ + kW);
+    const VR b0 = Vec::load(p + j * ldp), b1 = Vec::load(p + j * ldp + kW);
     const T* vj = v + j * vs;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -100,38 +130,21 @@ HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, fl
   }
 }
 
-// Runs rows [0, n) in steps of R, the remainder through the smaller instantiations.
-template <int R, class T>
-HEADS_INLINE void qk_tail(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s,
-                          VR* mx) {
-  if constexpr (R > 0) {
-    if (n == R) return qk_rows<R>(k, ks, qt, D, s, mx);
-    qk_tail<R - 1>(n, k, ks, qt, D, s, mx);
-  }
-}
-template <class T>
-inline void qk_block(int64_t n, const T* k, int64_t ks, const float* qt, int64_t D, float* s, VR* mx) {
-  constexpr int R = Vec::kRowsQK;
-  int64_t r = 0;
-  for (; r + R <= n; r += R) qk_rows<R>(k + r * ks, ks, qt, D, s + r * kTQ, mx);
-  if (r < n) qk_tail<R - 1>(n - r, k + r * ks, ks, qt, D, s + r * kTQ, mx);
-}
-
 template <int R, class T>
 HEADS_INLINE void pv_tail(int64_t n, const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
-                          const VR* alpha) {
+                          const VR* alpha, int64_t ldp) {
   if constexpr (R > 0) {
-    if (n == R) return pv_rows<R>(v, vs, p, nk, ot, alpha);
-    pv_tail<R - 1>(n, v, vs, p, nk, ot, alpha);
+    if (n == R) return pv_rows<R>(v, vs, p, nk, ot, alpha, ldp);
+    pv_tail<R - 1>(n, v, vs, p, nk, ot, alpha, ldp);
   }
 }
 template <class T>
 inline void pv_block(int64_t Dv, const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
-                     const VR* alpha) {
+                     const VR* alpha, int64_t ldp = kTQ) {
   constexpr int R = Vec::kRowsPV;
   int64_t d = 0;
-  for (; d + R <= Dv; d += R) pv_rows<R>(v + d, vs, p, nk, ot + d * kTQ, alpha);
-  if (d < Dv) pv_tail<R - 1>(Dv - d, v + d, vs, p, nk, ot + d * kTQ, alpha);
+  for (; d + R <= Dv; d += R) pv_rows<R>(v + d, vs, p, nk, ot + d * kTQ, alpha, ldp);
+  if (d < Dv) pv_tail<R - 1>(Dv - d, v + d, vs, p, nk, ot + d * kTQ, alpha, ldp);
 }
 
 struct Tile {
@@ -140,8 +153,10 @@ struct Tile {
   float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
-// Applies causal and attn_mask to S rows [0, nk) (keys j0 + r), folding in the running max.
-inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx) {
+// Applies causal and attn_mask to S rows [0, nk) (keys j0 + r, row stride lds), folding in the
+// running max.
+inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx,
+                        int64_t lds = kTQ) {
   const SdpaProblem& P = t.P;
   VR qlim[kNQ];  // key j is hidden from query lane i iff j > i + causal_offset
   for (int v = 0; v < kNQ; ++v) {
@@ -168,11 +183,11 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       add[1] = Vec::load(t.tmp + kW);
     }
     for (int v = 0; v < kNQ; ++v) {
-      VR x = Vec::load(s + r * kTQ + v * kW);
+      VR x = Vec::load(s + r * lds + v * kW);
       if (has_mask) x = Vec::add(x, add[v]);
       if (causal_here) x = Vec::fill_if_gt(x, Vec::set1(static_cast<float>(j)), qlim[v], -kInf);
       mx[v] = Vec::max(mx[v], x);
-      Vec::store(s + r * kTQ + v * kW, x);
+      Vec::store(s + r * lds + v * kW, x);
     }
   }
 }
@@ -374,9 +389,7 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
   // Per-thread scratch, each slice a multiple of 64 bytes.
   const int64_t cache = (Pol::cache_floats(P) + 15) / 16 * 16;
   const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16 + cache;
-  std::vector<float> arena_storage(static_cast<size_t>(per * n_threads + 16));
-  float* arena = arena_storage.data();
-  arena += (16 - (reinterpret_cast<uintptr_t>(arena) / sizeof(float)) % 16) % 16;
+  float* arena = thread_scratch(per * n_threads);
   std::vector<int64_t> cache_state(static_cast<size_t>(16 * n_threads), -1);  // a line per thread
 
 #pragma omp parallel num_threads(n_threads)

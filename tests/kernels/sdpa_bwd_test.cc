@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -85,11 +86,21 @@ TEST(SdpaBackward, ReferenceMatchesFiniteDifferences) {
   expect_matches_finite_differences(randn({1, 4, 3, 4}), k, v, o, "gqa");
 }
 
-// The active path's forward + backward against the float64 reference gradients.
+Tensor filled(const Shape& shape, float value) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::fill(t.data<float>(), t.data<float>() + t.numel(), value);
+  return t;
+}
+
+// The active path's forward + backward against the float64 reference gradients. The gradients go
+// into NaN-filled tensors: every element must be written (the kernel sets, not adds, its first
+// contribution, and zeroes rows no score reaches).
 void expect_fast_matches(const SdpaGrads& ref, const Tensor& dout, const Tensor& q, const Tensor& k,
                          const Tensor& v, const SdpaOptions& o, bool mask_grad, const std::string& what) {
   const SdpaResult f = sdpa(q, k, v, o);
-  const SdpaGrads g = sdpa_backward(dout, q, k, v, f, o, mask_grad);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const SdpaGrads g = sdpa_backward_out(filled(q.shape(), nan), filled(k.shape(), nan), filled(v.shape(), nan),
+                                        dout, q, k, v, f, o, mask_grad);
   for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"},
                                         {&g.dv, &ref.dv, "dv"}, {&g.dmask, &ref.dmask, "dmask"}}) {
     if (!want->defined()) continue;
@@ -186,12 +197,6 @@ TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
       }
     }
   }
-}
-
-Tensor filled(const Shape& shape, float value) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::fill(t.data<float>(), t.data<float>() + t.numel(), value);
-  return t;
 }
 
 TEST(SdpaBackward, OutVariantWritesIntoStridedViews) {
