@@ -89,13 +89,14 @@ inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t
   }
 }
 
-// Wide rows (N a multiple of 4 vectors, e.g. head dim 128 on AVX-512) use 4-vector panels, which
-// load each broadcast A value once per 4 FMAs instead of 2.
+// With 32 vector registers (AVX-512), rows that are a multiple of 4 vectors (head dims 64, 128)
+// use 6 x 4-vector blocks: 10 loads per 24 FMAs instead of 8 per 12.
 inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
                      const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, bool acc_c) {
   constexpr int R2 = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
-  constexpr int R4 = Vec::kRowsPV / 3 > 0 ? Vec::kRowsPV / 3 : 1;
-  if (N >= 8 * kW && N % (4 * kW) == 0) return gemm_panels<R4, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
+  if constexpr (Vec::kRowsPV >= 12) {
+    if (N % (4 * kW) == 0) return gemm_panels<Vec::kRowsPV / 2, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
+  }
   gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
 }
 
