@@ -100,12 +100,10 @@ inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sa
   gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
 }
 
-// Few-query tiles: out[r·ld + l] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of
-// n values, strides lda / ldb), lanes nq..kTQ-1 zero — the layout qk_block writes, at the cost of
-// nq dot products per key instead of a full tile of kTQ lanes.
+// out[r·ldr + l·ldl] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of n values,
+// strides lda / ldb): a few queries' scores as nq dot products per key.
 inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t nq,
-                       int64_t n, float alpha, float* out, int64_t ld) {
-  for (int64_t r = 0; r < nk; ++r) std::fill(out + r * ld + nq, out + r * ld + kTQ, 0.0f);
+                       int64_t n, float alpha, float* out, int64_t ldr, int64_t ldl) {
   const VR al = Vec::set1(alpha);
   for (int64_t r0 = 0; r0 < nk; r0 += kW) {
     const int64_t nr = std::min<int64_t>(kW, nk - r0);
@@ -124,7 +122,7 @@ inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, 
       }
       alignas(64) float sums[kW];
       Vec::store(sums, Vec::mul(Vec::reduce_lanes(part), al));
-      for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * ld + l] = sums[u];
+      for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * ldr + l * ldl] = sums[u];
     }
   }
 }
@@ -147,6 +145,54 @@ inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, i
     float sum = 0.0f;
     for (int l = 0; l < kW; ++l) sum += lanes[l];
     out[i] = sum;
+  }
+}
+
+// Steps of at most kSmallQ queries: P, dS (and Pd with dropout) of queries l < t.nq and keys
+// j0 + r, r < nk, stored query-major (s[l·kTK + r]) so every pass runs along the keys.
+inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* kr, int64_t ks2, const float* vr,
+                      int64_t vs2, const float* q0, int64_t qs2, const float* g0, int64_t gs2, const float* lse2,
+                      const float* dsum, float c, float* s, float* dp, float* pd) {
+  const SdpaProblem& P = t.P;
+  const int64_t nq = t.nq;
+  small_dots(nk, kr, ks2, q0, qs2, nq, P.D, c, s, 1, kTK);
+  small_dots(nk, vr, vs2, g0, gs2, nq, P.Dv, 1.0f, dp, 1, kTK);
+  const bool has_mask = P.mask_kind != MaskKind::None;
+  const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
+  for (int64_t l = 0; l < nq; ++l) {
+    const int64_t i = t.i0 + l;
+    float* sl = s + l * kTK;
+    float* dl = dp + l * kTK;
+    if (has_mask || P.causal) {
+      const int64_t m0 = has_mask ? P.mask_offset(t.b, t.h, i) : 0, ms3 = has_mask ? P.mask.stride(3) : 0;
+      for (int64_t r = 0; r < nk; ++r) {
+        const int64_t j = j0 + r;
+        if (P.causal && j > i + P.causal_offset) {
+          sl[r] = -kInf;
+        } else if (P.mask_kind == MaskKind::Bool) {
+          if (!static_cast<const uint8_t*>(P.mask.raw_data())[m0 + j * ms3]) sl[r] = -kInf;
+        } else if (P.mask_kind == MaskKind::Float) {
+          sl[r] += static_cast<const float*>(P.mask.raw_data())[m0 + j * ms3] * kLog2e;
+        }
+      }
+    }
+    const VR l2 = Vec::set1(lse2[l]), d = Vec::set1(dsum[l]);
+    for (int64_t r = 0; r < nk; r += kW) {
+      const int64_t m = std::min<int64_t>(kW, nk - r);
+      Vec::store_partial(sl + r, Vec::exp2(Vec::sub(Vec::load_partial(sl + r, m), l2)), m);  // P
+    }
+    if (P.dropout_p > 0.0) {  // Pd = P ∘ Z/(1-p), dP = dP ∘ Z/(1-p)
+      for (int64_t r = 0; r < nk; ++r) {
+        const float z = dropout_keep(P.seed, dropout_index(P, t.b, t.h, i, j0 + r), P.dropout_p) ? keep_scale : 0.0f;
+        dl[r] *= z;
+        pd[l * kTK + r] = sl[r] * z;
+      }
+    }
+    for (int64_t r = 0; r < nk; r += kW) {  // dS = P ∘ (dP - D)
+      const int64_t m = std::min<int64_t>(kW, nk - r);
+      const VR x = Vec::mul(Vec::load_partial(sl + r, m), Vec::sub(Vec::load_partial(dl + r, m), d));
+      Vec::store_partial(dl + r, x, m);
+    }
   }
 }
 
@@ -275,6 +321,17 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               float* dvj = dvg + (j0 - jg) * dvs[2];
               for (int64_t u = 0; u < n_sub; ++u) {
                 const int64_t i0 = I0 + u * kTQ, nq = std::min(nqs - u * kTQ, kTQ);
+                const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
+                if (few) {
+                  few_block(t, j0, nk, kh + j0 * ks[2], ks[2], vh + j0 * vs[2], vs[2], q0, qs[2], g0, gs[2], lse2,
+                            dsum, c, W.s, W.dp, W.pd);
+                  if (dmask_full != nullptr) {
+                    for (int64_t l = 0; l < nq; ++l) {
+                      std::copy_n(W.dp + l * kTK, nk, dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0);
+                    }
+                  }
+                  continue;
+                }
                 float* s = W.s + u * kTQ;
                 float* dp = W.dp + u * kTQ;
                 float* pd = W.pd + u * kTQ;
@@ -286,7 +343,6 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                   }
                   continue;
                 }
-                const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
                 // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
                 const float* l2 = lse2 + u * kTQ;
                 const float* ds = dsum + u * kTQ;
@@ -294,19 +350,15 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 const VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
                 const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
                 const bool masked = causal_here || P.mask_kind != MaskKind::None;
-                if (!few && !masked) {  // P straight from the accumulators
+                if (!masked) {  // P straight from the accumulators
                   fwd::qk_block_with(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
                     Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
                     Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
                   });
                 } else {
-                  if (few) {
-                    small_dots(nk, kh + j0 * ks[2], ks[2], q0, qs[2], nq, P.D, c, s, kLd);
-                  } else {
-                    fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
-                  }
+                  fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
                   VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-                  if (masked) fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
+                  fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
                   for (int64_t r = 0; r < nk; ++r) {
                     for (int vv = 0; vv < kNQ; ++vv) {
                       float* sp = s + r * kLd + vv * kW;
@@ -316,17 +368,13 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 }
                 // 2. dP^T = V_j · dO_i^T; with dropout Pd = P ∘ Z/(1-p) and dP = dP ∘ Z/(1-p)
                 // 4. dS = P ∘ (dP - D)
-                if (!few && P.dropout_p == 0.0) {  // dS straight from the accumulators
+                if (P.dropout_p == 0.0) {  // dS straight from the accumulators
                   fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
                     Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
                     Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
                   });
                 } else {
-                  if (few) {
-                    small_dots(nk, vh + j0 * vs[2], vs[2], g0, gs[2], nq, P.Dv, 1.0f, dp, kLd);
-                  } else {
-                    fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
-                  }
+                  fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
                   if (P.dropout_p > 0.0) {
                     for (int64_t r = 0; r < nk; ++r) {
                       for (int64_t l = 0; l < kTQ; ++l) {
@@ -355,11 +403,13 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               }
               // 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j  (all nqs queries)
               bool& acc_kv = written[(j0 - jg) / kTK];
-              gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? W.pd : W.s, kLd, 1, g0, gs[2], dvj, dvs[2], 1.0f, acc_kv);
-              gemm_acc(nk, P.D, nqs, W.dp, kLd, 1, q0, qs[2], dkj, dks[2], scale, acc_kv);
+              const int64_t key_stride = few ? 1 : kLd, query_stride = few ? kTK : 1;  // of P, dS
+              gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? W.pd : W.s, key_stride, query_stride, g0, gs[2], dvj, dvs[2],
+                       1.0f, acc_kv);
+              gemm_acc(nk, P.D, nqs, W.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, acc_kv);
               acc_kv = true;
               if (few) {
-                gemm_acc(nqs, P.D, nk, W.dp, 1, kLd, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale, true);
+                gemm_acc(nqs, P.D, nk, W.dp, kTK, 1, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale, true);
               } else {  // dQt [D][queries] += K_j^T · dS^T: the forward's P·V micro-kernel
                 for (int64_t u = 0; u < n_sub; ++u) {
                   if (P.causal && j0 > I0 + u * kTQ + std::min(nqs - u * kTQ, kTQ) - 1 + P.causal_offset) continue;  // dS = 0
