@@ -149,7 +149,8 @@ inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, i
 }
 
 // Steps of at most kSmallQ queries: P, dS (and Pd with dropout) of queries l < t.nq and keys
-// j0 + r, r < nk, stored query-major (s[l·kTK + r]) so every pass runs along the keys.
+// j0 + r, r < nk, stored query-major (s[l·kTK + r]) so every pass runs along the keys. dsum null:
+// these are all the keys, D_l = sum_r P ∘ dP is taken from the block.
 inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* kr, int64_t ks2, const float* vr,
                       int64_t vs2, const float* q0, int64_t qs2, const float* g0, int64_t gs2, const float* lse2,
                       const float* dsum, float c, float* s, float* dp, float* pd) {
@@ -176,7 +177,7 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
         }
       }
     }
-    const VR l2 = Vec::set1(lse2[l]), d = Vec::set1(dsum[l]);
+    const VR l2 = Vec::set1(lse2[l]);
     for (int64_t r = 0; r < nk; r += kW) {
       const int64_t m = std::min<int64_t>(kW, nk - r);
       Vec::store_partial(sl + r, Vec::exp2(Vec::sub(Vec::load_partial(sl + r, m), l2)), m);  // P
@@ -188,6 +189,21 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
         pd[l * kTK + r] = sl[r] * z;
       }
     }
+    float dl_sum;
+    if (dsum != nullptr) {
+      dl_sum = dsum[l];
+    } else {
+      VR acc = Vec::zero();
+      for (int64_t r = 0; r < nk; r += kW) {
+        const int64_t m = std::min<int64_t>(kW, nk - r);
+        acc = Vec::fma(Vec::load_partial(sl + r, m), Vec::load_partial(dl + r, m), acc);
+      }
+      alignas(64) float lanes[kW];
+      Vec::store(lanes, acc);
+      dl_sum = 0.0f;
+      for (int u = 0; u < kW; ++u) dl_sum += lanes[u];
+    }
+    const VR d = Vec::set1(dl_sum);
     for (int64_t r = 0; r < nk; r += kW) {  // dS = P ∘ (dP - D)
       const int64_t m = std::min<int64_t>(kW, nk - r);
       const VR x = Vec::mul(Vec::load_partial(sl + r, m), Vec::sub(Vec::load_partial(dl + r, m), d));
@@ -255,6 +271,9 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
   // Keys per group: about 256 KB of dK/dV accumulators (and as much K/V), a multiple of kTK.
   const int64_t span = kTK * std::clamp<int64_t>((256 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, kMaxBlocks);
+  // All keys in one block: D_i = dO_i · O_i equals sum_j P_ij dP_ij over that block, so it comes
+  // from the block's tiles and O is not read.
+  const bool one_block = P.Lk <= kTK;
   const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
   float* arena = thread_scratch(per * n_threads);
 
@@ -298,12 +317,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             const float* q0 = qp + b * qs[0] + h * qs[1] + I0 * qs[2];
             const float* g0 = gp + b * gs[0] + h * gs[1] + I0 * gs[2];
             float* drow = W.drow + (h - hk * G) * P.Lq + I0;
-            if (first_group) row_dots(g0, gs[2], op + b * os[0] + h * os[1] + I0 * os[2], os[2], nqs, P.Dv, drow);
+            if (first_group && !one_block) {
+              row_dots(g0, gs[2], op + b * os[0] + h * os[1] + I0 * os[2], os[2], nqs, P.Dv, drow);
+            }
             alignas(64) float lse2[kLd], dsum[kLd];
             for (int64_t l = 0; l < kLd; ++l) {
               const float x = l < nqs ? lp[(b * P.H + h) * P.Lq + I0 + l] : -kInf;
               lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
-              dsum[l] = l < nqs ? drow[l] : 0.0f;
+              dsum[l] = l < nqs && !one_block ? drow[l] : 0.0f;
             }
             const VR ones[kNQ] = {Vec::set1(1.0f), Vec::set1(1.0f)};
             if (!few) {
@@ -324,7 +345,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
                 if (few) {
                   few_block(t, j0, nk, kh + j0 * ks[2], ks[2], vh + j0 * vs[2], vs[2], q0, qs[2], g0, gs[2], lse2,
-                            dsum, c, W.s, W.dp, W.pd);
+                            one_block ? nullptr : dsum, c, W.s, W.dp, W.pd);
                   if (dmask_full != nullptr) {
                     for (int64_t l = 0; l < nq; ++l) {
                       std::copy_n(W.dp + l * kTK, nk, dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0);
@@ -347,7 +368,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 const float* l2 = lse2 + u * kTQ;
                 const float* ds = dsum + u * kTQ;
                 const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
-                const VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
+                VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
                 const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
                 const bool masked = causal_here || P.mask_kind != MaskKind::None;
                 if (!masked) {  // P straight from the accumulators
@@ -368,7 +389,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 }
                 // 2. dP^T = V_j · dO_i^T; with dropout Pd = P ∘ Z/(1-p) and dP = dP ∘ Z/(1-p)
                 // 4. dS = P ∘ (dP - D)
-                if (P.dropout_p == 0.0) {  // dS straight from the accumulators
+                if (P.dropout_p == 0.0 && !one_block) {  // dS straight from the accumulators
                   fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
                     Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
                     Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
@@ -383,6 +404,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                                             : 0.0f;
                         dp[r * kLd + l] *= z;
                         pd[r * kLd + l] = s[r * kLd + l] * z;
+                      }
+                    }
+                  }
+                  if (one_block) {  // D = sum over the keys of P ∘ dP
+                    dsv[0] = dsv[1] = Vec::zero();
+                    for (int64_t r = 0; r < nk; ++r) {
+                      for (int vv = 0; vv < kNQ; ++vv) {
+                        dsv[vv] = Vec::fma(Vec::load(s + r * kLd + vv * kW), Vec::load(dp + r * kLd + vv * kW), dsv[vv]);
                       }
                     }
                   }
