@@ -3,7 +3,8 @@
 // reuses (Q packing, the K·Qt micro-kernel, masks, dropout).
 //
 // Shapes as the forward; dout [B, H, Lq, Dv], lse [B, H, Lq] from the forward.
-//   D_i = rowsum(dO_i ∘ O_i)                                   (the softmax Jacobian's diagonal)
+//   D_i = rowsum(dO_i ∘ O_i)    (the softmax Jacobian's diagonal; = rowsum(P_i ∘ dP_i), which is
+//                                how it is taken when all keys fit one block, sparing the read of O)
 // per group of key blocks (about 256 KB of K/V rows) of one (b, kv head), per step of kSub query
 // tiles i of every head in the group (Q_i and dO_i packed once per group), per key block j:
 //   1. S = Q_i K_j^T (recomputed, log2 units, masked);  P = 2^(S - lse2_i)      (forward 1-3)
@@ -15,9 +16,11 @@
 // tiles side by side, so S and dP come from the forward's K·Qt micro-kernel (P and dS computed from
 // its accumulators when no mask or dropout intervenes) and dQ_i^T [D][queries] from its V^T·P one,
 // accumulated over a key group and added to dQ once per group; dV_j and dK_j from a register-blocked
-// GEMM over all queries of the step. Steps of at most kSmallQ queries use dot products instead.
-// Memory: per thread a few tiles, the dK/dV accumulators of one key group and the D_i of its
-// (b, kv head); no Lq x Lk buffer (unless the mask gradient is requested, which receives dS).
+// GEMM over all queries of the step. The gradients are written in place: a block's first
+// contribution sets it, later ones add, rows no score reaches are zeroed. Steps of at most kSmallQ
+// queries use dot products and keep P and dS query-major instead.
+// Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; no Lq x Lk
+// buffer (unless the mask gradient is requested, which receives dS).
 // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads,
 // in a fixed order, so results do not depend on the thread count.
 
