@@ -151,6 +151,12 @@ inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, i
   }
 }
 
+// D_i from one block: sum_j P_ij dP_ij over sum_j P_ij. The recomputed P sums to 1 only up to the
+// rounding of lse and exp2, an error common to the row that this division removes (one visible key:
+// D = dP up to one rounding, so dS is about 1e-7 of dP rather than of the scores). A row that sees
+// no key has D = 0.
+inline float normalized_d(float num, float den) { return den > 0.0f ? num / den : 0.0f; }
+
 // Steps of at most kSmallQ queries: P, dS (and Pd with dropout) of queries l < t.nq and keys
 // j0 + r, r < nk, stored query-major (s[l·kTK + r]) so every pass runs along the keys. dsum null:
 // these are all the keys, D_l = sum_r P ∘ dP is taken from the block.
@@ -196,15 +202,22 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
     if (dsum != nullptr) {
       dl_sum = dsum[l];
     } else {
-      VR acc = Vec::zero();
+      VR acc = Vec::zero(), mass = Vec::zero();
       for (int64_t r = 0; r < nk; r += kW) {
         const int64_t m = std::min<int64_t>(kW, nk - r);
-        acc = Vec::fma(Vec::load_partial(sl + r, m), Vec::load_partial(dl + r, m), acc);
+        const VR pr = Vec::load_partial(sl + r, m);
+        acc = Vec::fma(pr, Vec::load_partial(dl + r, m), acc);
+        mass = Vec::add(mass, pr);
       }
-      alignas(64) float lanes[kW];
+      alignas(64) float lanes[kW], masses[kW];
       Vec::store(lanes, acc);
-      dl_sum = 0.0f;
-      for (int u = 0; u < kW; ++u) dl_sum += lanes[u];
+      Vec::store(masses, mass);
+      float num = 0.0f, den = 0.0f;
+      for (int u = 0; u < kW; ++u) {
+        num += lanes[u];
+        den += masses[u];
+      }
+      dl_sum = normalized_d(num, den);
     }
     const VR d = Vec::set1(dl_sum);
     for (int64_t r = 0; r < nk; r += kW) {  // dS = P ∘ (dP - D)
@@ -410,13 +423,23 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                       }
                     }
                   }
-                  if (one_block) {  // D = sum over the keys of P ∘ dP
-                    dsv[0] = dsv[1] = Vec::zero();
+                  if (one_block) {  // D = sum over the keys of P ∘ dP, over the sum of P
+                    VR num[kNQ] = {Vec::zero(), Vec::zero()}, den[kNQ] = {Vec::zero(), Vec::zero()};
                     for (int64_t r = 0; r < nk; ++r) {
                       for (int vv = 0; vv < kNQ; ++vv) {
-                        dsv[vv] = Vec::fma(Vec::load(s + r * kLd + vv * kW), Vec::load(dp + r * kLd + vv * kW), dsv[vv]);
+                        const VR pr = Vec::load(s + r * kLd + vv * kW);
+                        num[vv] = Vec::fma(pr, Vec::load(dp + r * kLd + vv * kW), num[vv]);
+                        den[vv] = Vec::add(den[vv], pr);
                       }
                     }
+                    alignas(64) float nums[kTQ], dens[kTQ];
+                    for (int vv = 0; vv < kNQ; ++vv) {
+                      Vec::store(nums + vv * kW, num[vv]);
+                      Vec::store(dens + vv * kW, den[vv]);
+                    }
+                    for (int64_t l = 0; l < kTQ; ++l) nums[l] = normalized_d(nums[l], dens[l]);
+                    dsv[0] = Vec::load(nums);
+                    dsv[1] = Vec::load(nums + kW);
                   }
                   for (int64_t r = 0; r < nk; ++r) {
                     for (int vv = 0; vv < kNQ; ++vv) {

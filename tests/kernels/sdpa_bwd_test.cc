@@ -227,5 +227,34 @@ TEST(SdpaBackward, OutVariantWritesIntoStridedViews) {
   }
 }
 
+TEST(SdpaBackward, OneVisibleKeyGivesNoQueryGradient) {
+  // With one visible key a row's softmax is constant, so dq = 0. The kernels get P = 1 and D = dP
+  // (up to a rounding), so dS and dq vanish; an error of ~1e-7 here (e.g. D = dO · O rounded
+  // differently from dP) is what MultiheadAttention's input gradients amplify past 1e-4.
+  IsaGuard guard;
+  for (auto [Lq, causal] : {std::pair<int64_t, bool>{1, false}, {37, false}, {5, true}}) {
+    const int64_t Lk = causal ? Lq : 1;
+    const Tensor q = randn({2, 3, Lq, 64}), k = randn({2, 3, Lk, 64}), v = randn({2, 3, Lk, 64});
+    const Tensor dout = randn({2, 3, Lq, 64});
+    SdpaOptions o;
+    o.is_causal = causal;
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const SdpaGrads g = sdpa_backward(dout, q, k, v, sdpa(q, k, v, o), o);
+      double dv_max = 0, dq_max = 0;
+      for (int64_t i = 0; i < g.dv.numel(); ++i) dv_max = std::max<double>(dv_max, std::fabs(g.dv.data<float>()[i]));
+      // rows that see one key: all of them, or the first of each (b, h) under causal masking
+      for (int64_t bh = 0; bh < 6; ++bh) {
+        for (int64_t i = 0; i < (causal ? 1 : Lq); ++i) {
+          for (int64_t d = 0; d < 64; ++d) {
+            dq_max = std::max<double>(dq_max, std::fabs(g.dq.data<float>()[(bh * Lq + i) * 64 + d]));
+          }
+        }
+      }
+      EXPECT_LE(dq_max, 1e-8 * dv_max) << "Lq=" << Lq << (causal ? " causal" : "") << " isa=" << isa_name(isa);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace heads
