@@ -33,12 +33,16 @@ using fwd::kW;
 using fwd::VR;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N] for m < M (C's old values added when acc_c);
+// How a product meets its destination: overwrite it, add to it, or overwrite it with stores that
+// bypass the caches (whole aligned vectors; the rest as Set).
+enum class Out { Set, Add, Stream };
+
+// C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N] for m < M (C's old values added for Out::Add);
 // A(m, k) = a[m·sam + k·sak] (broadcast), B rows contiguous (stride ldb), C rows stride ldc. Register block: R rows x NV vectors; nn[v] lanes
 // of vector v are live (the last ones may be partial or empty).
 template <int R, int NV>
 HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, bool acc_c) {
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, Out mode) {
   VR acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -62,45 +66,50 @@ HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const floa
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kW;
-      const VR y = acc_c ? Vec::fma(acc[r][v], al, Vec::load_partial(cp, nn[v])) : Vec::mul(acc[r][v], al);
-      Vec::store_partial(cp, y, nn[v]);
+      if (mode == Out::Add) {
+        Vec::store_partial(cp, Vec::fma(acc[r][v], al, Vec::load_partial(cp, nn[v])), nn[v]);
+      } else if (mode == Out::Stream && nn[v] == kW && reinterpret_cast<uintptr_t>(cp) % (4 * kW) == 0) {
+        Vec::stream(cp, Vec::mul(acc[r][v], al));
+      } else {
+        Vec::store_partial(cp, Vec::mul(acc[r][v], al), nn[v]);
+      }
     }
   }
 }
 
 template <int R, int NV>
 HEADS_INLINE void gemm_tail(int64_t n, const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, bool acc_c) {
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, Out mode) {
   if constexpr (R > 0) {
-    if (n == R) return gemm_rows<R, NV>(a, sam, sak, b, ldb, K, c, ldc, nn, alpha, acc_c);
-    gemm_tail<R - 1, NV>(n, a, sam, sak, b, ldb, K, c, ldc, nn, alpha, acc_c);
+    if (n == R) return gemm_rows<R, NV>(a, sam, sak, b, ldb, K, c, ldc, nn, alpha, mode);
+    gemm_tail<R - 1, NV>(n, a, sam, sak, b, ldb, K, c, ldc, nn, alpha, mode);
   }
 }
 
 // Column panels of NV vectors, row blocks of R.
 template <int R, int NV>
 inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
-                        const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, bool acc_c) {
+                        const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, Out mode) {
   for (int64_t j = 0; j < N; j += NV * kW) {
     int64_t nn[NV];
     for (int v = 0; v < NV; ++v) nn[v] = std::clamp<int64_t>(N - j - v * kW, 0, kW);
     int64_t m = 0;
     for (; m + R <= M; m += R) {
-      gemm_rows<R, NV>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, acc_c);
+      gemm_rows<R, NV>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, mode);
     }
-    if (m < M) gemm_tail<R - 1, NV>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, acc_c);
+    if (m < M) gemm_tail<R - 1, NV>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, mode);
   }
 }
 
 // With 32 vector registers (AVX-512), rows that are a multiple of 4 vectors (head dims 64, 128)
 // use 6 x 4-vector blocks: 10 loads per 24 FMAs instead of 8 per 12.
 inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
-                     const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, bool acc_c) {
+                     const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, Out mode) {
   constexpr int R2 = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
   if constexpr (Vec::kRowsPV >= 12) {
-    if (N % (4 * kW) == 0) return gemm_panels<Vec::kRowsPV / 2, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
+    if (N % (4 * kW) == 0) return gemm_panels<Vec::kRowsPV / 2, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, mode);
   }
-  gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, acc_c);
+  gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, mode);
 }
 
 // out[r·ldr + l·ldl] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of n values,
@@ -235,6 +244,7 @@ constexpr int64_t kSmallQ = 4;
 constexpr int64_t kSub = 4;
 constexpr int64_t kLd = kSub * kTQ;
 constexpr int64_t kMaxBlocks = 4;  // key blocks per key group
+constexpr int64_t kStreamBytes = int64_t{16} << 20;  // half the L3 of the machines this is tuned on
 
 struct Scratch {
   float *qt, *dot, *dqt, *s, *dp, *pd, *tmp, *drow;
@@ -290,6 +300,10 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   // All keys in one block: D_i = dO_i · O_i equals sum_j P_ij dP_ij over that block, so it comes
   // from the block's tiles and O is not read.
   const bool one_block = P.Lk <= kTK;
+  // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
+  // large to stay in the last-level cache are streamed past it: no reads for ownership, no eviction
+  // of the K and V rows still to come.
+  const bool stream_kv = G == 1 && P.Lq <= kLd && 4 * P.B * P.Hkv * P.Lk * (P.D + P.Dv) >= kStreamBytes;
   const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
   float* arena = thread_scratch(per * n_threads);
 
@@ -458,13 +472,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               }
               // 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j  (all nqs queries)
               bool& acc_kv = written[(j0 - jg) / kTK];
+              const Out kv_out = acc_kv ? Out::Add : stream_kv ? Out::Stream : Out::Set;
               const int64_t key_stride = few ? 1 : kLd, query_stride = few ? kTK : 1;  // of P, dS
               gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? W.pd : W.s, key_stride, query_stride, g0, gs[2], dvj, dvs[2],
-                       1.0f, acc_kv);
-              gemm_acc(nk, P.D, nqs, W.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, acc_kv);
+                       1.0f, kv_out);
+              gemm_acc(nk, P.D, nqs, W.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, kv_out);
               acc_kv = true;
               if (few) {
-                gemm_acc(nqs, P.D, nk, W.dp, kTK, 1, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale, true);
+                gemm_acc(nqs, P.D, nk, W.dp, kTK, 1, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale, Out::Add);
               } else {  // dQt [D][queries] += K_j^T · dS^T: the forward's P·V micro-kernel
                 for (int64_t u = 0; u < n_sub; ++u) {
                   if (P.causal && j0 > I0 + u * kTQ + std::min(nqs - u * kTQ, kTQ) - 1 + P.causal_offset) continue;  // dS = 0
@@ -488,5 +503,6 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
         }
       }
     }
+    if (stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
   }
 }

@@ -227,6 +227,29 @@ TEST(SdpaBackward, OutVariantWritesIntoStridedViews) {
   }
 }
 
+TEST(SdpaBackward, LargeWriteOnceGradientsAreStreamed) {
+  // One query head per kv head and one step of queries, dK + dV past 16 MB: the kernel streams dK
+  // and dV past the caches (whole aligned vectors; D = 63 mixes them with ordinary stores).
+  IsaGuard guard;
+  const int64_t Lk = 32768;
+  for (auto [Lq, D] : {std::pair<int64_t, int64_t>{1, 64}, {3, 63}, {9, 64}}) {
+    const Tensor q = randn({1, 2, Lq, D}), k = randn({1, 2, Lk, D}), v = randn({1, 2, Lk, D});
+    // Gradients with 32768 keys are small: scale dout so the 1e-5 bound is a relative one.
+    Tensor dout = randn({1, 2, Lq, D});
+    for (int64_t i = 0; i < dout.numel(); ++i) dout.data<float>()[i] *= 1000.0f;
+    SdpaOptions o;
+    if (Lq == 3) o.attn_mask = testing::rand_bool({Lq, Lk}, 0.9);
+    const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, false);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      std::ostringstream os;
+      os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " isa=" << isa_name(isa);
+      expect_fast_matches(ref, dout, q, k, v, o, false, os.str());
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
 TEST(SdpaBackward, OneVisibleKeyGivesNoQueryGradient) {
   // With one visible key a row's softmax is constant, so dq = 0. The kernels get P = 1 and D = dP
   // (up to a rounding), so dS and dq vanish; an error of ~1e-7 here (e.g. D = dO · O rounded

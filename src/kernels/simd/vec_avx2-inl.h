@@ -13,6 +13,10 @@ struct Vec {
   HEADS_INLINE static void store(float* p, R x) { _mm256_store_ps(p, x); }
   HEADS_INLINE static R loadu(const float* p) { return _mm256_loadu_ps(p); }
   HEADS_INLINE static void storeu(float* p, R x) { _mm256_storeu_ps(p, x); }
+  // Aligned store that bypasses the caches (for large outputs written once); stream_fence() orders
+  // a thread's streamed stores before later ones.
+  HEADS_INLINE static void stream(float* p, R x) { _mm256_stream_ps(p, x); }
+  HEADS_INLINE static void stream_fence() { _mm_sfence(); }
   HEADS_INLINE static __m256i lanes_below(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }

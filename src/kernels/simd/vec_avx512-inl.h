@@ -14,6 +14,10 @@ struct Vec {
   HEADS_INLINE static void store(float* p, R x) { _mm512_store_ps(p, x); }
   HEADS_INLINE static R loadu(const float* p) { return _mm512_loadu_ps(p); }
   HEADS_INLINE static void storeu(float* p, R x) { _mm512_storeu_ps(p, x); }
+  // Aligned store that bypasses the caches (for large outputs written once); stream_fence() orders
+  // a thread's streamed stores before later ones.
+  HEADS_INLINE static void stream(float* p, R x) { _mm512_stream_ps(p, x); }
+  HEADS_INLINE static void stream_fence() { _mm_sfence(); }
   HEADS_INLINE static R load_partial(const float* p, int64_t n) {  // lanes >= n are 0
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }

@@ -34,6 +34,8 @@ struct Vec {
   }
   static R loadu(const float* p) { return load(p); }
   static void storeu(float* p, R x) { store(p, x); }
+  static void stream(float* p, R x) { store(p, x); }
+  static void stream_fence() {}
   static R load_partial(const float* p, int64_t n) {
     R r = zero();
     for (int64_t i = 0; i < n; ++i) r.v[i] = p[i];
