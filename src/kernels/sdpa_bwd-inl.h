@@ -17,7 +17,8 @@
 // its accumulators when no mask or dropout intervenes) and dQ_i^T [D][queries] from its V^T·P one,
 // accumulated over a key group and added to dQ once per group; dV_j and dK_j from a register-blocked
 // GEMM over all queries of the step. The gradients are written in place: a block's first
-// contribution sets it, later ones add, rows no score reaches are zeroed. Steps of at most kSmallQ
+// contribution sets it, later ones add, rows no score reaches are zeroed (large dK/dV written once
+// are streamed past the caches: see stream_kv). Steps of at most kSmallQ
 // queries use dot products and keep P and dS query-major instead.
 // Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; no Lq x Lk
 // buffer (unless the mask gradient is requested, which receives dS).
