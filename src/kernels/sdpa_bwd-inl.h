@@ -189,10 +189,8 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
         const int64_t j = j0 + r;
         if (P.causal && j > i + P.causal_offset) {
           sl[r] = -kInf;
-        } else if (P.mask_kind == MaskKind::Bool) {
-          if (!static_cast<const uint8_t*>(P.mask.raw_data())[m0 + j * ms3]) sl[r] = -kInf;
-        } else if (P.mask_kind == MaskKind::Float) {
-          sl[r] += static_cast<const float*>(P.mask.raw_data())[m0 + j * ms3] * kLog2e;
+        } else if (has_mask) {
+          sl[r] += fwd::mask_log2(P, m0 + j * ms3);
         }
       }
     }

@@ -153,6 +153,13 @@ struct Tile {
   float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
+// attn_mask entry at element offset `off` as an additive log2-domain score: a bool mask's false is
+// -inf, a float mask's value is scaled by log2(e). The mask must be present.
+HEADS_INLINE float mask_log2(const SdpaProblem& P, int64_t off) {
+  if (P.mask_kind == MaskKind::Bool) return static_cast<const uint8_t*>(P.mask.raw_data())[off] ? 0.0f : -kInf;
+  return static_cast<const float*>(P.mask.raw_data())[off] * kLog2e;
+}
+
 // Applies causal and attn_mask to S rows [0, nk) (keys j0 + r, row stride lds), folding in the
 // running max.
 inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx,
@@ -165,13 +172,9 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   const bool has_mask = P.mask_kind != MaskKind::None;
   const bool row_bcast = has_mask && P.mask.stride(2) == 0;  // same value for every query
   const int64_t ms3 = has_mask ? P.mask.stride(3) : 0;
-  const auto* mb = has_mask ? static_cast<const uint8_t*>(P.mask.raw_data()) : nullptr;
-  const auto* mf = has_mask ? static_cast<const float*>(P.mask.raw_data()) : nullptr;
   const int64_t mrow0 = has_mask ? P.mask_offset(t.b, t.h, t.i0) : 0;
   const int64_t ms2 = has_mask ? P.mask.stride(2) : 0;
-  auto value = [&](int64_t off) {  // mask entry -> additive log2-domain value
-    return P.mask_kind == MaskKind::Bool ? (mb[off] ? 0.0f : -kInf) : mf[off] * kLog2e;
-  };
+  auto value = [&](int64_t off) { return mask_log2(P, off); };
   for (int64_t r = 0; r < nk; ++r) {
     const int64_t j = j0 + r;
     VR add[kNQ] = {Vec::zero(), Vec::zero()};

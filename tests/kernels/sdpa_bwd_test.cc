@@ -110,6 +110,17 @@ void expect_fast_matches(const SdpaGrads& ref, const Tensor& dout, const Tensor&
   }
 }
 
+// The same on every ISA path (the caller holds an IsaGuard), against one float64 reference.
+void expect_every_path_matches(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const SdpaOptions& o, bool mask_grad, const std::string& what) {
+  const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    expect_fast_matches(ref, dout, q, k, v, o, mask_grad, what + " isa=" + std::string(isa_name(isa)));
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
   IsaGuard guard;
   int64_t n = 0;
@@ -133,15 +144,11 @@ TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
             case 5: o.dropout_p = 0.2; o.dropout_seed = 77; what = "dropout"; break;
             default: o.scale = 0.3; what = "scale"; break;
           }
-          const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
-          for (Isa isa : supported_isas()) {
-            set_isa(isa);
-            std::ostringstream os;
-            os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
-               << " Dv=" << Dv << " " << what << " isa=" << isa_name(isa);
-            expect_fast_matches(ref, dout, q, k, v, o, mask_grad, os.str());
-            if (::testing::Test::HasFatalFailure()) return;
-          }
+          std::ostringstream os;
+          os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
+             << " Dv=" << Dv << " " << what;
+          expect_every_path_matches(dout, q, k, v, o, mask_grad, os.str());
+          if (::testing::Test::HasFatalFailure()) return;
         }
       }
     }
@@ -172,10 +179,8 @@ TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
   // Key ranges longer than one key group (512 keys for small heads, 256 for D = 128), with
   // ragged ends, every option that depends on the key position.
   IsaGuard guard;
-  int n = 0;
   for (auto [Lq, Lk, D] : {std::tuple<int64_t, int64_t, int64_t>{37, 1100, 16}, {300, 700, 128}, {3, 600, 40}}) {
     for (int variant = 0; variant < 4; ++variant) {
-      ++n;
       const Tensor q = randn({1, 2, Lq, D}), k = randn({1, 1, Lk, D}), v = randn({1, 1, Lk, D});
       const Tensor dout = randn({1, 2, Lq, D});
       SdpaOptions o;
@@ -187,14 +192,10 @@ TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
         case 2: o.dropout_p = 0.3; o.dropout_seed = 5; break;
         default: o.attn_mask = testing::rand_bool({1, 2, Lq, Lk}, 0.8); break;
       }
-      const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
-      for (Isa isa : supported_isas()) {
-        set_isa(isa);
-        std::ostringstream os;
-        os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " variant " << variant << " isa=" << isa_name(isa);
-        expect_fast_matches(ref, dout, q, k, v, o, mask_grad, os.str());
-        if (::testing::Test::HasFatalFailure()) return;
-      }
+      std::ostringstream os;
+      os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " variant " << variant;
+      expect_every_path_matches(dout, q, k, v, o, mask_grad, os.str());
+      if (::testing::Test::HasFatalFailure()) return;
     }
   }
 }
@@ -239,14 +240,10 @@ TEST(SdpaBackward, LargeWriteOnceGradientsAreStreamed) {
     for (int64_t i = 0; i < dout.numel(); ++i) dout.data<float>()[i] *= 1000.0f;
     SdpaOptions o;
     if (Lq == 3) o.attn_mask = testing::rand_bool({Lq, Lk}, 0.9);
-    const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, false);
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
-      std::ostringstream os;
-      os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " isa=" << isa_name(isa);
-      expect_fast_matches(ref, dout, q, k, v, o, false, os.str());
-      if (::testing::Test::HasFatalFailure()) return;
-    }
+    std::ostringstream os;
+    os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D;
+    expect_every_path_matches(dout, q, k, v, o, false, os.str());
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
