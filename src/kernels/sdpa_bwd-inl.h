@@ -427,8 +427,20 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                     Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
                   });
                 } else {
-                  fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
-                  if (P.dropout_p > 0.0) {
+                  // one block: D = sum over the keys of P ∘ dP, over the sum of P
+                  VR num[kNQ] = {Vec::zero(), Vec::zero()}, den[kNQ] = {Vec::zero(), Vec::zero()};
+                  if (P.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
+                    fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
+                      const VR p0 = Vec::load(s + r * kLd), p1 = Vec::load(s + r * kLd + kW);
+                      num[0] = Vec::fma(p0, a0, num[0]);
+                      num[1] = Vec::fma(p1, a1, num[1]);
+                      den[0] = Vec::add(den[0], p0);
+                      den[1] = Vec::add(den[1], p1);
+                      Vec::store(dp + r * kLd, a0);
+                      Vec::store(dp + r * kLd + kW, a1);
+                    });
+                  } else {
+                    fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
                     for (int64_t r = 0; r < nk; ++r) {
                       for (int64_t l = 0; l < kTQ; ++l) {
                         const float z = l < nq && dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p)
@@ -438,16 +450,17 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                         pd[r * kLd + l] = s[r * kLd + l] * z;
                       }
                     }
-                  }
-                  if (one_block) {  // D = sum over the keys of P ∘ dP, over the sum of P
-                    VR num[kNQ] = {Vec::zero(), Vec::zero()}, den[kNQ] = {Vec::zero(), Vec::zero()};
-                    for (int64_t r = 0; r < nk; ++r) {
-                      for (int vv = 0; vv < kNQ; ++vv) {
-                        const VR pr = Vec::load(s + r * kLd + vv * kW);
-                        num[vv] = Vec::fma(pr, Vec::load(dp + r * kLd + vv * kW), num[vv]);
-                        den[vv] = Vec::add(den[vv], pr);
+                    if (one_block) {
+                      for (int64_t r = 0; r < nk; ++r) {
+                        for (int vv = 0; vv < kNQ; ++vv) {
+                          const VR pr = Vec::load(s + r * kLd + vv * kW);
+                          num[vv] = Vec::fma(pr, Vec::load(dp + r * kLd + vv * kW), num[vv]);
+                          den[vv] = Vec::add(den[vv], pr);
+                        }
                       }
                     }
+                  }
+                  if (one_block) {
                     alignas(64) float nums[kTQ], dens[kTQ];
                     for (int vv = 0; vv < kNQ; ++vv) {
                       Vec::store(nums + vv * kW, num[vv]);
