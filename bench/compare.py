@@ -11,7 +11,9 @@ inputs and outputs excluded). heads is timed by its CLI (`heads bench ... --json
 the same rule (warm-up, repeats for at least --min-time seconds, median).
 With --backward: SDPA forward and backward (dq, dk, dv for a random dout) of heads
 (`heads bench sdpa --backward`) beside PyTorch's autograd through F.scaled_dot_product_attention;
-backward time = (forward + backward) - forward, each a median.
+backward time = (forward + backward) - forward, each a median, and the backward call alone timed
+inside the forward + backward loop (the difference also holds what the forward loses when the
+backward has evicted its inputs from the caches).
 Needs: torch==2.13.0, onnxruntime, onnx (pip).
 """
 
@@ -95,7 +97,8 @@ def torch_sdpa(s, args, torch):
 
 
 def torch_sdpa_backward(s, args, torch):
-    """(forward ms, forward + backward ms) through torch autograd."""
+    """(forward ms, forward + backward ms, backward call ms) through torch autograd; the last is the
+    median of `out.backward(dout)` alone inside the forward + backward loop."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
@@ -107,12 +110,17 @@ def torch_sdpa_backward(s, args, torch):
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=s["causal"])
 
+    calls = []
+
     def fwd_bwd():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=s["causal"])
         q.grad = k.grad = v.grad = None
+        t0 = time.perf_counter()
         out.backward(dout)
+        calls.append((time.perf_counter() - t0) * 1e3)
 
-    return median_ms(fwd, args.min_time), median_ms(fwd_bwd, args.min_time)
+    fwd_ms, both_ms = median_ms(fwd, args.min_time), median_ms(fwd_bwd, args.min_time)
+    return fwd_ms, both_ms, statistics.median(calls[1:])  # calls[0]: the warm-up
 
 
 def heads_sdpa_mem(s, args):
@@ -360,29 +368,27 @@ def main():
 def backward_table(shapes, args):
     import torch
 
-    print(f"torch {torch.__version__}, {args.threads} threads, f32; times are medians in ms\n")
-    print("| shape | heads fwd | heads bwd | heads bwd ÷ fwd | PyTorch fwd | PyTorch bwd | heads fwd+bwd | "
-          "PyTorch fwd+bwd | PyTorch ÷ heads (bwd) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"torch {torch.__version__}, {args.threads} threads, f32; times are medians in ms; bwd = (fwd + bwd) "
+          "- fwd, bwd call = the backward call alone, timed inside the fwd + bwd loop\n")
+    print("| shape | heads fwd | heads bwd | heads bwd call | heads bwd ÷ fwd | heads bwd call ÷ fwd | PyTorch fwd | "
+          "PyTorch bwd | PyTorch bwd call | PyTorch ÷ heads (bwd) | PyTorch ÷ heads (bwd call) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in shapes["sdpa"]:
         if args.only and s["name"] not in args.only:
             continue
         cmd = ["sdpa", "--batch", s["B"], "--heads", s["H"], "--q-len", s["Lq"], "--kv-len", s["Lk"],
                "--head-dim", s["D"]] + (["--causal"] if s["causal"] else [])
-        fwd = run_heads(args, *map(str, cmd))["ms"]
-        both = run_heads(args, *map(str, cmd + ["--backward"]))["ms"]
+        j = run_heads(args, *map(str, cmd + ["--backward"]))  # times the forward alone first
+        both, h_call = j["ms"], j["backward_call_ms"]
+        fwd = both - j["backward_ms"]
         t = in_subprocess("torch-sdpa-backward", s, args)
         h_bwd = both - fwd
-        if t is None:
-            t_fwd = t_both = t_bwd = None
-        else:
-            t_fwd, t_both = t
-            t_bwd = t_both - t_fwd
+        t_fwd, t_both, t_call = (None, None, None) if t is None else t
+        t_bwd = None if t is None else t_both - t_fwd
         f = lambda x: "—" if x is None else f"{x:.2f}"
-        ratio = "—" if t_bwd is None else f"{t_bwd / h_bwd:.2f}×"
-        print(f"| {s['name']} | {f(fwd)} | {f(h_bwd)} | {h_bwd / fwd:.2f} | {f(t_fwd)} | {f(t_bwd)} | {f(both)} | "
-              f"{f(t_both)} | {ratio} |", flush=True)
-
+        over = lambda a, b: "—" if a is None else f"{a / b:.2f}×"
+        print(f"| {s['name']} | {f(fwd)} | {f(h_bwd)} | {f(h_call)} | {h_bwd / fwd:.2f} | {h_call / fwd:.2f} | "
+              f"{f(t_fwd)} | {f(t_bwd)} | {f(t_call)} | {over(t_bwd, h_bwd)} | {over(t_call, h_call)} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -128,3 +128,32 @@ def test_bad_inputs_exit_1_and_leave_no_output(tmp_path):
     # usage error
     r = run("mha", "--state", tmp_path / "state.safetensors")
     assert r.returncode == 2
+
+
+def test_bench_json_contract():
+    """`heads bench sdpa|mha --json`: one JSON line with the fields of DESIGN.md (values, not speed)."""
+    import json
+
+    shape = ["--batch", 2, "--heads", 3, "--q-len", 70, "--kv-len", 90, "--head-dim", 37, "--min-time", 0]
+    r = run("bench", "sdpa", *shape, "--causal", "--threads", 1, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert {k: j[k] for k in ("op", "B", "H", "Hkv", "Lq", "Lk", "D", "causal", "dtype", "threads")} == dict(
+        op="sdpa", B=2, H=3, Hkv=3, Lq=70, Lk=90, D=37, causal=True, dtype="f32", threads=1)
+    assert j["ms"] > 0 and j["peak_rss_mb"] > 0
+    assert abs(j["gflops"] - 4 * 2 * 3 * 70 * 90 * 37 / 2 / j["ms"] / 1e6) <= 1e-2 * j["gflops"] + 1e-2
+    assert "backward_ms" not in j
+
+    r = run("bench", "sdpa", *shape, "--backward", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["backward"] is True
+    # ms: median forward + backward; backward_call_ms: median of the backward calls inside those
+    # same iterations, so never above ms; backward_ms: ms minus a separately timed forward
+    assert 0 < j["backward_call_ms"] <= j["ms"] and j["backward_ms"] < j["ms"]
+    assert abs(j["gflops"] - 3.5 * 4 * 2 * 3 * 70 * 90 * 37 / j["ms"] / 1e6) <= 1e-2 * j["gflops"] + 1e-2
+
+    r = run("bench", "mha", "--batch", 1, "--seq", 5, "--embed", 8, "--heads", 2, "--min-time", 0, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["op"] == "mha" and j["ms"] > 0
