@@ -14,12 +14,11 @@
 //   5. dK_j += scale · dS^T Q_i;  dQ_i += scale · dS K_j          (S = scale · Q K^T)
 // Layout: scores transposed as in the forward ([keys][queries on lanes]), P and dS of the step's
 // tiles side by side, so S and dP come from the forward's K·Qt micro-kernel (P and dS computed from
-// its accumulators when no mask or dropout intervenes) and dQ_i^T [D][queries] from its V^T·P one,
-// accumulated over a key group and added to dQ once per group; dV_j and dK_j from a register-blocked
-// GEMM over all queries of the step. The gradients are written in place: a block's first
-// contribution sets it, later ones add, rows no score reaches are zeroed (large dK/dV written once
-// are streamed past the caches: see stream_kv). Steps of at most kSmallQ
-// queries use dot products and keep P and dS query-major instead.
+// its accumulators when no mask or dropout intervenes); dV_j, dK_j and the step's dQ rows from a
+// register-blocked GEMM over the step's queries (dK, dV) or the block's keys (dQ). The gradients
+// are written in place: a block's first contribution sets it, later ones add, rows no score
+// reaches are zeroed (large dK/dV written once are streamed past the caches: see stream_kv). Steps
+// of at most kSmallQ queries use dot products and keep P and dS query-major instead.
 // Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; no Lq x Lk
 // buffer (unless the mask gradient is requested, which receives dS).
 // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads,
@@ -246,33 +245,12 @@ constexpr int64_t kMaxBlocks = 8;  // key blocks per key group
 constexpr int64_t kStreamBytes = int64_t{16} << 20;  // half the L3 of the machines this is tuned on
 
 struct Scratch {
-  float *qt, *dot, *dqt, *s, *dp, *pd, *tmp, *drow;
+  float *qt, *dot, *s, *dp, *pd, *tmp, *drow;
   // rows: G·Lq values of D_i
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
-    return kSub * (2 * D + Dv) * kTQ + 3 * kTK * kLd + kTQ + rows + 64;
+    return kSub * (D + Dv) * kTQ + 3 * kTK * kLd + kTQ + rows + 64;
   }
 };
-
-// dQ rows [0, nq) (stride ldq) (+)= scale · dQt^T (added when acc_c), dQt [D][kTQ] as pv_block
-// accumulates it.
-inline void add_transposed(const float* dqt, int64_t D, int64_t nq, float scale, float* dq, int64_t ldq,
-                           bool acc_c) {
-  alignas(64) float blk[kW * kW];
-  const VR sc = Vec::set1(scale);
-  int64_t d0 = 0;
-  for (; d0 + kW <= D; d0 += kW) {
-    for (int64_t l0 = 0; l0 < nq; l0 += kW) {
-      Vec::transpose_scaled(dqt + d0 * kTQ + l0, kTQ, blk, kW, sc);  // blk[l][d] = scale · dQt[d0+d][l0+l]
-      for (int64_t l = 0; l < std::min<int64_t>(kW, nq - l0); ++l) {
-        float* row = dq + (l0 + l) * ldq + d0;
-        Vec::storeu(row, acc_c ? Vec::add(Vec::loadu(row), Vec::load(blk + l * kW)) : Vec::load(blk + l * kW));
-      }
-    }
-  }
-  for (; d0 < D; ++d0) {
-    for (int64_t l = 0; l < nq; ++l) dq[l * ldq + d0] = (acc_c ? dq[l * ldq + d0] : 0.0f) + scale * dqt[d0 * kTQ + l];
-  }
-}
 
 }  // namespace bwd
 
@@ -315,8 +293,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
     Scratch W;
     W.qt = base;
     W.dot = W.qt + kSub * P.D * kTQ;
-    W.dqt = W.dot + kSub * P.Dv * kTQ;
-    W.s = W.dqt + kSub * P.D * kTQ;
+    W.s = W.dot + kSub * P.Dv * kTQ;
     W.dp = W.s + kTK * kLd;
     W.pd = W.dp + kTK * kLd;
     W.tmp = W.pd + kTK * kLd;
@@ -345,7 +322,6 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               if (first_group) zero_rows(dq0, dqs[2], nqs, P.D);
               continue;
             }
-            if (few && first_group) zero_rows(dq0, dqs[2], nqs, P.D);
             const float* q0 = qp + b * qs[0] + h * qs[1] + I0 * qs[2];
             const float* g0 = gp + b * gs[0] + h * gs[1] + I0 * gs[2];
             float* drow = W.drow + (h - hk * G) * P.Lq + I0;
@@ -358,9 +334,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
               dsum[l] = l < nqs && !one_block ? drow[l] : 0.0f;
             }
-            const VR ones[kNQ] = {Vec::set1(1.0f), Vec::set1(1.0f)};
             if (!few) {
-              std::fill(W.dqt, W.dqt + n_sub * P.D * kTQ, 0.0f);
               for (int64_t u = 0; u < n_sub; ++u) {
                 const int64_t nq = std::min(nqs - u * kTQ, kTQ);
                 fwd::Widen<float>::pack_q(q0 + u * kTQ * qs[2], qs[2], nq, P.D, c, W.qt + u * P.D * kTQ);
@@ -493,20 +467,9 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                        1.0f, kv_out);
               gemm_acc(nk, P.D, nqs, W.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, kv_out);
               acc_kv = true;
-              if (few) {
-                gemm_acc(nqs, P.D, nk, W.dp, kTK, 1, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale, Out::Add);
-              } else {  // dQt [D][queries] += K_j^T · dS^T: the forward's P·V micro-kernel
-                for (int64_t u = 0; u < n_sub; ++u) {
-                  if (P.causal && j0 > I0 + u * kTQ + std::min(nqs - u * kTQ, kTQ) - 1 + P.causal_offset) continue;  // dS = 0
-                  fwd::pv_block(P.D, kh + j0 * ks[2], ks[2], W.dp + u * kTQ, nk, W.dqt + u * P.D * kTQ, ones, kLd);
-                }
-              }
-            }
-            if (!few) {  // dQ += scale · dQt^T for this key group
-              for (int64_t u = 0; u < n_sub; ++u) {
-                add_transposed(W.dqt + u * P.D * kTQ, P.D, std::min(nqs - u * kTQ, kTQ), scale,
-                               dq0 + u * kTQ * dqs[2], dqs[2], !first_group);
-              }
+              // dQ rows of the step: set by the first key block of the first group, added to after
+              gemm_acc(nqs, P.D, nk, W.dp, query_stride, key_stride, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale,
+                       first_group && j0 == jg ? Out::Set : Out::Add);
             }
           }
         }

@@ -103,10 +103,9 @@ inline void qk_block(int64_t n, const T* k, int64_t ks, const float* qt, int64_t
 }
 
 // Ot rows r < R (head-dim entries d0 + r):  Ot[r][:] = Ot[r][:] · alpha + sum_j V[j][r] · P[j][:]
-// (P rows stride ldp).
 template <int R, class T>
 HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
-                          const VR* alpha, int64_t ldp) {
+                          const VR* alpha) {
   VR acc[R][kNQ];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -114,7 +113,7 @@ HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, fl
     acc[r][1] = Vec::mul(Vec::load(ot + r * kTQ + kW), alpha[1]);
   }
   for (int64_t j = 0; j < nk; ++j) {
-    const VR b0 = Vec::load(p + j * ldp), b1 = Vec::load(p + j * ldp + kW);
+    const VR b0 = Vec::load(p + j * kTQ), b1 = Vec::load(p + j * kTQ + kW);
     const T* vj = v + j * vs;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -132,19 +131,19 @@ HEADS_INLINE void pv_rows(const T* v, int64_t vs, const float* p, int64_t nk, fl
 
 template <int R, class T>
 HEADS_INLINE void pv_tail(int64_t n, const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
-                          const VR* alpha, int64_t ldp) {
+                          const VR* alpha) {
   if constexpr (R > 0) {
-    if (n == R) return pv_rows<R>(v, vs, p, nk, ot, alpha, ldp);
-    pv_tail<R - 1>(n, v, vs, p, nk, ot, alpha, ldp);
+    if (n == R) return pv_rows<R>(v, vs, p, nk, ot, alpha);
+    pv_tail<R - 1>(n, v, vs, p, nk, ot, alpha);
   }
 }
 template <class T>
 inline void pv_block(int64_t Dv, const T* v, int64_t vs, const float* p, int64_t nk, float* ot,
-                     const VR* alpha, int64_t ldp = kTQ) {
+                     const VR* alpha) {
   constexpr int R = Vec::kRowsPV;
   int64_t d = 0;
-  for (; d + R <= Dv; d += R) pv_rows<R>(v + d, vs, p, nk, ot + d * kTQ, alpha, ldp);
-  if (d < Dv) pv_tail<R - 1>(Dv - d, v + d, vs, p, nk, ot + d * kTQ, alpha, ldp);
+  for (; d + R <= Dv; d += R) pv_rows<R>(v + d, vs, p, nk, ot + d * kTQ, alpha);
+  if (d < Dv) pv_tail<R - 1>(Dv - d, v + d, vs, p, nk, ot + d * kTQ, alpha);
 }
 
 struct Tile {
