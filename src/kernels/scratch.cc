@@ -25,6 +25,11 @@ float* thread_scratch(int64_t floats) {
     block.reset(p);
     capacity = n;
   }
+  static const bool poison = [] {
+    const char* e = std::getenv("HEADS_SCRATCH_POISON");
+    return e != nullptr && *e != '\0' && *e != '0';
+  }();
+  if (poison) std::fill(block.get(), block.get() + floats, std::numeric_limits<float>::quiet_NaN());
   return block.get();
 }
 
