@@ -11,9 +11,9 @@ inputs and outputs excluded). heads is timed by its CLI (`heads bench ... --json
 the same rule (warm-up, repeats for at least --min-time seconds, median).
 With --backward: SDPA forward and backward (dq, dk, dv for a random dout) of heads
 (`heads bench sdpa --backward`) beside PyTorch's autograd through F.scaled_dot_product_attention;
-backward time = (forward + backward) - forward, each a median, and the backward call alone timed
-inside the forward + backward loop (the difference also holds what the forward loses when the
-backward has evicted its inputs from the caches).
+backward time = (forward + backward) - forward, each a median (the two timed in alternating blocks),
+and the backward call alone timed inside the forward + backward loop (the difference also holds
+what the forward loses when the backward has evicted its inputs from the caches).
 Needs: torch==2.13.0, onnxruntime, onnx (pip).
 """
 
@@ -43,6 +43,24 @@ def median_ms(fn, min_time):
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def alternating_ms(fns, min_time, rounds=8):
+    """Medians (ms) of each fn, timed in alternating blocks of at least min_time / rounds seconds (one
+    run at least) so that a slow spell of a shared machine weighs on every median alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            while True:
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+                if t0 - start + ts[-1] / 1e3 >= min_time / rounds:
+                    break
+    return [statistics.median(ts) for ts in times]
 
 
 def _status(field):
@@ -119,7 +137,7 @@ def torch_sdpa_backward(s, args, torch):
         out.backward(dout)
         calls.append((time.perf_counter() - t0) * 1e3)
 
-    fwd_ms, both_ms = median_ms(fwd, args.min_time), median_ms(fwd_bwd, args.min_time)
+    fwd_ms, both_ms = alternating_ms([fwd, fwd_bwd], args.min_time)
     return fwd_ms, both_ms, statistics.median(calls[1:])  # calls[0]: the warm-up
 
 

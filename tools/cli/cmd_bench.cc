@@ -2,6 +2,7 @@
 //
 // Warm-up, then repeats until at least --min-time seconds (default 1) and 5 runs; reports the
 // median. flops = 4·B·H·Lq·Lk·D for sdpa (half when causal); mha adds 2·B·L·E·E per projection.
+// sdpa --backward: forward alone and forward + backward timed in alternating blocks (8 rounds).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -47,20 +48,30 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
-// Median milliseconds of fn over repeats lasting at least min_time seconds.
+// Runs of fn (at least min_runs) until `seconds` have passed, each run's milliseconds appended to ms.
 template <class F>
-double median_ms(F&& fn, double min_time) {
+void time_runs(F&& fn, double seconds, size_t min_runs, std::vector<double>& ms) {
   using clock = std::chrono::steady_clock;
-  fn();  // warm-up
-  std::vector<double> ms;
   const auto start = clock::now();
-  while (ms.size() < 5 || std::chrono::duration<double>(clock::now() - start).count() < min_time) {
+  for (size_t n = 0; n < min_runs || std::chrono::duration<double>(clock::now() - start).count() < seconds; ++n) {
     const auto t0 = clock::now();
     fn();
     ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
   }
-  std::nth_element(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 2), ms.end());
-  return ms[ms.size() / 2];
+}
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+// Median milliseconds of fn over repeats lasting at least min_time seconds.
+template <class F>
+double median_ms(F&& fn, double min_time) {
+  fn();  // warm-up
+  std::vector<double> ms;
+  time_runs(fn, min_time, 5, ms);
+  return median(ms);
 }
 
 DType parse_dtype(const std::string& dtype) {
@@ -81,23 +92,32 @@ void run_sdpa(const BenchArgs& a) {
   o.is_causal = a.causal;
   o.enable_gqa = Hkv != a.H;
   Tensor out = Tensor::empty({a.B, a.H, a.Lq, a.D}, dt);
-  double ms = median_ms([&] { sdpa_out(out, q, k, v, o); }, a.min_time);
-  double bwd_ms = 0, bwd_call_ms = 0;
-  if (a.backward) {  // forward + backward, as training runs them
+  double ms = 0, bwd_ms = 0, bwd_call_ms = 0;
+  if (!a.backward) {
+    ms = median_ms([&] { sdpa_out(out, q, k, v, o); }, a.min_time);
+  } else {  // forward + backward, as training runs them
     HEADS_CHECK(dt == DType::F32, "bench sdpa: --backward is f32");
     const Tensor dout = random_tensor({a.B, a.H, a.Lq, a.D}, 4);
-    const double fwd_ms = ms;
-    std::vector<double> calls;  // the backward call alone, timed inside the same loop
-    ms = median_ms([&] {
+    // Forward alone and forward + backward in alternating blocks, so that a slow spell of a shared
+    // machine weighs on both medians alike; the backward call is also timed alone in its loop.
+    constexpr int kRounds = 8;
+    std::vector<double> fwd_runs, both_runs, calls;
+    const auto forward = [&] { sdpa_out(out, q, k, v, o); };
+    const auto both = [&] {
       const SdpaResult f = sdpa(q, k, v, o);
       const auto t0 = std::chrono::steady_clock::now();
       sdpa_backward(dout, q, k, v, f, o);
       calls.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }, a.min_time);
-    bwd_ms = ms - fwd_ms;
-    calls.erase(calls.begin());  // the warm-up
-    std::nth_element(calls.begin(), calls.begin() + static_cast<std::ptrdiff_t>(calls.size() / 2), calls.end());
-    bwd_call_ms = calls[calls.size() / 2];
+    };
+    both();  // warm-up
+    calls.clear();
+    for (int r = 0; r < kRounds; ++r) {
+      time_runs(forward, a.min_time / kRounds, 1, fwd_runs);
+      time_runs(both, a.min_time / kRounds, 1, both_runs);
+    }
+    ms = median(both_runs);
+    bwd_ms = ms - median(fwd_runs);
+    bwd_call_ms = median(calls);
   }
   double flops = 4.0 * a.B * a.H * a.Lq * Lk * a.D;
   if (a.causal) flops /= 2;
