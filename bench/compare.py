@@ -35,14 +35,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def median_ms(fn, min_time):
-    fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < 5 or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Warm-up, then runs for at least min_time seconds (eight at least); the median in ms."""
+    return alternating_ms([fn], min_time)[0]
 
 
 def alternating_ms(fns, min_time, rounds=8):

@@ -112,6 +112,15 @@ inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sa
   gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, mode);
 }
 
+// Partial sums (one vector) of the dot product of two rows of n values.
+HEADS_INLINE VR row_dot(const float* a, const float* b, int64_t n) {
+  VR acc = Vec::zero();
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) acc = Vec::fma(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  if (d < n) acc = Vec::fma(Vec::load_partial(a + d, n - d), Vec::load_partial(b + d, n - d), acc);
+  return acc;
+}
+
 // out[r·ldr + l·ldl] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of n values,
 // strides lda / ldb): a few queries' scores as nq dot products per key.
 inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t nq,
@@ -122,16 +131,7 @@ inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, 
     for (int64_t l = 0; l < nq; ++l) {
       const float* bl = b + l * ldb;
       VR part[kW];
-      for (int u = 0; u < kW; ++u) {
-        VR acc = Vec::zero();
-        if (u < nr) {
-          const float* ar = a + (r0 + u) * lda;
-          int64_t d = 0;
-          for (; d + kW <= n; d += kW) acc = Vec::fma(Vec::loadu(ar + d), Vec::loadu(bl + d), acc);
-          if (d < n) acc = Vec::fma(Vec::load_partial(ar + d, n - d), Vec::load_partial(bl + d, n - d), acc);
-        }
-        part[u] = acc;
-      }
+      for (int u = 0; u < kW; ++u) part[u] = u < nr ? row_dot(a + (r0 + u) * lda, bl, n) : Vec::zero();
       alignas(64) float sums[kW];
       Vec::store(sums, Vec::mul(Vec::reduce_lanes(part), al));
       for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * ldr + l * ldl] = sums[u];
@@ -146,18 +146,7 @@ inline void zero_rows(float* x, int64_t ld, int64_t n, int64_t n_cols) {
 
 // out[i] = a_i · b_i for rows i < n of `len` values (strides lda, ldb): D_i = dO_i · O_i.
 inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n, int64_t len, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    VR acc = Vec::zero();
-    for (int64_t e = 0; e < len; e += kW) {
-      const int64_t m = std::min<int64_t>(kW, len - e);
-      acc = Vec::fma(Vec::load_partial(a + i * lda + e, m), Vec::load_partial(b + i * ldb + e, m), acc);
-    }
-    alignas(64) float lanes[kW];
-    Vec::store(lanes, acc);
-    float sum = 0.0f;
-    for (int l = 0; l < kW; ++l) sum += lanes[l];
-    out[i] = sum;
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = Vec::reduce_add(row_dot(a + i * lda, b + i * ldb, len));
 }
 
 // D_i from one block: sum_j P_ij dP_ij over sum_j P_ij. The recomputed P sums to 1 only up to the
@@ -216,15 +205,7 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
         acc = Vec::fma(pr, Vec::load_partial(dl + r, m), acc);
         mass = Vec::add(mass, pr);
       }
-      alignas(64) float lanes[kW], masses[kW];
-      Vec::store(lanes, acc);
-      Vec::store(masses, mass);
-      float num = 0.0f, den = 0.0f;
-      for (int u = 0; u < kW; ++u) {
-        num += lanes[u];
-        den += masses[u];
-      }
-      dl_sum = normalized_d(num, den);
+      dl_sum = normalized_d(Vec::reduce_add(acc), Vec::reduce_add(mass));
     }
     const VR d = Vec::set1(dl_sum);
     for (int64_t r = 0; r < nk; r += kW) {  // dS = P ∘ (dP - D)
@@ -403,13 +384,16 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 } else {
                   // one block: D = sum over the keys of P ∘ dP, over the sum of P
                   VR num[kNQ] = {Vec::zero(), Vec::zero()}, den[kNQ] = {Vec::zero(), Vec::zero()};
+                  const auto gather = [&](int64_t r, VR d0, VR d1) {  // key r's P ∘ dP and P
+                    const VR p0 = Vec::load(s + r * kLd), p1 = Vec::load(s + r * kLd + kW);
+                    num[0] = Vec::fma(p0, d0, num[0]);
+                    num[1] = Vec::fma(p1, d1, num[1]);
+                    den[0] = Vec::add(den[0], p0);
+                    den[1] = Vec::add(den[1], p1);
+                  };
                   if (P.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
                     fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
-                      const VR p0 = Vec::load(s + r * kLd), p1 = Vec::load(s + r * kLd + kW);
-                      num[0] = Vec::fma(p0, a0, num[0]);
-                      num[1] = Vec::fma(p1, a1, num[1]);
-                      den[0] = Vec::add(den[0], p0);
-                      den[1] = Vec::add(den[1], p1);
+                      gather(r, a0, a1);
                       Vec::store(dp + r * kLd, a0);
                       Vec::store(dp + r * kLd + kW, a1);
                     });
@@ -425,13 +409,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                       }
                     }
                     if (one_block) {
-                      for (int64_t r = 0; r < nk; ++r) {
-                        for (int vv = 0; vv < kNQ; ++vv) {
-                          const VR pr = Vec::load(s + r * kLd + vv * kW);
-                          num[vv] = Vec::fma(pr, Vec::load(dp + r * kLd + vv * kW), num[vv]);
-                          den[vv] = Vec::add(den[vv], pr);
-                        }
-                      }
+                      for (int64_t r = 0; r < nk; ++r) gather(r, Vec::load(dp + r * kLd), Vec::load(dp + r * kLd + kW));
                     }
                   }
                   if (one_block) {
