@@ -136,11 +136,11 @@ Tensor activation(const Tensor& x_in, Activation act) {
 }
 
 Tensor dropout(const Tensor& x_in, double p, uint64_t seed) {
-  HEADS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got ", p);
+  HEADS_CHECK(p >= 0.0 && p <= 1.0, "dropout: p must be in [0, 1], got ", p);
   if (p == 0.0) return x_in;
   Tensor y = f32(x_in, "dropout", "input").clone();
   float* v = y.data<float>();
-  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  const float scale = kernels::dropout_keep_scale(p);
   for (int64_t i = 0; i < y.numel(); ++i) {
     v[i] = kernels::dropout_keep(seed, static_cast<uint64_t>(i), p) ? v[i] * scale : 0.0f;
   }

@@ -1,5 +1,7 @@
 // sdpa.cc — SDPA entry: validation shared by every kernel, then dispatch.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include "heads/runtime.h"
@@ -43,8 +45,8 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
   HEADS_CHECK(std::isfinite(P.scale), op, ": scale must be finite, got ", P.scale);
   P.causal = opts.is_causal;
   P.causal_offset = opts.causal_align == CausalAlign::BottomRight ? P.Lk - P.Lq : 0;
-  HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p < 1.0, op,
-              ": dropout_p must be in [0, 1), got ", opts.dropout_p);
+  HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
+              ": dropout_p must be in [0, 1], got ", opts.dropout_p);
   P.dropout_p = opts.dropout_p;
   P.seed = P.dropout_p > 0.0 ? (opts.dropout_seed ? *opts.dropout_seed : next_seed()) : 0;
   P.need_weights = opts.need_weights;
@@ -108,6 +110,13 @@ SdpaResult run(const kernels::SdpaProblem& P, const Tensor& out, const Tensor& q
   r.out = out;
   r.lse = Tensor::empty({P.B, P.H, P.Lq}, DType::F32);
   if (P.need_weights) r.weights = Tensor::empty({P.B, P.H, P.Lq, P.Lk}, DType::F32);
+  if (P.B == 0 || P.H == 0 || P.Lq == 0) return r;
+  if (P.Lk == 0) {  // no key at all: every row is fully masked (zero output, lse = -inf)
+    r.out.copy_from(Tensor::zeros(r.out.shape(), DType::F32));
+    float* lp = r.lse.data<float>();
+    std::fill(lp, lp + r.lse.numel(), -std::numeric_limits<float>::infinity());
+    return r;
+  }
   const auto fwd = q.dtype() == DType::BF16 ? active().sdpa_fwd_bf16 : active().sdpa_fwd_f32;
   fwd(P, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
   return r;

@@ -153,7 +153,7 @@ inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, i
 // rounding of lse and exp2, an error common to the row that this division removes (one visible key:
 // D = dP up to one rounding, so dS is about 1e-7 of dP rather than of the scores). A row that sees
 // no key has D = 0.
-inline float normalized_d(float num, float den) { return den > 0.0f ? num / den : 0.0f; }
+inline float normalized_d(float num, float den) { return den != 0.0f ? num / den : 0.0f; }
 
 // Steps of at most kSmallQ queries: P, dS (and Pd with dropout) of queries l < t.nq and keys
 // j0 + r, r < nk, stored query-major (s[l·kTK + r]) so every pass runs along the keys. dsum null:
@@ -166,7 +166,7 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
   small_dots(nk, kr, ks2, q0, qs2, nq, P.D, c, s, 1, kTK);
   small_dots(nk, vr, vs2, g0, gs2, nq, P.Dv, 1.0f, dp, 1, kTK);
   const bool has_mask = P.mask_kind != MaskKind::None;
-  const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
+  const float keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f;
   for (int64_t l = 0; l < nq; ++l) {
     const int64_t i = t.i0 + l;
     float* sl = s + l * kTK;
@@ -178,7 +178,7 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
         if (P.causal && j > i + P.causal_offset) {
           sl[r] = -kInf;
         } else if (has_mask) {
-          sl[r] += fwd::mask_log2(P, m0 + j * ms3);
+          sl[r] = fwd::masked_score(P, sl[r], fwd::mask_log2(P, m0 + j * ms3));
         }
       }
     }
@@ -250,7 +250,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   float *dqp = dq.data<float>(), *dkp = dk.data<float>(), *dvp = dv.data<float>();
   const float scale = static_cast<float>(P.scale);
   const float c = scale * kLog2e;
-  const float keep_scale = P.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - P.dropout_p)) : 1.0f;
+  const float keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f;
   const int64_t n_tasks = P.B * P.Hkv;
   const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
   // Keys per group: about 1 MB of K/V rows (and as much dK/dV), a multiple of kTK. Every group

@@ -178,7 +178,7 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
   const SdpaProblem& P = S.P;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
   const T* vh = static_cast<const T*>(S.v) + b * S.vs[0] + hk * S.vs[1];
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
+  const float keep_scale = dropout_keep_scale(P.dropout_p);
   pack_queries<T>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     m[r] = -kInf;
@@ -201,19 +201,17 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
       Vec::store(mxl, mxv);
       float mx = -kInf;
       for (int u = 0; u < kW; ++u) mx = std::max(mx, mxl[u]);
+      // m stays free of NaN (std::max drops it); a NaN score reaches l and O through its P.
       const float m_new = std::max(m[r], mx);
-      if (m_new == -kInf) {  // nothing visible yet
-        for (int64_t jj = 0; jj < kBlock; ++jj) sr[jj] = 0.0f;
-        continue;
-      }
+      const float m_safe = m_new == -kInf ? 0.0f : m_new;  // nothing visible yet: P = 0
       VR sum = Vec::zero();
-      const VR mv = Vec::set1(m_new);
+      const VR mv = Vec::set1(m_safe);
       for (int64_t jj = 0; jj < kBlock; jj += kW) {
         const VR p = Vec::exp2(Vec::sub(Vec::load(sr + jj), mv));
         sum = Vec::add(sum, p);
         Vec::store(sr + jj, p);
       }
-      const float alpha = m[r] == -kInf ? 0.0f : std::exp2(m[r] - m_new);
+      const float alpha = m[r] == -kInf ? 0.0f : std::exp2(m[r] - m_safe);
       l[r] = l[r] * alpha + Vec::reduce_add(sum);
       m[r] = m_new;
       if (alpha != 1.0f) {
@@ -243,7 +241,7 @@ inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int
                           const float* lse2, float* w) {
   const SdpaProblem& P = S.P;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
+  const float keep_scale = dropout_keep_scale(P.dropout_p);
   pack_queries<T>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
@@ -315,21 +313,21 @@ inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, 
         const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
         float* acc = sc + S.rows * kBlock;  // this thread's scratch: [Dv] merged O row
         for (int64_t d = 0; d < P.Dv; ++d) acc[d] = 0.0f;
+        // A chunk that saw no key has l = 0; one with a NaN score has l = NaN, which spreads to l
+        // and O here. No key seen at all: zeros, lse = -inf.
         float l = 0.0f;
-        if (m != -kInf) {
-          for (int64_t c = 0; c < S.n_chunks; ++c) {
-            const int64_t t = bh * S.n_chunks + c;
-            if (pm[t * S.rows + r] == -kInf) continue;
-            const float f = std::exp2(pm[t * S.rows + r] - m);
-            l += pl[t * S.rows + r] * f;
-            const float* oc = po_base + (t * S.rows + r) * S.Dvp;
-            for (int64_t d = 0; d < P.Dv; ++d) acc[d] += oc[d] * f;
-          }
+        for (int64_t c = 0; c < S.n_chunks; ++c) {
+          const int64_t t = bh * S.n_chunks + c;
+          if (pl[t * S.rows + r] == 0.0f) continue;
+          const float f = std::exp2(pm[t * S.rows + r] - m);
+          l += pl[t * S.rows + r] * f;
+          const float* oc = po_base + (t * S.rows + r) * S.Dvp;
+          for (int64_t d = 0; d < P.Dv; ++d) acc[d] += oc[d] * f;
         }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = l != 0.0f ? 1.0f / l : 0.0f;
         T* orow = out_p + b * os[0] + h * os[1] + i * os[2];
         for (int64_t d = 0; d < P.Dv; ++d) from_f32(acc[d] * inv, orow + d);
-        lse_p[(b * P.H + h) * P.Lq + i] = l > 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
+        lse_p[(b * P.H + h) * P.Lq + i] = l != 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
       }
     }
     if (weights.defined()) {

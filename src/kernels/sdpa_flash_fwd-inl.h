@@ -152,11 +152,16 @@ struct Tile {
   float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
-// attn_mask entry at element offset `off` as an additive log2-domain score: a bool mask's false is
-// -inf, a float mask's value is scaled by log2(e). The mask must be present.
+// attn_mask entry at element offset `off` as a log2-domain term: a bool mask's false is -inf, a
+// float mask's value is scaled by log2(e). The mask must be present.
 HEADS_INLINE float mask_log2(const SdpaProblem& P, int64_t off) {
   if (P.mask_kind == MaskKind::Bool) return static_cast<const uint8_t*>(P.mask.raw_data())[off] ? 0.0f : -kInf;
   return static_cast<const float*>(P.mask.raw_data())[off] * kLog2e;
+}
+// Score s (log2 units) under that term: a float mask is added (IEEE: NaN + -inf is NaN); a bool
+// mask's false replaces s by -inf, so a hidden key's values never reach the row (even NaN).
+HEADS_INLINE float masked_score(const SdpaProblem& P, float s, float term) {
+  return P.mask_kind == MaskKind::Bool ? (term == 0.0f ? s : -kInf) : s + term;
 }
 
 // Applies causal and attn_mask to S rows [0, nk) (keys j0 + r, row stride lds), folding in the
@@ -169,6 +174,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
     qlim[v] = Vec::add(Vec::iota(), Vec::set1(static_cast<float>(t.i0 + v * kW + P.causal_offset)));
   }
   const bool has_mask = P.mask_kind != MaskKind::None;
+  const bool bool_mask = P.mask_kind == MaskKind::Bool;
   const bool row_bcast = has_mask && P.mask.stride(2) == 0;  // same value for every query
   const int64_t ms3 = has_mask ? P.mask.stride(3) : 0;
   const int64_t mrow0 = has_mask ? P.mask_offset(t.b, t.h, t.i0) : 0;
@@ -186,7 +192,11 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
     }
     for (int v = 0; v < kNQ; ++v) {
       VR x = Vec::load(s + r * lds + v * kW);
-      if (has_mask) x = Vec::add(x, add[v]);
+      if (bool_mask) {
+        x = Vec::fill_if_gt(x, Vec::zero(), add[v], -kInf);  // false (-inf term): hidden
+      } else if (has_mask) {
+        x = Vec::add(x, add[v]);
+      }
       if (causal_here) x = Vec::fill_if_gt(x, Vec::set1(static_cast<float>(j)), qlim[v], -kInf);
       mx[v] = Vec::max(mx[v], x);
       Vec::store(s + r * lds + v * kW, x);
@@ -196,7 +206,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
 
 inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
   const SdpaProblem& P = t.P;
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - P.dropout_p));
+  const float keep_scale = dropout_keep_scale(P.dropout_p);
   for (int64_t r = 0; r < nk; ++r) {
     for (int64_t l = 0; l < t.nq; ++l) {
       const bool keep = dropout_keep(P.seed, dropout_index(P, t.b, t.h, t.i0 + l, j0 + r), P.dropout_p);
@@ -328,23 +338,30 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     Pol::pv(t, W, vh, vs[2], j0, nk, alpha);
   }
 
-  // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf.
+  // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf. A NaN
+  //    score (or a +inf one: 2^(inf - inf)) made l NaN, and the row is NaN.
   alignas(64) float m_l[kTQ], l_l[kTQ], inv_l[kTQ];
   for (int v = 0; v < kNQ; ++v) {
     Vec::store(m_l + v * kW, m[v]);
     Vec::store(l_l + v * kW, l[v]);
   }
-  for (int64_t r = 0; r < kTQ; ++r) inv_l[r] = l_l[r] > 0.0f ? 1.0f / l_l[r] : 0.0f;
+  for (int64_t r = 0; r < kTQ; ++r) {
+    inv_l[r] = 1.0f / l_l[r];
+    if (l_l[r] == 0.0f) {  // zeros even where a V entry is NaN (0 · NaN in the P·V product)
+      inv_l[r] = 0.0f;
+      for (int64_t d = 0; d < P.Dv; ++d) W.ot[d * kTQ + r] = 0.0f;
+    }
+  }
   Pol::store_out(W.ot, inv_l, nq, P.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
   for (int64_t r = 0; r < nq; ++r) {
-    lse[(b * P.H + h) * P.Lq + i0 + r] = l_l[r] > 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
+    lse[(b * P.H + h) * P.Lq + i0 + r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
   }
 
   // 6. Weights on request: w = 2^(S - log2-lse), dropped like P above.
   if (weights == nullptr) return;
   VR lse2[kNQ];
   for (int64_t r = 0; r < kTQ; ++r) {
-    m_l[r] = r < nq && l_l[r] > 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
+    m_l[r] = r < nq && l_l[r] != 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
   }
   for (int v = 0; v < kNQ; ++v) lse2[v] = Vec::load(m_l + v * kW);
   for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
@@ -365,7 +382,8 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     }
     for (int64_t r = 0; r < nq; ++r) {
       float* wrow = weights + ((b * P.H + h) * P.Lq + i0 + r) * P.Lk + j0;
-      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? W.s[c2 * kTQ + r] : 0.0f;
+      const float hidden = std::isnan(m_l[r]) ? m_l[r] : 0.0f;  // a NaN row's weights are all NaN
+      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? W.s[c2 * kTQ + r] : hidden;
     }
   }
 }

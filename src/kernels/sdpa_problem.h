@@ -55,6 +55,9 @@ inline bool dropout_keep(uint64_t seed, uint64_t index, double p) {
 // Sums a [B, H, Lq, Lk] gradient over the dimensions `shape` broadcasts (f64 result in `shape`).
 Tensor reduce_to_shape(const Tensor& full, const Shape& shape);
 
+// The factor a kept weight is scaled by, 1 / (1 - p); p = 1 drops everything (factor unused, 0).
+inline float dropout_keep_scale(double p) { return p < 1.0 ? static_cast<float>(1.0 / (1.0 - p)) : 0.0f; }
+
 inline uint64_t dropout_index(const SdpaProblem& P, int64_t b, int64_t h, int64_t i, int64_t j) {
   return static_cast<uint64_t>(((b * P.H + h) * P.Lq + i) * P.Lk + j);
 }

@@ -2,6 +2,9 @@
 //
 //   S = q kᵀ · scale + mask (bool false / causal-hidden -> -inf);  W = softmax(S) (row with no
 //   visible key -> 0);  W = dropout(W) (same keep rule as every kernel);  out = W v.
+// Non-finite values (docs/numerics.md): a key whose score is -inf (masked) contributes nothing; a row
+// whose scores are all -inf is zero; otherwise IEEE arithmetic — a NaN score or a +inf one makes the
+// row NaN (softmax needs exp(inf - inf)).
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -62,6 +65,7 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
       for (int64_t i = 0; i < P.Lq; ++i) {
         const double* qi = qp + ((b * P.H + h) * P.Lq + i) * P.D;
         double mx = ninf;
+        bool any_visible = false;
         for (int64_t j = 0; j < P.Lk; ++j) {
           const double* kj = kp + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
           double acc = 0.0;
@@ -77,16 +81,18 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
             }
           }
           s[j] = x;
-          mx = std::max(mx, x);
+          if (x > mx) mx = x;  // NaN never compares greater: mx is the largest non-NaN score
+          any_visible = any_visible || x != ninf;
         }
         double* w = wp + ((b * P.H + h) * P.Lq + i) * P.Lk;
         double* o = op + ((b * P.H + h) * P.Lq + i) * P.Dv;
         lp[(b * P.H + h) * P.Lq + i] = ninf;
-        if (mx == ninf) continue;  // no visible key: zero weights and output
+        if (!any_visible) continue;  // no visible key: zero weights and output
         double sum = 0.0;
-        for (int64_t j = 0; j < P.Lk; ++j) sum += std::exp(s[j] - mx);
+        for (int64_t j = 0; j < P.Lk; ++j) sum += s[j] == ninf ? 0.0 : std::exp(s[j] - mx);
         lp[(b * P.H + h) * P.Lq + i] = mx + std::log(sum);
         for (int64_t j = 0; j < P.Lk; ++j) {
+          if (s[j] == ninf && !std::isnan(sum)) continue;  // masked: contributes nothing
           double p = std::exp(s[j] - mx) / sum;
           if (P.dropout_p > 0.0) {
             p = dropout_keep(P.seed, dropout_index(P, b, h, i, j), P.dropout_p)
@@ -129,7 +135,7 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
   const SdpaResult fw = sdpa_fwd_f64(q_in, k_in, v_in, opts);  // weights include dropout
   const double ninf = -std::numeric_limits<double>::infinity();
   std::vector<double> p(static_cast<size_t>(P.Lk)), dp(static_cast<size_t>(P.Lk));
-  const double keep_scale = P.dropout_p > 0 ? 1.0 / (1.0 - P.dropout_p) : 1.0;
+  const double keep_scale = P.dropout_p >= 1.0 ? 0.0 : P.dropout_p > 0 ? 1.0 / (1.0 - P.dropout_p) : 1.0;
   for (int64_t b = 0; b < P.B; ++b) {
     for (int64_t h = 0; h < P.H; ++h) {
       const int64_t hk = h / P.group();

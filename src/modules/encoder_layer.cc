@@ -56,7 +56,7 @@ TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOp
         HEADS_CHECK(o.d_model >= 1, kOp, ": d_model must be positive, got ", o.d_model);
         HEADS_CHECK(o.dim_feedforward >= 1, kOp, ": dim_feedforward must be positive, got ",
                     o.dim_feedforward);
-        HEADS_CHECK(o.dropout >= 0.0 && o.dropout < 1.0, kOp, ": dropout must be in [0, 1), got ",
+        HEADS_CHECK(o.dropout >= 0.0 && o.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
                     o.dropout);
         MultiheadAttentionOptions m;
         m.embed_dim = o.d_model;

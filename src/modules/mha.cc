@@ -89,7 +89,7 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
   HEADS_CHECK(opt_.num_heads >= 1, kOp, ": num_heads must be positive, got ", opt_.num_heads);
   HEADS_CHECK(E % opt_.num_heads == 0, kOp, ": embed_dim ", E, " is not divisible by num_heads ",
               opt_.num_heads);
-  HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout < 1.0, kOp, ": dropout must be in [0, 1), got ",
+  HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
               opt_.dropout);
   HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0, kOp, ": kdim and vdim must be positive, got ",
               opt_.kdim, " and ", opt_.vdim);

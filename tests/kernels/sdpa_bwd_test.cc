@@ -276,5 +276,46 @@ TEST(SdpaBackward, OneVisibleKeyGivesNoQueryGradient) {
   }
 }
 
+// NaN in the inputs reaches the gradients of what it touches, as in the forward (docs/numerics.md).
+TEST(SdpaBackward, NonFiniteInputsReachTheGradientsTheyTouch) {
+  IsaGuard guard;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Lq = 3: the few-query steps; Lq = 40: the tiled steps; Lk = 200 spans two key blocks.
+  for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{3, 70}, {40, 70}, {40, 200}}) {
+    const std::string shape = "Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk);
+    const Tensor k = randn({1, 2, Lk, 8}), v = randn({1, 2, Lk, 8}), dout = randn({1, 2, Lq, 8});
+    {  // NaN in query row 1 of head 0: dq row 1, and dk/dv of head 0 (row 1 sees every key); not head 1
+      Tensor q = randn({1, 2, Lq, 8});
+      q.data<float>()[1 * 8 + 2] = nan;
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const std::string where = shape + " isa=" + isa_name(isa);
+        const SdpaGrads g = sdpa_backward(dout, q, k, v, sdpa(q, k, v, {}), {});
+        EXPECT_TRUE(std::isnan(g.dq.item_as_double({0, 0, 1, 0}))) << where;
+        EXPECT_TRUE(std::isfinite(g.dq.item_as_double({0, 0, 0, 0}))) << where;
+        EXPECT_TRUE(std::isnan(g.dk.item_as_double({0, 0, Lk - 1, 0})) && std::isnan(g.dv.item_as_double({0, 0, 0, 0})))
+            << where;
+        EXPECT_TRUE(std::isfinite(g.dk.item_as_double({0, 1, 0, 0})) && std::isfinite(g.dq.item_as_double({0, 1, 1, 0})))
+            << where;
+      }
+      expect_every_path_matches(dout, q, k, v, {}, false, shape + " NaN query");
+    }
+    {  // NaN in a key row: every query gradient of that head (every row sees the key), that key's dk
+      const Tensor q = randn({1, 2, Lq, 8});
+      Tensor kn = k.clone();
+      kn.data<float>()[5 * 8 + 1] = nan;
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const std::string where = shape + " isa=" + isa_name(isa);
+        const SdpaGrads g = sdpa_backward(dout, q, kn, v, sdpa(q, kn, v, {}), {});
+        EXPECT_TRUE(std::isnan(g.dq.item_as_double({0, 0, Lq - 1, 0})) && std::isnan(g.dk.item_as_double({0, 0, 5, 0})))
+            << where;
+        EXPECT_TRUE(std::isfinite(g.dq.item_as_double({0, 1, 0, 0}))) << where;
+      }
+      expect_every_path_matches(dout, q, kn, v, {}, false, shape + " NaN key");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace heads

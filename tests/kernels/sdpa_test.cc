@@ -230,6 +230,145 @@ TEST(Sdpa, FullyMaskedRowsGiveZeros) {
   for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(r3.out.item_as_double({1, 1, 5, d}), 0.0);
 }
 
+// No keys at all (Lk = 0): every row is fully masked, on the decode path (Lq <= 4, which once divided
+// by a chunk size of 0) and the tiled one, in f32 and bf16, with and without weights.
+TEST(Sdpa, ZeroKeysGiveZeroRowsOnEveryPath) {
+  IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int64_t Lq : {1, 3, 4, 5, 40}) {
+      for (DType dt : {DType::F32, DType::BF16}) {
+        const std::string where = "Lq=" + std::to_string(Lq) + " " + std::string(dtype_name(dt)) + " isa=" + isa_name(isa);
+        const Tensor q = randn({2, 2, Lq, 8}).to(dt), k = Tensor::empty({2, 2, 0, 8}, dt), v = Tensor::empty({2, 2, 0, 6}, dt);
+        SdpaOptions o;
+        o.need_weights = true;
+        const SdpaResult r = sdpa(q, k, v, o);
+        ASSERT_EQ(r.out.shape(), Shape({2, 2, Lq, 6})) << where;
+        ASSERT_EQ(r.weights.shape(), Shape({2, 2, Lq, 0})) << where;
+        testing::for_each_index(r.out.shape(), [&](const Shape& i) { ASSERT_EQ(r.out.item_as_double(i), 0.0) << where; });
+        testing::for_each_index(r.lse.shape(), [&](const Shape& i) {
+          ASSERT_EQ(r.lse.item_as_double(i), -std::numeric_limits<double>::infinity()) << where;
+        });
+      }
+    }
+  }
+  const SdpaResult empty_q = sdpa(randn({1, 2, 0, 8}), randn({1, 2, 5, 8}), randn({1, 2, 5, 8}));
+  EXPECT_EQ(empty_q.out.shape(), Shape({1, 2, 0, 8}));
+}
+
+// Non-finite inputs (docs/numerics.md): IEEE arithmetic on the rows they reach, the same rows on
+// every path and in the float64 reference — never hidden as a masked key or a zero row.
+TEST(Sdpa, NonFiniteInputsReachTheRowsTheyTouch) {
+  IsaGuard guard;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  auto row_is_nan = [](const Tensor& out, int64_t h, int64_t i) {
+    bool all = true;
+    for (int64_t d = 0; d < out.size(3); ++d) all = all && std::isnan(out.item_as_double({0, h, i, d}));
+    return all;
+  };
+  auto row_is_finite = [](const Tensor& out, int64_t h, int64_t i) {
+    bool all = true;
+    for (int64_t d = 0; d < out.size(3); ++d) all = all && std::isfinite(out.item_as_double({0, h, i, d}));
+    return all;
+  };
+  // Lq = 3: the decode path (Lk = 1300: keys split in chunks); Lq = 40: the tiled path.
+  for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{3, 70}, {3, 1300}, {40, 70}, {40, 300}}) {
+    const int64_t nk = Lk - 5;  // the poisoned key
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      for (DType dt : {DType::F32, DType::BF16}) {
+        const std::string where = "Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) + " " +
+                                  std::string(dtype_name(dt)) + " isa=" + isa_name(isa);
+        const Tensor q0 = randn({1, 2, Lq, 8}), k0 = randn({1, 2, Lk, 8}), v0 = randn({1, 2, Lk, 8});
+        auto set = [](Tensor t, Shape i, float x) {
+          t.data<float>()[((i[0] * t.size(1) + i[1]) * t.size(2) + i[2]) * t.size(3) + i[3]] = x;
+          return t;
+        };
+        auto run = [&](const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o, const std::string& what) {
+          o.need_weights = true;
+          const SdpaResult r = sdpa(q.to(dt), k.to(dt), v.to(dt), o);
+          if (dt == DType::F32) expect_matches_ref(q, k, v, o, where + " " + what);
+          return r;
+        };
+        {  // NaN in one query row: that row (out, lse, every weight), nothing else
+          const SdpaResult r = run(set(q0.clone(), {0, 1, 1, 3}, nan), k0, v0, {}, "NaN query");
+          EXPECT_TRUE(row_is_nan(r.out, 1, 1)) << where << " NaN query";
+          EXPECT_TRUE(std::isnan(r.lse.item_as_double({0, 1, 1}))) << where;
+          EXPECT_TRUE(std::isnan(r.weights.item_as_double({0, 1, 1, 0}))) << where;
+          EXPECT_TRUE(row_is_finite(r.out, 1, 0) && row_is_finite(r.out, 0, 1)) << where;
+        }
+        {  // NaN in a key row: every row that sees it, not the rows a bool mask or causality hides it from
+          const Tensor k = set(k0.clone(), {0, 0, nk, 2}, nan);
+          EXPECT_TRUE(row_is_nan(run(q0, k, v0, {}, "NaN key").out, 0, Lq - 1)) << where << " NaN key";
+          Tensor m = testing::rand_bool({Lq, Lk}, 0.8);
+          for (int64_t j = 0; j < Lk; ++j) static_cast<uint8_t*>(m.raw_data())[j] = 1;
+          static_cast<uint8_t*>(m.raw_data())[nk] = 0;  // row 0 does not see the NaN key
+          static_cast<uint8_t*>(m.raw_data())[Lk + nk] = 1;  // row 1 does
+          SdpaOptions o;
+          o.attn_mask = m;
+          const SdpaResult r = run(q0, k, v0, o, "NaN key, bool mask");
+          EXPECT_TRUE(row_is_finite(r.out, 0, 0)) << where << " NaN key hidden by a bool mask";
+          EXPECT_TRUE(row_is_nan(r.out, 0, 1)) << where;
+          EXPECT_TRUE(row_is_finite(r.out, 1, 1)) << where << " other head";
+          SdpaOptions c;
+          c.is_causal = true;
+          c.causal_align = CausalAlign::BottomRight;  // row i sees keys j <= i + Lk - Lq
+          const SdpaResult rc = run(q0, k, v0, c, "NaN key, causal");
+          for (int64_t i = 0; i < Lq; ++i) {
+            EXPECT_EQ(row_is_nan(rc.out, 0, i), i + Lk - Lq >= nk) << where << " causal row " << i;
+            EXPECT_EQ(row_is_finite(rc.out, 0, i), i + Lk - Lq < nk) << where << " causal row " << i;
+          }
+        }
+        {  // NaN in a value row reaches the rows that weigh it
+          const SdpaResult r = run(q0, k0, set(v0.clone(), {0, 1, nk, 0}, nan), {}, "NaN value");
+          EXPECT_TRUE(std::isnan(r.out.item_as_double({0, 1, 0, 0}))) << where << " NaN value";
+          EXPECT_TRUE(std::isfinite(r.out.item_as_double({0, 1, 0, 1})) && row_is_finite(r.out, 0, 0)) << where;
+        }
+        {  // a +inf score (the query's +inf times positive keys): softmax takes inf - inf, the row is NaN
+          Tensor k = k0.clone();
+          for (int64_t j = 0; j < Lk; ++j) set(k, {0, 0, j, 0}, 0.5f + std::fabs(k.item_as_double({0, 0, j, 0})));
+          const SdpaResult r = run(set(q0.clone(), {0, 0, 1, 0}, inf), k, v0, {}, "+inf score");
+          EXPECT_TRUE(row_is_nan(r.out, 0, 1)) << where << " +inf score";
+          EXPECT_TRUE(row_is_finite(r.out, 0, 0)) << where;
+        }
+        {  // NaN in a float mask entry: that row
+          Tensor fm = randn({Lq, Lk});
+          fm.data<float>()[Lk + 3] = nan;
+          SdpaOptions o;
+          o.attn_mask = fm;
+          const SdpaResult r = run(q0, k0, v0, o, "NaN float mask");
+          EXPECT_TRUE(row_is_nan(r.out, 0, 1) && row_is_nan(r.out, 1, 1)) << where << " NaN float mask";
+          EXPECT_TRUE(row_is_finite(r.out, 0, 0)) << where;
+        }
+        {  // a row the bool mask hides entirely stays zero, even with NaN in its (hidden) keys
+          Tensor m = testing::rand_bool({Lq, Lk}, 0.8);
+          for (int64_t j = 0; j < Lk; ++j) static_cast<uint8_t*>(m.raw_data())[j] = 0;
+          SdpaOptions o;
+          o.attn_mask = m;
+          const SdpaResult r = run(q0, set(k0.clone(), {0, 0, nk, 1}, nan), v0, o, "fully masked row");
+          for (int64_t d = 0; d < 8; ++d) EXPECT_EQ(r.out.item_as_double({0, 0, 0, d}), 0.0) << where;
+          EXPECT_EQ(r.lse.item_as_double({0, 0, 0}), -std::numeric_limits<double>::infinity()) << where;
+        }
+      }
+    }
+  }
+}
+
+TEST(Sdpa, DropoutOfOneDropsEverything) {
+  IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int64_t Lq : {2, 40}) {
+      SdpaOptions o;
+      o.dropout_p = 1.0;
+      o.need_weights = true;
+      const SdpaResult r = sdpa(randn({1, 2, Lq, 8}), randn({1, 2, 30, 8}), randn({1, 2, 30, 8}), o);
+      testing::for_each_index(r.out.shape(), [&](const Shape& i) { ASSERT_EQ(r.out.item_as_double(i), 0.0); });
+      testing::for_each_index(r.weights.shape(), [&](const Shape& i) { ASSERT_EQ(r.weights.item_as_double(i), 0.0); });
+    }
+  }
+}
+
 TEST(Sdpa, DropoutStatistics) {
   const int64_t B = 2, H = 4, Lq = 64, Lk = 96, D = 16;
   const Tensor q = randn({B, H, Lq, D}), k = randn({B, H, Lk, D}), v = randn({B, H, Lk, D});
@@ -413,8 +552,10 @@ TEST(Sdpa, BadInputNamesArgumentAndShapes) {
   o.attn_mask = Tensor::zeros({7, 5}, DType::I64);
   EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("attn_mask: expected bool or floating dtype, got i64"));
   o.attn_mask = Tensor();
-  o.dropout_p = 1.0;
-  EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1)"));
+  o.dropout_p = 1.5;
+  EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1], got 1.5"));
+  o.dropout_p = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1], got nan"));
   EXPECT_THAT(error_of([&] { sdpa(q.to(DType::F64), k, v); }), HasSubstr("query: expected f32 or bf16, got f64"));
   EXPECT_THAT(error_of([&] { sdpa(q.to(DType::BF16), k, v); }),
               HasSubstr("key: expected bf16 like query, got f32"));

@@ -94,8 +94,10 @@ struct Vec {
     return _mm256_blendv_ps(x, _mm256_set1_ps(fill), _mm256_cmp_ps(x, _mm256_set1_ps(v), _CMP_EQ_OQ));
   }
   HEADS_INLINE static R exp2(R x) {
-    const R live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(128.0f));
+    // NaN stays NaN: it is "live" (not less than -126) and min/max_ps return their second operand
+    // when either is NaN.
+    const R live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_NLT_UQ);
+    x = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
     const R n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const R f = _mm256_sub_ps(x, n);
     R p = _mm256_set1_ps(kExp2C6);

@@ -112,8 +112,10 @@ struct Vec {
   }
   // 2^x; exactly 0 for x < -126 (and -inf), never a denormal.
   HEADS_INLINE static R exp2(R x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    // NaN stays NaN: it is "live" (not less than -126) and max_ps returns its second operand
+    // when either is NaN.
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
     const R n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const R f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
     R p = _mm512_set1_ps(kExp2C6);

@@ -8,7 +8,7 @@
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
-//   exp2(x): 2^x with degree-6 polynomial on [-1/2, 1/2]; exactly 0 for x < -126 and -inf
+//   exp2(x): 2^x with degree-6 polynomial on [-1/2, 1/2]; exactly 0 for x < -126 and -inf; NaN for NaN
 
 struct Vec {
   struct R {
@@ -117,8 +117,9 @@ struct Vec {
   }
   static R exp2(R x) {
     for (int i = 0; i < W; ++i) {
-      const float a = x.v[i];
-      if (!(a >= -126.0f)) {
+      const float a = std::min(x.v[i], 128.0f);  // 2^128 = inf, as the SIMD paths
+      if (std::isnan(x.v[i])) continue;          // NaN stays NaN
+      if (a < -126.0f) {
         x.v[i] = 0.0f;
         continue;
       }
