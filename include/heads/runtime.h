@@ -28,6 +28,9 @@ double measure_fma_peak_gflops(int threads, double seconds = 0.2);
 double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
 
 // Worker threads for every parallel kernel (default: all cores, or OMP_NUM_THREADS).
+// n must be in [1, kMaxThreads]; anything else is an error (never a silent clamp). A value of
+// OMP_NUM_THREADS above the limit is read as the limit.
+constexpr int kMaxThreads = 1024;
 void set_num_threads(int n);
 int get_num_threads();
 

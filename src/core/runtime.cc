@@ -3,8 +3,10 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <random>
+#include <thread>
 
 #include "heads/error.h"
 
@@ -25,11 +27,12 @@ uint64_t splitmix64(uint64_t x) {
 }  // namespace
 
 void set_num_threads(int n) {
-  HEADS_CHECK(n >= 1, "set_num_threads: expected at least 1 thread, got ", n);
+  HEADS_CHECK(n >= 1 && n <= kMaxThreads, "set_num_threads: expected 1 to ", kMaxThreads, " threads, got ", n,
+              " (this machine has ", std::thread::hardware_concurrency(), " hardware threads)");
   omp_set_num_threads(n);
 }
 
-int get_num_threads() { return omp_get_max_threads(); }
+int get_num_threads() { return std::min(omp_get_max_threads(), kMaxThreads); }
 
 void manual_seed(uint64_t seed) { g_state.store(seed); }
 

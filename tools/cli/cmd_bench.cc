@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "heads/mha.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
@@ -176,10 +177,7 @@ void run_mha(const BenchArgs& a) {
 
 void run_embed(const BenchArgs& a) {
   apply_threads(a.threads);
-  std::ifstream in(a.input, std::ios::binary);
-  HEADS_CHECK(in.good(), a.input, ": cannot open");
-  std::vector<std::string> texts;
-  for (std::string line; std::getline(in, line);) texts.push_back(line);
+  const std::vector<std::string> texts = read_lines(a.input);
   HEADS_CHECK(!texts.empty(), a.input, ": no lines");
   const SentenceEncoder enc = SentenceEncoder::load(a.model);
   int64_t tokens = 0;
@@ -226,30 +224,30 @@ void add_bench_command(CLI::App& app, Action* action) {
   bench->require_subcommand(1);
 
   CLI::App* s = bench->add_subcommand("sdpa", "Scaled dot-product attention forward.");
-  s->add_option("--batch", args->B, "B")->capture_default_str()->check(CLI::PositiveNumber);
-  s->add_option("--heads", args->H, "query heads H")->capture_default_str()->check(CLI::PositiveNumber);
-  s->add_option("--kv-heads", args->Hkv, "key/value heads Hkv (default H)")->check(CLI::PositiveNumber);
-  s->add_option("--q-len", args->Lq, "query length Lq")->capture_default_str()->check(CLI::PositiveNumber);
-  s->add_option("--kv-len", args->Lk, "key length Lk (default Lq)")->check(CLI::PositiveNumber);
-  s->add_option("--head-dim", args->D, "head dim D")->capture_default_str()->check(CLI::PositiveNumber);
+  s->add_option("--batch", args->B, "B")->capture_default_str()->check(int_in(1, kMaxCount));
+  s->add_option("--heads", args->H, "query heads H")->capture_default_str()->check(int_in(1, kMaxCount));
+  s->add_option("--kv-heads", args->Hkv, "key/value heads Hkv (default H)")->check(int_in(1, kMaxCount));
+  s->add_option("--q-len", args->Lq, "query length Lq")->capture_default_str()->check(int_in(1, kMaxCount));
+  s->add_option("--kv-len", args->Lk, "key length Lk (default Lq)")->check(int_in(1, kMaxCount));
+  s->add_option("--head-dim", args->D, "head dim D")->capture_default_str()->check(int_in(1, kMaxCount));
   s->add_flag("--causal", args->causal, "causal mask (flops counted half)");
   s->add_flag("--backward", args->backward,
               "time forward + backward (flops: 3.5x the forward's); JSON adds backward_ms (that time minus "
               "the forward alone) and backward_call_ms (the backward call itself, timed in the same loop)");
   s->add_option("--dtype", args->dtype, "f32 or bf16 (q, k, v and out in bf16, f32 accumulation)")->capture_default_str();
-  s->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
-  s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
+  add_threads_option(s, &args->threads);
+  s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   s->add_flag("--json", args->json, "one JSON line");
   s->callback([args, action] { *action = [args] { run_sdpa(*args); }; });
 
   CLI::App* m = bench->add_subcommand("mha", "MultiheadAttention forward (self-attention, batch_first, eval).");
-  m->add_option("--batch", args->B, "B")->capture_default_str()->check(CLI::PositiveNumber);
-  m->add_option("--seq", args->L, "sequence length L")->capture_default_str()->check(CLI::PositiveNumber);
-  m->add_option("--embed", args->E, "embed_dim E")->capture_default_str()->check(CLI::PositiveNumber);
-  m->add_option("--heads", args->H, "heads H")->capture_default_str()->check(CLI::PositiveNumber);
+  m->add_option("--batch", args->B, "B")->capture_default_str()->check(int_in(1, kMaxCount));
+  m->add_option("--seq", args->L, "sequence length L")->capture_default_str()->check(int_in(1, kMaxCount));
+  m->add_option("--embed", args->E, "embed_dim E")->capture_default_str()->check(int_in(1, kMaxCount));
+  m->add_option("--heads", args->H, "heads H")->capture_default_str()->check(int_in(1, kMaxCount));
   m->add_option("--dtype", args->dtype, "f32 (bf16 to come)")->capture_default_str();
-  m->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
-  m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
+  add_threads_option(m, &args->threads);
+  m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   m->add_flag("--json", args->json, "one JSON line");
   m->callback([args, action] { *action = [args] { run_mha(*args); }; });
 
@@ -257,15 +255,15 @@ void add_bench_command(CLI::App& app, Action* action) {
       "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");
   e->add_option("--input", args->input, "texts, one per line (e.g. bench/sentences.txt)")->required();
   e->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
-  e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(CLI::PositiveNumber);
-  e->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
-  e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str();
+  e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(int_in(1, kMaxCount));
+  add_threads_option(e, &args->threads);
+  e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   e->add_flag("--json", args->json, "one JSON line");
   e->callback([args, action] { *action = [args] { run_embed(*args); }; });
 
   CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine.");
-  p->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
-  p->add_option("--min-time", args->min_time, "seconds of measurement")->capture_default_str();
+  add_threads_option(p, &args->threads);
+  p->add_option("--min-time", args->min_time, "seconds of measurement")->capture_default_str()->check(real_in(0, 3600));
   p->add_flag("--json", args->json, "one JSON line");
   p->callback([args, action] { *action = [args] { run_peak(*args); }; });
 }

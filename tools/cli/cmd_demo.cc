@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "heads/runtime.h"
 #include "heads/sentence_encoder.h"
 
@@ -62,7 +63,7 @@ void add_demo_command(CLI::App& app, Action* action) {
   c->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
   c->add_option("--sentence", args->sentence, "the sentence whose attention is drawn")->capture_default_str();
   c->add_option("--output", args->output, "heatmap file (.png or .svg)")->capture_default_str();
-  c->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  add_threads_option(c, &args->threads);
   c->callback([args, action] { *action = [args] { run(*args); }; });
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "heads/safetensors.h"
 #include "heads/sentence_encoder.h"
 
@@ -23,17 +24,6 @@ struct EmbedArgs {
   bool similarity = false, quiet = false;
   int threads = 0;
 };
-
-std::vector<std::string> read_lines(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  HEADS_CHECK(in.good(), path, ": cannot open");
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    lines.push_back(line);
-  }
-  return lines;
-}
 
 // NumPy .npy (format 1.0) of a float32 matrix.
 std::string npy_bytes(const Tensor& t) {
@@ -137,10 +127,10 @@ void add_embed_command(CLI::App& app, Action* action) {
   in->excludes(txt);
   c->add_option("--output", args->output, "output file (.npy, .safetensors or .jsonl)")->required();
   c->add_option("--batch-size", args->batch_size, "texts per batch (batched by length)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(int_in(1, kMaxCount));
   c->add_flag("--similarity", args->similarity, "print the cosine similarity matrix");
   c->add_flag("--quiet", args->quiet, "no progress bar or notes");
-  c->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  add_threads_option(c, &args->threads);
   c->callback([args, action] { *action = [args] { run(*args); }; });
 }
 

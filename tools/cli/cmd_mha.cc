@@ -2,6 +2,7 @@
 #include <string>
 
 #include "commands.h"
+#include "options.h"
 #include "heads/mha.h"
 #include "heads/safetensors.h"
 
@@ -78,7 +79,7 @@ void add_mha_command(CLI::App& app, Action* action) {
   c->add_option("--state", args->state, "state dict (.safetensors)")->required();
   c->add_option("--input", args->input, "inputs (.safetensors)")->required();
   c->add_option("--output", args->output, "where to write the results (.safetensors)")->required();
-  c->add_option("--num-heads", args->num_heads, "number of heads")->required()->check(CLI::PositiveNumber);
+  c->add_option("--num-heads", args->num_heads, "number of heads")->required()->check(int_in(1, kMaxCount));
   c->add_flag("--batch-first", args->batch_first, "inputs are [N, L, E] instead of [L, N, E]");
   c->add_flag("--causal", args->causal,
               "causal attention (is_causal; with an attn_mask it is torch's hint)");
@@ -87,8 +88,7 @@ void add_mha_command(CLI::App& app, Action* action) {
               "attn_weights per head [N, H, L, S] instead of averaged [N, L, S]");
   c->add_flag("--add-zero-attn", args->add_zero_attn,
               "the module was built with add_zero_attn=True (not visible in a state dict)");
-  c->add_option("--threads", args->threads, "worker threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+  add_threads_option(c, &args->threads);
   c->callback([args, action] { *action = [args] { run(*args); }; });
 }
 

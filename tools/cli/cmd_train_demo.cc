@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "heads/encoder.h"
 #include "heads/ops.h"
 #include "heads/optim.h"
@@ -264,27 +265,28 @@ void add_train_demo_command(CLI::App& app, Action* action) {
       "every --eval-every steps; stops (exit 0) once the sequence accuracy reaches --target,\n"
       "fails (exit 1) if --steps pass first. Runs are reproducible for a given --seed.");
   c->add_option("--task", a->task, "reverse or sort")->capture_default_str();
-  c->add_option("--length", a->length, "digits per sequence")->capture_default_str()->check(CLI::Range(1, 64));
-  c->add_option("--layers", a->layers, "encoder layers")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--d-model", a->d_model, "model width")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--heads", a->heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--ff", a->ff, "feed-forward width")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--dropout", a->dropout, "dropout probability")->capture_default_str()->check(CLI::Range(0.0, 0.9));
-  c->add_option("--batch", a->batch, "sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--steps", a->steps, "maximum optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--length", a->length, "digits per sequence")->capture_default_str()->check(int_in(1, 64));
+  c->add_option("--layers", a->layers, "encoder layers")->capture_default_str()->check(int_in(1, kMaxCount));
+  c->add_option("--d-model", a->d_model, "model width")->capture_default_str()->check(int_in(1, kMaxCount));
+  c->add_option("--heads", a->heads, "attention heads")->capture_default_str()->check(int_in(1, kMaxCount));
+  c->add_option("--ff", a->ff, "feed-forward width")->capture_default_str()->check(int_in(1, kMaxCount));
+  c->add_option("--dropout", a->dropout, "dropout probability")->capture_default_str()->check(real_in(0.0, 0.9));
+  c->add_option("--batch", a->batch, "sequences per step")->capture_default_str()->check(int_in(1, kMaxCount));
+  c->add_option("--steps", a->steps, "maximum optimizer steps")->capture_default_str()->check(int_in(1, kMaxCount));
   c->add_option("--lr", a->lr, "AdamW learning rate (after a linear warmup)")->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_option("--warmup", a->warmup, "warmup steps")->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->check(real_in(1e-12, 1e3));
+  c->add_option("--warmup", a->warmup, "warmup steps")->capture_default_str()->check(int_in(0, kMaxCount));
   c->add_option("--weight-decay", a->weight_decay, "AdamW weight decay")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(real_in(0, 1e3));
   c->add_option("--eval-every", a->eval_every, "steps between evaluations")->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_option("--eval-size", a->eval_size, "held-out sequences")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(int_in(1, kMaxCount));
+  c->add_option("--eval-size", a->eval_size, "held-out sequences")->capture_default_str()->check(int_in(1, kMaxCount));
   c->add_option("--target", a->target, "sequence accuracy to stop at")->capture_default_str()
-      ->check(CLI::Range(0.0, 1.0));
-  c->add_option("--seed", a->seed, "random seed (data, initial weights, dropout)")->capture_default_str();
+      ->check(real_in(0.0, 1.0));
+  c->add_option("--seed", a->seed, "random seed (data, initial weights, dropout)")->capture_default_str()
+      ->check(int_in(0, INT64_MAX));
   c->add_option("--save", a->save, "write the trained weights here (.safetensors)");
-  c->add_option("--threads", a->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  add_threads_option(c, &a->threads);
   c->callback([a, action] { *action = [a] { run(*a); }; });
 }
 

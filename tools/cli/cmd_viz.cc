@@ -4,6 +4,7 @@
 #include <string>
 
 #include "commands.h"
+#include "options.h"
 #include "heads/sentence_encoder.h"
 #include "heads/viz.h"
 
@@ -44,10 +45,11 @@ void add_viz_command(CLI::App& app, Action* action) {
       "PNG or SVG by the output's extension.");
   c->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
   c->add_option("--text", args->text, "the sentence")->capture_default_str();
-  c->add_option("--layer", args->layer, "layer to show (negative counts from the last)")->capture_default_str();
+  c->add_option("--layer", args->layer, "layer to show (negative counts from the last)")->capture_default_str()
+      ->check(int_in(-kMaxCount, kMaxCount));
   c->add_flag("--rollout", args->rollout, "attention rollout across layers instead of one layer's heads");
   c->add_option("--output", args->output, "output .png or .svg")->capture_default_str();
-  c->add_option("--threads", args->threads, "worker threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  add_threads_option(c, &args->threads);
   c->callback([args, action] {
     *action = [args] {
       apply_threads(args->threads);

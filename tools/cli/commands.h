@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace heads::cli {
 
@@ -31,5 +32,9 @@ void render_sentence_attention(const SentenceEncoder& enc, const std::string& te
 
 // --threads N shared by the commands (0 = default).
 void apply_threads(int threads);
+
+// The lines of a text file (a trailing \r dropped from each); an error names a path that is missing,
+// a directory or unreadable.
+std::vector<std::string> read_lines(const std::string& path);
 
 }  // namespace heads::cli

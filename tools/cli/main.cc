@@ -6,7 +6,10 @@
 
 #include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <string>
 
 #include "commands.h"
 #include "heads/error.h"
@@ -16,6 +19,20 @@ namespace heads::cli {
 
 void apply_threads(int threads) {
   if (threads != 0) set_num_threads(threads);
+}
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::error_code ec;
+  HEADS_CHECK(!std::filesystem::is_directory(path, ec), path, ": is a directory, expected a text file");
+  std::ifstream in(path, std::ios::binary);
+  HEADS_CHECK(in.good(), path, ": cannot open");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(line);
+  }
+  HEADS_CHECK(in.eof(), path, ": read error");
+  return lines;
 }
 
 }  // namespace heads::cli
@@ -36,6 +53,22 @@ int main(int argc, char** argv) {
   heads::cli::add_embed_command(app, &action);
   heads::cli::add_viz_command(app, &action);
   heads::cli::add_train_demo_command(app, &action);
+  // "heads foo": CLI11 would only say that a subcommand is required.
+  CLI::App* level = &app;
+  for (int argi = 1; argi < argc && argv[argi][0] != '-' && !level->get_subcommands({}).empty(); ++argi) {
+    CLI::App* sub = nullptr;
+    std::string names;
+    for (CLI::App* c : level->get_subcommands({})) {
+      names += (names.empty() ? "" : ", ") + c->get_name();
+      if (c->check_name(argv[argi])) sub = c;
+    }
+    if (sub == nullptr) {
+      std::cerr << "heads: unknown command '" << argv[argi] << "' (commands: " << names
+                << ")\n(run `heads --help` for usage)\n";
+      return 2;
+    }
+    level = sub;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,60 @@
+// options.h — option validators shared by the subcommands.
+//
+// CLI11's numeric checks print their bounds as doubles (a 300-digit "range") and let an integer
+// that overflows its type through; these read the text itself.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <string>
+
+#include "heads/runtime.h"
+
+namespace heads::cli {
+
+// Largest size a command accepts for one dimension or count (lengths, heads, batch sizes).
+constexpr int64_t kMaxCount = int64_t{1} << 24;
+
+// An integer in [lo, hi], written in decimal: anything else is a usage error naming the bounds.
+inline CLI::Validator int_in(int64_t lo, int64_t hi) {
+  const std::string range = std::to_string(lo) + " to " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, range](std::string& s) -> std::string {
+        int64_t v = 0;
+        const char* end = s.data() + s.size();
+        const auto [p, ec] = std::from_chars(s.data(), end, v);
+        if (s.empty() || ec != std::errc() || p != end || v < lo || v > hi) {
+          return "expected an integer from " + range + ", got '" + s + "'";
+        }
+        return std::string();
+      },
+      "INT in " + range);
+}
+
+// A finite number in [lo, hi] (bounds printed as %g).
+inline CLI::Validator real_in(double lo, double hi) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g to %g", lo, hi);
+  const std::string range = buf;
+  return CLI::Validator(
+      [lo, hi, range](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = s.empty() ? 0.0 : std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || v < lo || v > hi) {
+          return "expected a number from " + range + ", got '" + s + "'";
+        }
+        return std::string();
+      },
+      "NUMBER in " + range);
+}
+
+// --threads N (0: the default, all cores).
+inline void add_threads_option(CLI::App* c, int* threads) {
+  c->add_option("--threads", *threads, "worker threads (default: all cores)")->check(int_in(0, kMaxThreads));
+}
+
+}  // namespace heads::cli
