@@ -46,6 +46,10 @@ struct MhaGrads {
   StateDict params;  // by parameter name, in state_dict() order (f32)
 };
 
+// Largest width a module accepts (embed_dim, kdim, vdim, d_model, dim_feedforward): every weight
+// shape and size product then fits int64 with room to spare.
+constexpr int64_t kMaxWidth = int64_t{1} << 24;
+
 struct MultiheadAttentionOptions {
   int64_t embed_dim = 0;
   int64_t num_heads = 1;

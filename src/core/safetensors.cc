@@ -19,6 +19,7 @@ namespace heads {
 namespace {
 
 constexpr uint64_t kMaxHeader = 100u << 20;  // 100 MB, as the reference implementation
+constexpr uint64_t kMaxSpan = uint64_t{1} << 60;  // largest shape a Tensor holds (tensor.cc)
 
 bool parse_dtype(const std::string& s, DType* out) {
   static const std::pair<const char*, DType> table[] = {
@@ -99,12 +100,27 @@ void SafeTensors::parse(const std::byte* base, size_t size) {
               size, " bytes)");
   HEADS_CHECK(n <= kMaxHeader, L, ": header length ", n, " exceeds the limit of ", kMaxHeader);
   const char* hp = reinterpret_cast<const char*>(base + 8);
+  // The format forbids duplicate keys (a JSON parser would keep the last one): one set of keys per
+  // open object.
+  std::vector<std::set<std::string>> open_keys;
+  std::string duplicate;
+  const auto no_duplicates = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start) open_keys.emplace_back();
+    if (event == E::object_end && !open_keys.empty()) open_keys.pop_back();
+    if (event == E::key && !open_keys.empty() && !open_keys.back().insert(parsed.get<std::string>()).second &&
+        duplicate.empty()) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(hp, hp + n);
+    header = nlohmann::json::parse(hp, hp + n, no_duplicates);
   } catch (const nlohmann::json::exception& e) {
     fail(L, ": header is not valid JSON: ", e.what());
   }
+  HEADS_CHECK(duplicate.empty(), L, ": header has the key \"", duplicate, "\" twice");
   HEADS_CHECK(header.is_object(), L, ": header is not a JSON object");
   const uint64_t data_size = size - 8 - n;
   data_ = base + 8 + n;
@@ -130,15 +146,16 @@ void SafeTensors::parse(const std::byte* base, size_t size) {
                 "\" (accepted: F32, F64, F16, BF16, BOOL, U8, I64)");
     HEADS_CHECK(v.contains("shape") && v["shape"].is_array(), L, ": tensor \"", name,
                 "\": missing shape");
-    uint64_t numel = 1;
+    uint64_t numel = 1, span = 1;  // span: the product with empty dimensions counted as 1
     bool overflow = false;
     for (const auto& d : v["shape"]) {
       HEADS_CHECK(d.is_number_unsigned(), L, ": tensor \"", name,
                   "\": shape entries must be non-negative integers");
       const uint64_t s = d.get<uint64_t>();
-      HEADS_CHECK(s <= static_cast<uint64_t>(INT64_MAX), L, ": tensor \"", name,
-                  "\": dimension too large");
+      HEADS_CHECK(s <= kMaxSpan && span <= kMaxSpan / std::max<uint64_t>(s, 1), L, ": tensor \"", name,
+                  "\": shape ", v["shape"].dump(), " is too large");
       e.shape.push_back(static_cast<int64_t>(s));
+      span *= std::max<uint64_t>(s, 1);
       if (s != 0 && numel > UINT64_MAX / s) overflow = true;
       numel *= s;
     }

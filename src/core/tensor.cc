@@ -1,6 +1,7 @@
 // tensor.cc — Tensor views, copies and dtype conversions.
 #include "heads/tensor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -104,13 +105,19 @@ uint16_t f32_to_f16(float f) {
 
 namespace {
 
+// Every shape a Tensor holds passes this: sizes >= 0 and the product of the sizes, an empty
+// dimension counted as 1, at most kMaxElements — so that strides, element counts and byte sizes
+// of the tensor and of any view of it fit int64_t, zero-size tensors included.
+constexpr int64_t kMaxElements = int64_t{1} << 60;
+
 int64_t checked_numel(const Shape& shape) {
-  int64_t n = 1;
+  int64_t n = 1, span = 1;
   for (int64_t s : shape) {
     HEADS_CHECK(s >= 0, "Tensor: negative size in shape ", shape);
-    if (s != 0 && n > std::numeric_limits<int64_t>::max() / s) {
-      fail("Tensor: shape ", shape, " has too many elements");
-    }
+    const int64_t f = std::max<int64_t>(s, 1);
+    HEADS_CHECK(span <= kMaxElements / f, "Tensor: shape ", shape,
+                " is too large (the product of its sizes, empty ones counted as 1, exceeds 2^60)");
+    span *= f;
     n *= s;
   }
   return n;
@@ -151,6 +158,7 @@ void store_from_double(std::byte* p, DType dt, double x) {
 }  // namespace
 
 Shape contiguous_strides(const Shape& shape) {
+  checked_numel(shape);
   Shape st(shape.size());
   int64_t s = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -297,6 +305,7 @@ Tensor Tensor::squeeze(int64_t d) const {
 Tensor Tensor::expand(const Shape& shape) const {
   HEADS_CHECK(shape.size() >= shape_.size(), "Tensor::expand: cannot expand ", shape_, " to ",
               shape);
+  checked_numel(shape);
   Tensor t = *this;
   const size_t lead = shape.size() - shape_.size();
   t.shape_ = shape;
@@ -326,15 +335,16 @@ Tensor Tensor::as_strided(const Shape& shape, const Shape& strides, int64_t offs
 
 Tensor Tensor::reshape(const Shape& shape) const {
   Shape target = shape;
-  int64_t known = 1, infer = -1;
+  int64_t infer = -1;
   for (size_t i = 0; i < target.size(); ++i) {
+    HEADS_CHECK(target[i] >= -1, "Tensor::reshape: invalid size ", target[i], " in ", shape);
     if (target[i] == -1) {
       HEADS_CHECK(infer < 0, "Tensor::reshape: more than one -1 in ", shape);
       infer = static_cast<int64_t>(i);
-    } else {
-      known *= target[i];
+      target[i] = 1;
     }
   }
+  const int64_t known = checked_numel(target);
   if (infer >= 0) {
     HEADS_CHECK(known != 0 && numel() % known == 0, "Tensor::reshape: cannot reshape ", shape_,
                 " to ", shape);

@@ -33,27 +33,66 @@ namespace {
 // 2048 → 508, 4096 → 485; a fixed 32 texts per batch → 520.
 constexpr int64_t kTokenBudget = 512;
 
-nlohmann::json read_json(const fs::path& p, bool required) {
+// A model's JSON file, which must hold an object (or, with `array`, an array); a missing optional
+// file reads as empty.
+nlohmann::json read_json(const fs::path& p, bool required, bool array = false) {
   std::ifstream in(p);
   if (!in) {
     HEADS_CHECK(!required, p.string(), ": cannot open");
-    return nlohmann::json::object();
+    return array ? nlohmann::json::array() : nlohmann::json::object();
   }
+  nlohmann::json j;
   try {
-    return nlohmann::json::parse(in);
+    j = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     fail(p.string(), ": not valid JSON: ", e.what());
   }
+  HEADS_CHECK(array ? j.is_array() : j.is_object(), p.string(), ": expected a JSON ", array ? "array" : "object",
+              ", got ", j.type_name());
+  return j;
 }
 
-template <class T>
-T json_get(const nlohmann::json& j, const char* key, T fallback, const fs::path& file) {
+// Typed fields of a config object; a field of the wrong type or out of range names the file, the
+// field and the value. Absent fields give the fallback.
+int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback, const fs::path& file, int64_t lo,
+                 int64_t hi) {
   if (!j.contains(key)) return fallback;
-  try {
-    return j.at(key).get<T>();
-  } catch (const nlohmann::json::exception&) {
-    fail(file.string(), ": \"", key, "\" has the wrong type");
+  const nlohmann::json& v = j.at(key);
+  int64_t x = 0;
+  bool ok = false;
+  if (v.is_number_unsigned()) {
+    ok = v.get<uint64_t>() <= static_cast<uint64_t>(hi);
+    x = ok ? static_cast<int64_t>(v.get<uint64_t>()) : 0;
+  } else if (v.is_number_integer()) {
+    ok = true;
+    x = v.get<int64_t>();
   }
+  HEADS_CHECK(ok && x >= lo && x <= hi, file.string(), ": \"", key, "\" must be an integer in [", lo, ", ", hi,
+              "], got ", v.dump());
+  return x;
+}
+
+double json_real(const nlohmann::json& j, const char* key, double fallback, const fs::path& file, double lo,
+                 double hi) {
+  if (!j.contains(key)) return fallback;
+  const nlohmann::json& v = j.at(key);
+  HEADS_CHECK(v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi, file.string(), ": \"", key,
+              "\" must be a number in [", lo, ", ", hi, "], got ", v.dump());
+  return v.get<double>();
+}
+
+bool json_bool(const nlohmann::json& j, const char* key, bool fallback, const fs::path& file) {
+  if (!j.contains(key)) return fallback;
+  const nlohmann::json& v = j.at(key);
+  HEADS_CHECK(v.is_boolean(), file.string(), ": \"", key, "\" must be true or false, got ", v.dump());
+  return v.get<bool>();
+}
+
+std::string json_string(const nlohmann::json& j, const char* key, const std::string& fallback, const fs::path& file) {
+  if (!j.contains(key)) return fallback;
+  const nlohmann::json& v = j.at(key);
+  HEADS_CHECK(v.is_string(), file.string(), ": \"", key, "\" must be a string, got ", v.dump());
+  return v.get<std::string>();
 }
 
 // Tensor lookup with the "bert." prefix and gamma/beta aliases; errors name file and tensor.
@@ -108,16 +147,18 @@ BertModel BertModel::load(const std::string& dir) {
   const nlohmann::json j = read_json(cfg_path, true);
   BertModel m;
   BertConfig& c = m.cfg_;
-  c.hidden_size = json_get<int64_t>(j, "hidden_size", c.hidden_size, cfg_path);
-  c.num_heads = json_get<int64_t>(j, "num_attention_heads", c.num_heads, cfg_path);
-  c.num_layers = json_get<int64_t>(j, "num_hidden_layers", c.num_layers, cfg_path);
-  c.intermediate_size = json_get<int64_t>(j, "intermediate_size", c.intermediate_size, cfg_path);
-  c.max_position_embeddings = json_get<int64_t>(j, "max_position_embeddings", c.max_position_embeddings, cfg_path);
-  c.type_vocab_size = json_get<int64_t>(j, "type_vocab_size", c.type_vocab_size, cfg_path);
-  c.vocab_size = json_get<int64_t>(j, "vocab_size", c.vocab_size, cfg_path);
-  c.layer_norm_eps = json_get<double>(j, "layer_norm_eps", c.layer_norm_eps, cfg_path);
-  c.hidden_act = activation_from_name(json_get<std::string>(j, "hidden_act", "gelu", cfg_path));
-  const std::string pe = json_get<std::string>(j, "position_embedding_type", "absolute", cfg_path);
+  constexpr int64_t kMaxCount = int64_t{1} << 24;  // vocabulary, positions, layers: far past any real model
+  c.hidden_size = json_int(j, "hidden_size", c.hidden_size, cfg_path, 1, kMaxWidth);
+  c.num_heads = json_int(j, "num_attention_heads", c.num_heads, cfg_path, 1, kMaxWidth);
+  c.num_layers = json_int(j, "num_hidden_layers", c.num_layers, cfg_path, 1, kMaxCount);
+  c.intermediate_size = json_int(j, "intermediate_size", c.intermediate_size, cfg_path, 1, kMaxWidth);
+  c.max_position_embeddings =
+      json_int(j, "max_position_embeddings", c.max_position_embeddings, cfg_path, 1, kMaxCount);
+  c.type_vocab_size = json_int(j, "type_vocab_size", c.type_vocab_size, cfg_path, 1, kMaxCount);
+  c.vocab_size = json_int(j, "vocab_size", c.vocab_size, cfg_path, 1, kMaxCount);
+  c.layer_norm_eps = json_real(j, "layer_norm_eps", c.layer_norm_eps, cfg_path, 0.0, 1.0);
+  c.hidden_act = activation_from_name(json_string(j, "hidden_act", "gelu", cfg_path));
+  const std::string pe = json_string(j, "position_embedding_type", "absolute", cfg_path);
   HEADS_CHECK(pe == "absolute", cfg_path.string(), ": position_embedding_type \"", pe,
               "\" is not supported (absolute)");
   HEADS_CHECK(c.hidden_size > 0 && c.num_heads > 0 && c.hidden_size % c.num_heads == 0,
@@ -242,27 +283,26 @@ SentenceEncoder SentenceEncoder::load(const std::string& model_dir) {
   HEADS_CHECK(fs::is_directory(d), s.dir_, ": model directory not found");
   s.bert_ = BertModel::load(s.dir_);
   const nlohmann::json tc = read_json(d / "tokenizer_config.json", false);
-  const bool lower = json_get<bool>(tc, "do_lower_case", true, d / "tokenizer_config.json");
+  const bool lower = json_bool(tc, "do_lower_case", true, d / "tokenizer_config.json");
   HEADS_CHECK(fs::exists(d / "vocab.txt"), (d / "vocab.txt").string(), ": not found");
   s.tok_ = WordPieceTokenizer::from_vocab_file((d / "vocab.txt").string(), lower);
   const nlohmann::json sb = read_json(d / "sentence_bert_config.json", false);
-  s.max_seq_length_ = json_get<int64_t>(sb, "max_seq_length", s.bert_.config().max_position_embeddings,
-                                        d / "sentence_bert_config.json");
+  s.max_seq_length_ = json_int(sb, "max_seq_length", s.bert_.config().max_position_embeddings,
+                               d / "sentence_bert_config.json", 2, int64_t{1} << 24);
   s.max_seq_length_ = std::min(s.max_seq_length_, s.bert_.config().max_position_embeddings);
   HEADS_CHECK(s.max_seq_length_ >= 2, (d / "sentence_bert_config.json").string(), ": max_seq_length ",
               s.max_seq_length_, " leaves no room for [CLS] and [SEP]");
   const nlohmann::json pc = read_json(d / "1_Pooling" / "config.json", false);
   const fs::path pcp = d / "1_Pooling" / "config.json";
-  if (json_get<bool>(pc, "pooling_mode_cls_token", false, pcp)) s.pooling_ = Pooling::Cls;
-  else if (json_get<bool>(pc, "pooling_mode_max_tokens", false, pcp)) s.pooling_ = Pooling::Max;
+  if (json_bool(pc, "pooling_mode_cls_token", false, pcp)) s.pooling_ = Pooling::Cls;
+  else if (json_bool(pc, "pooling_mode_max_tokens", false, pcp)) s.pooling_ = Pooling::Max;
   else s.pooling_ = Pooling::Mean;
-  HEADS_CHECK(!json_get<bool>(pc, "pooling_mode_mean_sqrt_len_tokens", false, pcp), pcp.string(),
+  HEADS_CHECK(!json_bool(pc, "pooling_mode_mean_sqrt_len_tokens", false, pcp), pcp.string(),
               ": pooling_mode_mean_sqrt_len_tokens is not supported");
-  const nlohmann::json mods = read_json(d / "modules.json", false);
-  if (mods.is_array()) {
-    for (const auto& mod : mods) {
-      if (mod.is_object() && mod.value("type", "").find("Normalize") != std::string::npos) s.normalize_ = true;
-    }
+  const nlohmann::json mods = read_json(d / "modules.json", false, /*array=*/true);
+  for (const auto& mod : mods) {
+    HEADS_CHECK(mod.is_object(), (d / "modules.json").string(), ": expected objects in the array, got ", mod.dump());
+    if (json_string(mod, "type", "", d / "modules.json").find("Normalize") != std::string::npos) s.normalize_ = true;
   }
   return s;
 }

@@ -13,6 +13,7 @@
 #include <unicode/unistr.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 
@@ -318,13 +319,13 @@ std::vector<std::string> WordPieceTokenizer::pre_tokenize(std::string_view text)
   return out;
 }
 
-WordPieceTokenizer::Encoding WordPieceTokenizer::encode(std::string_view text, int64_t max_length) const {
+// Pieces of one stretch of raw text, appended to `pieces`.
+void WordPieceTokenizer::encode_pieces(std::string_view text, std::vector<int64_t>& pieces) const {
   static const std::pair<const char32_t*, int64_t WordPieceTokenizer::*> kSpecial[] = {
       {U"[PAD]", &WordPieceTokenizer::pad_}, {U"[UNK]", &WordPieceTokenizer::unk_},
       {U"[CLS]", &WordPieceTokenizer::cls_}, {U"[SEP]", &WordPieceTokenizer::sep_},
       {U"[MASK]", &WordPieceTokenizer::mask_}};
   const std::u32string s = decode_utf8(text);
-  std::vector<int64_t> pieces;
   std::vector<std::u32string> words;
   size_t seg = 0, i = 0;
   auto emit_segment = [&](size_t end) {
@@ -355,9 +356,25 @@ WordPieceTokenizer::Encoding WordPieceTokenizer::encode(std::string_view text, i
     }
   }
   emit_segment(s.size());
+}
+
+WordPieceTokenizer::Encoding WordPieceTokenizer::encode(std::string_view text, int64_t max_length) const {
+  // The text is read in stretches that end just after an ASCII space, tab or newline: whitespace
+  // ends every word and no special token contains it, so stretches give the pieces the whole text
+  // would. Once there are more pieces than fit, the rest is never looked at (a 50 MB text costs
+  // what its first stretches cost).
+  const size_t limit = max_length > 0 ? static_cast<size_t>(std::max<int64_t>(max_length - 2, 0)) : SIZE_MAX;
+  constexpr size_t kStretch = 4096;  // bytes, at least (a stretch of ordinary text holds ~800 pieces)
+  std::vector<int64_t> pieces;
+  for (size_t pos = 0; pos < text.size() && pieces.size() <= limit;) {
+    size_t end = std::min(text.size(), pos + kStretch);
+    while (end < text.size() && text[end - 1] != ' ' && text[end - 1] != '\n' && text[end - 1] != '\t') ++end;
+    encode_pieces(text.substr(pos, end - pos), pieces);
+    pos = end;
+  }
   Encoding e;
-  if (max_length > 0 && static_cast<int64_t>(pieces.size()) > std::max<int64_t>(max_length - 2, 0)) {
-    pieces.resize(static_cast<size_t>(std::max<int64_t>(max_length - 2, 0)));
+  if (pieces.size() > limit) {
+    pieces.resize(limit);
     e.truncated = true;
   }
   e.ids.reserve(pieces.size() + 2);

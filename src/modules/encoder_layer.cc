@@ -53,9 +53,10 @@ TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOp
                                                  std::optional<uint64_t> seed)
     : opt_(o),
       self_attn_([&] {
-        HEADS_CHECK(o.d_model >= 1, kOp, ": d_model must be positive, got ", o.d_model);
-        HEADS_CHECK(o.dim_feedforward >= 1, kOp, ": dim_feedforward must be positive, got ",
-                    o.dim_feedforward);
+        HEADS_CHECK(o.d_model >= 1 && o.d_model <= kMaxWidth, kOp, ": d_model must be in [1, ", kMaxWidth,
+                    "], got ", o.d_model);
+        HEADS_CHECK(o.dim_feedforward >= 1 && o.dim_feedforward <= kMaxWidth, kOp,
+                    ": dim_feedforward must be in [1, ", kMaxWidth, "], got ", o.dim_feedforward);
         HEADS_CHECK(o.dropout >= 0.0 && o.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
                     o.dropout);
         MultiheadAttentionOptions m;

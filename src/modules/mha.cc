@@ -85,14 +85,14 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
                                        std::optional<uint64_t> seed)
     : opt_(options) {
   const int64_t E = opt_.embed_dim;
-  HEADS_CHECK(E >= 1, kOp, ": embed_dim must be positive, got ", E);
+  HEADS_CHECK(E >= 1 && E <= kMaxWidth, kOp, ": embed_dim must be in [1, ", kMaxWidth, "], got ", E);
   HEADS_CHECK(opt_.num_heads >= 1, kOp, ": num_heads must be positive, got ", opt_.num_heads);
   HEADS_CHECK(E % opt_.num_heads == 0, kOp, ": embed_dim ", E, " is not divisible by num_heads ",
               opt_.num_heads);
   HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
               opt_.dropout);
-  HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0, kOp, ": kdim and vdim must be positive, got ",
-              opt_.kdim, " and ", opt_.vdim);
+  HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0 && opt_.kdim <= kMaxWidth && opt_.vdim <= kMaxWidth, kOp,
+              ": kdim and vdim must be in [1, ", kMaxWidth, "] (0: embed_dim), got ", opt_.kdim, " and ", opt_.vdim);
   if (opt_.kdim == 0) opt_.kdim = E;
   if (opt_.vdim == 0) opt_.vdim = E;
   std::mt19937_64 gen(seed ? *seed : next_seed());

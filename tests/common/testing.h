@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 
 #include "heads/runtime.h"
 #include "heads/tensor.h"
@@ -15,6 +16,17 @@ struct IsaGuard {
   Isa saved = active_isa();
   ~IsaGuard() { set_isa(saved); }
 };
+
+// The message of the heads::Error that f() throws, or "<no error>".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
 
 inline std::mt19937_64& rng() {
   static std::mt19937_64 gen(20261121);

@@ -102,7 +102,20 @@ TEST(SafeTensors, MalformedFilesAreClearErrors) {
   EXPECT_THAT(error_of(file_bytes(R"({"x":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", data)),
               HasSubstr("non-negative integers"));
   EXPECT_THAT(error_of(file_bytes(R"({"x":{"dtype":"F32","shape":[4294967296,4294967296,4],"data_offsets":[0,8]}})", data)),
-              HasSubstr("do not match shape"));
+              HasSubstr("shape [4294967296,4294967296,4] is too large"));
+  // Zero elements, but strides and views of this shape would overflow (UBSan: signed overflow).
+  EXPECT_THAT(error_of(file_bytes(R"({"x":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],)"
+                                  R"("data_offsets":[0,0]}})", "")),
+              HasSubstr("is too large"));
+  EXPECT_THAT(error_of(file_bytes(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                  R"("x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", data)),
+              HasSubstr("header has the key \"x\" twice"));
+  EXPECT_THAT(error_of(file_bytes(R"({"x":{"dtype":"F32","dtype":"F64","shape":[2],"data_offsets":[0,8]}})", data)),
+              HasSubstr("header has the key \"dtype\" twice"));
+  EXPECT_THAT(error_of(file_bytes(R"({"__metadata__":{"a":"1","a":"2"}})", "")), HasSubstr("key \"a\" twice"));
+  EXPECT_EQ(error_of(file_bytes(R"({"__metadata__":{"a":"1"},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                                data)),
+            "<no error>");  // the same key in different objects is fine
   EXPECT_THAT(error_of(file_bytes(R"({"x":{"dtype":"F32","shape":[2]}})", data)),
               HasSubstr("data_offsets must be two non-negative integers"));
   EXPECT_THAT(error_of(file_bytes(R"({"__metadata__":{"a":1}})", "")), HasSubstr("is not a string"));

@@ -75,6 +75,15 @@ TEST(Tensor, ToConvertsBetweenDtypes) {
 TEST(Tensor, ErrorsNameTheProblem) {
   EXPECT_THROW(Tensor::empty({-1, 3}, DType::F32), Error);
   EXPECT_THROW(Tensor::empty({int64_t{1} << 40, int64_t{1} << 40}, DType::F32), Error);
+  // Zero elements, but the strides (and byte offsets of views) would overflow int64.
+  const int64_t big = int64_t{1} << 62;
+  EXPECT_THAT(testing::error_of([&] { Tensor::empty({0, big, big}, DType::F32); }), ::testing::HasSubstr("is too large"));
+  EXPECT_THROW(Tensor::from_blob(nullptr, {0, big, 8}, DType::F32), Error);
+  EXPECT_THROW(contiguous_strides({0, big, big}), Error);
+  EXPECT_THROW(testing::randn({1, 2}).expand({big, big, 2}), Error);
+  EXPECT_THROW(testing::randn({0, 2}).reshape({big, big, 0}), Error);
+  EXPECT_THROW(testing::randn({4}).reshape({-2, -2}), Error);
+  EXPECT_EQ(testing::randn({0, 2}).reshape({-1, 4}).shape(), Shape({0, 4}));
   const Tensor t = testing::randn({2});
   EXPECT_THROW(t.data<double>(), Error);
 }

@@ -523,15 +523,7 @@ TEST(Sdpa, WritesIntoStridedOutput) {
   EXPECT_TRUE(compare(buf.permute({0, 2, 1, 3}), ref.out).within(kRtol, kAtol));
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 TEST(Sdpa, BadInputNamesArgumentAndShapes) {
   const Tensor q = randn({2, 4, 7, 16}), k = randn({2, 4, 5, 16}), v = randn({2, 4, 5, 16});

@@ -4,7 +4,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
 
 #include "common/testing.h"
 #include "heads/sentence_encoder.h"
@@ -46,6 +52,30 @@ TEST(Tokenizer, ReferenceCases) {
   EXPECT_EQ(e.ids.back(), 102);
 }
 
+// encode() reads long texts in stretches cut after whitespace and stops once max_length is
+// reached; where the cuts fall must not change a single id. Leading spaces (no pieces) move them.
+TEST(Tokenizer, StretchesGiveTheIdsOfTheWholeText) {
+  std::mt19937_64 gen(11);
+  const char* parts[] = {"word", "Caf\xc3\xa9", "cafe\xcc\x81", "[SEP]", "x[MASK]y", "\t", "\n", "\xe6\x88\x91\xe7\x88\xb1",
+                         "don't", "3.14", "\xcc\x81\xcc\xa3", "\xff", "un[CLS]ited", "a,b"};
+  std::string text;
+  while (text.size() < 40000) {
+    const size_t r = gen() % 20;
+    text += r < 14 ? parts[r] : std::string(60 + gen() % 120, static_cast<char>('a' + r));  // long: [UNK] past 100
+    text += gen() % 3 == 0 ? "  " : " ";
+  }
+  const std::vector<int64_t> whole = tok().encode(text, 0).ids;
+  EXPECT_GT(whole.size(), 2000u);
+  for (int shift = 1; shift <= 40; shift += 3) {
+    const std::string shifted = std::string(static_cast<size_t>(shift), ' ') + text;
+    ASSERT_EQ(tok().encode(shifted, 0).ids, whole) << "shift " << shift;
+    const auto e = tok().encode(shifted, 1000);
+    ASSERT_TRUE(e.truncated);
+    ASSERT_EQ(std::vector<int64_t>(e.ids.begin(), e.ids.end() - 1),
+              std::vector<int64_t>(whole.begin(), whole.begin() + 999)) << "shift " << shift;
+  }
+}
+
 TEST(SentenceEncoder, FileErrorsNameTheFile) {
   try {
     SentenceEncoder::load("/nonexistent/model");
@@ -54,6 +84,54 @@ TEST(SentenceEncoder, FileErrorsNameTheFile) {
     EXPECT_THAT(err.what(), HasSubstr("/nonexistent/model: model directory not found"));
   }
   EXPECT_THROW(WordPieceTokenizer::from_vocab_file("/nonexistent/vocab.txt"), Error);
+}
+
+// A model directory like the installed one with one JSON file replaced: every field is checked for
+// type and range, and the message names the file, the field and the value.
+TEST(SentenceEncoder, ConfigFieldsAreCheckedForTypeAndRange) {
+  namespace fs = std::filesystem;
+  const fs::path src = SentenceEncoder::default_model_dir();
+  const fs::path dir = fs::temp_directory_path() / ("heads_test_config_" + std::to_string(::getpid()));
+  auto make = [&](const std::string& file, const std::string& text) {
+    fs::remove_all(dir);
+    fs::create_directories(dir / "1_Pooling");
+    for (const char* f : {"model.safetensors", "vocab.txt", "config.json", "tokenizer_config.json",
+                          "sentence_bert_config.json", "modules.json", "1_Pooling/config.json"}) {
+      if (fs::exists(src / f)) fs::create_symlink(src / f, dir / f);
+    }
+    fs::remove(dir / file);
+    std::ofstream(dir / file) << text;
+  };
+  auto error = [&](const std::string& file, const std::string& text) {
+    make(file, text);
+    return testing::error_of([&] { SentenceEncoder::load(dir.string()); });
+  };
+  std::ifstream in(src / "config.json");
+  const std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto with = [&](const std::string& field, const std::string& value) {  // config.json with one field replaced
+    const size_t at = cfg.find("\"" + field + "\"");
+    const size_t colon = cfg.find(':', at), end = cfg.find_first_of(",}", colon);
+    return cfg.substr(0, colon + 1) + " " + value + cfg.substr(end);
+  };
+  EXPECT_EQ(error("config.json", cfg), "<no error>");
+  EXPECT_THAT(error("config.json", with("hidden_size", "384.7")),
+              HasSubstr("config.json: \"hidden_size\" must be an integer in [1, 16777216], got 384.7"));
+  EXPECT_THAT(error("config.json", with("hidden_size", "1e30")), HasSubstr("\"hidden_size\" must be an integer"));
+  EXPECT_THAT(error("config.json", with("num_hidden_layers", "-3")),
+              HasSubstr("\"num_hidden_layers\" must be an integer in [1, 16777216], got -3"));
+  EXPECT_THAT(error("config.json", with("vocab_size", "\"30522\"")), HasSubstr("\"vocab_size\" must be an integer"));
+  EXPECT_THAT(error("config.json", with("layer_norm_eps", "-1")), HasSubstr("\"layer_norm_eps\" must be a number"));
+  EXPECT_THAT(error("config.json", with("hidden_act", "5")), HasSubstr("\"hidden_act\" must be a string, got 5"));
+  EXPECT_THAT(error("config.json", "[1, 2]"), HasSubstr("config.json: expected a JSON object, got array"));
+  EXPECT_THAT(error("sentence_bert_config.json", R"({"max_seq_length": 1.5})"),
+              HasSubstr("sentence_bert_config.json: \"max_seq_length\" must be an integer in [2, "));
+  EXPECT_THAT(error("tokenizer_config.json", R"({"do_lower_case": "yes"})"),
+              HasSubstr("\"do_lower_case\" must be true or false"));
+  EXPECT_THAT(error("1_Pooling/config.json", R"({"pooling_mode_cls_token": 1})"),
+              HasSubstr("\"pooling_mode_cls_token\" must be true or false"));
+  EXPECT_THAT(error("modules.json", R"({"type": "x"})"), HasSubstr("modules.json: expected a JSON array, got object"));
+  EXPECT_THAT(error("modules.json", R"([{"type": 3}])"), HasSubstr("\"type\" must be a string"));
+  fs::remove_all(dir);
 }
 
 TEST(Viz, RolloutRowsAreDistributions) {

@@ -177,14 +177,26 @@ TEST(MultiheadAttention, StateDictRoundTripThroughSafetensors) {
   std::filesystem::remove(path);
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
+using testing::error_of;
+
+// No keys (S = 0): every query sees nothing, attention gives zeros (DESIGN.md), so the output is
+// out_proj's bias. Lq = 1 and 3 take the decode kernel, which once divided by a zero chunk size.
+TEST(MultiheadAttention, NoKeysGiveTheOutputBias) {
+  const MultiheadAttention m = make(8, 2);
+  const Tensor bias = m.state_dict().back().second;  // out_proj.bias
+  for (int64_t L : {1, 3, 9}) {
+    const Tensor x = randn({L, 3, 8}), y = randn({0, 3, 8});
+    const auto [out, weights] = m.forward(x, y, y);
+    ASSERT_EQ(out.shape(), Shape({L, 3, 8}));
+    for (int64_t i = 0; i < L; ++i) {
+      for (int64_t n = 0; n < 3; ++n) {
+        for (int64_t e = 0; e < 8; ++e) {
+          ASSERT_EQ(out.item_as_double({i, n, e}), bias.item_as_double({e})) << "L=" << L;
+        }
+      }
+    }
+    EXPECT_EQ(weights.shape(), Shape({3, L, 0}));
   }
-  return "<no error>";
 }
 
 TEST(MultiheadAttention, BadInputIsAClearError) {
@@ -193,6 +205,10 @@ TEST(MultiheadAttention, BadInputIsAClearError) {
   o.num_heads = 3;
   EXPECT_THAT(error_of([&] { MultiheadAttention m(o); }),
               HasSubstr("embed_dim 10 is not divisible by num_heads 3"));
+  o.embed_dim = int64_t{1} << 62;  // 3 * embed_dim would overflow
+  o.num_heads = 1;
+  EXPECT_THAT(error_of([&] { MultiheadAttention m(o); }),
+              HasSubstr("embed_dim must be in [1, 16777216], got 4611686018427387904"));
   const MultiheadAttention m = make(8, 2);
   const Tensor x = randn({5, 2, 8});
   EXPECT_THAT(error_of([&] { m.forward(randn({5, 2, 6}), x, x); }),

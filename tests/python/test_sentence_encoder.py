@@ -81,6 +81,44 @@ def test_long_input_is_truncated_with_a_count(enc):
     assert enc.last_truncated == 1
 
 
+def test_long_texts_match_hugging_face_past_several_stretches(enc):
+    """Texts of ~30 KB whose first 256 pieces span several of the tokenizer's 4 KB stretches (long
+    words give one [UNK] each), with accents, combining marks, CJK, tabs and special tokens."""
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(Path(MODEL) / "tokenizer.json"))
+    ref.enable_truncation(256)
+    ref.no_padding()
+    rng = np.random.default_rng(5)
+    parts = ["word", "Café", "cafe\u0301", "[SEP]", "x[MASK]y", "\t", "\n", "我爱", "don't", "3.14",
+             "\u0301\u0323", "un[CLS]ited", "a,b", "Ünïcödé"]
+    for _ in range(20):
+        words = [parts[r] if r < len(parts) else chr(97 + r % 26) * int(rng.integers(90, 400))
+                 for r in rng.integers(0, len(parts) + 12, size=300)]
+        text = " ".join(words)
+        assert enc.tokenize(text) == ref.encode(text).ids
+
+
+def test_huge_text_is_read_only_as_far_as_it_fits(tmp_path):
+    """A 50 MB line gives its first 256 tokens without reading the rest (it once took 10 s and
+    1.2 GB of memory); measured in a fresh process by its peak resident size."""
+    code = (
+        "import resource, heads\n"
+        "enc = heads.SentenceEncoder()\n"
+        "text = 'hello world ' * (50 * 2**20 // 12)\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "ids = enc.tokenize(text)\n"
+        "v = enc.encode([text])\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base\n"
+        "assert ids == [101] + [7592, 2088] * 127 + [102], ids[:8]\n"
+        "print(grew // 1024)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    grew_mb = int(r.stdout.split()[-1])
+    assert grew_mb < 300, f"tokenizing a 50 MB text grew the process by {grew_mb} MB"
+
+
 def test_empty_list_and_single_string(enc):
     assert enc.encode([]).shape == (0, 384)
     v = enc.encode("The cat sat on the mat.")
