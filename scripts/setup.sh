@@ -3,7 +3,8 @@
 #   the `heads` CLI and the C++ package (find_package(heads)) under $PREFIX (default /usr/local),
 #   and the Python module `heads` into $PYTHON (default python3).
 # Debian packages come from apt, Python packages from PyPI (torch pinned to 2.13.0, CPU build).
-# The C++ library, CLI and tests need only the Debian packages: `setup.sh --apt-only` installs those and stops
+# The C++ library, CLI and tests need only the Debian packages (and the tests, the all-MiniLM-L6-v2 model:
+# $HEADS_MODEL_DIR or the pip package): `setup.sh --apt-only` installs those and stops
 # (CI runs it in a bare Debian 12 root to prove that list complete: scripts/fresh-system.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
