@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <unordered_map>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -35,10 +36,11 @@ struct Entry {
   dnnl::matmul prim;
 };
 
-// Matmul primitives by shape and strides; bounded.
-const Entry& primitive_for(const Key& key) {
+// Matmul primitives by shape and strides; bounded. Callers hold a shared reference, so another
+// thread clearing the full cache never frees a primitive in use.
+std::shared_ptr<const Entry> primitive_for(const Key& key) {
   static std::mutex mu;
-  static std::map<Key, Entry> cache;
+  static std::map<Key, std::shared_ptr<const Entry>> cache;
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
@@ -51,11 +53,12 @@ const Entry& primitive_for(const Key& key) {
   const dnnl::memory::desc bias({1, N}, dt::f32, {N, 1});
   const auto desc = has_bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
   dnnl::matmul::primitive_desc pd(desc, cpu_engine());
-  return cache.emplace(key, Entry{pd, dnnl::matmul(pd)}).first->second;
+  return cache.emplace(key, std::make_shared<const Entry>(Entry{pd, dnnl::matmul(pd)})).first->second;
 }
 
 void run_matmul(const Key& key, const float* a, const float* b, const float* bias, float* c) {
-  const Entry& e = primitive_for(key);
+  const std::shared_ptr<const Entry> entry = primitive_for(key);
+  const Entry& e = *entry;
   const auto& pd = e.pd;
   dnnl::engine& eng = cpu_engine();
   dnnl::stream stream(eng);

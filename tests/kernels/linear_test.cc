@@ -1,7 +1,10 @@
 // linear_test.cc — the GEMM-backed linear layer against a float64 loop, odd sizes and strides.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
+#include <thread>
+#include <vector>
 
 #include "common/testing.h"
 #include "kernels/linear.h"
@@ -38,6 +41,29 @@ TEST(Linear, MatchesFloat64OnOddShapesAndStrides) {
       }
     }
   }
+}
+
+// Threads creating and running matmuls of many shapes at once: the primitive cache is cleared when
+// it holds 256, while other threads may be executing primitives it held (once a use after free;
+// ASan in CI).
+TEST(Linear, ConcurrentCallsOfManyShapes) {
+  const Tensor W = testing::randn({24, 40});
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int64_t i = 0; i < 200; ++i) {
+        const int64_t M = 1 + (t * 211 + i * 13) % 301, K = 40, N = 24;
+        std::vector<float> x(static_cast<size_t>(M * K), 0.5f), y(static_cast<size_t>(M * N), 0.0f);
+        kernels::linear_f32(x.data(), M, K, K, W.data<float>(), nullptr, N, y.data(), N);
+        double ref = 0;
+        for (int64_t k = 0; k < K; ++k) ref += 0.5 * W.data<float>()[k];
+        if (std::fabs(y[static_cast<size_t>((M - 1) * N)] - ref) > 1e-4) ++bad;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
 }
 
 }  // namespace
