@@ -38,7 +38,7 @@ struct SdpaOptions {
 };
 
 struct SdpaResult {
-  Tensor out;      // [B, H, Lq, Dv], dtype of q (f32)
+  Tensor out;      // [B, H, Lq, Dv], dtype of q
   Tensor weights;  // [B, H, Lq, Lk] f32 (after dropout), only with need_weights
   Tensor lse;      // [B, H, Lq] f32 log-sum-exp of the masked, scaled scores (-inf: fully masked)
   uint64_t dropout_seed = 0;  // the dropout stream used (pass it to the backward)
@@ -50,7 +50,10 @@ struct SdpaGrads {
 };
 
 // Fused forward: online softmax over key blocks; allocates no Lq x Lk buffer unless
-// need_weights. Inputs f32. Throws heads::Error on bad input, naming argument and shapes.
+// need_weights. Inputs f32 or bf16 (bf16 products, f32 softmax and accumulation); f16 and f64
+// inputs are converted to f32, computed there, and the output converted back to their dtype (so
+// f64 results carry f32 precision, about 1e-7 relative). Throws heads::Error on bad input,
+// naming argument and shapes.
 SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opts = {});
 
 // As sdpa, writing the output into `out` ([B, H, Lq, Dv] f32, any strides with innermost 1),
@@ -61,7 +64,8 @@ SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const T
 // Backward of sdpa (FlashAttention-2, arXiv:2307.08691, Alg. 2): scores and probabilities are
 // recomputed block by block from q, k and fwd.lse, so no Lq x Lk buffer exists unless the mask
 // gradient is requested. `fwd` is the forward's result for the same inputs and options (its lse
-// and dropout seed are used). f32 inputs.
+// and dropout seed are used). f32 inputs; f16 and f64 (q, k, v and dout alike) are computed in f32
+// and the gradients returned in that dtype.
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts = {}, bool mask_grad = false);
 

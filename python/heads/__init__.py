@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import operator
+import sys
+
 import numpy as np
 
 from . import _heads
@@ -30,26 +33,81 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-manual_seed = _heads.manual_seed
-set_num_threads = _heads.set_num_threads
+def _int(x: Any, name: str, lo: int, hi: int) -> int:
+    """An integer argument in [lo, hi] (bool and non-integral numbers rejected), as ValueError."""
+    try:
+        if isinstance(x, bool):
+            raise TypeError
+        v = operator.index(x)
+    except TypeError:
+        raise ValueError(f"{name}: expected an integer, got {type(x).__name__} {x!r}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}: expected an integer in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _seed(seed: Any, name: str = "seed") -> Optional[int]:
+    return None if seed is None else _int(seed, name, 0, 2**64 - 1)
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds heads' generator (dropout masks, module initialisation), as torch.manual_seed."""
+    _heads.manual_seed(_int(seed, "manual_seed: seed", 0, 2**64 - 1))
+
+
+def set_num_threads(n: int) -> None:
+    """Worker threads for every parallel kernel, 1 to 1024 (default: all cores)."""
+    _heads.set_num_threads(_int(n, "set_num_threads: n", 1, 1024))
+
+
 get_num_threads = _heads.get_num_threads
 
 
 def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
+    """A torch tensor (subclasses included), without importing torch when nobody has."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _arg(x: Any, name: str) -> Any:
-    """An object the native layer takes through DLPack (no copy where the layout allows)."""
+def _arg(x: Any, name: str, required: bool = False) -> Any:
+    """An object the native layer takes through DLPack (no copy where the layout allows): a CPU
+    torch tensor (not a subclass it cannot read) or anything numpy reads as a numeric array."""
     if x is None:
+        if required:
+            raise ValueError(f"{name}: expected an array or tensor, got None")
         return None
     if _is_torch(x):
+        import torch
+
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise ValueError(f"{name}: tensor subclass {type(x).__name__} is not supported; pass a plain tensor")
         if x.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {x.device}")
         return x.detach()
-    if isinstance(x, np.ndarray):
-        return x
-    return np.asarray(x)
+    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"{name}: expected a numeric array or tensor, got {type(x).__name__} of dtype {a.dtype}")
+    return a
+
+
+def _causal_bias(attn_mask: Any, is_causal: bool, causal_variant: str, query: Any, key: Any):
+    """(attn_mask, is_causal, lower_right) with torch's CausalBias (causal_upper_left /
+    causal_lower_right) read as the causal flag and its alignment."""
+    if causal_variant not in ("upper_left", "lower_right"):
+        raise ValueError(f"causal_variant: expected 'upper_left' or 'lower_right', got {causal_variant!r}")
+    lower_right = causal_variant == "lower_right"
+    if _is_torch(attn_mask) and type(attn_mask).__name__ == "CausalBias":
+        from torch.nn.attention.bias import CausalBias, CausalVariant
+
+        if isinstance(attn_mask, CausalBias):
+            if is_causal:
+                raise ValueError("attn_mask: a CausalBias is already causal; pass is_causal=False")
+            lq, lk = np.shape(query)[-2], np.shape(key)[-2]
+            if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (lq, lk):
+                raise ValueError(f"attn_mask: CausalBias for Lq={attn_mask.seq_len_q}, Lk={attn_mask.seq_len_kv} "
+                                 f"does not match query Lq={lq} and key Lk={lk}")
+            return None, True, attn_mask.variant == CausalVariant.LOWER_RIGHT
+    return attn_mask, bool(is_causal), lower_right
 
 
 def sdpa(
@@ -62,29 +120,36 @@ def sdpa(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     *,
+    causal_variant: str = "upper_left",
     need_weights: bool = False,
     seed: Optional[int] = None,
 ):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     query ``[..., Lq, D]``, key ``[..., Lk, D]``, value ``[..., Lk, Dv]`` with up to two leading
-    dims (``[B, H, L, D]``), float32, or bfloat16 torch tensors (f32 accumulation); ``attn_mask`` bool (True = may attend) or float (added), broadcast to
-    ``[..., Lq, Lk]``. Rows that can attend to nothing give zeros (torch gives NaN).
-    Extensions: ``need_weights=True`` returns ``(out, weights)``; ``seed`` fixes the dropout mask
-    (default: the generator set by ``heads.manual_seed``).
+    dims (``[B, H, L, D]``): float32, bfloat16 torch tensors (f32 accumulation), or float16 /
+    float64 (computed in float32, returned in their dtype). ``attn_mask`` bool (True = may attend)
+    or float (added), broadcast to ``[..., Lq, Lk]``, or torch's ``CausalBias``
+    (``causal_upper_left`` / ``causal_lower_right``). Rows that can attend to nothing give zeros
+    (torch gives NaN). Extensions: ``causal_variant="lower_right"`` aligns ``is_causal`` to the
+    bottom-right corner (query i sees keys j <= i + Lk - Lq, as ``causal_lower_right``);
+    ``need_weights=True`` returns ``(out, weights)``; ``seed`` fixes the dropout mask (default: the
+    generator set by ``heads.manual_seed``).
     """
+    mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
     r = _heads.sdpa(
-        _arg(query, "query"),
-        _arg(key, "key"),
-        _arg(value, "value"),
-        _arg(attn_mask, "attn_mask"),
+        _arg(query, "query", True),
+        _arg(key, "key", True),
+        _arg(value, "value", True),
+        _arg(mask, "attn_mask"),
         float(dropout_p),
-        bool(is_causal),
+        causal,
         None if scale is None else float(scale),
         bool(enable_gqa),
         bool(need_weights),
-        seed,
+        _seed(seed),
         _is_torch(query),
+        lower_right,
     )
     return tuple(r) if need_weights else r
 
@@ -112,11 +177,33 @@ class Tape:
         return self._native
 
 
-class MultiheadAttention:
+class _Picklable:
+    """copy.deepcopy, pickle and torch.save of a wrapped native module: the constructor's
+    arguments, the parameters (as numpy copies) and the training flag."""
+
+    _m: Any
+    _args: dict
+
+    def _rebuild(self) -> None:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict:
+        return {"args": dict(self._args), "training": self.training,
+                "state": {k: np.array(v, copy=True) for k, v in self._m.state_dict().items()}}
+
+    def __setstate__(self, state: dict) -> None:
+        self._args = dict(state["args"])
+        self._rebuild()
+        self.load_state_dict(state["state"])
+        self.train(state["training"])
+
+
+class MultiheadAttention(_Picklable):
     """``torch.nn.MultiheadAttention`` in heads: same constructor, state-dict names and call.
 
     ``seed`` (an extension) fixes the initial parameters; they are drawn as torch draws them
-    (Xavier-uniform in-projection, zero biases), not bit-identical to torch's generator.
+    (Xavier-uniform in-projection, zero biases) from heads' generator (``heads.manual_seed``); the
+    torch-facing ``heads.torch.MultiheadAttention`` draws them from torch's generator instead.
     """
 
     def __init__(
@@ -133,18 +220,22 @@ class MultiheadAttention:
         *,
         seed: Optional[int] = None,
     ) -> None:
-        self._m = _heads.MultiheadAttention(
-            int(embed_dim),
-            int(num_heads),
-            float(dropout),
-            bool(bias),
-            bool(add_bias_kv),
-            bool(add_zero_attn),
-            None if kdim is None else int(kdim),
-            None if vdim is None else int(vdim),
-            bool(batch_first),
-            seed,
+        width = 1 << 24  # kMaxWidth of the C++ modules
+        self._args = dict(
+            embed_dim=_int(embed_dim, "MultiheadAttention: embed_dim", 1, width),
+            num_heads=_int(num_heads, "MultiheadAttention: num_heads", 1, width),
+            dropout=float(dropout),
+            bias=bool(bias),
+            add_bias_kv=bool(add_bias_kv),
+            add_zero_attn=bool(add_zero_attn),
+            kdim=None if kdim is None else _int(kdim, "MultiheadAttention: kdim", 1, width),
+            vdim=None if vdim is None else _int(vdim, "MultiheadAttention: vdim", 1, width),
+            batch_first=bool(batch_first),
         )
+        self._m = _heads.MultiheadAttention(**self._args, seed=_seed(seed))
+
+    def _rebuild(self) -> None:
+        self._m = _heads.MultiheadAttention(**self._args)
 
     embed_dim = property(lambda self: self._m.embed_dim)
     num_heads = property(lambda self: self._m.num_heads)
@@ -198,10 +289,10 @@ class MultiheadAttention:
 
         With ``tape`` (a :class:`Tape`), also keeps what :meth:`backward` needs.
         """
-        q = _arg(query, "query")
+        q = _arg(query, "query", True)
         # Passing the same object three times keeps self-attention's single fused projection.
-        k = q if key is query else _arg(key, "key")
-        v = k if value is key else _arg(value, "value")
+        k = q if key is query else _arg(key, "key", True)
+        v = k if value is key else _arg(value, "value", True)
         out, weights = self._m.forward(
             q,
             k,
@@ -236,7 +327,7 @@ class MultiheadAttention:
         )
 
 
-class _Module:
+class _Module(_Picklable):
     """Shared state-dict and train/eval plumbing of the wrapped native modules."""
 
     _m: Any
@@ -278,17 +369,23 @@ class TransformerEncoderLayer(_Module):
                  norm_first: bool = False, bias: bool = True, *, seed: Optional[int] = None) -> None:
         if callable(activation):
             activation = getattr(activation, "__name__", str(activation))
-        self._args = dict(d_model=int(d_model), nhead=int(nhead), dim_feedforward=int(dim_feedforward),
+        width = 1 << 24  # kMaxWidth of the C++ modules
+        self._args = dict(d_model=_int(d_model, "TransformerEncoderLayer: d_model", 1, width),
+                          nhead=_int(nhead, "TransformerEncoderLayer: nhead", 1, width),
+                          dim_feedforward=_int(dim_feedforward, "TransformerEncoderLayer: dim_feedforward", 1, width),
                           dropout=float(dropout), activation=str(activation),
                           layer_norm_eps=float(layer_norm_eps), batch_first=bool(batch_first),
                           norm_first=bool(norm_first), bias=bool(bias))
-        self._m = _heads.TransformerEncoderLayer(**self._args, seed=seed)
+        self._m = _heads.TransformerEncoderLayer(**self._args, seed=_seed(seed))
         self._training = True
+
+    def _rebuild(self) -> None:
+        self._m = _heads.TransformerEncoderLayer(**self._args)
 
     def forward(self, src: Any, src_mask: Any = None, src_key_padding_mask: Any = None,
                 is_causal: bool = False, *, tape: Optional[Tape] = None):
         """The layer's output; with ``tape`` (a :class:`Tape`) also what :meth:`backward` needs."""
-        return self._m.forward(_arg(src, "src"), _arg(src_mask, "src_mask"),
+        return self._m.forward(_arg(src, "src", True), _arg(src_mask, "src_mask"),
                                _arg(src_key_padding_mask, "src_key_padding_mask"), bool(is_causal),
                                _is_torch(src),
                                None if tape is None else tape._take(self, _heads.EncoderLayerTape()))
@@ -304,17 +401,21 @@ class TransformerEncoder(_Module):
     def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: Any = None) -> None:
         if not isinstance(encoder_layer, TransformerEncoderLayer):
             raise ValueError("TransformerEncoder: encoder_layer must be a heads.TransformerEncoderLayer")
-        self._m = _heads.TransformerEncoder(**encoder_layer._args, num_layers=int(num_layers),
-                                            final_norm=norm is not None and norm is not False)
+        self._args = dict(encoder_layer._args, num_layers=_int(num_layers, "TransformerEncoder: num_layers", 1, 1 << 24),
+                          final_norm=norm is not None and norm is not False)
+        self._m = _heads.TransformerEncoder(**self._args)
         layer_sd = encoder_layer.state_dict()
         self.load_state_dict({f"layers.{i}.{k}": v for i in range(int(num_layers)) for k, v in layer_sd.items()},
                              strict=False)
         self._training = True
 
+    def _rebuild(self) -> None:
+        self._m = _heads.TransformerEncoder(**self._args)
+
     def forward(self, src: Any, mask: Any = None, src_key_padding_mask: Any = None, is_causal: bool = False,
                 *, tape: Optional[Tape] = None):
         """The encoder's output; with ``tape`` (a :class:`Tape`) also what :meth:`backward` needs."""
-        return self._m.forward(_arg(src, "src"), _arg(mask, "mask"),
+        return self._m.forward(_arg(src, "src", True), _arg(mask, "mask"),
                                _arg(src_key_padding_mask, "src_key_padding_mask"), bool(is_causal),
                                _is_torch(src),
                                None if tape is None else tape._take(self, _heads.EncoderTape()))
@@ -354,6 +455,18 @@ class AdamW:
         return self._o.steps
 
 
+def _text(s: Any, name: str) -> str:
+    """A text argument: a str that UTF-8 can carry (a lone surrogate cannot)."""
+    if not isinstance(s, str):
+        raise ValueError(f"{name}: expected a str, got {type(s).__name__}")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: not valid Unicode text ({e.reason}: {s[e.start:e.end]!r} at "
+                         f"position {e.start})") from None
+    return s
+
+
 class SentenceEncoder:
     """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
 
@@ -364,6 +477,12 @@ class SentenceEncoder:
         self._m = _heads.SentenceEncoder.load("" if model_dir is None else str(model_dir))
         self.last_truncated = 0
 
+    def __getstate__(self) -> dict:  # pickled by reference to its model directory
+        return {"model_dir": self.model_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_dir"])
+
     dim = property(lambda self: self._m.dim)
     max_seq_length = property(lambda self: self._m.max_seq_length)
     model_dir = property(lambda self: self._m.model_dir)
@@ -371,17 +490,24 @@ class SentenceEncoder:
     def encode(self, sentences, batch_size: int = 32) -> np.ndarray:
         """``[N, dim]`` float32 embeddings, row i for sentences[i] (a str gives ``[dim]``)."""
         single = isinstance(sentences, str)
-        texts = [sentences] if single else [str(s) for s in sentences]
-        out, self.last_truncated = self._m.encode(texts, int(batch_size))
+        if single:
+            texts = [_text(sentences, "sentences")]
+        else:
+            try:
+                items = list(sentences)
+            except TypeError:
+                raise ValueError(f"sentences: expected a str or a list of str, got {type(sentences).__name__}") from None
+            texts = [_text(s, f"sentences[{i}]") for i, s in enumerate(items)]
+        out, self.last_truncated = self._m.encode(texts, _int(batch_size, "batch_size", 1, 1 << 24))
         return out[0] if single else out
 
     def tokenize(self, text: str) -> list:
         """Token ids with [CLS]/[SEP], truncated as the model does."""
-        return self._m.tokenize(str(text))
+        return self._m.tokenize(_text(text, "text"))
 
     def attention(self, text: str):
         """(tokens, [per layer: heads x L x L attention weights])."""
-        return self._m.attention(str(text))
+        return self._m.attention(_text(text, "text"))
 
 
 class Encoder:
@@ -389,6 +515,12 @@ class Encoder:
 
     def __init__(self, model_dir: Optional[str] = None) -> None:
         self._s = _heads.SentenceEncoder.load("" if model_dir is None else str(model_dir))
+
+    def __getstate__(self) -> dict:  # pickled by reference to its model directory
+        return {"model_dir": self._s.model_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_dir"])
 
     def __call__(self, input_ids) -> np.ndarray:
         """``input_ids``: sequences of token ids (ragged allowed); returns ``[N, L, hidden]``,

@@ -11,48 +11,51 @@ nn.MultiheadAttention.
     out, _ = mha(x, x, x, need_weights=False)
     out.sum().backward()          # x.grad and every parameter's .grad; any torch optimizer
 
-float32 CPU tensors. Dropout draws its mask in heads (seeded by heads.manual_seed); the backward
-reuses exactly the forward's mask. Rows that can attend to nothing give zeros and zero gradients.
+float32 CPU tensors (float16 / float64 are computed in float32 and returned in their dtype). Dropout
+draws its mask in heads (seeded by heads.manual_seed); the backward reuses exactly the forward's
+mask. Rows that can attend to nothing give zeros and zero gradients. ``attn_mask`` may be torch's
+``CausalBias`` (``causal_upper_left`` / ``causal_lower_right``).
 """
 
 import torch as _torch
 
-from . import _heads
+from . import _arg, _causal_bias, _heads
 
 __all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention"]
 
 
-def _c(x):
-    return None if x is None else x.detach()
-
-
 class SDPAFunction(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        out, lse, seed = _heads.sdpa_train_forward(_c(query), _c(key), _c(value), _c(attn_mask),
-                                                   float(dropout_p), bool(is_causal), scale, bool(enable_gqa))
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, lower_right=False):
+        out, lse, seed = _heads.sdpa_train_forward(
+            _arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
+            _arg(attn_mask, "attn_mask"), float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
+            bool(lower_right))
         out = out.reshape(query.shape[:-1] + (value.shape[-1],))
         ctx.save_for_backward(query, key, value, out, lse, attn_mask if attn_mask is not None else _torch.empty(0))
-        ctx.args = (seed, attn_mask is not None, float(dropout_p), bool(is_causal), scale, bool(enable_gqa))
+        ctx.args = (seed, attn_mask is not None, float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
+                    bool(lower_right))
         return out
 
     @staticmethod
     def backward(ctx, dout):
         query, key, value, out, lse, mask = ctx.saved_tensors
-        seed, has_mask, dropout_p, is_causal, scale, enable_gqa = ctx.args
+        seed, has_mask, dropout_p, is_causal, scale, enable_gqa, lower_right = ctx.args
         mask = mask if has_mask else None
         mask_grad = bool(has_mask and mask.is_floating_point() and ctx.needs_input_grad[3])
         dq, dk, dv, dm = _heads.sdpa_train_backward(
-            dout.contiguous(), _c(query), _c(key), _c(value), out, lse, seed, _c(mask), dropout_p, is_causal,
-            scale, enable_gqa, mask_grad)
+            dout.contiguous(), query.detach(), key.detach(), value.detach(), out, lse, seed,
+            None if mask is None else mask.detach(), dropout_p, is_causal, scale, enable_gqa, mask_grad,
+            lower_right)
         return (dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape),
-                dm if mask_grad else None, None, None, None, None)
+                dm if mask_grad else None, None, None, None, None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """As torch.nn.functional.scaled_dot_product_attention, computed by heads (forward and backward)."""
-    return SDPAFunction.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    mask, causal, lower_right = _causal_bias(attn_mask, is_causal, "upper_left", query, key)
+    return SDPAFunction.apply(query, key, value, mask, dropout_p, causal, scale, enable_gqa, lower_right)
 
 
 class _MhaFunction(_torch.autograd.Function):
@@ -100,11 +103,15 @@ class MultiheadAttention(_torch.nn.Module):
                                add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first)
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
         self._names = list(self._native.state_dict())
-        init = self._native.state_dict()  # torch's initialisation, drawn by heads
+        # The initial parameters come from torch's generator, drawn exactly as nn.MultiheadAttention
+        # draws them (so torch.manual_seed makes them reproducible, in every process of a DDP job).
+        init = _torch.nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, bias=bias,
+                                            add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
+                                            vdim=vdim, batch_first=batch_first).state_dict()
         self.out_proj = _torch.nn.Module()
         for name in self._names:
             owner, attr = (self.out_proj, name.split(".", 1)[1]) if name.startswith("out_proj.") else (self, name)
-            owner.register_parameter(attr, _torch.nn.Parameter(_torch.tensor(init[name])))
+            owner.register_parameter(attr, _torch.nn.Parameter(init[name].detach().clone()))
 
     def _params(self):
         return [self.get_parameter(n) for n in self._names]

@@ -107,7 +107,7 @@ heads::Tensor to_4d(heads::Tensor t, const char* name) {
 nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
                 const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
                 std::optional<double> scale, bool enable_gqa, bool need_weights,
-                std::optional<uint64_t> seed, bool torch_out) {
+                std::optional<uint64_t> seed, bool torch_out, bool causal_lower_right) {
   const heads::Tensor q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   const int64_t rank = q.dim();
   HEADS_CHECK(k.dim() == rank && v.dim() == rank, "sdpa: query ", q.shape(), ", key ", k.shape(),
@@ -115,6 +115,7 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
   heads::SdpaOptions o;
   o.attn_mask = opt_view(attn_mask, "attn_mask");
   o.is_causal = is_causal;
+  o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
   o.scale = scale;
   o.dropout_p = dropout_p;
   o.dropout_seed = seed;
@@ -209,7 +210,7 @@ NB_MODULE(_heads, m) {
   m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
         "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
-        "torch_out"_a = false);
+        "torch_out"_a = false, "causal_lower_right"_a = false);
 
   nb::class_<heads::MhaTape>(m, "MhaTape").def(nb::init<>()).def_prop_ro("defined", &heads::MhaTape::defined);
   nb::class_<heads::EncoderLayerTape>(m, "EncoderLayerTape")
@@ -428,11 +429,12 @@ NB_MODULE(_heads, m) {
   // Training support for heads.torch: forward keeping (out, lse, seed), and the backward.
   m.def("sdpa_train_forward",
         [](const InArray& query, const InArray& key, const InArray& value, const std::optional<InArray>& attn_mask,
-           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool causal_lower_right) {
           heads::SdpaOptions o;
           o.attn_mask = opt_view(attn_mask, "attn_mask");
           o.dropout_p = dropout_p;
           o.is_causal = is_causal;
+          o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
           o.scale = scale;
           o.enable_gqa = enable_gqa;
           const heads::Tensor q = to_4d(view_of(query, "query"), "query");
@@ -446,15 +448,17 @@ NB_MODULE(_heads, m) {
           return nb::make_tuple(to_array(r.out, true), to_array(r.lse, true), r.dropout_seed);
         },
         "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
-        "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false);
+        "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false, "causal_lower_right"_a = false);
   m.def("sdpa_train_backward",
         [](const InArray& dout, const InArray& query, const InArray& key, const InArray& value,
            const InArray& out, const InArray& lse, uint64_t seed, const std::optional<InArray>& attn_mask,
-           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad) {
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad,
+           bool causal_lower_right) {
           heads::SdpaOptions o;
           o.attn_mask = opt_view(attn_mask, "attn_mask");
           o.dropout_p = dropout_p;
           o.is_causal = is_causal;
+          o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
           o.scale = scale;
           o.enable_gqa = enable_gqa;
           heads::SdpaResult f;
@@ -475,7 +479,7 @@ NB_MODULE(_heads, m) {
         },
         "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
-        "mask_grad"_a = false);
+        "mask_grad"_a = false, "causal_lower_right"_a = false);
 
   // Backward passes of the functional ops (numpy in / numpy out), for training code and tests.
   m.def("linear_backward",

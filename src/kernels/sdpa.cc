@@ -75,8 +75,10 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
   return P;
 }
 
-static void check_dtypes(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
-  HEADS_CHECK(q.dtype() == DType::F32 || q.dtype() == DType::BF16, op,
+// q's dtype is one the kernels take (or `also`), and k, v share it.
+static void check_dtypes(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                         DType also = DType::F32) {
+  HEADS_CHECK(q.dtype() == DType::F32 || q.dtype() == DType::BF16 || q.dtype() == also, op,
               ": query: expected f32 or bf16, got ", dtype_name(q.dtype()));
   HEADS_CHECK(k.dtype() == q.dtype(), op, ": key: expected ", dtype_name(q.dtype()),
               " like query, got ", dtype_name(k.dtype()));
@@ -129,7 +131,17 @@ SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const T
   return run(kernels::make_sdpa_problem("sdpa", q, k, v, opts), out, q, k, v);
 }
 
+namespace {
+bool via_f32(const Tensor& q) { return q.defined() && (q.dtype() == DType::F16 || q.dtype() == DType::F64); }
+}  // namespace
+
 SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opts) {
+  if (via_f32(q)) {  // f16 / f64: computed in f32, the output in q's dtype
+    kernels::check_dtypes("sdpa", q, k, v, q.dtype());
+    SdpaResult r = sdpa(q.to(DType::F32), k.to(DType::F32), v.to(DType::F32), opts);
+    r.out = r.out.to(q.dtype());
+    return r;
+  }
   const kernels::SdpaProblem P = kernels::make_sdpa_problem("sdpa", q, k, v, opts);
   return run(P, Tensor::empty({P.B, P.H, P.Lq, P.Dv}, q.dtype()), q, k, v);
 }
@@ -175,6 +187,17 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
 
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts, bool mask_grad) {
+  if (via_f32(q)) {  // f16 / f64: computed in f32, the gradients in q's dtype
+    kernels::check_dtypes("sdpa_backward", q, k, v, q.dtype());
+    HEADS_CHECK(dout.defined() && dout.dtype() == q.dtype(), "sdpa_backward: dout: expected ", dtype_name(q.dtype()),
+                " like query");
+    SdpaResult f32_fwd = fwd;
+    f32_fwd.out = fwd.out.defined() ? fwd.out.to(DType::F32) : fwd.out;
+    SdpaGrads g = sdpa_backward(dout.to(DType::F32), q.to(DType::F32), k.to(DType::F32), v.to(DType::F32), f32_fwd,
+                                opts, mask_grad);
+    for (Tensor* t : {&g.dq, &g.dk, &g.dv}) *t = t->to(q.dtype());
+    return g;
+  }
   auto like = [](const Tensor& t) { return t.defined() ? Tensor::empty(t.shape(), DType::F32) : Tensor(); };
   return sdpa_backward_out(like(q), like(k), like(v), dout, q, k, v, fwd, opts, mask_grad);
 }

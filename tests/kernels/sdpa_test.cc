@@ -461,6 +461,30 @@ double naive_bf16_error(const Tensor& q, const Tensor& k, const Tensor& v, const
   return err;
 }
 
+// f64 and f16 inputs run in f32 and come back in their dtype, forward and backward.
+TEST(Sdpa, F64AndF16AreComputedInF32) {
+  for (int64_t Lq : {3, 40}) {
+    const Tensor q = randn({2, 2, Lq, 24}), k = randn({2, 2, 50, 24}), v = randn({2, 2, 50, 16});
+    const Tensor dout = randn({2, 2, Lq, 16});
+    SdpaOptions o;
+    o.is_causal = true;
+    o.causal_align = CausalAlign::BottomRight;
+    const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
+    const SdpaGrads gref = ref::sdpa_bwd_f64(dout, q, k, v, o);
+    for (auto [dt, tol] : {std::pair{DType::F64, 1e-5}, {DType::F16, 2e-3}}) {
+      const Tensor qd = q.to(dt), kd = k.to(dt), vd = v.to(dt), gd = dout.to(dt);
+      const SdpaResult r = sdpa(qd, kd, vd, o);
+      ASSERT_EQ(r.out.dtype(), dt);
+      EXPECT_TRUE(compare(r.out, ref.out).within(tol, tol)) << dtype_name(dt) << " Lq=" << Lq;
+      const SdpaGrads g = sdpa_backward(gd, qd, kd, vd, r, o);
+      for (const auto& [got, want] : {std::pair{&g.dq, &gref.dq}, {&g.dk, &gref.dk}, {&g.dv, &gref.dv}}) {
+        ASSERT_EQ(got->dtype(), dt);
+        EXPECT_TRUE(compare(*got, *want).within(tol, tol)) << dtype_name(dt) << " Lq=" << Lq;
+      }
+    }
+  }
+}
+
 TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
   struct Case { int64_t B, H, Hkv, Lq, Lk, D, Dv; };
   IsaGuard guard;
@@ -548,7 +572,8 @@ TEST(Sdpa, BadInputNamesArgumentAndShapes) {
   EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1], got 1.5"));
   o.dropout_p = std::numeric_limits<double>::quiet_NaN();
   EXPECT_THAT(error_of([&] { sdpa(q, k, v, o); }), HasSubstr("dropout_p must be in [0, 1], got nan"));
-  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::F64), k, v); }), HasSubstr("query: expected f32 or bf16, got f64"));
+  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::F64), k, v); }), HasSubstr("key: expected f64 like query, got f32"));
+  EXPECT_THAT(error_of([&] { sdpa(q.to(DType::I64), k, v); }), HasSubstr("query: expected f32 or bf16, got i64"));
   EXPECT_THAT(error_of([&] { sdpa(q.to(DType::BF16), k, v); }),
               HasSubstr("key: expected bf16 like query, got f32"));
   EXPECT_THAT(error_of([&] { sdpa_out(Tensor::zeros({2, 4, 7, 15}, DType::F32), q, k, v); }),
