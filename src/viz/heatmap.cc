@@ -101,7 +101,7 @@ void text(cairo_t* cr, const std::string& s, double x, double y, double size, do
 // One heatmap with its top-left corner at (x, y), cells of `cell` pixels.
 void heatmap(cairo_t* cr, const std::vector<std::string>& tokens, const float* m, int64_t L, double x,
              double y, double cell, double vmax, const std::string& title, double label_size) {
-  text(cr, title, x + cell * static_cast<double>(L) / 2, y - 12, label_size + 3, 0, false, true, true);
+  if (!title.empty()) text(cr, title, x + cell * static_cast<double>(L) / 2, y - 12, label_size + 3, 0, false, true, true);
   for (int64_t i = 0; i < L; ++i) {
     for (int64_t j = 0; j < L; ++j) {
       double r, g, b;
@@ -148,6 +148,54 @@ double label_width(const std::vector<std::string>& tokens, double size) {
   return static_cast<double>(longest) * size * 0.62 + 10;
 }
 
+// Width in pixels of a line of text as text() draws it.
+double text_width(const std::string& s, double size, bool bold) {
+  cairo_surface_t* surface = cairo_image_surface_create(CAIRO_FORMAT_ARGB32, 1, 1);
+  cairo_t* cr = cairo_create(surface);
+  cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
+                         bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
+  cairo_set_font_size(cr, size);
+  cairo_text_extents_t ext;
+  cairo_text_extents(cr, s.c_str(), &ext);
+  cairo_destroy(cr);
+  cairo_surface_destroy(surface);
+  return ext.x_advance;
+}
+
+// Panels [P, L, L] in a grid, each under its name (none when empty), one colour scale. The canvas
+// is widened to the title, up to kMaxTitleWidth; a longer title is shortened with an ellipsis.
+void render_panels(const std::vector<std::string>& tokens, const Tensor& w, const std::string& title,
+                   const std::vector<std::string>& names, const std::string& path) {
+  constexpr double kTitleSize = 17, kSubtitleSize = 12, kMaxTitleWidth = 1600;
+  const std::string subtitle = "rows: query token (attends)  ·  columns: key token (attended to)";
+  const int64_t H = w.size(0), L = w.size(1);
+  const int64_t cols = H <= 4 ? H : (H <= 9 ? 3 : 4), rows = (H + cols - 1) / cols;
+  const double cell = std::clamp(360.0 / static_cast<double>(L), 6.0, 34.0);
+  const double label = std::clamp(cell * 0.45, 7.0, 12.0);
+  const double lw = label_width(tokens, label);
+  const double panel_w = lw + cell * L + 30, panel_h = 40 + cell * L + lw;
+  std::string head = title;
+  for (size_t keep = head.size(); text_width(head, kTitleSize, true) + 40 > kMaxTitleWidth && keep > 1;) {
+    keep = keep * 9 / 10;
+    head = ellipsize(title, keep);
+  }
+  const double width = std::max({40 + cols * panel_w + 110, text_width(head, kTitleSize, true) + 40,
+                                 text_width(subtitle, kSubtitleSize, false) + 40});
+  const double height = 70 + rows * panel_h;
+  Canvas c(path, width, height);
+  text(c.cr, head, width / 2, 24, kTitleSize, 0, false, true, true);
+  text(c.cr, subtitle, width / 2, 48, kSubtitleSize, 0, false, true);
+  float vmax = 0;
+  for (int64_t i = 0; i < w.numel(); ++i) vmax = std::max(vmax, w.data<float>()[i]);
+  const double x0 = (width - (40 + cols * panel_w + 110)) / 2;  // the grid centred under a wide title
+  for (int64_t h = 0; h < H; ++h) {
+    const double x = x0 + 40 + (h % cols) * panel_w + lw, y = 70 + (h / cols) * panel_h + 30;
+    heatmap(c.cr, tokens, w.data<float>() + h * L * L, L, x, y, cell, vmax, names[static_cast<size_t>(h)], label);
+  }
+  colorbar(c.cr, x0 + 40 + cols * panel_w + 10, 100, std::min(300.0, height - 160), vmax);
+  c.finish();
+}
+
 }  // namespace
 
 void render_attention_heads(const std::vector<std::string>& tokens, const Tensor& weights_in,
@@ -156,25 +204,10 @@ void render_attention_heads(const std::vector<std::string>& tokens, const Tensor
                   weights_in.size(1) == static_cast<int64_t>(tokens.size()),
               "viz: weights ", weights_in.shape(), " do not match ", tokens.size(), " tokens ([H, L, L])");
   const Tensor w = weights_in.to(DType::F32);
-  const int64_t H = w.size(0), L = w.size(1);
-  HEADS_CHECK(H >= 1 && L >= 1, "viz: nothing to draw");
-  const int64_t cols = H <= 4 ? H : (H <= 9 ? 3 : 4), rows = (H + cols - 1) / cols;
-  const double cell = std::clamp(360.0 / static_cast<double>(L), 6.0, 34.0);
-  const double label = std::clamp(cell * 0.45, 7.0, 12.0);
-  const double lw = label_width(tokens, label);
-  const double panel_w = lw + cell * L + 30, panel_h = 40 + cell * L + lw;
-  const double width = 40 + cols * panel_w + 110, height = 70 + rows * panel_h;
-  Canvas c(path, width, height);
-  text(c.cr, title, width / 2, 24, 17, 0, false, true, true);
-  text(c.cr, "rows: query token (attends)  ·  columns: key token (attended to)", width / 2, 48, 12, 0, false, true);
-  float vmax = 0;
-  for (int64_t i = 0; i < w.numel(); ++i) vmax = std::max(vmax, w.data<float>()[i]);
-  for (int64_t h = 0; h < H; ++h) {
-    const double x = 40 + (h % cols) * panel_w + lw, y = 70 + (h / cols) * panel_h + 30;
-    heatmap(c.cr, tokens, w.data<float>() + h * L * L, L, x, y, cell, vmax, "head " + std::to_string(h), label);
-  }
-  colorbar(c.cr, width - 100, 100, std::min(300.0, height - 160), vmax);
-  c.finish();
+  HEADS_CHECK(w.size(0) >= 1 && w.size(1) >= 1, "viz: nothing to draw");
+  std::vector<std::string> names;
+  for (int64_t h = 0; h < w.size(0); ++h) names.push_back("head " + std::to_string(h));
+  render_panels(tokens, w, title, names, path);
 }
 
 void render_attention_matrix(const std::vector<std::string>& tokens, const Tensor& m_in,
@@ -182,7 +215,8 @@ void render_attention_matrix(const std::vector<std::string>& tokens, const Tenso
   HEADS_CHECK(m_in.dim() == 2 && m_in.size(0) == m_in.size(1) &&
                   m_in.size(0) == static_cast<int64_t>(tokens.size()),
               "viz: matrix ", m_in.shape(), " does not match ", tokens.size(), " tokens ([L, L])");
-  render_attention_heads(tokens, m_in.unsqueeze(0), title, path);
+  HEADS_CHECK(m_in.size(0) >= 1, "viz: nothing to draw");
+  render_panels(tokens, m_in.to(DType::F32).unsqueeze(0), title, {""}, path);
 }
 
 Tensor attention_rollout(const std::vector<Tensor>& layers) {

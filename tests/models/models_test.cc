@@ -3,6 +3,7 @@
 // installed all-MiniLM-L6-v2 (found as `heads embed` finds it).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <cairo.h>
 
 #include <unistd.h>
 
@@ -132,6 +133,37 @@ TEST(SentenceEncoder, ConfigFieldsAreCheckedForTypeAndRange) {
   EXPECT_THAT(error("modules.json", R"({"type": "x"})"), HasSubstr("modules.json: expected a JSON array, got object"));
   EXPECT_THAT(error("modules.json", R"([{"type": 3}])"), HasSubstr("\"type\" must be a string"));
   fs::remove_all(dir);
+}
+
+// The drawing of one matrix (the rollout): the title fits the canvas (its first and last columns
+// stay blank), long titles are shortened rather than cut, and the single panel has no "head 0".
+TEST(Viz, MatrixTitleFitsAndThePanelIsUnnamed) {
+  const std::vector<std::string> tokens{"[CLS]", "the", "cat", "sat", "on", "the", "mat", "[SEP]"};
+  Tensor m = testing::randn({8, 8});
+  for (int64_t i = 0; i < 64; ++i) m.data<float>()[i] = std::fabs(m.data<float>()[i]);
+  const std::string path = (std::filesystem::temp_directory_path() / "heads_test_rollout.png").string();
+  for (const std::string title : {std::string("Attention rollout over 6 layers: \"The cat sat on the mat\""),
+                                  "Attention rollout: \"" + std::string(400, 'w') + "\""}) {
+    render_attention_matrix(tokens, m, title, path);
+    cairo_surface_t* s = cairo_image_surface_create_from_png(path.c_str());
+    ASSERT_EQ(cairo_surface_status(s), CAIRO_STATUS_SUCCESS);
+    const int w = cairo_image_surface_get_width(s), stride = cairo_image_surface_get_stride(s);
+    const auto* px = reinterpret_cast<const uint32_t*>(cairo_image_surface_get_data(s));
+    auto ink = [&](int x0, int x1, int y0, int y1) {  // non-white pixels in [x0, x1) x [y0, y1)
+      int n = 0;
+      for (int y = y0; y < y1; ++y) {
+        for (int x = x0; x < x1; ++x) n += (px[y * stride / 4 + x] & 0xffffff) != 0xffffff;
+      }
+      return n;
+    };
+    EXPECT_GT(ink(0, w, 8, 36), 200) << "no title drawn";
+    EXPECT_EQ(ink(0, 12, 0, 60), 0) << "title clipped at the left edge (width " << w << ")";
+    EXPECT_EQ(ink(w - 12, w, 0, 60), 0) << "title clipped at the right edge (width " << w << ")";
+    EXPECT_LE(w, 1700);
+    EXPECT_EQ(ink(0, w, 62, 90), 0) << "a panel title above the single matrix";
+    cairo_surface_destroy(s);
+  }
+  std::filesystem::remove(path);
 }
 
 TEST(Viz, RolloutRowsAreDistributions) {
