@@ -11,11 +11,30 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import operator
+import os
 import sys
 
 import numpy as np
 
-from . import _heads
+
+def _load_native():
+    """Imports the extension. OpenMP (libgomp) reads its settings once, when it loads with the
+    extension; unless the user chose a wait policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT), idle workers
+    spin for about 1,000 iterations (tens of microseconds) instead of libgomp's default 300,000
+    (milliseconds), which on a busy machine starve the threads that have work. The variable is set
+    for the load only (a later library, e.g. torch's own OpenMP, sees the environment as it was)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        from . import _heads
+        return _heads
+    os.environ["GOMP_SPINCOUNT"] = "1000"  # as the heads CLI (tools/cli/main.cc)
+    try:
+        from . import _heads
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
+    return _heads
+
+
+_heads = _load_native()
 
 __all__ = [
     "sdpa",

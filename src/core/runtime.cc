@@ -34,6 +34,12 @@ void set_num_threads(int n) {
 
 int get_num_threads() { return std::min(omp_get_max_threads(), kMaxThreads); }
 
+int threads_for(double flops, int64_t tasks) {
+  const double by_work = std::max(1.0, flops / kMinFlopsPerThread);
+  const int64_t n = std::min<int64_t>(tasks, by_work < 1e9 ? static_cast<int64_t>(by_work) : int64_t{1} << 30);
+  return static_cast<int>(std::clamp<int64_t>(n, 1, get_num_threads()));
+}
+
 void manual_seed(uint64_t seed) { g_state.store(seed); }
 
 uint64_t next_seed() { return splitmix64(g_state.fetch_add(1)); }

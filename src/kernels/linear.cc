@@ -7,13 +7,15 @@
 // heads' own kernels.
 #include "kernels/linear.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <map>
 #include <memory>
-#include <unordered_map>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
+#include <unordered_map>
 
 #include "heads/error.h"
 #include "heads/runtime.h"
@@ -28,8 +30,22 @@ dnnl::engine& cpu_engine() {
   return engine;
 }
 
-// (M, K, N, A strides, B strides, C row stride, bias)
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+// (M, K, N, A strides, B strides, C row stride, bias, threads)
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int>;
+
+// oneDNN sizes a primitive's parallel work for the OpenMP thread count of the thread creating it
+// and keeps that count: primitives are created and run with omp_set_num_threads(n) in force on the
+// calling thread, and n is part of their key.
+class OmpThreads {
+ public:
+  explicit OmpThreads(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~OmpThreads() { omp_set_num_threads(saved_); }
+  OmpThreads(const OmpThreads&) = delete;
+  OmpThreads& operator=(const OmpThreads&) = delete;
+
+ private:
+  int saved_;
+};
 
 struct Entry {
   dnnl::matmul::primitive_desc pd;
@@ -45,7 +61,7 @@ std::shared_ptr<const Entry> primitive_for(const Key& key) {
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   if (cache.size() >= 256) cache.clear();
-  const auto [M, K, N, a_rs, a_cs, b_rs, b_cs, ys, has_bias] = key;
+  const auto [M, K, N, a_rs, a_cs, b_rs, b_cs, ys, has_bias, threads] = key;
   using dt = dnnl::memory::data_type;
   const dnnl::memory::desc src({M, K}, dt::f32, {a_rs, a_cs});
   const dnnl::memory::desc wei({K, N}, dt::f32, {b_rs, b_cs});
@@ -57,6 +73,7 @@ std::shared_ptr<const Entry> primitive_for(const Key& key) {
 }
 
 void run_matmul(const Key& key, const float* a, const float* b, const float* bias, float* c) {
+  const OmpThreads threads(std::get<9>(key));
   const std::shared_ptr<const Entry> entry = primitive_for(key);
   const Entry& e = *entry;
   const auto& pd = e.pd;
@@ -69,6 +86,11 @@ void run_matmul(const Key& key, const float* a, const float* b, const float* bia
   if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));
   e.prim.execute(stream, args);
   stream.wait();
+}
+
+int gemm_threads(int64_t M, int64_t N, int64_t K) {
+  return threads_for(2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K),
+                     std::max<int64_t>(M, N));
 }
 
 }  // namespace
@@ -93,7 +115,7 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const fl
   }
   try {
     // W [N, K] read as the [K, N] matrix Wᵀ: strides {1, K}.
-    run_matmul({M, K, N, x_stride, 1, 1, K, y_stride, bias != nullptr}, x, W, bias, y);
+    run_matmul({M, K, N, x_stride, 1, 1, K, y_stride, bias != nullptr, gemm_threads(M, N, K)}, x, W, bias, y);
   } catch (const dnnl::error& e) {
     fail("linear: oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K,
          "]: ", e.what());
@@ -108,7 +130,7 @@ void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, i
     return;
   }
   try {
-    run_matmul({M, K, N, a_rs, a_cs, b_rs, b_cs, c_stride, false}, A, B, nullptr, C);
+    run_matmul({M, K, N, a_rs, a_cs, b_rs, b_cs, c_stride, false, gemm_threads(M, N, K)}, A, B, nullptr, C);
   } catch (const dnnl::error& e) {
     fail("matmul: oneDNN matmul failed for [", M, ", ", K, "] x [", K, ", ", N, "]: ", e.what());
   }

@@ -252,7 +252,9 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
   const float c = scale * kLog2e;
   const float keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f;
   const int64_t n_tasks = P.B * P.Hkv;
-  const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
+  // five products of the forward's size: S and dP, then dV, dK, dQ
+  const int n_threads = threads_for(5.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
+                                        static_cast<double>(P.D + P.Dv), n_tasks);
   // Keys per group: about 1 MB of K/V rows (and as much dK/dV), a multiple of kTK. Every group
   // re-reads Q and dO and adds into dQ, so fewer, larger groups save those passes as long as the
   // groups of all threads stay well inside the last-level cache (long4k, 2 threads: 256 KB -> 1 MB

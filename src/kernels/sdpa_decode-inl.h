@@ -285,7 +285,8 @@ inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, 
   std::vector<float> pm(static_cast<size_t>(n_tasks * S.rows)), pl(pm.size());
   std::vector<float> po(static_cast<size_t>(n_tasks * S.rows * S.Dvp + 16));
   float* po_base = po.data() + (16 - (reinterpret_cast<uintptr_t>(po.data()) / 4) % 16) % 16;
-  const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
+  const int n_threads = threads_for(2.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
+                                        static_cast<double>(P.D + P.Dv), n_tasks);
   const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock + S.Dvp, 16);
   float* arena = thread_scratch(per * n_threads);
   float* lse_p = lse.data<float>();

@@ -405,7 +405,9 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
   float* wp = weights.defined() ? weights.data<float>() : nullptr;
   const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
   const int64_t n_tasks = P.B * P.H * n_qt;
-  const int n_threads = static_cast<int>(std::min<int64_t>(get_num_threads(), n_tasks));
+  const double flops = 4.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
+                       static_cast<double>(P.D + P.Dv) / 2;
+  const int n_threads = threads_for(P.causal ? flops / 2 : flops, n_tasks);
   // Per-thread scratch, each slice a multiple of 64 bytes.
   const int64_t cache = (Pol::cache_floats(P) + 15) / 16 * 16;
   const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16 + cache;

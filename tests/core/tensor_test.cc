@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/testing.h"
+#include "heads/runtime.h"
 #include "heads/tensor.h"
 
 namespace heads {
@@ -86,6 +87,23 @@ TEST(Tensor, ErrorsNameTheProblem) {
   EXPECT_EQ(testing::randn({0, 2}).reshape({-1, 4}).shape(), Shape({0, 4}));
   const Tensor t = testing::randn({2});
   EXPECT_THROW(t.data<double>(), Error);
+}
+
+// Threads per parallel region: small work on the calling thread alone, never more than the tasks or
+// the thread count, and the count checked.
+TEST(Runtime, ThreadsFollowTheWork) {
+  const int saved = get_num_threads();
+  set_num_threads(4);
+  EXPECT_EQ(threads_for(1e3, 1000), 1);                      // a few microseconds: one thread
+  EXPECT_EQ(threads_for(2.5 * kMinFlopsPerThread, 1000), 2);  // one thread per kMinFlopsPerThread
+  EXPECT_EQ(threads_for(1e12, 1000), 4);                     // at most the thread count
+  EXPECT_EQ(threads_for(1e12, 3), 3);                        // at most the tasks
+  EXPECT_EQ(threads_for(1e30, 0), 1);
+  EXPECT_THAT(testing::error_of([] { set_num_threads(kMaxThreads + 1); }),
+              ::testing::HasSubstr("set_num_threads: expected 1 to 1024 threads, got 1025"));
+  EXPECT_THROW(set_num_threads(0), Error);
+  EXPECT_EQ(get_num_threads(), 4);
+  set_num_threads(saved);
 }
 
 }  // namespace

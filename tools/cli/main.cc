@@ -3,8 +3,10 @@
 // Exit codes (DESIGN.md): 0 success, 2 usage error, 1 any other error; errors are one line on
 // stderr. Commands write outputs to a temporary name and rename at the end.
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -37,7 +39,23 @@ std::vector<std::string> read_lines(const std::string& path) {
 
 }  // namespace heads::cli
 
+namespace {
+
+// libgomp's idle workers spin about 300,000 iterations (milliseconds) before they sleep; on a machine
+// whose cores are busy with other work they starve the threads that have work (a one-sentence
+// `heads embed` took 280 ms instead of 5). libgomp reads its settings once, as it loads, so unless
+// the user chose a wait policy the tool runs itself again, once, with GOMP_SPINCOUNT=1000 (tens of
+// microseconds), as `import heads` does (python/heads/__init__.py).
+void settle_openmp_wait_policy(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
+  if (setenv("GOMP_SPINCOUNT", "1000", 1) != 0) return;
+  execv("/proc/self/exe", argv);  // returns only on failure: carry on with libgomp's defaults
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  settle_openmp_wait_policy(argv);
   // Keep freed tensor buffers in the heap for reuse instead of returning them to the kernel:
   // layer after layer allocates the same sizes, and fresh pages cost a fault each.
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
