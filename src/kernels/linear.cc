@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -68,7 +69,12 @@ std::shared_ptr<const Entry> primitive_for(const Key& key) {
   const dnnl::memory::desc dst({M, N}, dt::f32, {ys, 1});
   const dnnl::memory::desc bias({1, N}, dt::f32, {N, 1});
   const auto desc = has_bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
-  dnnl::matmul::primitive_desc pd(desc, cpu_engine());
+  // oneDNN's library-managed scratchpad is not for concurrent execution unless the library is built
+  // with DNNL_ENABLE_CONCURRENT_EXEC (Debian's is not): MHA calls from several Python threads at once
+  // gave wrong results. Each call passes its thread's own scratchpad (run_matmul).
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
   return cache.emplace(key, std::make_shared<const Entry>(Entry{pd, dnnl::matmul(pd)})).first->second;
 }
 
@@ -84,6 +90,22 @@ void run_matmul(const Key& key, const float* a, const float* b, const float* bia
   dnnl::memory dst(pd.dst_desc(), eng, c);
   std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
   if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));
+  // This thread's scratchpad, kept across calls (grown to the largest a primitive asked for).
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<void, Free> scratch;
+  thread_local size_t scratch_size = 0;
+  const dnnl::memory::desc sd = pd.scratchpad_desc();
+  if (sd.get_size() > 0) {
+    if (scratch_size < sd.get_size()) {
+      const size_t n = (sd.get_size() + 63) / 64 * 64;
+      scratch.reset(std::aligned_alloc(64, n));
+      HEADS_CHECK(scratch != nullptr, "linear: cannot allocate a ", n, "-byte oneDNN scratchpad");
+      scratch_size = n;
+    }
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(sd, eng, scratch.get()));
+  }
   e.prim.execute(stream, args);
   stream.wait();
 }

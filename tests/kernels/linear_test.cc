@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -43,22 +44,30 @@ TEST(Linear, MatchesFloat64OnOddShapesAndStrides) {
   }
 }
 
-// Threads creating and running matmuls of many shapes at once: the primitive cache is cleared when
-// it holds 256, while other threads may be executing primitives it held (once a use after free;
-// ASan in CI).
+// Threads creating and running matmuls of many shapes at once, every result checked: the primitive
+// cache is cleared when it holds 256 while other threads may run primitives it held (once a use
+// after free; ASan in CI), and oneDNN's library scratchpad is not for concurrent calls (once wrong
+// results from MultiheadAttention called by several Python threads).
 TEST(Linear, ConcurrentCallsOfManyShapes) {
-  const Tensor W = testing::randn({24, 40});
   std::vector<std::thread> threads;
   std::atomic<int> bad{0};
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      for (int64_t i = 0; i < 200; ++i) {
-        const int64_t M = 1 + (t * 211 + i * 13) % 301, K = 40, N = 24;
-        std::vector<float> x(static_cast<size_t>(M * K), 0.5f), y(static_cast<size_t>(M * N), 0.0f);
-        kernels::linear_f32(x.data(), M, K, K, W.data<float>(), nullptr, N, y.data(), N);
-        double ref = 0;
-        for (int64_t k = 0; k < K; ++k) ref += 0.5 * W.data<float>()[k];
-        if (std::fabs(y[static_cast<size_t>((M - 1) * N)] - ref) > 1e-4) ++bad;
+      std::mt19937_64 gen(static_cast<uint64_t>(t));
+      std::normal_distribution<float> nd;
+      for (int64_t i = 0; i < 200; ++i) {  // sizes that run on several threads (threads_for)
+        const int64_t K = 32 * (1 + (t + i) % 4), N = 3 * K, M = 2 * (1 + (t * 61 + i * 7) % 97);
+        std::vector<float> x(static_cast<size_t>(M * K)), w(static_cast<size_t>(N * K)), y(static_cast<size_t>(M * N));
+        for (float& v : x) v = nd(gen);
+        for (float& v : w) v = nd(gen);
+        kernels::linear_f32(x.data(), M, K, K, w.data(), nullptr, N, y.data(), N);
+        for (int64_t m = i % 3; m < M; m += 3) {
+          for (int64_t n = 0; n < N; ++n) {
+            double ref = 0;
+            for (int64_t k = 0; k < K; ++k) ref += static_cast<double>(x[m * K + k]) * w[n * K + k];
+            if (std::fabs(y[static_cast<size_t>(m * N + n)] - ref) > 1e-4 * (1 + std::fabs(ref))) ++bad;
+          }
+        }
       }
     });
   }
