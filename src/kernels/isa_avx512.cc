@@ -1,35 +1,17 @@
 // isa_avx512.cc — the kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA.
 #include <immintrin.h>
-#include <omp.h>
 
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstring>
-#include <type_traits>
-#include <limits>
-#include <vector>
-
-#include "heads/runtime.h"
-#include "kernels/dispatch.h"
-#include "kernels/scratch.h"
-#include "kernels/simd/common.h"
+#include "kernels/isa_build.h"
 
 // GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// Vector arguments of the lambdas inside these kernels never cross an ABI boundary.
-#pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 
 namespace heads::kernels::avx512 {
+constexpr Isa kIsa = Isa::Avx512;
 #include "kernels/simd/vec_avx512-inl.h"
-#include "kernels/sdpa_fwd-inl.h"
-#include "kernels/elementwise-inl.h"
-#include "kernels/peak-inl.h"
-
-const KernelTable kTable{Isa::Avx512, &sdpa_fwd_f32, &sdpa_fwd_bf16, &sdpa_bwd_f32, &gelu_f32, &relu_f32, &layer_norm_f32, &add_f32, &activation_bwd_f32,
-                        &fma_probe, &fma_probe_flops_per_iter};
+#include "kernels/isa_table-inl.h"
 }  // namespace heads::kernels::avx512
 
 #pragma GCC pop_options

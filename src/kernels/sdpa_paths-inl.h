@@ -1,5 +1,6 @@
-// sdpa_fwd-inl.h — the f32 SDPA forward of one ISA build: picks the tiled kernel or the decode
-// kernel by shape. Included by src/kernels/isa_<isa>.cc inside namespace heads::kernels::<isa>.
+// sdpa_paths-inl.h — the SDPA entry points of one ISA build: the forward picks the tiled kernel or
+// the decode kernel by shape (and the bf16 kernel for bf16); the backward is sdpa_bwd-inl.h.
+// Included by kernels/isa_table-inl.h inside namespace heads::kernels::<isa>.
 
 #include "kernels/sdpa_flash_fwd-inl.h"
 #include "kernels/sdpa_decode-inl.h"

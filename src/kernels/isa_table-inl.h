@@ -1,0 +1,27 @@
+// isa_table-inl.h — the kernels of one ISA build and its KernelTable, written once.
+//
+// Included by src/kernels/isa_<isa>.cc inside namespace heads::kernels::<isa>, after that ISA's
+// vector layer (kernels/simd/vec_<isa>-inl.h) and a `constexpr Isa kIsa`; HEADS_NATIVE_BF16 adds
+// the vdpbf16ps kernels. Adding an ISA is one such file (see docs/architecture.md).
+
+#include "kernels/sdpa_paths-inl.h"
+#include "kernels/elementwise-inl.h"
+#include "kernels/peak-inl.h"
+
+const KernelTable kTable{
+    .isa = kIsa,
+    .sdpa_fwd_f32 = &sdpa_fwd_f32,
+    .sdpa_fwd_bf16 = &sdpa_fwd_bf16,
+    .sdpa_bwd_f32 = &sdpa_bwd_f32,
+    .gelu_f32 = &gelu_f32,
+    .relu_f32 = &relu_f32,
+    .layer_norm_f32 = &layer_norm_f32,
+    .add_f32 = &add_f32,
+    .activation_bwd_f32 = &activation_bwd_f32,
+    .fma_probe = &fma_probe,
+    .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,
+#ifdef HEADS_NATIVE_BF16
+    .bf16_probe = &bf16_probe,
+    .bf16_probe_flops_per_iter = &bf16_probe_flops_per_iter,
+#endif
+};
