@@ -1,9 +1,9 @@
 // elementwise-inl.h — LayerNorm, GELU (erf and tanh forms) and ReLU in f32, written once over
-// `Vec`. Included by src/kernels/isa_<isa>.cc inside namespace heads::kernels::<isa>.
+// `Vec`. Included by kernels/isa_table-inl.h inside namespace heads::kernels::<isa>.
 //
 // Rows are the last dimension; other dimensions are flattened into `rows` with a row stride.
 // Parallel over rows (LayerNorm) or chunks (activations); every element is computed the same way
-// whatever the thread count. References: ref::layer_norm_f64, ref::gelu_f64 in ops_ref.cc.
+// whatever the thread count. References: ref::layer_norm_f64, ref::activation_f64 in ops.cc.
 
 namespace ew {
 

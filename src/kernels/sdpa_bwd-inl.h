@@ -1,5 +1,5 @@
 // sdpa_bwd-inl.h — SDPA backward (FlashAttention-2, arXiv:2307.08691, Alg. 2), written once over
-// `Vec`. Included by src/kernels/isa_<isa>.cc after sdpa_flash_fwd-inl.h, whose tile pieces it
+// `Vec`. Included by kernels/sdpa_paths-inl.h after sdpa_flash_fwd-inl.h, whose tile pieces it
 // reuses (Q packing, the K·Qt micro-kernel, masks, dropout).
 //
 // Shapes as the forward; dout [B, H, Lq, Dv], lse [B, H, Lq] from the forward.
@@ -273,14 +273,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
 #pragma omp parallel num_threads(n_threads)
   {
     float* base = arena + per * omp_get_thread_num();
-    Scratch W;
-    W.qt = base;
-    W.dot = W.qt + kSub * P.D * kTQ;
-    W.s = W.dot + kSub * P.Dv * kTQ;
-    W.dp = W.s + kTK * kLd;
-    W.pd = W.dp + kTK * kLd;
-    W.tmp = W.pd + kTK * kLd;
-    W.drow = W.tmp + kTQ;
+    Scratch scr;
+    scr.qt = base;
+    scr.dot = scr.qt + kSub * P.D * kTQ;
+    scr.s = scr.dot + kSub * P.Dv * kTQ;
+    scr.dp = scr.s + kTK * kLd;
+    scr.pd = scr.dp + kTK * kLd;
+    scr.tmp = scr.pd + kTK * kLd;
+    scr.drow = scr.tmp + kTQ;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t b = task / P.Hkv, hk = task % P.Hkv;
@@ -307,7 +307,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             }
             const float* q0 = qp + b * qs[0] + h * qs[1] + I0 * qs[2];
             const float* g0 = gp + b * gs[0] + h * gs[1] + I0 * gs[2];
-            float* drow = W.drow + (h - hk * G) * P.Lq + I0;
+            float* drow = scr.drow + (h - hk * G) * P.Lq + I0;
             if (first_group && !one_block) {
               row_dots(g0, gs[2], op + b * os[0] + h * os[1] + I0 * os[2], os[2], nqs, P.Dv, drow);
             }
@@ -320,8 +320,8 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
             if (!few) {
               for (int64_t u = 0; u < n_sub; ++u) {
                 const int64_t nq = std::min(nqs - u * kTQ, kTQ);
-                fwd::Widen<float>::pack_q(q0 + u * kTQ * qs[2], qs[2], nq, P.D, c, W.qt + u * P.D * kTQ);
-                fwd::Widen<float>::pack_q(g0 + u * kTQ * gs[2], gs[2], nq, P.Dv, 1.0f, W.dot + u * P.Dv * kTQ);
+                fwd::Widen<float>::pack_q(q0 + u * kTQ * qs[2], qs[2], nq, P.D, c, scr.qt + u * P.D * kTQ);
+                fwd::Widen<float>::pack_q(g0 + u * kTQ * gs[2], gs[2], nq, P.Dv, 1.0f, scr.dot + u * P.Dv * kTQ);
               }
             }
             for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
@@ -331,20 +331,20 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               float* dvj = dvg + (j0 - jg) * dvs[2];
               for (int64_t u = 0; u < n_sub; ++u) {
                 const int64_t i0 = I0 + u * kTQ, nq = std::min(nqs - u * kTQ, kTQ);
-                const fwd::Tile t{P, b, h, hk, i0, nq, W.tmp};
+                const fwd::Tile t{P, b, h, hk, i0, nq, scr.tmp};
                 if (few) {
                   few_block(t, j0, nk, kh + j0 * ks[2], ks[2], vh + j0 * vs[2], vs[2], q0, qs[2], g0, gs[2], lse2,
-                            one_block ? nullptr : dsum, c, W.s, W.dp, W.pd);
+                            one_block ? nullptr : dsum, c, scr.s, scr.dp, scr.pd);
                   if (dmask_full != nullptr) {
                     for (int64_t l = 0; l < nq; ++l) {
-                      std::copy_n(W.dp + l * kTK, nk, dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0);
+                      std::copy_n(scr.dp + l * kTK, nk, dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0);
                     }
                   }
                   continue;
                 }
-                float* s = W.s + u * kTQ;
-                float* dp = W.dp + u * kTQ;
-                float* pd = W.pd + u * kTQ;
+                float* s = scr.s + u * kTQ;
+                float* dp = scr.dp + u * kTQ;
+                float* pd = scr.pd + u * kTQ;
                 if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) {  // tile sees none of these keys
                   for (int64_t r = 0; r < nk; ++r) {
                     std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
@@ -361,12 +361,12 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
                 const bool masked = causal_here || P.mask_kind != MaskKind::None;
                 if (!masked) {  // P straight from the accumulators
-                  fwd::qk_block_with(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
+                  fwd::qk_block_with(nk, kh + j0 * ks[2], ks[2], scr.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
                     Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
                     Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
                   });
                 } else {
-                  fwd::qk_block(nk, kh + j0 * ks[2], ks[2], W.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
+                  fwd::qk_block(nk, kh + j0 * ks[2], ks[2], scr.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
                   VR mx[kNQ] = {Vec::zero(), Vec::zero()};
                   fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
                   for (int64_t r = 0; r < nk; ++r) {
@@ -379,7 +379,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                 // 2. dP^T = V_j · dO_i^T; with dropout Pd = P ∘ Z/(1-p) and dP = dP ∘ Z/(1-p)
                 // 4. dS = P ∘ (dP - D)
                 if (P.dropout_p == 0.0 && !one_block) {  // dS straight from the accumulators
-                  fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
+                  fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], scr.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
                     Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
                     Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
                   });
@@ -394,13 +394,13 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                     den[1] = Vec::add(den[1], p1);
                   };
                   if (P.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
-                    fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
+                    fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], scr.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
                       gather(r, a0, a1);
                       Vec::store(dp + r * kLd, a0);
                       Vec::store(dp + r * kLd + kW, a1);
                     });
                   } else {
-                    fwd::qk_block(nk, vh + j0 * vs[2], vs[2], W.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
+                    fwd::qk_block(nk, vh + j0 * vs[2], vs[2], scr.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
                     for (int64_t r = 0; r < nk; ++r) {
                       for (int64_t l = 0; l < kTQ; ++l) {
                         const float z = l < nq && dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p)
@@ -443,12 +443,12 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
               bool& acc_kv = written[(j0 - jg) / kTK];
               const Out kv_out = acc_kv ? Out::Add : stream_kv ? Out::Stream : Out::Set;
               const int64_t key_stride = few ? 1 : kLd, query_stride = few ? kTK : 1;  // of P, dS
-              gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? W.pd : W.s, key_stride, query_stride, g0, gs[2], dvj, dvs[2],
+              gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, g0, gs[2], dvj, dvs[2],
                        1.0f, kv_out);
-              gemm_acc(nk, P.D, nqs, W.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, kv_out);
+              gemm_acc(nk, P.D, nqs, scr.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, kv_out);
               acc_kv = true;
               // dQ rows of the step: set by the first key block of the first group, added to after
-              gemm_acc(nqs, P.D, nk, W.dp, query_stride, key_stride, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale,
+              gemm_acc(nqs, P.D, nk, scr.dp, query_stride, key_stride, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale,
                        first_group && j0 == jg ? Out::Set : Out::Add);
             }
           }

@@ -1,5 +1,5 @@
 // sdpa_decode-inl.h — SDPA forward for few queries against many keys (decode), written once over
-// `Vec`. Included by src/kernels/isa_<isa>.cc after sdpa_flash_fwd-inl.h.
+// `Vec`. Included by kernels/sdpa_paths-inl.h after sdpa_flash_fwd-inl.h.
 //
 // Shapes as sdpa_flash_fwd-inl.h. Used when Lq <= kMaxDecodeLq, where a queries-on-lanes tile
 // would leave most lanes idle and the work is bound by reading K and V once.

@@ -180,7 +180,7 @@ struct Bf16Dot {
     }
   }
 
-  static void pv(const Tile& t, const Scratch& W, const uint16_t* vh, int64_t vs, int64_t j0,
+  static void pv(const Tile& t, const Scratch& scr, const uint16_t* vh, int64_t vs, int64_t j0,
                  int64_t nk, const VR* alpha) {
     alignas(64) static constexpr uint16_t kInterleave[32] = {
         0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -189,8 +189,8 @@ struct Bf16Dot {
     const int64_t Dv = t.P.Dv, v2s = v2_stride(Dv);
     const int64_t nk2 = (nk + 1) / 2;
     // V2 cache: state = {b, hk, keys paired so far (even)}.
-    auto* v2 = reinterpret_cast<uint32_t*>(W.cache);
-    int64_t* st = W.cache_state;
+    auto* v2 = reinterpret_cast<uint32_t*>(scr.cache);
+    int64_t* st = scr.cache_state;
     if (st[0] != t.b || st[1] != t.hk) {
       st[0] = t.b;
       st[1] = t.hk;
@@ -201,8 +201,8 @@ struct Bf16Dot {
       st[2] = (j0 + nk) / 2 * 2;  // an odd end's half pair is packed again when extended
     }
     // P2: rows 2p and 2p+1 of P rounded to bf16 and interleaved.
-    auto* p2 = reinterpret_cast<uint32_t*>(W.aux);  // [kTK/2][kTQ]
-    const float* p = W.s;
+    auto* p2 = reinterpret_cast<uint32_t*>(scr.aux);  // [kTK/2][kTQ]
+    const float* p = scr.s;
     for (int64_t q2 = 0; q2 < nk2; ++q2) {
       for (int vv = 0; vv < kNQ; ++vv) {
         const __m512 r0 = _mm512_load_ps(p + 2 * q2 * kTQ + vv * kW);
@@ -213,8 +213,8 @@ struct Bf16Dot {
     }
     const uint32_t* vb = v2 + (j0 / 2) * v2s;
     int64_t d = 0;
-    for (; d + R <= Dv; d += R) pv_rows_bf<R>(vb + d, v2s, p2, nk2, W.ot + d * kTQ, alpha);
-    if (d < Dv) pv_tail_bf<R - 1>(Dv - d, vb + d, v2s, p2, nk2, W.ot + d * kTQ, alpha);
+    for (; d + R <= Dv; d += R) pv_rows_bf<R>(vb + d, v2s, p2, nk2, scr.ot + d * kTQ, alpha);
+    if (d < Dv) pv_tail_bf<R - 1>(Dv - d, vb + d, v2s, p2, nk2, scr.ot + d * kTQ, alpha);
   }
 
   // out[l][d] = bf16(Ot[d][l] · inv_l[l]) for l < nq: 16 x 16 transposes, then vcvtneps2bf16.

@@ -1,5 +1,5 @@
 // sdpa_flash_fwd-inl.h — SDPA forward, tiled online softmax (FlashAttention-2, arXiv:2307.08691,
-// Alg. 1), written once over the vector layer `Vec`. Included by src/kernels/isa_<isa>.cc inside
+// Alg. 1), written once over the vector layer `Vec`. Included by kernels/sdpa_paths-inl.h inside
 // namespace heads::kernels::<isa>, after that ISA's Vec.
 //
 // Shapes (elements; innermost stride 1, other strides free):
@@ -257,9 +257,9 @@ struct Widen {
   }
   static int64_t cache_floats(const SdpaProblem&) { return 0; }
   // Ot = Ot · alpha + P · V[j0 : j0 + nk] (V rows read in place).
-  static void pv(const Tile& t, const Scratch& W, const T* vh, int64_t vs, int64_t j0, int64_t nk,
+  static void pv(const Tile& t, const Scratch& scr, const T* vh, int64_t vs, int64_t j0, int64_t nk,
                  const VR* alpha) {
-    pv_block(t.P.Dv, vh + j0 * vs, vs, W.s, nk, W.ot, alpha);
+    pv_block(t.P.Dv, vh + j0 * vs, vs, scr.s, nk, scr.ot, alpha);
   }
   // out[l][d] = Ot[d][l] · inv_l[l] for l < nq.
   static void store_out(const float* ot, const float* inv_l, int64_t nq, int64_t Dv, T* o0,
@@ -293,18 +293,18 @@ template <class Pol>
 inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const int64_t* qs,
                          const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
                          const int64_t* vs, typename Pol::In* out, const int64_t* os, float* lse,
-                         float* weights, int64_t b, int64_t h, int64_t qt_index, const Scratch& W) {
+                         float* weights, int64_t b, int64_t h, int64_t qt_index, const Scratch& scr) {
   using T = typename Pol::In;
   const int64_t hk = h / P.group();
   const int64_t i0 = qt_index * kTQ, nq = std::min(P.Lq - i0, kTQ);
   const int64_t jend = P.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
-  const Tile t{P, b, h, hk, i0, nq, W.tmp};
+  const Tile t{P, b, h, hk, i0, nq, scr.tmp};
   const T* kh = kb + b * ks[0] + hk * ks[1];
   const T* vh = vb + b * vs[0] + hk * vs[1];
   // Qt = Q_i^T (· c where the policy folds it in), zero lanes past the last query.
   const float c = static_cast<float>(P.scale) * kLog2e;
-  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, P.D, c, W.qt);
-  std::fill(W.ot, W.ot + P.Dv * kTQ, 0.0f);
+  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, P.D, c, scr.qt);
+  std::fill(scr.ot, scr.ot + P.Dv * kTQ, 0.0f);
   VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
   VR l[kNQ] = {Vec::zero(), Vec::zero()};
 
@@ -314,8 +314,8 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     const bool masked = causal_here || P.mask_kind != MaskKind::None;
     // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
     VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
-    Pol::qk(nk, kh + j0 * ks[2], ks[2], W.qt, P.D, c, W.s, masked ? nullptr : mx);
-    if (masked) apply_masks(t, j0, nk, causal_here, W.s, mx);
+    Pol::qk(nk, kh + j0 * ks[2], ks[2], scr.qt, P.D, c, scr.s, masked ? nullptr : mx);
+    if (masked) apply_masks(t, j0, nk, causal_here, scr.s, mx);
     // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
     VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
     for (int v = 0; v < kNQ; ++v) {
@@ -327,15 +327,15 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     }
     for (int64_t r = 0; r < nk; ++r) {
       for (int v = 0; v < kNQ; ++v) {
-        const VR p = Pol::exp2(Vec::sub(Vec::load(W.s + r * kTQ + v * kW), m_safe[v]));
+        const VR p = Pol::exp2(Vec::sub(Vec::load(scr.s + r * kTQ + v * kW), m_safe[v]));
         sum[v] = Vec::add(sum[v], p);
-        Vec::store(W.s + r * kTQ + v * kW, p);
+        Vec::store(scr.s + r * kTQ + v * kW, p);
       }
     }
     for (int v = 0; v < kNQ; ++v) l[v] = Vec::fma(l[v], alpha[v], sum[v]);
-    if (P.dropout_p > 0.0) apply_dropout(t, j0, nk, W.s);
+    if (P.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s);
     // 4. O = O·2^(m - m_new) + P V_j
-    Pol::pv(t, W, vh, vs[2], j0, nk, alpha);
+    Pol::pv(t, scr, vh, vs[2], j0, nk, alpha);
   }
 
   // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf. A NaN
@@ -349,10 +349,10 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     inv_l[r] = 1.0f / l_l[r];
     if (l_l[r] == 0.0f) {  // zeros even where a V entry is NaN (0 · NaN in the P·V product)
       inv_l[r] = 0.0f;
-      for (int64_t d = 0; d < P.Dv; ++d) W.ot[d * kTQ + r] = 0.0f;
+      for (int64_t d = 0; d < P.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;
     }
   }
-  Pol::store_out(W.ot, inv_l, nq, P.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
+  Pol::store_out(scr.ot, inv_l, nq, P.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
   for (int64_t r = 0; r < nq; ++r) {
     lse[(b * P.H + h) * P.Lq + i0 + r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
   }
@@ -370,20 +370,20 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     if (nv > 0) {
       const bool causal_here = P.causal && j0 + nv - 1 > i0 + P.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-      Pol::qk(nv, kh + j0 * ks[2], ks[2], W.qt, P.D, c, W.s, nullptr);
-      if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, W.s, mx);
+      Pol::qk(nv, kh + j0 * ks[2], ks[2], scr.qt, P.D, c, scr.s, nullptr);
+      if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, scr.s, mx);
       for (int64_t r = 0; r < nv; ++r) {
         for (int v = 0; v < kNQ; ++v) {
-          float* sp = W.s + r * kTQ + v * kW;
+          float* sp = scr.s + r * kTQ + v * kW;
           Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), lse2[v])));
         }
       }
-      if (P.dropout_p > 0.0) apply_dropout(t, j0, nv, W.s);
+      if (P.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s);
     }
     for (int64_t r = 0; r < nq; ++r) {
       float* wrow = weights + ((b * P.H + h) * P.Lq + i0 + r) * P.Lk + j0;
       const float hidden = std::isnan(m_l[r]) ? m_l[r] : 0.0f;  // a NaN row's weights are all NaN
-      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? W.s[c2 * kTQ + r] : hidden;
+      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? scr.s[c2 * kTQ + r] : hidden;
     }
   }
 }
@@ -418,7 +418,7 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
   {
     const int tid = omp_get_thread_num();
     float* base = arena + per * tid;
-    const Scratch W{base, base + P.D * kTQ, base + (P.D + kTK) * kTQ,
+    const Scratch scr{base, base + P.D * kTQ, base + (P.D + kTK) * kTQ,
                     base + (P.D + kTK + P.Dv) * kTQ, base + (P.D + kTK + P.Dv + 1) * kTQ,
                     base + per - cache, cache_state.data() + 16 * tid};
     // Head by head (a policy's per-head cache stays warm); causal tiles grow with the query
@@ -427,7 +427,7 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t bh = task / n_qt;
       const int64_t qt = P.causal ? n_qt - 1 - task % n_qt : task % n_qt;
-      forward_tile<Pol>(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, W);
+      forward_tile<Pol>(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, scr);
     }
   }
 }

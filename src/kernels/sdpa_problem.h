@@ -42,7 +42,7 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
                               const SdpaOptions& opts);
 
 // Dropout: a pure function of (seed, position), so every kernel, thread count and tiling (and
-// a future backward) agrees on which weights are dropped. Keeps with probability 1 - p.
+// the backward) agrees on which weights are dropped. Keeps with probability 1 - p.
 inline bool dropout_keep(uint64_t seed, uint64_t index, double p) {
   uint64_t x = index * 0x9e3779b97f4a7c15ull + seed;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
