@@ -26,6 +26,11 @@ struct KernelTable {
   void (*sdpa_bwd_f32)(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
                        const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
                        const Tensor& dk, const Tensor& dv, float* dmask_full);
+  // GEMMs (linear.h), M, N, K >= 1: oneDNN on the SIMD paths, the plain loops on the portable one.
+  void (*linear_f32)(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                     const float* bias, int64_t N, float* y, int64_t y_stride);
+  void (*matmul_f32)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
+                     const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
   // Elementwise (elementwise-inl.h): rows of n values, row strides xs / ys.
   void (*gelu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
                    bool tanh_form);

@@ -16,6 +16,7 @@
 
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
+#include "kernels/linear.h"
 #include "kernels/scratch.h"
 #include "kernels/simd/common.h"
 

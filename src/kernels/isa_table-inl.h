@@ -13,6 +13,9 @@ const KernelTable kTable{
     .sdpa_fwd_f32 = &sdpa_fwd_f32,
     .sdpa_fwd_bf16 = &sdpa_fwd_bf16,
     .sdpa_bwd_f32 = &sdpa_bwd_f32,
+    // The portable path is portable C++ throughout, its GEMMs included.
+    .linear_f32 = kIsa == Isa::Scalar ? &linear_f32_plain : &linear_f32_onednn,
+    .matmul_f32 = kIsa == Isa::Scalar ? &matmul_f32_plain : &matmul_f32_onednn,
     .gelu_f32 = &gelu_f32,
     .relu_f32 = &relu_f32,
     .layer_norm_f32 = &layer_norm_f32,

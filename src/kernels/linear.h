@@ -1,4 +1,7 @@
-// linear.h — y = x Wᵀ + b in f32 (torch.nn.functional.linear), W stored [N, K] as torch does.
+// linear.h — the GEMMs: y = x Wᵀ + b in f32 (torch.nn.functional.linear, W stored [N, K] as torch
+// does) and a strided C = A·B. Both go through the kernel table (dispatch.h): oneDNN's matmul on the
+// SIMD paths, the plain loops below on the portable (scalar) path, so HEADS_ISA=scalar runs whole
+// models without oneDNN and the tests can hold one against the other.
 #pragma once
 
 #include <cstdint>
@@ -6,19 +9,25 @@
 namespace heads::kernels {
 
 // x: M rows of K (row stride x_stride, unit inner stride); W: [N, K] contiguous; bias: N or null;
-// y: M rows of N (row stride y_stride). Runs oneDNN's matmul on all threads.
+// y: M rows of N (row stride y_stride). Empty sizes handled here; then the active path.
 void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                 const float* bias, int64_t N, float* y, int64_t y_stride);
 
 // C [M, N] = A [M, K] · B [K, N] with element strides (row, column) for A and B (any layout,
-// e.g. a transposed view, without a copy); C rows of stride c_stride. oneDNN matmul, all threads.
+// e.g. a transposed view, without a copy); C rows of stride c_stride.
 void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                 const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
 
-}  // namespace heads::kernels
-
-namespace heads::kernels {
-// The obvious version (one dot product per output), for tests and as the specification.
+// The table entries (M, N, K >= 1). oneDNN (JIT GEMM with its own ISA dispatch; threads by
+// threads_for) for the SIMD paths:
+void linear_f32_onednn(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                       const float* bias, int64_t N, float* y, int64_t y_stride);
+void matmul_f32_onednn(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
+                       const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
+// The obvious loops (one f32 dot product per output, k in order) for the portable path:
 void linear_f32_plain(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                       const float* bias, int64_t N, float* y, int64_t y_stride);
+void matmul_f32_plain(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
+                      const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
+
 }  // namespace heads::kernels

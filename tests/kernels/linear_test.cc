@@ -13,34 +13,64 @@
 namespace heads {
 namespace {
 
+// Every path's GEMM (oneDNN on the SIMD paths, the plain loops on the portable one).
 TEST(Linear, MatchesFloat64OnOddShapesAndStrides) {
-  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 5}, {129, 63, 17},
-                         {64, 768, 2304}, {3, 1000, 1}, {5, 4, 0}, {0, 4, 3}, {2, 0, 3}}) {
-    for (bool bias : {false, true}) {
-      const int64_t xs = K + 3, ys = N + 5;  // row strides wider than the rows
-      const Tensor x = testing::randn({std::max<int64_t>(M, 1), xs});
-      const Tensor W = testing::randn({std::max<int64_t>(N, 1), std::max<int64_t>(K, 1)});
-      const Tensor b = testing::randn({std::max<int64_t>(N, 1)});
-      Tensor y = Tensor::zeros({std::max<int64_t>(M, 1), ys}, DType::F32);
-      kernels::linear_f32(x.data<float>(), M, K, xs, W.data<float>(), bias ? b.data<float>() : nullptr,
-                          N, y.data<float>(), ys);
-      double worst = 0, scale = 1e-30;
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = 0; n < N; ++n) {
-          double ref = bias ? b.data<float>()[n] : 0.0;
-          for (int64_t k = 0; k < K; ++k) {
-            ref += static_cast<double>(x.data<float>()[m * xs + k]) * W.data<float>()[n * K + k];
+  testing::IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 5}, {129, 63, 17},
+                           {64, 768, 2304}, {3, 1000, 1}, {5, 4, 0}, {0, 4, 3}, {2, 0, 3}}) {
+      for (bool bias : {false, true}) {
+        const int64_t xs = K + 3, ys = N + 5;  // row strides wider than the rows
+        const Tensor x = testing::randn({std::max<int64_t>(M, 1), xs});
+        const Tensor W = testing::randn({std::max<int64_t>(N, 1), std::max<int64_t>(K, 1)});
+        const Tensor b = testing::randn({std::max<int64_t>(N, 1)});
+        Tensor y = Tensor::zeros({std::max<int64_t>(M, 1), ys}, DType::F32);
+        kernels::linear_f32(x.data<float>(), M, K, xs, W.data<float>(), bias ? b.data<float>() : nullptr,
+                            N, y.data<float>(), ys);
+        double worst = 0, scale = 1e-30;
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t n = 0; n < N; ++n) {
+            double ref = bias ? b.data<float>()[n] : 0.0;
+            for (int64_t k = 0; k < K; ++k) {
+              ref += static_cast<double>(x.data<float>()[m * xs + k]) * W.data<float>()[n * K + k];
+            }
+            worst = std::max(worst, std::fabs(y.data<float>()[m * ys + n] - ref));
+            scale = std::max(scale, std::fabs(ref));
           }
-          worst = std::max(worst, std::fabs(y.data<float>()[m * ys + n] - ref));
-          scale = std::max(scale, std::fabs(ref));
+        }
+        EXPECT_LE(worst, 1e-5 * scale + 1e-6) << "M=" << M << " K=" << K << " N=" << N << " bias=" << bias
+                                              << " isa=" << isa_name(isa);
+        // the row padding is never written
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t n = N; n < ys; ++n) EXPECT_EQ(y.data<float>()[m * ys + n], 0.0f);
         }
       }
-      EXPECT_LE(worst, 1e-5 * scale + 1e-6) << "M=" << M << " K=" << K << " N=" << N << " bias=" << bias;
-      // the row padding is never written
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = N; n < ys; ++n) EXPECT_EQ(y.data<float>()[m * ys + n], 0.0f);
-      }
     }
+  }
+}
+
+// C = A·B with transposed and strided operands, every path, against float64.
+TEST(Linear, MatmulWithStridesMatchesFloat64) {
+  testing::IsaGuard guard;
+  const int64_t M = 37, N = 19, K = 53;
+  const Tensor A = testing::randn({K, M + 3});  // A read transposed: a_rs = 1, a_cs = M + 3
+  const Tensor B = testing::randn({K, N + 2});
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    Tensor C = Tensor::zeros({M, N + 4}, DType::F32);
+    kernels::matmul_f32(M, N, K, A.data<float>(), 1, M + 3, B.data<float>(), N + 2, 1, C.data<float>(), N + 4);
+    double worst = 0, scale = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        double ref = 0;
+        for (int64_t k = 0; k < K; ++k) ref += static_cast<double>(A.data<float>()[k * (M + 3) + m]) * B.data<float>()[k * (N + 2) + n];
+        worst = std::max(worst, std::fabs(C.data<float>()[m * (N + 4) + n] - ref));
+        scale = std::max(scale, std::fabs(ref));
+      }
+      for (int64_t n = N; n < N + 4; ++n) EXPECT_EQ(C.data<float>()[m * (N + 4) + n], 0.0f);
+    }
+    EXPECT_LE(worst, 1e-5 * scale) << "isa=" << isa_name(isa);
   }
 }
 

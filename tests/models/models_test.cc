@@ -77,6 +77,19 @@ TEST(Tokenizer, StretchesGiveTheIdsOfTheWholeText) {
   }
 }
 
+// The portable path (HEADS_ISA=scalar: plain C++ kernels and GEMMs, no oneDNN) gives the fast
+// path's embeddings.
+TEST(SentenceEncoder, PortablePathGivesTheFastPathsEmbeddings) {
+  const SentenceEncoder enc = SentenceEncoder::load("");
+  const std::vector<std::string> texts{"The cat sat on the mat.", "a", "Attention is all you need, they said."};
+  const Tensor fast = enc.encode(texts, 32);
+  testing::IsaGuard guard;
+  set_isa(Isa::Scalar);
+  const Tensor portable = enc.encode(texts, 32);
+  const auto e = testing::compare(portable, fast);
+  EXPECT_TRUE(e.within(0, 2e-6)) << "max difference " << e.max_abs << " (isa " << isa_name(guard.saved) << ")";
+}
+
 TEST(SentenceEncoder, FileErrorsNameTheFile) {
   try {
     SentenceEncoder::load("/nonexistent/model");

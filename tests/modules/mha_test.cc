@@ -80,21 +80,26 @@ Tensor reference(const MultiheadAttention& m, const Tensor& q_lne, const Tensor&
   return out;
 }
 
+// On every path (the portable one runs its own GEMMs, the SIMD ones oneDNN's).
 TEST(MultiheadAttention, SelfAndCrossAttentionMatchFloat64Composition) {
-  for (bool bias : {true, false}) {
-    const MultiheadAttention m = make(24, 4, bias);
-    const Tensor x = randn({7, 3, 24}), kv = randn({5, 3, 24});
-    MhaForwardArgs a;
-    a.need_weights = false;
-    const auto [self_out, w0] = m.forward(x, x, x, a);
-    EXPECT_TRUE(compare(self_out, reference(m, x, x, x)).within(1e-5, 1e-6)) << "self bias=" << bias;
-    EXPECT_FALSE(w0.defined());
-    const auto [cross_out, w1] = m.forward(x, kv, kv, a);
-    EXPECT_TRUE(compare(cross_out, reference(m, x, kv, kv)).within(1e-5, 1e-6)) << "cross bias=" << bias;
+  testing::IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (bool bias : {true, false}) {
+      const MultiheadAttention m = make(24, 4, bias);
+      const Tensor x = randn({7, 3, 24}), kv = randn({5, 3, 24});
+      MhaForwardArgs a;
+      a.need_weights = false;
+      const auto [self_out, w0] = m.forward(x, x, x, a);
+      EXPECT_TRUE(compare(self_out, reference(m, x, x, x)).within(1e-5, 1e-6)) << "self bias=" << bias << " " << isa_name(isa);
+      EXPECT_FALSE(w0.defined());
+      const auto [cross_out, w1] = m.forward(x, kv, kv, a);
+      EXPECT_TRUE(compare(cross_out, reference(m, x, kv, kv)).within(1e-5, 1e-6)) << "cross bias=" << bias << " " << isa_name(isa);
+    }
+    const MultiheadAttention m = make(16, 2, true, false, false, 9, 5);
+    const Tensor q = randn({6, 2, 16}), k = randn({4, 2, 9}), v = randn({4, 2, 5});
+    EXPECT_TRUE(compare(m.forward(q, k, v).first, reference(m, q, k, v)).within(1e-5, 1e-6)) << "kdim/vdim " << isa_name(isa);
   }
-  const MultiheadAttention m = make(16, 2, true, false, false, 9, 5);
-  const Tensor q = randn({6, 2, 16}), k = randn({4, 2, 9}), v = randn({4, 2, 5});
-  EXPECT_TRUE(compare(m.forward(q, k, v).first, reference(m, q, k, v)).within(1e-5, 1e-6)) << "kdim/vdim";
 }
 
 TEST(MultiheadAttention, LayoutsAgree) {
