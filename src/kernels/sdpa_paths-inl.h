@@ -4,6 +4,7 @@
 
 #include "kernels/sdpa_flash_fwd-inl.h"
 #include "kernels/sdpa_decode-inl.h"
+#include "kernels/gemm-inl.h"
 #include "kernels/sdpa_bwd-inl.h"
 #ifdef HEADS_NATIVE_BF16
 #include "kernels/sdpa_flash_bf16-inl.h"

@@ -1,0 +1,104 @@
+// gemm-inl.h — register-blocked f32 GEMM micro-kernels for the attention kernels' own products
+// (the SDPA backward's dV, dK and dQ), written once over `Vec`. Included by
+// kernels/sdpa_paths-inl.h inside namespace heads::kernels::<isa>, before sdpa_bwd-inl.h.
+//
+//   C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N]
+// A is read through two strides (either operand order of the attention tiles, without a copy), B
+// rows are contiguous, C rows strided; the result overwrites C, is added to it, or is streamed past
+// the caches (Out). Large GEMMs on whole tensors go through oneDNN instead (linear.h).
+
+namespace gemm {
+
+using VR = Vec::R;
+constexpr int kW = Vec::W;
+
+// How a product meets its destination: overwrite it, add to it, or overwrite it with stores that
+// bypass the caches (whole aligned vectors; the rest as Set).
+enum class Out { Set, Add, Stream };
+
+// C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N] for m < M (C's old values added for Out::Add);
+// A(m, k) = a[m·sam + k·sak] (broadcast), B rows contiguous (stride ldb), C rows stride ldc.
+// Register block: R rows x NV vectors; nn[v] lanes of vector v are live (the last ones may be
+// partial or empty).
+template <int R, int NV>
+HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, Out mode) {
+  VR acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    VR bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = Vec::load_partial(b + k * ldb + v * kW, nn[v]);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const VR x = Vec::set1(a[r * sam + k * sak]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(x, bv[v], acc[r][v]);
+    }
+  }
+  const VR al = Vec::set1(alpha);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* cp = c + r * ldc + v * kW;
+      if (mode == Out::Add) {
+        Vec::store_partial(cp, Vec::fma(acc[r][v], al, Vec::load_partial(cp, nn[v])), nn[v]);
+      } else if (mode == Out::Stream && nn[v] == kW && reinterpret_cast<uintptr_t>(cp) % (4 * kW) == 0) {
+        Vec::stream(cp, Vec::mul(acc[r][v], al));
+      } else {
+        Vec::store_partial(cp, Vec::mul(acc[r][v], al), nn[v]);
+      }
+    }
+  }
+}
+
+template <int R, int NV>
+HEADS_INLINE void gemm_tail(int64_t n, const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, Out mode) {
+  if constexpr (R > 0) {
+    if (n == R) return gemm_rows<R, NV>(a, sam, sak, b, ldb, K, c, ldc, nn, alpha, mode);
+    gemm_tail<R - 1, NV>(n, a, sam, sak, b, ldb, K, c, ldc, nn, alpha, mode);
+  }
+}
+
+// Column panels of NV vectors, row blocks of R.
+template <int R, int NV>
+inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+                        const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, Out mode) {
+  for (int64_t j = 0; j < N; j += NV * kW) {
+    int64_t nn[NV];
+    for (int v = 0; v < NV; ++v) nn[v] = std::clamp<int64_t>(N - j - v * kW, 0, kW);
+    int64_t m = 0;
+    for (; m + R <= M; m += R) {
+      gemm_rows<R, NV>(a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, mode);
+    }
+    if (m < M) gemm_tail<R - 1, NV>(M - m, a + m * sam, sam, sak, b + j, ldb, K, c + m * ldc + j, ldc, nn, alpha, mode);
+  }
+}
+
+// With 32 vector registers (AVX-512), rows that are a multiple of 4 vectors (head dims 64, 128)
+// use 6 x 4-vector blocks: 10 loads per 24 FMAs instead of 8 per 12.
+inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+                     const float* b, int64_t ldb, float* c, int64_t ldc, float alpha, Out mode) {
+  constexpr int R2 = Vec::kRowsPV / 2 > 0 ? Vec::kRowsPV / 2 : 1;
+  if constexpr (Vec::kRowsPV >= 12) {
+    if (N % (4 * kW) == 0) return gemm_panels<Vec::kRowsPV / 2, 4>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, mode);
+  }
+  gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, mode);
+}
+
+// Partial sums (one vector) of the dot product of two rows of n values.
+HEADS_INLINE VR row_dot(const float* a, const float* b, int64_t n) {
+  VR acc = Vec::zero();
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) acc = Vec::fma(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  if (d < n) acc = Vec::fma(Vec::load_partial(a + d, n - d), Vec::load_partial(b + d, n - d), acc);
+  return acc;
+}
+
+}  // namespace gemm
