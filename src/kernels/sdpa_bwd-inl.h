@@ -149,6 +149,232 @@ struct Scratch {
   }
 };
 
+// One backward call: the tensors as pointers and strides, and what is decided once per call.
+struct Call {
+  const SdpaProblem& P;
+  int64_t G;  // query heads per key/value head
+  std::array<int64_t, 3> qs, ks, vs, os, gs, dqs, dks, dvs;
+  const float *qp, *kp, *vp, *op, *gp, *lp;
+  float *dqp, *dkp, *dvp;
+  float* dmask_full;  // [B, H, Lq, Lk] or null
+  float scale, c, keep_scale;  // c = scale · log2(e), folded into the packed Q
+  int64_t span;                // keys per group
+  bool one_block;              // all keys in one block: D_i from the block, O not read
+  bool stream_kv;              // dK/dV written once and streamed past the caches
+};
+
+// One step of queries [I0, I0 + nqs) of head h (tiles u < n_sub of kTQ queries) against a key group.
+struct Step {
+  int64_t b, h, hk, I0, nqs, n_sub;
+  bool few;          // at most kSmallQ queries: the query-major few_block path
+  bool first_group;  // dQ rows and D_i are set up in the first key group
+  const float *q0, *g0, *kh, *vh;
+  float* dq0;
+  alignas(64) float lse2[kLd];  // lse in log2 units; +inf where the row sees nothing (P = 0)
+  alignas(64) float dsum[kLd];  // D_i, unless one_block
+};
+
+// 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)                     (forward 1-3)
+// Tile u of the step against keys [j0, j0 + nk), P into s (stride kLd).
+HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t, int64_t j0, int64_t nk, int64_t u,
+                              const Scratch& scr, float* s) {
+  const SdpaProblem& P = C.P;
+  const float* l2 = st.lse2 + u * kTQ;
+  const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
+  const bool causal_here = P.causal && j0 + nk - 1 > t.i0 + P.causal_offset;
+  const float* kj = st.kh + j0 * C.ks[2];
+  if (!causal_here && P.mask_kind == MaskKind::None) {  // P straight from the accumulators
+    fwd::qk_block_with(nk, kj, C.ks[2], scr.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
+      Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
+      Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
+    });
+    return;
+  }
+  fwd::qk_block(nk, kj, C.ks[2], scr.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
+  VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+  fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int vv = 0; vv < kNQ; ++vv) {
+      float* sp = s + r * kLd + vv * kW;
+      Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), l2v[vv])));
+    }
+  }
+}
+
+// 2. dP^T = V_j · dO_i^T; with dropout Pd = P ∘ Z/(1-p) and dP = dP ∘ Z/(1-p)   (forward 4)
+// 4. dS = P ∘ (dP - D_i), dS into dp; with one block, D_i = sum P ∘ dP / sum P over the block.
+HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, int64_t j0, int64_t nk, int64_t u,
+                           const Scratch& scr, const float* s, float* dp, float* pd) {
+  const SdpaProblem& P = C.P;
+  const float* ds = st.dsum + u * kTQ;
+  VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
+  const float* vj = st.vh + j0 * C.vs[2];
+  const float* dot = scr.dot + u * P.Dv * kTQ;
+  if (P.dropout_p == 0.0 && !C.one_block) {  // dS straight from the accumulators
+    fwd::qk_block_with(nk, vj, C.vs[2], dot, P.Dv, [&](int64_t r, VR a0, VR a1) {
+      Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
+      Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
+    });
+    return;
+  }
+  VR num[kNQ] = {Vec::zero(), Vec::zero()}, den[kNQ] = {Vec::zero(), Vec::zero()};
+  const auto gather = [&](int64_t r, VR d0, VR d1) {  // key r's P ∘ dP and P, for the one-block D
+    const VR p0 = Vec::load(s + r * kLd), p1 = Vec::load(s + r * kLd + kW);
+    num[0] = Vec::fma(p0, d0, num[0]);
+    num[1] = Vec::fma(p1, d1, num[1]);
+    den[0] = Vec::add(den[0], p0);
+    den[1] = Vec::add(den[1], p1);
+  };
+  if (P.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
+    fwd::qk_block_with(nk, vj, C.vs[2], dot, P.Dv, [&](int64_t r, VR a0, VR a1) {
+      gather(r, a0, a1);
+      Vec::store(dp + r * kLd, a0);
+      Vec::store(dp + r * kLd + kW, a1);
+    });
+  } else {
+    fwd::qk_block(nk, vj, C.vs[2], dot, P.Dv, dp, nullptr, kLd);
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int64_t l = 0; l < kTQ; ++l) {
+        const bool keep = l < t.nq && dropout_keep(P.seed, dropout_index(P, t.b, t.h, t.i0 + l, j0 + r), P.dropout_p);
+        const float z = keep ? C.keep_scale : 0.0f;
+        dp[r * kLd + l] *= z;
+        pd[r * kLd + l] = s[r * kLd + l] * z;
+      }
+    }
+    if (C.one_block) {
+      for (int64_t r = 0; r < nk; ++r) gather(r, Vec::load(dp + r * kLd), Vec::load(dp + r * kLd + kW));
+    }
+  }
+  if (C.one_block) {
+    alignas(64) float nums[kTQ], dens[kTQ];
+    for (int vv = 0; vv < kNQ; ++vv) {
+      Vec::store(nums + vv * kW, num[vv]);
+      Vec::store(dens + vv * kW, den[vv]);
+    }
+    for (int64_t l = 0; l < kTQ; ++l) nums[l] = normalized_d(nums[l], dens[l]);
+    dsv[0] = Vec::load(nums);
+    dsv[1] = Vec::load(nums + kW);
+  }
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int vv = 0; vv < kNQ; ++vv) {
+      const VR pv = Vec::load(s + r * kLd + vv * kW);
+      const VR d = Vec::sub(Vec::load(dp + r * kLd + vv * kW), dsv[vv]);
+      Vec::store(dp + r * kLd + vv * kW, Vec::mul(pv, d));
+    }
+  }
+}
+
+// P, dS (and Pd) of tile u against keys [j0, j0 + nk), and dS into the mask gradient when asked.
+HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64_t u, const Scratch& scr) {
+  const SdpaProblem& P = C.P;
+  const int64_t i0 = st.I0 + u * kTQ, nq = std::min(st.nqs - u * kTQ, kTQ);
+  const fwd::Tile t{P, st.b, st.h, st.hk, i0, nq, scr.tmp};
+  float* const mrow = C.dmask_full == nullptr ? nullptr : C.dmask_full + ((st.b * P.H + st.h) * P.Lq + i0) * P.Lk + j0;
+  if (st.few) {
+    few_block(t, j0, nk, st.kh + j0 * C.ks[2], C.ks[2], st.vh + j0 * C.vs[2], C.vs[2], st.q0, C.qs[2], st.g0,
+              C.gs[2], st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd);
+    for (int64_t l = 0; mrow != nullptr && l < nq; ++l) std::copy_n(scr.dp + l * kTK, nk, mrow + l * P.Lk);
+    return;
+  }
+  float* s = scr.s + u * kTQ;
+  float* dp = scr.dp + u * kTQ;
+  float* pd = scr.pd + u * kTQ;
+  if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) {  // the tile sees none of these keys
+    for (int64_t r = 0; r < nk; ++r) {
+      std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
+      std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
+      if (P.dropout_p > 0.0) std::fill(pd + r * kLd, pd + r * kLd + kTQ, 0.0f);
+    }
+    return;
+  }
+  scores_to_p(C, st, t, j0, nk, u, scr, s);
+  dp_to_ds(C, st, t, j0, nk, u, scr, s, dp, pd);
+  for (int64_t l = 0; mrow != nullptr && l < nq; ++l) {
+    for (int64_t r = 0; r < nk; ++r) mrow[l * P.Lk + r] = dp[r * kLd + l];
+  }
+}
+
+// 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j, over the step's queries. A key
+// block's first contribution sets dK/dV (or streams them), later ones add; the step's dQ rows are set
+// by the first key block of the first group and added to after.
+HEADS_INLINE void block_products(const Call& C, const Step& st, int64_t jg, int64_t j0, int64_t nk, bool& written,
+                                 const Scratch& scr) {
+  const SdpaProblem& P = C.P;
+  float* dkj = C.dkp + st.b * C.dks[0] + st.hk * C.dks[1] + j0 * C.dks[2];
+  float* dvj = C.dvp + st.b * C.dvs[0] + st.hk * C.dvs[1] + j0 * C.dvs[2];
+  const Out kv_out = written ? Out::Add : C.stream_kv ? Out::Stream : Out::Set;
+  const int64_t key_stride = st.few ? 1 : kLd, query_stride = st.few ? kTK : 1;  // of P, dS
+  gemm_acc(nk, P.Dv, st.nqs, P.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, C.gs[2], dvj,
+           C.dvs[2], 1.0f, kv_out);
+  gemm_acc(nk, P.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, C.qs[2], dkj, C.dks[2], C.scale, kv_out);
+  written = true;
+  gemm_acc(st.nqs, P.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, C.dqs[2],
+           C.scale, st.first_group && j0 == jg ? Out::Set : Out::Add);
+}
+
+// Queries [I0, I0 + kLd) of head h against the key group [jg, jg + ng): lse and D_i of the rows, Q and
+// dO packed once, then every key block — its tiles' dS, then its three products.
+inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t I0, int64_t jg, int64_t ng,
+                       bool* written, const Scratch& scr) {
+  const SdpaProblem& P = C.P;
+  Step st;
+  st.b = b, st.h = h, st.hk = hk, st.I0 = I0;
+  st.nqs = std::min(P.Lq - I0, kLd);
+  st.n_sub = (st.nqs + kTQ - 1) / kTQ;
+  st.few = st.nqs <= kSmallQ;
+  st.first_group = jg == 0;
+  st.dq0 = C.dqp + b * C.dqs[0] + h * C.dqs[1] + I0 * C.dqs[2];
+  if (P.causal && jg > I0 + st.nqs - 1 + P.causal_offset) {  // every key of the group hidden
+    if (st.first_group) zero_rows(st.dq0, C.dqs[2], st.nqs, P.D);
+    return;
+  }
+  st.q0 = C.qp + b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2];
+  st.g0 = C.gp + b * C.gs[0] + h * C.gs[1] + I0 * C.gs[2];
+  st.kh = C.kp + b * C.ks[0] + hk * C.ks[1];
+  st.vh = C.vp + b * C.vs[0] + hk * C.vs[1];
+  // D_i = dO_i · O_i, once per row (first group); kept per thread for the later groups
+  float* drow = scr.drow + (h - hk * C.G) * P.Lq + I0;
+  if (st.first_group && !C.one_block) {
+    row_dots(st.g0, C.gs[2], C.op + b * C.os[0] + h * C.os[1] + I0 * C.os[2], C.os[2], st.nqs, P.Dv, drow);
+  }
+  for (int64_t l = 0; l < kLd; ++l) {
+    const float x = l < st.nqs ? C.lp[(b * P.H + h) * P.Lq + I0 + l] : -kInf;
+    st.lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
+    st.dsum[l] = l < st.nqs && !C.one_block ? drow[l] : 0.0f;
+  }
+  if (!st.few) {
+    for (int64_t u = 0; u < st.n_sub; ++u) {
+      const int64_t nq = std::min(st.nqs - u * kTQ, kTQ);
+      fwd::Widen<float>::pack_q(st.q0 + u * kTQ * C.qs[2], C.qs[2], nq, P.D, C.c, scr.qt + u * P.D * kTQ);
+      fwd::Widen<float>::pack_q(st.g0 + u * kTQ * C.gs[2], C.gs[2], nq, P.Dv, 1.0f, scr.dot + u * P.Dv * kTQ);
+    }
+  }
+  for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
+    const int64_t nk = std::min(jg + ng - j0, kTK);
+    if (P.causal && j0 > I0 + st.nqs - 1 + P.causal_offset) break;  // this and later keys hidden
+    for (int64_t u = 0; u < st.n_sub; ++u) tile_ds(C, st, j0, nk, u, scr);
+    block_products(C, st, jg, j0, nk, written[(j0 - jg) / kTK], scr);
+  }
+}
+
+// Key group [jg, jg + ng) of (b, kv head hk): every query step of every head in the group, then zeros
+// for the key blocks no query sees. The group's K, V rows and dK, dV stay in cache while the query
+// steps stream past once per group.
+inline void key_group(const Call& C, int64_t b, int64_t hk, int64_t jg, const Scratch& scr) {
+  const SdpaProblem& P = C.P;
+  const int64_t ng = std::min(P.Lk - jg, C.span);
+  bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
+  for (int64_t h = hk * C.G; h < (hk + 1) * C.G; ++h) {
+    for (int64_t I0 = 0; I0 < P.Lq; I0 += kLd) query_step(C, b, hk, h, I0, jg, ng, written, scr);
+  }
+  for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
+    if (written[(j0 - jg) / kTK]) continue;
+    const int64_t nk = std::min(jg + ng - j0, kTK);
+    zero_rows(C.dkp + b * C.dks[0] + hk * C.dks[1] + j0 * C.dks[2], C.dks[2], nk, P.D);
+    zero_rows(C.dvp + b * C.dvs[0] + hk * C.dvs[1] + j0 * C.dvs[2], C.dvs[2], nk, P.Dv);
+  }
+}
+
 }  // namespace bwd
 
 inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
@@ -156,33 +382,34 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
                          const Tensor& dk, const Tensor& dv, float* dmask_full) {
   using namespace bwd;
   if (P.B == 0 || P.H == 0 || P.Lq == 0 || P.Lk == 0) return;
-  const int64_t G = P.group();
   auto str = [](const Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
-  const auto qs = str(q), ks = str(k), vs = str(v), os = str(out), gs = str(dout);
-  const float *qp = q.data<float>(), *kp = k.data<float>(), *vp = v.data<float>();
-  const float *op = out.data<float>(), *gp = dout.data<float>(), *lp = lse.data<float>();
-  // Outputs: any strides with a unit inner one (e.g. views into a projection's gradient buffer).
-  const auto dqs = str(dq), dks = str(dk), dvs = str(dv);
-  float *dqp = dq.data<float>(), *dkp = dk.data<float>(), *dvp = dv.data<float>();
   const float scale = static_cast<float>(P.scale);
-  const float c = scale * kLog2e;
-  const float keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f;
+  const int64_t G = P.group();
+  const Call C{
+      .P = P, .G = G,
+      .qs = str(q), .ks = str(k), .vs = str(v), .os = str(out), .gs = str(dout),
+      // outputs: any strides with a unit inner one (e.g. views into a projection's gradient buffer)
+      .dqs = str(dq), .dks = str(dk), .dvs = str(dv),
+      .qp = q.data<float>(), .kp = k.data<float>(), .vp = v.data<float>(), .op = out.data<float>(),
+      .gp = dout.data<float>(), .lp = lse.data<float>(),
+      .dqp = dq.data<float>(), .dkp = dk.data<float>(), .dvp = dv.data<float>(),
+      .dmask_full = dmask_full,
+      .scale = scale, .c = scale * kLog2e, .keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f,
+      // Keys per group: about 1 MB of K/V rows (and as much dK/dV), a multiple of kTK. Every group
+      // re-reads Q and dO and adds into dQ, so fewer, larger groups save those passes as long as the
+      // groups of all threads stay well inside the last-level cache (long4k, 2 threads: 256 KB -> 1 MB
+      // cut the backward by 9%; 2 MB and more were slower, gpt2k unchanged up to 1 MB).
+      .span = kTK * std::clamp<int64_t>((1024 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, kMaxBlocks),
+      .one_block = P.Lk <= kTK,
+      // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
+      // large to stay in the last-level cache: streamed past it (no reads for ownership, no eviction
+      // of the K and V rows still to come).
+      .stream_kv = G == 1 && P.Lq <= kLd && 4 * P.B * P.Hkv * P.Lk * (P.D + P.Dv) >= kStreamBytes,
+  };
   const int64_t n_tasks = P.B * P.Hkv;
   // five products of the forward's size: S and dP, then dV, dK, dQ
   const int n_threads = threads_for(5.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
                                         static_cast<double>(P.D + P.Dv), n_tasks);
-  // Keys per group: about 1 MB of K/V rows (and as much dK/dV), a multiple of kTK. Every group
-  // re-reads Q and dO and adds into dQ, so fewer, larger groups save those passes as long as the
-  // groups of all threads stay well inside the last-level cache (long4k, 2 threads: 256 KB -> 1 MB
-  // cut the backward by 9%; 2 MB and more were slower, gpt2k unchanged up to 1 MB).
-  const int64_t span = kTK * std::clamp<int64_t>((1024 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, kMaxBlocks);
-  // All keys in one block: D_i = dO_i · O_i equals sum_j P_ij dP_ij over that block, so it comes
-  // from the block's tiles and O is not read.
-  const bool one_block = P.Lk <= kTK;
-  // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
-  // large to stay in the last-level cache are streamed past it: no reads for ownership, no eviction
-  // of the K and V rows still to come.
-  const bool stream_kv = G == 1 && P.Lq <= kLd && 4 * P.B * P.Hkv * P.Lk * (P.D + P.Dv) >= kStreamBytes;
   const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
   float* arena = thread_scratch(per * n_threads);
 
@@ -197,186 +424,11 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
     scr.pd = scr.dp + kTK * kLd;
     scr.tmp = scr.pd + kTK * kLd;
     scr.drow = scr.tmp + kTQ;
+    // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t b = task / P.Hkv, hk = task % P.Hkv;
-      const float* kh = kp + b * ks[0] + hk * ks[1];
-      const float* vh = vp + b * vs[0] + hk * vs[1];
-      // Key groups of `span` keys: their K, V rows and dK, dV accumulators stay in cache while every
-      // query step streams past once per group (not once per key block).
-      for (int64_t jg = 0; jg < P.Lk; jg += span) {
-        const int64_t ng = std::min(P.Lk - jg, span);
-        float* dkg = dkp + b * dks[0] + hk * dks[1] + jg * dks[2];  // accumulated in place
-        float* dvg = dvp + b * dvs[0] + hk * dvs[1] + jg * dvs[2];
-        bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
-        const bool first_group = jg == 0;  // dQ rows and D_i are set up in the first group
-        for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-          // Steps of kSub query tiles: queries [I0, I0 + nqs), tile u at columns u·kTQ.
-          for (int64_t I0 = 0; I0 < P.Lq; I0 += kLd) {
-            const int64_t nqs = std::min(P.Lq - I0, kLd);
-            const int64_t n_sub = (nqs + kTQ - 1) / kTQ;
-            float* dq0 = dqp + b * dqs[0] + h * dqs[1] + I0 * dqs[2];
-            const bool few = nqs <= kSmallQ;
-            if (P.causal && jg > I0 + nqs - 1 + P.causal_offset) {  // every key hidden
-              if (first_group) zero_rows(dq0, dqs[2], nqs, P.D);
-              continue;
-            }
-            const float* q0 = qp + b * qs[0] + h * qs[1] + I0 * qs[2];
-            const float* g0 = gp + b * gs[0] + h * gs[1] + I0 * gs[2];
-            float* drow = scr.drow + (h - hk * G) * P.Lq + I0;
-            if (first_group && !one_block) {
-              row_dots(g0, gs[2], op + b * os[0] + h * os[1] + I0 * os[2], os[2], nqs, P.Dv, drow);
-            }
-            alignas(64) float lse2[kLd], dsum[kLd];
-            for (int64_t l = 0; l < kLd; ++l) {
-              const float x = l < nqs ? lp[(b * P.H + h) * P.Lq + I0 + l] : -kInf;
-              lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
-              dsum[l] = l < nqs && !one_block ? drow[l] : 0.0f;
-            }
-            if (!few) {
-              for (int64_t u = 0; u < n_sub; ++u) {
-                const int64_t nq = std::min(nqs - u * kTQ, kTQ);
-                fwd::Widen<float>::pack_q(q0 + u * kTQ * qs[2], qs[2], nq, P.D, c, scr.qt + u * P.D * kTQ);
-                fwd::Widen<float>::pack_q(g0 + u * kTQ * gs[2], gs[2], nq, P.Dv, 1.0f, scr.dot + u * P.Dv * kTQ);
-              }
-            }
-            for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
-              const int64_t nk = std::min(jg + ng - j0, kTK);
-              if (P.causal && j0 > I0 + nqs - 1 + P.causal_offset) break;  // this and later keys hidden
-              float* dkj = dkg + (j0 - jg) * dks[2];
-              float* dvj = dvg + (j0 - jg) * dvs[2];
-              for (int64_t u = 0; u < n_sub; ++u) {
-                const int64_t i0 = I0 + u * kTQ, nq = std::min(nqs - u * kTQ, kTQ);
-                const fwd::Tile t{P, b, h, hk, i0, nq, scr.tmp};
-                if (few) {
-                  few_block(t, j0, nk, kh + j0 * ks[2], ks[2], vh + j0 * vs[2], vs[2], q0, qs[2], g0, gs[2], lse2,
-                            one_block ? nullptr : dsum, c, scr.s, scr.dp, scr.pd);
-                  if (dmask_full != nullptr) {
-                    for (int64_t l = 0; l < nq; ++l) {
-                      std::copy_n(scr.dp + l * kTK, nk, dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0);
-                    }
-                  }
-                  continue;
-                }
-                float* s = scr.s + u * kTQ;
-                float* dp = scr.dp + u * kTQ;
-                float* pd = scr.pd + u * kTQ;
-                if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) {  // tile sees none of these keys
-                  for (int64_t r = 0; r < nk; ++r) {
-                    std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
-                    std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
-                    if (P.dropout_p > 0.0) std::fill(pd + r * kLd, pd + r * kLd + kTQ, 0.0f);
-                  }
-                  continue;
-                }
-                // 1. S^T = K_j · (Q_i · c)^T, masked; P = 2^(S - lse2)
-                const float* l2 = lse2 + u * kTQ;
-                const float* ds = dsum + u * kTQ;
-                const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
-                VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
-                const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
-                const bool masked = causal_here || P.mask_kind != MaskKind::None;
-                if (!masked) {  // P straight from the accumulators
-                  fwd::qk_block_with(nk, kh + j0 * ks[2], ks[2], scr.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
-                    Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
-                    Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
-                  });
-                } else {
-                  fwd::qk_block(nk, kh + j0 * ks[2], ks[2], scr.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
-                  VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-                  fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
-                  for (int64_t r = 0; r < nk; ++r) {
-                    for (int vv = 0; vv < kNQ; ++vv) {
-                      float* sp = s + r * kLd + vv * kW;
-                      Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), l2v[vv])));
-                    }
-                  }
-                }
-                // 2. dP^T = V_j · dO_i^T; with dropout Pd = P ∘ Z/(1-p) and dP = dP ∘ Z/(1-p)
-                // 4. dS = P ∘ (dP - D)
-                if (P.dropout_p == 0.0 && !one_block) {  // dS straight from the accumulators
-                  fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], scr.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
-                    Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
-                    Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
-                  });
-                } else {
-                  // one block: D = sum over the keys of P ∘ dP, over the sum of P
-                  VR num[kNQ] = {Vec::zero(), Vec::zero()}, den[kNQ] = {Vec::zero(), Vec::zero()};
-                  const auto gather = [&](int64_t r, VR d0, VR d1) {  // key r's P ∘ dP and P
-                    const VR p0 = Vec::load(s + r * kLd), p1 = Vec::load(s + r * kLd + kW);
-                    num[0] = Vec::fma(p0, d0, num[0]);
-                    num[1] = Vec::fma(p1, d1, num[1]);
-                    den[0] = Vec::add(den[0], p0);
-                    den[1] = Vec::add(den[1], p1);
-                  };
-                  if (P.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
-                    fwd::qk_block_with(nk, vh + j0 * vs[2], vs[2], scr.dot + u * P.Dv * kTQ, P.Dv, [&](int64_t r, VR a0, VR a1) {
-                      gather(r, a0, a1);
-                      Vec::store(dp + r * kLd, a0);
-                      Vec::store(dp + r * kLd + kW, a1);
-                    });
-                  } else {
-                    fwd::qk_block(nk, vh + j0 * vs[2], vs[2], scr.dot + u * P.Dv * kTQ, P.Dv, dp, nullptr, kLd);
-                    for (int64_t r = 0; r < nk; ++r) {
-                      for (int64_t l = 0; l < kTQ; ++l) {
-                        const float z = l < nq && dropout_keep(P.seed, dropout_index(P, b, h, i0 + l, j0 + r), P.dropout_p)
-                                            ? keep_scale
-                                            : 0.0f;
-                        dp[r * kLd + l] *= z;
-                        pd[r * kLd + l] = s[r * kLd + l] * z;
-                      }
-                    }
-                    if (one_block) {
-                      for (int64_t r = 0; r < nk; ++r) gather(r, Vec::load(dp + r * kLd), Vec::load(dp + r * kLd + kW));
-                    }
-                  }
-                  if (one_block) {
-                    alignas(64) float nums[kTQ], dens[kTQ];
-                    for (int vv = 0; vv < kNQ; ++vv) {
-                      Vec::store(nums + vv * kW, num[vv]);
-                      Vec::store(dens + vv * kW, den[vv]);
-                    }
-                    for (int64_t l = 0; l < kTQ; ++l) nums[l] = normalized_d(nums[l], dens[l]);
-                    dsv[0] = Vec::load(nums);
-                    dsv[1] = Vec::load(nums + kW);
-                  }
-                  for (int64_t r = 0; r < nk; ++r) {
-                    for (int vv = 0; vv < kNQ; ++vv) {
-                      const VR pv = Vec::load(s + r * kLd + vv * kW);
-                      const VR d = Vec::sub(Vec::load(dp + r * kLd + vv * kW), dsv[vv]);
-                      Vec::store(dp + r * kLd + vv * kW, Vec::mul(pv, d));
-                    }
-                  }
-                }
-                if (dmask_full != nullptr) {
-                  for (int64_t l = 0; l < nq; ++l) {
-                    float* row = dmask_full + ((b * P.H + h) * P.Lq + i0 + l) * P.Lk + j0;
-                    for (int64_t r = 0; r < nk; ++r) row[r] = dp[r * kLd + l];
-                  }
-                }
-              }
-              // 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j  (all nqs queries)
-              bool& acc_kv = written[(j0 - jg) / kTK];
-              const Out kv_out = acc_kv ? Out::Add : stream_kv ? Out::Stream : Out::Set;
-              const int64_t key_stride = few ? 1 : kLd, query_stride = few ? kTK : 1;  // of P, dS
-              gemm_acc(nk, P.Dv, nqs, P.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, g0, gs[2], dvj, dvs[2],
-                       1.0f, kv_out);
-              gemm_acc(nk, P.D, nqs, scr.dp, key_stride, query_stride, q0, qs[2], dkj, dks[2], scale, kv_out);
-              acc_kv = true;
-              // dQ rows of the step: set by the first key block of the first group, added to after
-              gemm_acc(nqs, P.D, nk, scr.dp, query_stride, key_stride, kh + j0 * ks[2], ks[2], dq0, dqs[2], scale,
-                       first_group && j0 == jg ? Out::Set : Out::Add);
-            }
-          }
-        }
-        for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {  // key blocks no query sees
-          if (written[(j0 - jg) / kTK]) continue;
-          const int64_t nk = std::min(jg + ng - j0, kTK);
-          zero_rows(dkg + (j0 - jg) * dks[2], dks[2], nk, P.D);
-          zero_rows(dvg + (j0 - jg) * dvs[2], dvs[2], nk, P.Dv);
-        }
-      }
+      for (int64_t jg = 0; jg < P.Lk; jg += C.span) key_group(C, task / P.Hkv, task % P.Hkv, jg, scr);
     }
-    if (stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
+    if (C.stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
   }
 }
