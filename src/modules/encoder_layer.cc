@@ -9,25 +9,17 @@
 
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
+#include "modules/params.h"
 
 namespace heads {
+
+using modules::filled;
+using modules::find;
+using modules::uniform;
 
 namespace {
 
 constexpr const char* kOp = "TransformerEncoderLayer";
-
-Tensor uniform(const Shape& shape, double bound, std::mt19937_64& gen) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::uniform_real_distribution<double> dist(-bound, bound);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(dist(gen));
-  return t;
-}
-
-Tensor filled(const Shape& shape, float v) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = v;
-  return t;
-}
 
 // Entries of sd under `prefix`, with the prefix removed.
 StateDict with_prefix_removed(const StateDict& sd, const std::string& prefix) {
@@ -36,13 +28,6 @@ StateDict with_prefix_removed(const StateDict& sd, const std::string& prefix) {
     if (n.rfind(prefix, 0) == 0) out.emplace_back(n.substr(prefix.size()), t);
   }
   return out;
-}
-
-const Tensor* find(const StateDict& sd, const std::string& name) {
-  for (const auto& [n, t] : sd) {
-    if (n == name) return &t;
-  }
-  return nullptr;
 }
 
 std::string norm_name(int i, const char* what) { return "norm" + std::to_string(i) + "." + what; }

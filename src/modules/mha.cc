@@ -6,6 +6,7 @@
 // into the [rows, E] buffer that the out-projection reads.
 #include "heads/mha.h"
 
+#include <array>
 #include <cmath>
 #include <map>
 #include <limits>
@@ -15,35 +16,20 @@
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
-#include "kernels/linear.h"
+#include "modules/params.h"
 
 namespace heads {
+
+using modules::find;
+using modules::names_of;
+using modules::normal;
+using modules::uniform;
+using modules::xavier_uniform;
 
 namespace {
 
 constexpr const char* kOp = "MultiheadAttention";
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-Tensor uniform(const Shape& shape, double bound, std::mt19937_64& gen) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::uniform_real_distribution<double> dist(-bound, bound);
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
-  return t;
-}
-
-Tensor normal(const Shape& shape, double stddev, std::mt19937_64& gen) {
-  Tensor t = Tensor::empty(shape, DType::F32);
-  std::normal_distribution<double> dist(0.0, stddev);
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
-  return t;
-}
-
-// torch.nn.init.xavier_uniform_ on a 2-D [fan_out, fan_in] weight.
-Tensor xavier_uniform(int64_t fan_out, int64_t fan_in, std::mt19937_64& gen) {
-  return uniform({fan_out, fan_in}, std::sqrt(6.0 / static_cast<double>(fan_in + fan_out)), gen);
-}
 
 // Bool mask (true = masked out) -> 0 / -inf; float mask -> f32 copy. Contiguous result.
 Tensor additive_mask(const Tensor& m, const char* name) {
@@ -56,27 +42,6 @@ Tensor additive_mask(const Tensor& m, const char* name) {
   float* dst = f.data<float>();
   for (int64_t i = 0; i < b.numel(); ++i) dst[i] = src[i] ? kNegInf : 0.0f;
   return f;
-}
-
-// y[rows, N] = x[rows, K] Wᵀ + b, x contiguous rows.
-Tensor linear(const Tensor& x2d, const float* W, const float* bias, int64_t N) {
-  const int64_t M = x2d.size(0), K = x2d.size(1);
-  Tensor y = Tensor::empty({M, N}, DType::F32);
-  kernels::linear_f32(x2d.data<float>(), M, K, K, W, bias, N, y.data<float>(), N);
-  return y;
-}
-
-const Tensor* find(const StateDict& sd, const std::string& name) {
-  for (const auto& [n, t] : sd) {
-    if (n == name) return &t;
-  }
-  return nullptr;
-}
-
-std::string names_of(const StateDict& sd) {
-  std::string s;
-  for (const auto& [n, t] : sd) s += (s.empty() ? "" : ", ") + n;
-  return s.empty() ? "none" : s;
 }
 
 }  // namespace
@@ -213,181 +178,216 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
   return m;
 }
 
-std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const Tensor& key,
-                                                      const Tensor& value,
-                                                      const MhaForwardArgs& args) const {
-  const int64_t E = opt_.embed_dim, H = opt_.num_heads, hd = E / H;
-  HEADS_CHECK(query.defined() && key.defined() && value.defined(), kOp,
-              ": query, key and value are required");
-  // _mha_shape_check
+namespace {
+
+// A module call's inputs after _mha_shape_check: [d0, d1, width] f32 views in the inputs' own row
+// order ([L, N] or [N, L]; unbatched [L, 1]), their sizes, and the masks as additive f32 tensors.
+struct MhaInputs {
+  bool batched, batch_first, self_attn;
+  Tensor xq, xk, xv;
+  int64_t N, L, S;
+  Tensor kpm, am;  // key_padding_mask [N|-, S], attn_mask [L, S] or [N·H, L, S]; 0 / -inf for bool
+  // [N, T, width] view of a [d0, d1, width] tensor.
+  Tensor nle(const Tensor& x3) const { return batch_first ? x3 : x3.transpose(0, 1); }
+};
+
+// _mha_shape_check, and the masks of _canonical_mask.
+MhaInputs check_inputs(const MultiheadAttentionOptions& o, const Tensor& query, const Tensor& key,
+                       const Tensor& value, const MhaForwardArgs& args) {
+  const int64_t E = o.embed_dim, H = o.num_heads;
+  HEADS_CHECK(query.defined() && key.defined() && value.defined(), kOp, ": query, key and value are required");
   HEADS_CHECK(query.dim() == 2 || query.dim() == 3, kOp,
               ": query should be unbatched 2-D or batched 3-D, got ", query.shape());
-  const bool batched = query.dim() == 3;
+  MhaInputs in;
+  in.batched = query.dim() == 3;
+  in.batch_first = in.batched && o.batch_first;
   HEADS_CHECK(key.dim() == query.dim() && value.dim() == query.dim(), kOp, ": for ",
-              batched ? "batched (3-D)" : "unbatched (2-D)", " query ", query.shape(),
+              in.batched ? "batched (3-D)" : "unbatched (2-D)", " query ", query.shape(),
               ", expected key and value of the same rank, got key ", key.shape(), " and value ",
               value.shape());
   for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}}) {
     HEADS_CHECK(is_floating(t->dtype()), kOp, ": ", name, ": expected a floating dtype, got ",
                 dtype_name(t->dtype()));
   }
-  const Tensor& kpm_in = args.key_padding_mask;
-  const Tensor& am_in = args.attn_mask;
-  if (kpm_in.defined()) {
-    HEADS_CHECK(kpm_in.dim() == (batched ? 2 : 1), kOp, ": key_padding_mask: expected ",
-                batched ? "[N, S]" : "[S]", " for query ", query.shape(), ", got ", kpm_in.shape());
+  const Tensor& kpm = args.key_padding_mask;
+  const Tensor& am = args.attn_mask;
+  if (kpm.defined()) {
+    HEADS_CHECK(kpm.dim() == (in.batched ? 2 : 1), kOp, ": key_padding_mask: expected ",
+                in.batched ? "[N, S]" : "[S]", " for query ", query.shape(), ", got ", kpm.shape());
   }
-  if (am_in.defined()) {
-    HEADS_CHECK(am_in.dim() == 2 || am_in.dim() == 3, kOp,
-                ": attn_mask: expected 2-D [L, S] or 3-D [N * num_heads, L, S], got ",
-                am_in.shape());
+  if (am.defined()) {
+    HEADS_CHECK(am.dim() == 2 || am.dim() == 3, kOp,
+                ": attn_mask: expected 2-D [L, S] or 3-D [N * num_heads, L, S], got ", am.shape());
   }
-
-  // Canonical [N, L, E] views of the inputs in their own memory order.
   auto native = [&](const Tensor& x) {  // [d0, d1, width] with rows in memory order
     Tensor t = x.to(DType::F32);
-    return batched ? t : t.unsqueeze(1);  // unbatched [L, E] -> [L, 1, E]
+    return in.batched ? t : t.unsqueeze(1);  // unbatched [L, E] -> [L, 1, E]
   };
-  const bool bf = batched && opt_.batch_first;
-  auto nle = [&](const Tensor& x3) { return bf ? x3 : x3.transpose(0, 1); };
-  const Tensor xq = native(query);
-  const bool self_attn = query.raw_data() == key.raw_data() && key.raw_data() == value.raw_data() &&
-                         query.shape() == key.shape() && key.shape() == value.shape() &&
-                         query.strides() == key.strides() && key.strides() == value.strides() &&
-                         query.dtype() == key.dtype() && key.dtype() == value.dtype();
-  const Tensor xk = self_attn ? xq : native(key);
-  const Tensor xv = self_attn ? xq : native(value);
-  const Shape qs = nle(xq).shape(), ks = nle(xk).shape(), vs = nle(xv).shape();
-  const int64_t N = qs[0], L = qs[1], S = ks[1];
-  HEADS_CHECK(qs[2] == E, kOp, ": query: expected embed_dim ", E, " in the last dim, got ",
-              query.shape());
-  HEADS_CHECK(ks[2] == opt_.kdim, kOp, ": key: expected kdim ", opt_.kdim,
-              " in the last dim, got ", key.shape());
-  HEADS_CHECK(vs[2] == opt_.vdim, kOp, ": value: expected vdim ", opt_.vdim,
-              " in the last dim, got ", value.shape());
-  HEADS_CHECK(ks[0] == N && vs[0] == N, kOp, ": key ", key.shape(), " and value ", value.shape(),
+  in.xq = native(query);
+  in.self_attn = query.raw_data() == key.raw_data() && key.raw_data() == value.raw_data() &&
+                 query.shape() == key.shape() && key.shape() == value.shape() &&
+                 query.strides() == key.strides() && key.strides() == value.strides() &&
+                 query.dtype() == key.dtype() && key.dtype() == value.dtype();
+  in.xk = in.self_attn ? in.xq : native(key);
+  in.xv = in.self_attn ? in.xq : native(value);
+  const Shape qs = in.nle(in.xq).shape(), ks = in.nle(in.xk).shape(), vs = in.nle(in.xv).shape();
+  in.N = qs[0], in.L = qs[1], in.S = ks[1];
+  HEADS_CHECK(qs[2] == E, kOp, ": query: expected embed_dim ", E, " in the last dim, got ", query.shape());
+  HEADS_CHECK(ks[2] == o.kdim, kOp, ": key: expected kdim ", o.kdim, " in the last dim, got ", key.shape());
+  HEADS_CHECK(vs[2] == o.vdim, kOp, ": value: expected vdim ", o.vdim, " in the last dim, got ", value.shape());
+  HEADS_CHECK(ks[0] == in.N && vs[0] == in.N, kOp, ": key ", key.shape(), " and value ", value.shape(),
               " must have the batch size of query ", query.shape());
-  HEADS_CHECK(vs[1] == S, kOp, ": key ", key.shape(), " and value ", value.shape(),
+  HEADS_CHECK(vs[1] == in.S, kOp, ": key ", key.shape(), " and value ", value.shape(),
               " must have the same sequence length");
-  if (kpm_in.defined()) {
-    const Shape want = batched ? Shape{N, S} : Shape{S};
-    HEADS_CHECK(kpm_in.shape() == want, kOp, ": key_padding_mask: expected ", want, ", got ",
-                kpm_in.shape());
+  if (kpm.defined()) {
+    const Shape want = in.batched ? Shape{in.N, in.S} : Shape{in.S};
+    HEADS_CHECK(kpm.shape() == want, kOp, ": key_padding_mask: expected ", want, ", got ", kpm.shape());
   }
-  if (am_in.defined()) {
-    const Shape want = am_in.dim() == 2 ? Shape{L, S} : Shape{N * H, L, S};
-    HEADS_CHECK(am_in.shape() == want, kOp, ": attn_mask: expected ", want,
-                am_in.dim() == 3 ? " ([N * num_heads, L, S])" : " ([L, S])", ", got ",
-                am_in.shape());
+  if (am.defined()) {
+    const Shape want = am.dim() == 2 ? Shape{in.L, in.S} : Shape{in.N * H, in.L, in.S};
+    HEADS_CHECK(am.shape() == want, kOp, ": attn_mask: expected ", want,
+                am.dim() == 3 ? " ([N * num_heads, L, S])" : " ([L, S])", ", got ", am.shape());
   }
-  const Tensor kpm = kpm_in.defined() ? additive_mask(kpm_in, "key_padding_mask") : Tensor();
-  Tensor am = am_in.defined() ? additive_mask(am_in, "attn_mask") : Tensor();
+  in.kpm = kpm.defined() ? additive_mask(kpm, "key_padding_mask") : Tensor();
+  in.am = am.defined() ? additive_mask(am, "attn_mask") : Tensor();
+  return in;
+}
+
+// [rows, width] view of a [d0, d1, width] tensor, and back.
+Tensor rows(const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); }
+Tensor as3(const Tensor& y, const Tensor& x3) { return y.reshape({x3.size(0), x3.size(1), y.size(1)}); }
+
+// Split heads: [N, T, E] -> [N, H, T, hd] by strides.
+Tensor split_heads(const Tensor& t3, int64_t H) {
+  const int64_t hd = t3.size(2) / H;
+  return t3.as_strided({t3.size(0), H, t3.size(1), hd}, {t3.stride(0), hd, t3.stride(1), 1});
+}
+
+// key_padding_mask merged into attn_mask as one additive mask [N|1, H|1, L|1, S2] (keys appended by
+// add_bias_kv / add_zero_attn get 0, as torch's pad(mask, (0, 1))); undefined when neither is given.
+Tensor merge_masks(const MhaInputs& in, const Tensor& am, int64_t H, int64_t S2) {
+  const Tensor& kpm = in.kpm;
+  if (!am.defined() && !kpm.defined()) return Tensor();
+  const int64_t N = in.N, L = in.L, S = in.S;
+  const bool am3 = am.defined() && am.dim() == 3;
+  const int64_t Nm = (am3 || kpm.defined()) ? N : 1, Hm = am3 ? H : 1, Lm = am.defined() ? L : 1;
+  Tensor mask = Tensor::zeros({Nm, Hm, Lm, S2}, DType::F32);
+  float* mp = mask.data<float>();
+  const float* ap = am.defined() ? am.data<float>() : nullptr;
+  const float* kp = kpm.defined() ? kpm.data<float>() : nullptr;
+  for (int64_t n = 0; n < Nm; ++n) {
+    for (int64_t h = 0; h < Hm; ++h) {
+      for (int64_t i = 0; i < Lm; ++i) {
+        float* row = mp + ((n * Hm + h) * Lm + i) * S2;
+        const float* arow = ap ? ap + ((am3 ? n * H + h : 0) * L + i) * S : nullptr;
+        for (int64_t j = 0; j < S; ++j) row[j] = (arow ? arow[j] : 0.0f) + (kp ? kp[n * S + j] : 0.0f);
+      }
+    }
+  }
+  return mask;
+}
+
+// Attention weights [N, H, L, S2] averaged over the heads: [N, L, S2].
+Tensor average_heads(const Tensor& weights) {
+  const int64_t N = weights.size(0), H = weights.size(1), LS = weights.size(2) * weights.size(3);
+  Tensor avg = Tensor::zeros({N, weights.size(2), weights.size(3)}, DType::F32);
+  const float* w = weights.data<float>();
+  float* a = avg.data<float>();
+  const float inv_h = 1.0f / static_cast<float>(H);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t x = 0; x < LS; ++x) a[n * LS + x] += w[(n * H + h) * LS + x];
+    }
+    for (int64_t x = 0; x < LS; ++x) a[n * LS + x] *= inv_h;
+  }
+  return avg;
+}
+
+// _in_projection_packed / _in_projection: q = x Wqᵀ + bq, ... as [N, T, E] views; one GEMM for
+// self-attention with the packed weight w_in [3E, E] (else w[0..2] are q/k/v_proj_weight).
+std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t E, const Tensor* w_in, const Tensor* b_in,
+                                    const std::array<const Tensor*, 3>& w) {
+  auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * E, part * E + E) : *w[part]; };
+  auto bias = [&](int64_t part) { return b_in ? b_in->slice(0, part * E, part * E + E) : Tensor(); };
+  if (in.self_attn && w_in) {
+    const Tensor y = in.nle(as3(linear(rows(in.xq), *w_in, b_in ? *b_in : Tensor()), in.xq));
+    return {y.slice(2, 0, E), y.slice(2, E, 2 * E), y.slice(2, 2 * E, 3 * E)};
+  }
+  return {in.nle(as3(linear(rows(in.xq), weight(0), bias(0)), in.xq)),
+          in.nle(as3(linear(rows(in.xk), weight(1), bias(1)), in.xk)),
+          in.nle(as3(linear(rows(in.xv), weight(2), bias(2)), in.xv))};
+}
+
+// add_bias_kv appends bias_k / bias_v ([1, 1, E]) as one more key; add_zero_attn a zero key.
+void append_keys(Tensor& k4, Tensor& v4, const Tensor* bias_k, const Tensor* bias_v, bool zero_attn) {
+  const int64_t extra = (bias_k ? 1 : 0) + (zero_attn ? 1 : 0);
+  if (extra == 0) return;
+  const int64_t N = k4.size(0), H = k4.size(1), S = k4.size(2), hd = k4.size(3);
+  Tensor k2 = Tensor::zeros({N, H, S + extra, hd}, DType::F32);
+  Tensor v2 = Tensor::zeros({N, H, S + extra, hd}, DType::F32);
+  k2.slice(2, 0, S).copy_from(k4);
+  v2.slice(2, 0, S).copy_from(v4);
+  if (bias_k) {
+    k2.slice(2, S, S + 1).copy_from(bias_k->reshape({1, H, 1, hd}).expand({N, H, 1, hd}));
+    v2.slice(2, S, S + 1).copy_from(bias_v->reshape({1, H, 1, hd}).expand({N, H, 1, hd}));
+  }
+  k4 = k2;
+  v4 = v2;
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const Tensor& key,
+                                                      const Tensor& value,
+                                                      const MhaForwardArgs& args) const {
+  const int64_t E = opt_.embed_dim, H = opt_.num_heads;
+  const MhaInputs in = check_inputs(opt_, query, key, value, args);
 
   // Causal hint, as torch: is_causal with no key_padding_mask and no weights runs causal SDPA
   // and ignores attn_mask; otherwise attn_mask is used as given. Without attn_mask it means
   // causal attention (an extension: torch raises there).
+  Tensor am = in.am;
   bool causal = false;
   if (args.is_causal) {
     if (!am.defined()) {
       causal = true;
-    } else if (!kpm.defined() && !args.need_weights) {
+    } else if (!in.kpm.defined() && !args.need_weights) {
       causal = true;
       am = Tensor();
     }
   }
 
-  // In-projection: q = x Wqᵀ + bq, ... (one GEMM for self-attention).
-  const Tensor* w_in = param("in_proj_weight");
-  const Tensor* b_in = param("in_proj_bias");
-  const float* bias = b_in ? b_in->data<float>() : nullptr;
-  auto wq = [&](int64_t part) -> const float* {  // rows [part*E, part*E + E) of W_in
-    if (w_in) return w_in->data<float>() + part * E * E;
-    static const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
-    return param(names[part])->data<float>();
-  };
-  auto bq = [&](int64_t part) { return bias ? bias + part * E : nullptr; };
-  auto rows = [](const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); };
-  auto as3 = [](const Tensor& y, const Tensor& x3) {
-    return y.reshape({x3.size(0), x3.size(1), y.size(1)});
-  };
-  Tensor q3, k3, v3;  // [N, L|S, width] views (possibly column slices of one projection)
-  if (self_attn && w_in) {
-    const Tensor y = as3(linear(rows(xq), wq(0), bq(0), 3 * E), xq);
-    const Tensor y_nle = nle(y);
-    q3 = y_nle.slice(2, 0, E);
-    k3 = y_nle.slice(2, E, 2 * E);
-    v3 = y_nle.slice(2, 2 * E, 3 * E);
-  } else {
-    q3 = nle(as3(linear(rows(xq), wq(0), bq(0), E), xq));
-    k3 = nle(as3(linear(rows(xk), wq(1), bq(1), E), xk));
-    v3 = nle(as3(linear(rows(xv), wq(2), bq(2), E), xv));
-  }
-  // Split heads: [N, T, E] -> [N, H, T, hd] by strides.
-  auto heads4 = [&](const Tensor& t3) {
-    return t3.as_strided({t3.size(0), H, t3.size(1), hd},
-                         {t3.stride(0), hd, t3.stride(1), 1});
-  };
-  Tensor q4 = heads4(q3), k4 = heads4(k3), v4 = heads4(v3);
-
-  // add_bias_kv appends bias_k / bias_v as one more key; add_zero_attn appends a zero key.
-  const int64_t extra = (opt_.add_bias_kv ? 1 : 0) + (opt_.add_zero_attn ? 1 : 0);
-  const int64_t S2 = S + extra;
-  if (extra > 0) {
-    Tensor k2 = Tensor::zeros({N, H, S2, hd}, DType::F32);
-    Tensor v2 = Tensor::zeros({N, H, S2, hd}, DType::F32);
-    k2.slice(2, 0, S).copy_from(k4);
-    v2.slice(2, 0, S).copy_from(v4);
-    if (opt_.add_bias_kv) {
-      const Tensor bk = param("bias_k")->reshape({1, H, 1, hd}).expand({N, H, 1, hd});
-      const Tensor bv = param("bias_v")->reshape({1, H, 1, hd}).expand({N, H, 1, hd});
-      k2.slice(2, S, S + 1).copy_from(bk);
-      v2.slice(2, S, S + 1).copy_from(bv);
-    }
-    k4 = k2;
-    v4 = v2;
-  }
-
-  // Merge key_padding_mask into attn_mask as one additive mask [N|1, H|1, L|1, S2]
-  // (the appended keys get 0, as torch's pad(mask, (0, 1))).
-  Tensor mask;
-  if (am.defined() || kpm.defined()) {
-    const bool am3 = am.defined() && am.dim() == 3;
-    const int64_t Nm = (am3 || kpm.defined()) ? N : 1, Hm = am3 ? H : 1, Lm = am.defined() ? L : 1;
-    mask = Tensor::zeros({Nm, Hm, Lm, S2}, DType::F32);
-    float* mp = mask.data<float>();
-    const float* ap = am.defined() ? am.data<float>() : nullptr;
-    const float* kp = kpm.defined() ? kpm.data<float>() : nullptr;
-    for (int64_t n = 0; n < Nm; ++n) {
-      for (int64_t h = 0; h < Hm; ++h) {
-        for (int64_t i = 0; i < Lm; ++i) {
-          float* row = mp + ((n * Hm + h) * Lm + i) * S2;
-          const float* arow = ap ? ap + ((am3 ? n * H + h : 0) * L + i) * S : nullptr;
-          for (int64_t j = 0; j < S; ++j) {
-            row[j] = (arow ? arow[j] : 0.0f) + (kp ? kp[n * S + j] : 0.0f);
-          }
-        }
-      }
-    }
-  }
+  const auto [q3, k3, v3] = in_projection(in, E, param("in_proj_weight"), param("in_proj_bias"),
+                                           {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")});
+  const Tensor q4 = split_heads(q3, H);
+  Tensor k4 = split_heads(k3, H), v4 = split_heads(v3, H);
+  append_keys(k4, v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
+  const Tensor mask = merge_masks(in, am, H, k4.size(2));
 
   // Attention, written into the [rows, E] buffer in the query's memory order.
-  Tensor attn3 = Tensor::empty({xq.size(0), xq.size(1), E}, DType::F32);
+  Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), E}, DType::F32);
   SdpaOptions so;
   so.attn_mask = mask;
   so.is_causal = causal;
   so.dropout_p = training_ ? opt_.dropout : 0.0;
   so.need_weights = args.need_weights;
-  const SdpaResult r = sdpa_out(heads4(nle(attn3)), q4, k4, v4, so);
+  const SdpaResult r = sdpa_out(split_heads(in.nle(attn3), H), q4, k4, v4, so);
+
+  // Out-projection.
+  const Tensor* b_out = param("out_proj.bias");
+  Tensor out = as3(linear(rows(attn3), *param("out_proj.weight"), b_out ? *b_out : Tensor()), attn3);
+  if (!in.batched) out = out.squeeze(1);
+
   if (args.tape != nullptr) {
     MhaTape& t = *args.tape;
-    t.batched = batched;
-    t.self_attn = self_attn;
+    t.batched = in.batched;
+    t.self_attn = in.self_attn;
     t.query_shape = query.shape();
     t.key_shape = key.shape();
     t.value_shape = value.shape();
-    t.xq = xq;
-    t.xk = xk;
-    t.xv = xv;
+    t.xq = in.xq;
+    t.xk = in.xk;
+    t.xv = in.xv;
     t.q4 = q4;
     t.k4 = k4;
     t.v4 = v4;
@@ -396,34 +396,14 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     t.sdpa.dropout_seed = r.dropout_seed;
     t.attention = r;
     t.attn3 = attn3;
+    t.out_shape = out.shape();
   }
-
-  // Out-projection.
-  const Tensor* b_out = param("out_proj.bias");
-  Tensor out = as3(linear(rows(attn3), param("out_proj.weight")->data<float>(),
-                          b_out ? b_out->data<float>() : nullptr, E),
-                   attn3);
-  if (!batched) out = out.squeeze(1);
 
   Tensor weights;
   if (args.need_weights) {
-    weights = r.weights;  // [N, H, L, S2]
-    if (args.average_attn_weights) {
-      Tensor avg = Tensor::zeros({N, L, S2}, DType::F32);
-      const float* w = weights.data<float>();
-      float* a = avg.data<float>();
-      const float inv_h = 1.0f / static_cast<float>(H);
-      for (int64_t n = 0; n < N; ++n) {
-        for (int64_t h = 0; h < H; ++h) {
-          for (int64_t x = 0; x < L * S2; ++x) a[n * L * S2 + x] += w[(n * H + h) * L * S2 + x];
-        }
-        for (int64_t x = 0; x < L * S2; ++x) a[n * L * S2 + x] *= inv_h;
-      }
-      weights = avg;
-    }
-    if (!batched) weights = weights.squeeze(0);
+    weights = args.average_attn_weights ? average_heads(r.weights) : r.weights;  // [N, (H,) L, S2]
+    if (!in.batched) weights = weights.squeeze(0);
   }
-  if (args.tape != nullptr) args.tape->out_shape = out.shape();
   return {out, weights};
 }
 
@@ -438,10 +418,7 @@ MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) c
               dtype_name(dout_in.dtype()));
   const bool bf = t.batched && opt_.batch_first;
   auto nle = [&](const Tensor& x3) { return bf ? x3 : x3.transpose(0, 1); };
-  auto heads4 = [&](const Tensor& t3) {
-    return t3.as_strided({t3.size(0), H, t3.size(1), hd}, {t3.stride(0), hd, t3.stride(1), 1});
-  };
-  auto rows = [](const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); };
+  auto heads4 = [&](const Tensor& t3) { return split_heads(t3, H); };
   std::map<std::string, Tensor> pg;  // parameter gradients by name
 
   // Out-projection: out = attn Woᵀ + bo.

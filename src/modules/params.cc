@@ -1,0 +1,48 @@
+// params.cc — the modules' shared initialisers and state-dict lookups (params.h).
+#include "modules/params.h"
+
+#include <cmath>
+
+namespace heads::modules {
+
+Tensor uniform(const Shape& shape, double bound, std::mt19937_64& gen) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::uniform_real_distribution<double> dist(-bound, bound);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
+  return t;
+}
+
+Tensor normal(const Shape& shape, double stddev, std::mt19937_64& gen) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::normal_distribution<double> dist(0.0, stddev);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
+  return t;
+}
+
+Tensor xavier_uniform(int64_t fan_out, int64_t fan_in, std::mt19937_64& gen) {
+  return uniform({fan_out, fan_in}, std::sqrt(6.0 / static_cast<double>(fan_in + fan_out)), gen);
+}
+
+Tensor filled(const Shape& shape, float v) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = v;
+  return t;
+}
+
+const Tensor* find(const StateDict& sd, const std::string& name) {
+  for (const auto& [n, t] : sd) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+std::string names_of(const StateDict& sd) {
+  std::string s;
+  for (const auto& [n, t] : sd) s += (s.empty() ? "" : ", ") + n;
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace heads::modules
