@@ -9,7 +9,7 @@
 
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
-#include "modules/params.h"
+#include "modules/common.h"
 
 namespace heads {
 

@@ -8,7 +8,6 @@
 
 #include <array>
 #include <cmath>
-#include <map>
 #include <limits>
 #include <random>
 
@@ -16,13 +15,16 @@
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
-#include "modules/params.h"
+#include "modules/common.h"
 
 namespace heads {
 
+using modules::as3;
 using modules::find;
 using modules::names_of;
 using modules::normal;
+using modules::rows;
+using modules::split_heads;
 using modules::uniform;
 using modules::xavier_uniform;
 
@@ -253,16 +255,6 @@ MhaInputs check_inputs(const MultiheadAttentionOptions& o, const Tensor& query, 
   return in;
 }
 
-// [rows, width] view of a [d0, d1, width] tensor, and back.
-Tensor rows(const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); }
-Tensor as3(const Tensor& y, const Tensor& x3) { return y.reshape({x3.size(0), x3.size(1), y.size(1)}); }
-
-// Split heads: [N, T, E] -> [N, H, T, hd] by strides.
-Tensor split_heads(const Tensor& t3, int64_t H) {
-  const int64_t hd = t3.size(2) / H;
-  return t3.as_strided({t3.size(0), H, t3.size(1), hd}, {t3.stride(0), hd, t3.stride(1), 1});
-}
-
 // key_padding_mask merged into attn_mask as one additive mask [N|1, H|1, L|1, S2] (keys appended by
 // add_bias_kv / add_zero_attn get 0, as torch's pad(mask, (0, 1))); undefined when neither is given.
 Tensor merge_masks(const MhaInputs& in, const Tensor& am, int64_t H, int64_t S2) {
@@ -405,103 +397,6 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     if (!in.batched) weights = weights.squeeze(0);
   }
   return {out, weights};
-}
-
-MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) const {
-  const int64_t E = opt_.embed_dim, H = opt_.num_heads, hd = E / H;
-  HEADS_CHECK(t.defined(), kOp, "::backward: empty tape; run forward with MhaForwardArgs::tape set");
-  HEADS_CHECK(t.attn3.size(2) == E && t.q4.size(1) == H, kOp,
-              "::backward: the tape comes from a module of other dimensions");
-  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.out_shape, kOp, "::backward: dout: expected ",
-              t.out_shape, " (the forward's output), got ", dout_in.defined() ? dout_in.shape() : Shape{});
-  HEADS_CHECK(is_floating(dout_in.dtype()), kOp, "::backward: dout: expected a floating dtype, got ",
-              dtype_name(dout_in.dtype()));
-  const bool bf = t.batched && opt_.batch_first;
-  auto nle = [&](const Tensor& x3) { return bf ? x3 : x3.transpose(0, 1); };
-  auto heads4 = [&](const Tensor& t3) { return split_heads(t3, H); };
-  std::map<std::string, Tensor> pg;  // parameter gradients by name
-
-  // Out-projection: out = attn Woᵀ + bo.
-  const Tensor dout = dout_in.to(DType::F32).reshape({t.attn3.size(0), t.attn3.size(1), E});
-  const LinearGrads go =
-      linear_backward(rows(dout), rows(t.attn3), *param("out_proj.weight"), param("out_proj.bias") != nullptr);
-  pg["out_proj.weight"] = go.dweight;
-  if (go.dbias.defined()) pg["out_proj.bias"] = go.dbias;
-  const Tensor dattn3 = go.dx.reshape(t.attn3.shape());
-
-  // Attention. Gradient buffers of the projections, in each input's row order; SDPA writes
-  // dq, dk, dv straight into them through the head views, unless appended keys (bias_k/v,
-  // add_zero_attn) need rows of their own.
-  const Tensor* w_in = param("in_proj_weight");
-  const bool has_bias = param("in_proj_bias") != nullptr;
-  const bool fused = t.self_attn && w_in != nullptr;
-  auto buffer = [&](const Tensor& x3, int64_t width) {
-    return Tensor::empty({x3.size(0), x3.size(1), width}, DType::F32);
-  };
-  const Tensor dy = fused ? buffer(t.xq, 3 * E) : Tensor();  // [dq | dk | dv] for one GEMM
-  const Tensor dq3 = fused ? dy.slice(2, 0, E) : buffer(t.xq, E);
-  const Tensor dk3 = fused ? dy.slice(2, E, 2 * E) : buffer(t.xk, E);
-  const Tensor dv3 = fused ? dy.slice(2, 2 * E, 3 * E) : buffer(t.xv, E);
-  const Tensor dattn4 = heads4(nle(dattn3));
-  const int64_t N = t.q4.size(0), S = t.xk.size(bf ? 1 : 0);
-  if (t.k4.size(2) == S) {
-    sdpa_backward_out(heads4(nle(dq3)), heads4(nle(dk3)), heads4(nle(dv3)), dattn4, t.q4, t.k4, t.v4,
-                      t.attention, t.sdpa);
-  } else {
-    const SdpaGrads gs = sdpa_backward(dattn4, t.q4, t.k4, t.v4, t.attention, t.sdpa);
-    if (opt_.add_bias_kv) {  // bias_k / bias_v were key S of every batch entry: sum over N
-      for (const auto& [g, name] : {std::pair{&gs.dk, "bias_k"}, {&gs.dv, "bias_v"}}) {
-        Tensor d = Tensor::zeros({1, 1, E}, DType::F32);
-        float* dp = d.data<float>();
-        for (int64_t n = 0; n < N; ++n) {
-          for (int64_t h = 0; h < H; ++h) {
-            const float* src = g->data<float>() + ((n * H + h) * g->size(2) + S) * hd;
-            for (int64_t c = 0; c < hd; ++c) dp[h * hd + c] += src[c];
-          }
-        }
-        pg[name] = d;
-      }
-    }
-    heads4(nle(dq3)).copy_from(gs.dq);
-    heads4(nle(dk3)).copy_from(gs.dk.slice(2, 0, S));  // appended keys dropped
-    heads4(nle(dv3)).copy_from(gs.dv.slice(2, 0, S));
-  }
-
-  // In-projection.
-  MhaGrads out;
-  auto as_input = [&](const Tensor& dx2, const Tensor& x3, const Shape& shape) {
-    return dx2.reshape(x3.shape()).reshape(shape);
-  };
-  if (fused) {  // one GEMM for dY = [dq | dk | dv]
-    const LinearGrads g = linear_backward(rows(dy), rows(t.xq), *w_in, has_bias);
-    out.dquery = as_input(g.dx, t.xq, t.query_shape);
-    pg["in_proj_weight"] = g.dweight;
-    if (has_bias) pg["in_proj_bias"] = g.dbias;
-  } else {
-    const Tensor* b_in = param("in_proj_bias");
-    Tensor dw_in = w_in ? Tensor::empty({3 * E, E}, DType::F32) : Tensor();
-    Tensor db_in = has_bias ? Tensor::empty({3 * E}, DType::F32) : Tensor();
-    static const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
-    const Tensor* xs[3] = {&t.xq, &t.xk, &t.xv};
-    const Tensor* dys[3] = {&dq3, &dk3, &dv3};
-    const Shape* shapes[3] = {&t.query_shape, &t.key_shape, &t.value_shape};
-    Tensor* dxs[3] = {&out.dquery, &out.dkey, &out.dvalue};
-    for (int64_t part = 0; part < 3; ++part) {
-      const Tensor w = w_in ? w_in->slice(0, part * E, (part + 1) * E) : *param(names[part]);
-      const LinearGrads g = linear_backward(rows(*dys[part]), rows(*xs[part]), w, b_in != nullptr);
-      *dxs[part] = as_input(g.dx, *xs[part], *shapes[part]);
-      if (w_in) {
-        dw_in.slice(0, part * E, (part + 1) * E).copy_from(g.dweight);
-      } else {
-        pg[names[part]] = g.dweight;
-      }
-      if (has_bias) db_in.slice(0, part * E, (part + 1) * E).copy_from(g.dbias);
-    }
-    if (w_in) pg["in_proj_weight"] = dw_in;
-    if (has_bias) pg["in_proj_bias"] = db_in;
-  }
-  for (const auto& p : params_) out.params.emplace_back(p.name, pg.at(p.name));
-  return out;
 }
 
 }  // namespace heads

@@ -1,5 +1,5 @@
-// params.cc — the modules' shared initialisers and state-dict lookups (params.h).
-#include "modules/params.h"
+// common.cc — the modules' shared initialisers and state-dict lookups (common.h).
+#include "modules/common.h"
 
 #include <cmath>
 
