@@ -40,6 +40,7 @@ class SafeTensors {
     uint64_t begin, end;
   };
   void parse(const std::byte* base, size_t size);
+  void check_layout(uint64_t data_size);
 
   std::shared_ptr<void> owner_;
   const std::byte* data_ = nullptr;  // start of the data segment

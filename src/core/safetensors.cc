@@ -90,18 +90,11 @@ SafeTensors SafeTensors::from_bytes(std::string bytes, const std::string& label)
   return f;
 }
 
-void SafeTensors::parse(const std::byte* base, size_t size) {
-  const std::string& L = label_;
-  HEADS_CHECK(size >= 8, L, ": not a safetensors file: ", size,
-              " bytes, need at least the 8-byte header length");
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(base[i]);
-  HEADS_CHECK(n <= size - 8, L, ": header length ", n, " runs past the end of the file (",
-              size, " bytes)");
-  HEADS_CHECK(n <= kMaxHeader, L, ": header length ", n, " exceeds the limit of ", kMaxHeader);
-  const char* hp = reinterpret_cast<const char*>(base + 8);
-  // The format forbids duplicate keys (a JSON parser would keep the last one): one set of keys per
-  // open object.
+namespace {
+
+// The header's JSON object; the format forbids duplicate keys (a JSON parser would keep the last
+// one), so one set of keys per open object is kept while parsing.
+nlohmann::json parse_header(const char* hp, uint64_t n, const std::string& L) {
   std::vector<std::set<std::string>> open_keys;
   std::string duplicate;
   const auto no_duplicates = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
@@ -122,59 +115,89 @@ void SafeTensors::parse(const std::byte* base, size_t size) {
   }
   HEADS_CHECK(duplicate.empty(), L, ": header has the key \"", duplicate, "\" twice");
   HEADS_CHECK(header.is_object(), L, ": header is not a JSON object");
+  return header;
+}
+
+struct ParsedEntry {
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+
+// One tensor's entry: dtype, shape (no larger than a Tensor may be) and data offsets that lie in the
+// data segment and hold exactly the shape's bytes.
+ParsedEntry parse_entry(const std::string& L, const std::string& name, const nlohmann::json& v, uint64_t data_size) {
+  HEADS_CHECK(v.is_object(), L, ": tensor \"", name, "\": entry is not an object");
+  HEADS_CHECK(v.contains("dtype") && v["dtype"].is_string(), L, ": tensor \"", name,
+              "\": missing or non-string dtype");
+  ParsedEntry e{};
+  const std::string dt = v["dtype"].get<std::string>();
+  HEADS_CHECK(parse_dtype(dt, &e.dtype), L, ": tensor \"", name, "\": unsupported dtype \"", dt,
+              "\" (accepted: F32, F64, F16, BF16, BOOL, U8, I64)");
+  HEADS_CHECK(v.contains("shape") && v["shape"].is_array(), L, ": tensor \"", name,
+              "\": missing shape");
+  uint64_t numel = 1, span = 1;  // span: the product with empty dimensions counted as 1
+  bool overflow = false;
+  for (const auto& d : v["shape"]) {
+    HEADS_CHECK(d.is_number_unsigned(), L, ": tensor \"", name,
+                "\": shape entries must be non-negative integers");
+    const uint64_t s = d.get<uint64_t>();
+    HEADS_CHECK(s <= kMaxSpan && span <= kMaxSpan / std::max<uint64_t>(s, 1), L, ": tensor \"", name,
+                "\": shape ", v["shape"].dump(), " is too large");
+    e.shape.push_back(static_cast<int64_t>(s));
+    span *= std::max<uint64_t>(s, 1);
+    if (s != 0 && numel > UINT64_MAX / s) overflow = true;
+    numel *= s;
+  }
+  HEADS_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() &&
+                  v["data_offsets"].size() == 2 && v["data_offsets"][0].is_number_unsigned() &&
+                  v["data_offsets"][1].is_number_unsigned(),
+              L, ": tensor \"", name, "\": data_offsets must be two non-negative integers");
+  e.begin = v["data_offsets"][0].get<uint64_t>();
+  e.end = v["data_offsets"][1].get<uint64_t>();
+  HEADS_CHECK(e.begin <= e.end, L, ": tensor \"", name, "\": data_offsets [", e.begin, ", ",
+              e.end, "] are reversed");
+  HEADS_CHECK(e.end <= data_size, L, ": tensor \"", name, "\": data_offsets [", e.begin, ", ",
+              e.end, "] lie outside the data segment of ", data_size, " bytes");
+  const uint64_t isz = dtype_size(e.dtype);
+  HEADS_CHECK(!overflow && numel <= UINT64_MAX / isz && numel * isz == e.end - e.begin, L,
+              ": tensor \"", name, "\": ", e.end - e.begin, " bytes do not match shape ",
+              e.shape, " of ", dt);
+  return e;
+}
+
+}  // namespace
+
+void SafeTensors::parse(const std::byte* base, size_t size) {
+  const std::string& L = label_;
+  HEADS_CHECK(size >= 8, L, ": not a safetensors file: ", size,
+              " bytes, need at least the 8-byte header length");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(base[i]);
+  HEADS_CHECK(n <= size - 8, L, ": header length ", n, " runs past the end of the file (",
+              size, " bytes)");
+  HEADS_CHECK(n <= kMaxHeader, L, ": header length ", n, " exceeds the limit of ", kMaxHeader);
+  const nlohmann::json header = parse_header(reinterpret_cast<const char*>(base + 8), n, L);
   const uint64_t data_size = size - 8 - n;
   data_ = base + 8 + n;
-
   for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
-    const auto& v = it.value();
-    if (name == "__metadata__") {
-      HEADS_CHECK(v.is_object(), L, ": __metadata__ is not an object");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        HEADS_CHECK(m.value().is_string(), L, ": __metadata__ value of \"", m.key(),
-                    "\" is not a string");
+    if (it.key() == "__metadata__") {
+      HEADS_CHECK(it.value().is_object(), L, ": __metadata__ is not an object");
+      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+        HEADS_CHECK(m.value().is_string(), L, ": __metadata__ value of \"", m.key(), "\" is not a string");
         metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    HEADS_CHECK(v.is_object(), L, ": tensor \"", name, "\": entry is not an object");
-    HEADS_CHECK(v.contains("dtype") && v["dtype"].is_string(), L, ": tensor \"", name,
-                "\": missing or non-string dtype");
-    Entry e{};
-    const std::string dt = v["dtype"].get<std::string>();
-    HEADS_CHECK(parse_dtype(dt, &e.dtype), L, ": tensor \"", name, "\": unsupported dtype \"", dt,
-                "\" (accepted: F32, F64, F16, BF16, BOOL, U8, I64)");
-    HEADS_CHECK(v.contains("shape") && v["shape"].is_array(), L, ": tensor \"", name,
-                "\": missing shape");
-    uint64_t numel = 1, span = 1;  // span: the product with empty dimensions counted as 1
-    bool overflow = false;
-    for (const auto& d : v["shape"]) {
-      HEADS_CHECK(d.is_number_unsigned(), L, ": tensor \"", name,
-                  "\": shape entries must be non-negative integers");
-      const uint64_t s = d.get<uint64_t>();
-      HEADS_CHECK(s <= kMaxSpan && span <= kMaxSpan / std::max<uint64_t>(s, 1), L, ": tensor \"", name,
-                  "\": shape ", v["shape"].dump(), " is too large");
-      e.shape.push_back(static_cast<int64_t>(s));
-      span *= std::max<uint64_t>(s, 1);
-      if (s != 0 && numel > UINT64_MAX / s) overflow = true;
-      numel *= s;
-    }
-    HEADS_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() &&
-                    v["data_offsets"].size() == 2 && v["data_offsets"][0].is_number_unsigned() &&
-                    v["data_offsets"][1].is_number_unsigned(),
-                L, ": tensor \"", name, "\": data_offsets must be two non-negative integers");
-    e.begin = v["data_offsets"][0].get<uint64_t>();
-    e.end = v["data_offsets"][1].get<uint64_t>();
-    HEADS_CHECK(e.begin <= e.end, L, ": tensor \"", name, "\": data_offsets [", e.begin, ", ",
-                e.end, "] are reversed");
-    HEADS_CHECK(e.end <= data_size, L, ": tensor \"", name, "\": data_offsets [", e.begin, ", ",
-                e.end, "] lie outside the data segment of ", data_size, " bytes");
-    const uint64_t isz = dtype_size(e.dtype);
-    HEADS_CHECK(!overflow && numel <= UINT64_MAX / isz && numel * isz == e.end - e.begin, L,
-                ": tensor \"", name, "\": ", e.end - e.begin, " bytes do not match shape ",
-                e.shape, " of ", dt);
-    entries_.emplace_back(name, e);
+    ParsedEntry e = parse_entry(L, it.key(), it.value(), data_size);
+    entries_.emplace_back(it.key(), Entry{e.dtype, std::move(e.shape), e.begin, e.end});
   }
+  check_layout(data_size);
+}
+
+// The tensors tile the data segment exactly: sorted by offset, no overlap, no gap, nothing after.
+void SafeTensors::check_layout(uint64_t data_size) {
+  const std::string& L = label_;
   std::sort(entries_.begin(), entries_.end(), [](const auto& a, const auto& b) {
     return a.second.begin != b.second.begin ? a.second.begin < b.second.begin
                                             : a.second.end < b.second.end;

@@ -256,6 +256,39 @@ inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int
   }
 }
 
+// The partial states of the chunks of one (b, hk): m, l [chunk][rows] and O [chunk][rows][Dvp].
+struct Partials {
+  const float *m, *l, *o;
+};
+
+// Merges the chunks' states of every row of (b, hk) into out and lse: m = max m_c,
+// l = sum l_c 2^(m_c - m), O = sum O_c 2^(m_c - m); O /= l; lse = ln 2 · (m + log2 l). A chunk that saw
+// no key has l = 0; one with a NaN score has l = NaN, which spreads to l and O here. No key seen at
+// all: zeros, lse = -inf. acc: [Dv] floats of this thread's scratch.
+template <class T>
+inline void merge_chunks(const Setup& S, int64_t b, int64_t hk, const Partials& part, float* acc, T* out_p,
+                         const int64_t* os, float* lse_p) {
+  const SdpaProblem& P = S.P;
+  for (int64_t r = 0; r < S.rows; ++r) {
+    float m = -kInf;
+    for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, part.m[c * S.rows + r]);
+    for (int64_t d = 0; d < P.Dv; ++d) acc[d] = 0.0f;
+    float l = 0.0f;
+    for (int64_t c = 0; c < S.n_chunks; ++c) {
+      if (part.l[c * S.rows + r] == 0.0f) continue;
+      const float f = std::exp2(part.m[c * S.rows + r] - m);
+      l += part.l[c * S.rows + r] * f;
+      const float* oc = part.o + (c * S.rows + r) * S.Dvp;
+      for (int64_t d = 0; d < P.Dv; ++d) acc[d] += oc[d] * f;
+    }
+    const float inv = l != 0.0f ? 1.0f / l : 0.0f;
+    const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
+    T* orow = out_p + b * os[0] + h * os[1] + i * os[2];
+    for (int64_t d = 0; d < P.Dv; ++d) from_f32(acc[d] * inv, orow + d);
+    lse_p[(b * P.H + h) * P.Lq + i] = l != 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
+  }
+}
+
 }  // namespace dec
 
 template <class T>
@@ -307,29 +340,9 @@ inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, 
     // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < heads; ++bh) {
-      const int64_t b = bh / P.Hkv, hk = bh % P.Hkv;
-      for (int64_t r = 0; r < S.rows; ++r) {
-        float m = -kInf;
-        for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, pm[(bh * S.n_chunks + c) * S.rows + r]);
-        const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
-        float* acc = sc + S.rows * kBlock;  // this thread's scratch: [Dv] merged O row
-        for (int64_t d = 0; d < P.Dv; ++d) acc[d] = 0.0f;
-        // A chunk that saw no key has l = 0; one with a NaN score has l = NaN, which spreads to l
-        // and O here. No key seen at all: zeros, lse = -inf.
-        float l = 0.0f;
-        for (int64_t c = 0; c < S.n_chunks; ++c) {
-          const int64_t t = bh * S.n_chunks + c;
-          if (pl[t * S.rows + r] == 0.0f) continue;
-          const float f = std::exp2(pm[t * S.rows + r] - m);
-          l += pl[t * S.rows + r] * f;
-          const float* oc = po_base + (t * S.rows + r) * S.Dvp;
-          for (int64_t d = 0; d < P.Dv; ++d) acc[d] += oc[d] * f;
-        }
-        const float inv = l != 0.0f ? 1.0f / l : 0.0f;
-        T* orow = out_p + b * os[0] + h * os[1] + i * os[2];
-        for (int64_t d = 0; d < P.Dv; ++d) from_f32(acc[d] * inv, orow + d);
-        lse_p[(b * P.H + h) * P.Lq + i] = l != 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
-      }
+      const Partials part{pm.data() + bh * S.n_chunks * S.rows, pl.data() + bh * S.n_chunks * S.rows,
+                          po_base + bh * S.n_chunks * S.rows * S.Dvp};
+      merge_chunks<T>(S, bh / P.Hkv, bh % P.Hkv, part, sc + S.rows * kBlock, out_p, os, lse_p);
     }
     if (weights.defined()) {
       float* w = weights.data<float>();

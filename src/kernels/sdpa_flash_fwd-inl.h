@@ -289,6 +289,39 @@ struct Widen {
   }
 };
 
+// 6. of forward_tile: the tile's weights rows w[r][j] = 2^(S - lse2[r]) for every key (rows of Lk,
+// first row at w), dropped like P; keys past the causal limit jend get 0 (NaN in a NaN row, as
+// 2^(-inf - NaN) gives elsewhere). lse2: the rows' lse in log2 units, +inf for rows that saw nothing.
+template <class Pol>
+inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2, int64_t jend, const float* lse2_l,
+                         float c, const Scratch& scr, float* w) {
+  const SdpaProblem& P = t.P;
+  VR lse2[kNQ];
+  for (int v = 0; v < kNQ; ++v) lse2[v] = Vec::load(lse2_l + v * kW);
+  for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
+    const int64_t nk = std::min(P.Lk - j0, kTK);
+    const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // visible under causal
+    if (nv > 0) {
+      const bool causal_here = P.causal && j0 + nv - 1 > t.i0 + P.causal_offset;
+      VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+      Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, P.D, c, scr.s, nullptr);
+      if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, scr.s, mx);
+      for (int64_t r = 0; r < nv; ++r) {
+        for (int v = 0; v < kNQ; ++v) {
+          float* sp = scr.s + r * kTQ + v * kW;
+          Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), lse2[v])));
+        }
+      }
+      if (P.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s);
+    }
+    for (int64_t r = 0; r < t.nq; ++r) {
+      float* wrow = w + r * P.Lk + j0;
+      const float hidden = std::isnan(lse2_l[r]) ? lse2_l[r] : 0.0f;  // a NaN row's weights are all NaN
+      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? scr.s[c2 * kTQ + r] : hidden;
+    }
+  }
+}
+
 template <class Pol>
 inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const int64_t* qs,
                          const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
@@ -359,33 +392,10 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
 
   // 6. Weights on request: w = 2^(S - log2-lse), dropped like P above.
   if (weights == nullptr) return;
-  VR lse2[kNQ];
   for (int64_t r = 0; r < kTQ; ++r) {
     m_l[r] = r < nq && l_l[r] != 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
   }
-  for (int v = 0; v < kNQ; ++v) lse2[v] = Vec::load(m_l + v * kW);
-  for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
-    const int64_t nk = std::min(P.Lk - j0, kTK);
-    const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // visible under causal
-    if (nv > 0) {
-      const bool causal_here = P.causal && j0 + nv - 1 > i0 + P.causal_offset;
-      VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-      Pol::qk(nv, kh + j0 * ks[2], ks[2], scr.qt, P.D, c, scr.s, nullptr);
-      if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, scr.s, mx);
-      for (int64_t r = 0; r < nv; ++r) {
-        for (int v = 0; v < kNQ; ++v) {
-          float* sp = scr.s + r * kTQ + v * kW;
-          Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), lse2[v])));
-        }
-      }
-      if (P.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s);
-    }
-    for (int64_t r = 0; r < nq; ++r) {
-      float* wrow = weights + ((b * P.H + h) * P.Lq + i0 + r) * P.Lk + j0;
-      const float hidden = std::isnan(m_l[r]) ? m_l[r] : 0.0f;  // a NaN row's weights are all NaN
-      for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? scr.s[c2 * kTQ + r] : hidden;
-    }
-  }
+  weights_pass<Pol>(t, kh, ks[2], jend, m_l, c, scr, weights + ((b * P.H + h) * P.Lq + i0) * P.Lk);
 }
 
 template <class Pol>
