@@ -28,6 +28,8 @@ std::string error_of(F&& f) {
   return "<no error>";
 }
 
+// The generator every helper below draws from; reseeded at the start of each test from the test's
+// name (testing.cc), so a test's inputs are its own.
 inline std::mt19937_64& rng() {
   static std::mt19937_64 gen(20261121);
   return gen;

@@ -1,0 +1,46 @@
+// testing.cc — each test draws its random inputs from a generator seeded by the test's own name,
+// so its data does not depend on which tests ran before it in the process (--gtest_filter,
+// --gtest_shuffle, CTest running every test in a process of its own, a test added elsewhere). A
+// failing test prints its seed; HEADS_TEST_SEED=N seeds every test with N instead, to try other
+// data.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "common/testing.h"
+
+namespace heads::testing {
+namespace {
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+class SeedEachTest : public ::testing::EmptyTestEventListener {
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    const char* forced = std::getenv("HEADS_TEST_SEED");
+    seed_ = forced != nullptr && *forced != '\0' ? std::strtoull(forced, nullptr, 10)
+                                                  : fnv1a(std::string(info.test_suite_name()) + "." + info.name());
+    rng().seed(seed_);
+  }
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (info.result()->Failed()) {
+      std::printf("[   SEED   ] %s.%s drew its inputs with seed %llu (HEADS_TEST_SEED=%llu reproduces them)\n",
+                  info.test_suite_name(), info.name(), static_cast<unsigned long long>(seed_),
+                  static_cast<unsigned long long>(seed_));
+    }
+  }
+  uint64_t seed_ = 0;
+};
+
+const bool kRegistered = [] {
+  ::testing::UnitTest::GetInstance()->listeners().Append(new SeedEachTest);
+  return true;
+}();
+
+}  // namespace
+}  // namespace heads::testing
