@@ -1,0 +1,164 @@
+// bind_functional.cc — threads, seeds, sdpa (inference and the training pair that heads.torch
+// uses) and the functional ops' backward passes.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+
+#include "convert.h"
+#include "heads/ops.h"
+#include "heads/runtime.h"
+#include "heads/sdpa.h"
+
+namespace heads::py {
+
+using namespace nb::literals;
+
+namespace {
+
+nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
+                const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
+                std::optional<double> scale, bool enable_gqa, bool need_weights,
+                std::optional<uint64_t> seed, bool torch_out, bool causal_lower_right) {
+  const heads::Tensor q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
+  const int64_t rank = q.dim();
+  HEADS_CHECK(k.dim() == rank && v.dim() == rank, "sdpa: query ", q.shape(), ", key ", k.shape(),
+              " and value ", v.shape(), " must have the same rank");
+  heads::SdpaOptions o;
+  o.attn_mask = opt_view(attn_mask, "attn_mask");
+  o.is_causal = is_causal;
+  o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
+  o.scale = scale;
+  o.dropout_p = dropout_p;
+  o.dropout_seed = seed;
+  o.enable_gqa = enable_gqa;
+  o.need_weights = need_weights;
+  heads::SdpaResult r;
+  {
+    nb::gil_scoped_release release;
+    r = heads::sdpa(to_4d(q, "query"), to_4d(k, "key"), to_4d(v, "value"), o);
+  }
+  // Back to the caller's rank.
+  heads::Tensor out = r.out, w = r.weights;
+  while (out.dim() > rank) {
+    out = out.squeeze(0);
+    if (w.defined()) w = w.squeeze(0);
+  }
+  if (!need_weights) return to_array(out, torch_out);
+  return nb::make_tuple(to_array(out, torch_out), to_array(w, torch_out));
+}
+
+}  // namespace
+
+void bind_functional(nb::module_& m) {
+  m.def("set_num_threads", &heads::set_num_threads, "n"_a);
+  m.def("get_num_threads", &heads::get_num_threads);
+  m.def("manual_seed", &heads::manual_seed, "seed"_a);
+  m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
+        "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
+        "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
+        "torch_out"_a = false, "causal_lower_right"_a = false);
+
+  // Training support for heads.torch: forward keeping (out, lse, seed), and the backward.
+  m.def("sdpa_train_forward",
+        [](const InArray& query, const InArray& key, const InArray& value, const std::optional<InArray>& attn_mask,
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool causal_lower_right) {
+          heads::SdpaOptions o;
+          o.attn_mask = opt_view(attn_mask, "attn_mask");
+          o.dropout_p = dropout_p;
+          o.is_causal = is_causal;
+          o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
+          o.scale = scale;
+          o.enable_gqa = enable_gqa;
+          const heads::Tensor q = to_4d(view_of(query, "query"), "query");
+          const heads::Tensor k = to_4d(view_of(key, "key"), "key");
+          const heads::Tensor v = to_4d(view_of(value, "value"), "value");
+          heads::SdpaResult r;
+          {
+            nb::gil_scoped_release release;
+            r = heads::sdpa(q, k, v, o);
+          }
+          return nb::make_tuple(to_array(r.out, true), to_array(r.lse, true), r.dropout_seed);
+        },
+        "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
+        "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false, "causal_lower_right"_a = false);
+  m.def("sdpa_train_backward",
+        [](const InArray& dout, const InArray& query, const InArray& key, const InArray& value,
+           const InArray& out, const InArray& lse, uint64_t seed, const std::optional<InArray>& attn_mask,
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad,
+           bool causal_lower_right) {
+          heads::SdpaOptions o;
+          o.attn_mask = opt_view(attn_mask, "attn_mask");
+          o.dropout_p = dropout_p;
+          o.is_causal = is_causal;
+          o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
+          o.scale = scale;
+          o.enable_gqa = enable_gqa;
+          heads::SdpaResult f;
+          f.out = to_4d(view_of(out, "out"), "out");
+          f.lse = view_of(lse, "lse");
+          f.dropout_seed = seed;
+          const heads::Tensor q = to_4d(view_of(query, "query"), "query");
+          const heads::Tensor k = to_4d(view_of(key, "key"), "key");
+          const heads::Tensor v = to_4d(view_of(value, "value"), "value");
+          const heads::Tensor g = to_4d(view_of(dout, "dout"), "dout");
+          heads::SdpaGrads r;
+          {
+            nb::gil_scoped_release release;
+            r = heads::sdpa_backward(g, q, k, v, f, o, mask_grad);
+          }
+          return nb::make_tuple(to_array(r.dq, true), to_array(r.dk, true), to_array(r.dv, true),
+                                to_array(r.dmask, true));
+        },
+        "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
+        "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
+        "mask_grad"_a = false, "causal_lower_right"_a = false);
+
+  // Backward passes of the functional ops (numpy in / numpy out), for training code and tests.
+  m.def("linear_backward",
+        [](const InArray& dy, const InArray& x, const InArray& w, bool has_bias) {
+          const auto g = heads::linear_backward(view_of(dy, "dy"), view_of(x, "x"), view_of(w, "weight"), has_bias);
+          return nb::make_tuple(to_numpy(g.dx), to_numpy(g.dweight), to_numpy(g.dbias));
+        },
+        "dy"_a, "x"_a, "weight"_a, "has_bias"_a = true);
+  m.def("layer_norm_backward",
+        [](const InArray& dy, const InArray& x, const std::optional<InArray>& w, const std::optional<InArray>& b,
+           double eps) {
+          const auto g = heads::layer_norm_backward(view_of(dy, "dy"), view_of(x, "x"), opt_view(w, "weight"),
+                                                    opt_view(b, "bias"), eps);
+          return nb::make_tuple(to_numpy(g.dx), to_numpy(g.dweight), to_numpy(g.dbias));
+        },
+        "dy"_a, "x"_a, "weight"_a = nb::none(), "bias"_a = nb::none(), "eps"_a = 1e-5);
+  m.def("activation_backward",
+        [](const InArray& dy, const InArray& x, const std::string& act) {
+          return to_numpy(heads::activation_backward(view_of(dy, "dy"), view_of(x, "x"), heads::activation_from_name(act)));
+        },
+        "dy"_a, "x"_a, "activation"_a);
+  m.def("embedding", [](const InArray& w, const InArray& ids) {
+          return to_numpy(heads::embedding(view_of(w, "weight"), view_of(ids, "ids")));
+        },
+        "weight"_a, "ids"_a);
+  m.def("embedding_backward",
+        [](const InArray& dy, const InArray& ids, int64_t n) {
+          return to_numpy(heads::embedding_backward(view_of(dy, "dy"), view_of(ids, "ids"), n));
+        },
+        "dy"_a, "ids"_a, "num_embeddings"_a);
+  m.def("cross_entropy",
+        [](const InArray& logits, const InArray& target, int64_t ignore_index) {
+          return heads::cross_entropy(view_of(logits, "logits"), view_of(target, "target"), ignore_index);
+        },
+        "logits"_a, "target"_a, "ignore_index"_a = -100);
+  m.def("cross_entropy_backward",
+        [](const InArray& logits, const InArray& target, int64_t ignore_index, double dloss) {
+          return to_numpy(heads::cross_entropy_backward(view_of(logits, "logits"), view_of(target, "target"),
+                                                        ignore_index, dloss));
+        },
+        "logits"_a, "target"_a, "ignore_index"_a = -100, "dloss"_a = 1.0);
+}
+
+}  // namespace heads::py

@@ -1,0 +1,76 @@
+// bind_models.cc — the WordPiece tokenizer and the sentence encoder (all-MiniLM-L6-v2 and other
+// sentence-transformers BERT models).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+
+#include "convert.h"
+#include "heads/sentence_encoder.h"
+#include "heads/tokenizer.h"
+
+namespace heads::py {
+
+using namespace nb::literals;
+
+void bind_models(nb::module_& m) {
+  nb::class_<heads::WordPieceTokenizer>(m, "WordPieceTokenizer")
+      .def_static("from_vocab_file", &heads::WordPieceTokenizer::from_vocab_file, "path"_a,
+                  "lowercase"_a = true)
+      .def("encode",
+           [](const heads::WordPieceTokenizer& t, nb::bytes text, int64_t max_length) {
+             return t.encode(std::string_view(text.c_str(), text.size()), max_length).ids;
+           },
+           "text"_a, "max_length"_a = 0)
+      .def("pre_tokenize",
+           [](const heads::WordPieceTokenizer& t, nb::bytes text) {
+             return t.pre_tokenize(std::string_view(text.c_str(), text.size()));
+           },
+           "text"_a)
+      .def("token", &heads::WordPieceTokenizer::token, "id"_a)
+      .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
+
+  nb::class_<heads::SentenceEncoder>(m, "SentenceEncoder")
+      .def_static("load", &heads::SentenceEncoder::load, "model_dir"_a = "")
+      .def("encode",
+           [](const heads::SentenceEncoder& s, const std::vector<std::string>& texts, int64_t batch_size) {
+             heads::Tensor out;
+             int64_t truncated = 0;
+             {
+               nb::gil_scoped_release release;
+               out = s.encode(texts, batch_size, {}, &truncated);
+             }
+             return nb::make_tuple(to_numpy(out), truncated);
+           },
+           "texts"_a, "batch_size"_a = 32)
+      .def("tokenize", [](const heads::SentenceEncoder& s, const std::string& text) { return s.tokenize(text); },
+           "text"_a)
+      .def("attention",
+           [](const heads::SentenceEncoder& s, const std::string& text) {
+             const auto a = s.attention(text);
+             nb::list layers;
+             for (const auto& t : a.layers) layers.append(to_numpy(t));
+             return nb::make_tuple(a.tokens, layers);
+           },
+           "text"_a)
+      .def("hidden_states",
+           [](const heads::SentenceEncoder& s, const std::vector<std::vector<int64_t>>& ids) {
+             heads::Tensor out;
+             {
+               nb::gil_scoped_release release;
+               out = s.bert().forward(ids);
+             }
+             return to_numpy(out);
+           },
+           "ids"_a)
+      .def_prop_ro("dim", &heads::SentenceEncoder::dim)
+      .def_prop_ro("max_seq_length", &heads::SentenceEncoder::max_seq_length)
+      .def_prop_ro("model_dir", &heads::SentenceEncoder::model_dir);
+}
+
+}  // namespace heads::py

@@ -1,0 +1,41 @@
+// convert.h — arrays in and out of the extension: DLPack arrays (numpy, torch, ...) become
+// heads::Tensor views without a copy; results leave as numpy arrays or torch tensors that own the
+// result tensor's storage.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "heads/mha.h"
+#include "heads/tensor.h"
+
+namespace heads::py {
+
+namespace nb = nanobind;
+
+using InArray = nb::ndarray<nb::ro, nb::device::cpu>;
+using Items = std::vector<std::pair<std::string, InArray>>;  // a state dict from Python
+
+// A view of the array's memory (the caller keeps the array alive while the view is used).
+Tensor view_of(const InArray& a, const char* name);
+Tensor opt_view(const std::optional<InArray>& a, const char* name);
+// A numpy array (or torch tensor) owning a reference to the tensor's storage; None if undefined.
+nb::object to_array(const Tensor& t, bool torch);
+inline nb::object to_numpy(const Tensor& t) { return to_array(t, false); }
+// torch-style leading batch dims: [L, D] -> [1, 1, L, D], [X, L, D] -> [1, X, L, D].
+Tensor to_4d(Tensor t, const char* name);
+// State dicts both ways.
+nb::dict to_dict(const StateDict& sd, bool torch = false);
+StateDict from_items(const Items& items);
+
+// The parts of the module, by what they bind.
+void bind_functional(nb::module_& m);  // threads, seeds, sdpa, the functional ops and their backward
+void bind_modules(nb::module_& m);     // MultiheadAttention, the encoder modules, tapes, AdamW
+void bind_models(nb::module_& m);      // the tokenizer and the sentence encoder
+
+}  // namespace heads::py
