@@ -21,6 +21,19 @@ using namespace nb::literals;
 
 namespace {
 
+// The options every sdpa binding takes, as torch names them (plus the bottom-right causal alignment).
+SdpaOptions sdpa_options(const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
+                         bool causal_lower_right, std::optional<double> scale, bool enable_gqa) {
+  SdpaOptions o;
+  o.attn_mask = opt_view(attn_mask, "attn_mask");
+  o.dropout_p = dropout_p;
+  o.is_causal = is_causal;
+  o.causal_align = causal_lower_right ? CausalAlign::BottomRight : CausalAlign::TopLeft;
+  o.scale = scale;
+  o.enable_gqa = enable_gqa;
+  return o;
+}
+
 nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
                 const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
                 std::optional<double> scale, bool enable_gqa, bool need_weights,
@@ -29,14 +42,8 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
   const int64_t rank = q.dim();
   HEADS_CHECK(k.dim() == rank && v.dim() == rank, "sdpa: query ", q.shape(), ", key ", k.shape(),
               " and value ", v.shape(), " must have the same rank");
-  heads::SdpaOptions o;
-  o.attn_mask = opt_view(attn_mask, "attn_mask");
-  o.is_causal = is_causal;
-  o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
-  o.scale = scale;
-  o.dropout_p = dropout_p;
+  heads::SdpaOptions o = sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa);
   o.dropout_seed = seed;
-  o.enable_gqa = enable_gqa;
   o.need_weights = need_weights;
   heads::SdpaResult r;
   {
@@ -68,13 +75,8 @@ void bind_functional(nb::module_& m) {
   m.def("sdpa_train_forward",
         [](const InArray& query, const InArray& key, const InArray& value, const std::optional<InArray>& attn_mask,
            double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool causal_lower_right) {
-          heads::SdpaOptions o;
-          o.attn_mask = opt_view(attn_mask, "attn_mask");
-          o.dropout_p = dropout_p;
-          o.is_causal = is_causal;
-          o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
-          o.scale = scale;
-          o.enable_gqa = enable_gqa;
+          const heads::SdpaOptions o =
+              sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa);
           const heads::Tensor q = to_4d(view_of(query, "query"), "query");
           const heads::Tensor k = to_4d(view_of(key, "key"), "key");
           const heads::Tensor v = to_4d(view_of(value, "value"), "value");
@@ -92,13 +94,8 @@ void bind_functional(nb::module_& m) {
            const InArray& out, const InArray& lse, uint64_t seed, const std::optional<InArray>& attn_mask,
            double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad,
            bool causal_lower_right) {
-          heads::SdpaOptions o;
-          o.attn_mask = opt_view(attn_mask, "attn_mask");
-          o.dropout_p = dropout_p;
-          o.is_causal = is_causal;
-          o.causal_align = causal_lower_right ? heads::CausalAlign::BottomRight : heads::CausalAlign::TopLeft;
-          o.scale = scale;
-          o.enable_gqa = enable_gqa;
+          const heads::SdpaOptions o =
+              sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa);
           heads::SdpaResult f;
           f.out = to_4d(view_of(out, "out"), "out");
           f.lse = view_of(lse, "lse");

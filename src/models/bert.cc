@@ -52,47 +52,43 @@ nlohmann::json read_json(const fs::path& p, bool required, bool array = false) {
   return j;
 }
 
-// Typed fields of a config object; a field of the wrong type or out of range names the file, the
-// field and the value. Absent fields give the fallback.
+// Typed fields of a config object: the field `key`, or null when it is absent (the caller's fallback);
+// a field that fails `ok` is an error naming the file, the field, what it must be and its value.
+template <class Ok>
+const nlohmann::json* json_field(const nlohmann::json& j, const char* key, const fs::path& file, Ok ok,
+                                 const std::string& must) {
+  if (!j.contains(key)) return nullptr;
+  const nlohmann::json& v = j.at(key);
+  HEADS_CHECK(ok(v), file.string(), ": \"", key, "\" must be ", must, ", got ", v.dump());
+  return &v;
+}
+
 int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback, const fs::path& file, int64_t lo,
                  int64_t hi) {
-  if (!j.contains(key)) return fallback;
-  const nlohmann::json& v = j.at(key);
-  int64_t x = 0;
-  bool ok = false;
-  if (v.is_number_unsigned()) {
-    ok = v.get<uint64_t>() <= static_cast<uint64_t>(hi);
-    x = ok ? static_cast<int64_t>(v.get<uint64_t>()) : 0;
-  } else if (v.is_number_integer()) {
-    ok = true;
-    x = v.get<int64_t>();
-  }
-  HEADS_CHECK(ok && x >= lo && x <= hi, file.string(), ": \"", key, "\" must be an integer in [", lo, ", ", hi,
-              "], got ", v.dump());
-  return x;
+  const auto in_range = [&](const nlohmann::json& v) {
+    if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(hi) && static_cast<int64_t>(v.get<uint64_t>()) >= lo;
+    return v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+  };
+  const std::string must = "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  const nlohmann::json* v = json_field(j, key, file, in_range, must);
+  return v == nullptr ? fallback : v->is_number_unsigned() ? static_cast<int64_t>(v->get<uint64_t>()) : v->get<int64_t>();
 }
 
 double json_real(const nlohmann::json& j, const char* key, double fallback, const fs::path& file, double lo,
                  double hi) {
-  if (!j.contains(key)) return fallback;
-  const nlohmann::json& v = j.at(key);
-  HEADS_CHECK(v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi, file.string(), ": \"", key,
-              "\" must be a number in [", lo, ", ", hi, "], got ", v.dump());
-  return v.get<double>();
+  const auto in_range = [&](const nlohmann::json& v) { return v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi; };
+  const nlohmann::json* v = json_field(j, key, file, in_range, "a number in [" + detail::concat(lo, ", ", hi) + "]");
+  return v == nullptr ? fallback : v->get<double>();
 }
 
 bool json_bool(const nlohmann::json& j, const char* key, bool fallback, const fs::path& file) {
-  if (!j.contains(key)) return fallback;
-  const nlohmann::json& v = j.at(key);
-  HEADS_CHECK(v.is_boolean(), file.string(), ": \"", key, "\" must be true or false, got ", v.dump());
-  return v.get<bool>();
+  const nlohmann::json* v = json_field(j, key, file, [](const nlohmann::json& x) { return x.is_boolean(); }, "true or false");
+  return v == nullptr ? fallback : v->get<bool>();
 }
 
 std::string json_string(const nlohmann::json& j, const char* key, const std::string& fallback, const fs::path& file) {
-  if (!j.contains(key)) return fallback;
-  const nlohmann::json& v = j.at(key);
-  HEADS_CHECK(v.is_string(), file.string(), ": \"", key, "\" must be a string, got ", v.dump());
-  return v.get<std::string>();
+  const nlohmann::json* v = json_field(j, key, file, [](const nlohmann::json& x) { return x.is_string(); }, "a string");
+  return v == nullptr ? fallback : v->get<std::string>();
 }
 
 // Tensor lookup with the "bert." prefix and gamma/beta aliases; errors name file and tensor.

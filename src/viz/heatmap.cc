@@ -79,13 +79,19 @@ struct Canvas {
   }
 };
 
-void text(cairo_t* cr, const std::string& s, double x, double y, double size, double angle = 0,
-          bool right = false, bool center = false, bool bold = false) {
+// Selects the labels' font at `size` and measures s in it.
+cairo_text_extents_t set_font(cairo_t* cr, const std::string& s, double size, bool bold) {
   cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
                          bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
   cairo_set_font_size(cr, size);
   cairo_text_extents_t ext;
   cairo_text_extents(cr, s.c_str(), &ext);
+  return ext;
+}
+
+void text(cairo_t* cr, const std::string& s, double x, double y, double size, double angle = 0,
+          bool right = false, bool center = false, bool bold = false) {
+  const cairo_text_extents_t ext = set_font(cr, s, size, bold);
   cairo_save(cr);
   cairo_translate(cr, x, y);
   cairo_rotate(cr, angle);
@@ -152,11 +158,7 @@ double label_width(const std::vector<std::string>& tokens, double size) {
 double text_width(const std::string& s, double size, bool bold) {
   cairo_surface_t* surface = cairo_image_surface_create(CAIRO_FORMAT_ARGB32, 1, 1);
   cairo_t* cr = cairo_create(surface);
-  cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
-                         bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
-  cairo_set_font_size(cr, size);
-  cairo_text_extents_t ext;
-  cairo_text_extents(cr, s.c_str(), &ext);
+  const cairo_text_extents_t ext = set_font(cr, s, size, bold);
   cairo_destroy(cr);
   cairo_surface_destroy(surface);
   return ext.x_advance;
