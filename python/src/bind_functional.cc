@@ -1,5 +1,7 @@
 // bind_functional.cc — threads, seeds, sdpa (inference and the training pair that heads.torch
 // uses) and the functional ops' backward passes.
+#include "convert.h"
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -10,7 +12,6 @@
 #include <optional>
 #include <string>
 
-#include "convert.h"
 #include "heads/ops.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"

@@ -1,5 +1,7 @@
 // bind_models.cc — the WordPiece tokenizer and the sentence encoder (all-MiniLM-L6-v2 and other
 // sentence-transformers BERT models).
+#include "convert.h"
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -10,7 +12,6 @@
 #include <optional>
 #include <string>
 
-#include "convert.h"
 #include "heads/sentence_encoder.h"
 #include "heads/tokenizer.h"
 
@@ -36,7 +37,7 @@ void bind_models(nb::module_& m) {
       .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
 
   nb::class_<heads::SentenceEncoder>(m, "SentenceEncoder")
-      .def_static("load", &heads::SentenceEncoder::load, "model_dir"_a = "")
+      .def_static("load", &heads::SentenceEncoder::load, "model_dir"_a)
       .def("encode",
            [](const heads::SentenceEncoder& s, const std::vector<std::string>& texts, int64_t batch_size) {
              heads::Tensor out;

@@ -1,5 +1,7 @@
 // bind_modules.cc — MultiheadAttention, TransformerEncoderLayer / TransformerEncoder with their
 // tapes (forward keeps what backward needs), and AdamW over parameters shared with the modules.
+#include "convert.h"
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -11,7 +13,6 @@
 #include <string>
 #include <type_traits>
 
-#include "convert.h"
 #include "heads/encoder.h"
 #include "heads/mha.h"
 #include "heads/ops.h"

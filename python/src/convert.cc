@@ -1,4 +1,5 @@
 // convert.cc — arrays in and out of the extension (convert.h).
+
 #include "convert.h"
 
 #include "heads/error.h"

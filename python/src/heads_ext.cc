@@ -4,11 +4,12 @@
 // Arrays arrive through DLPack (numpy, torch, ...) and become heads::Tensor views without a copy;
 // results leave as numpy arrays (or torch tensors) that own the result tensor's storage.
 // heads::Error becomes ValueError. The computation runs with the GIL released.
+#include "convert.h"
+
 #include <nanobind/nanobind.h>
 
 #include <exception>
 
-#include "convert.h"
 #include "heads/error.h"
 
 namespace nb = nanobind;

@@ -11,8 +11,9 @@
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
+
+#include "heads/files.h"
 
 namespace heads {
 
@@ -243,27 +244,6 @@ std::vector<std::pair<std::string, Tensor>> load_safetensors(const std::string& 
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& n : f.names()) out.emplace_back(n, f.get(n));
   return out;
-}
-
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  std::random_device rd;
-  const std::string tmp = path + ".tmp" + std::to_string(rd() % 1000000);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail(path, ": cannot write (", std::strerror(errno), ")");
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      out.close();
-      std::remove(tmp.c_str());
-      fail(path, ": write failed (", std::strerror(errno), ")");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    fail(path, ": cannot rename temporary file into place (", std::strerror(err), ")");
-  }
 }
 
 void save_safetensors(const std::string& path,

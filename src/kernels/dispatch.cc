@@ -1,12 +1,8 @@
 // dispatch.cc — CPU detection, HEADS_ISA override, the active kernel table.
 #include "kernels/dispatch.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <cmath>
 #include <cstdlib>
 
 #include "heads/error.h"
@@ -88,44 +84,6 @@ Isa active_isa() { return kernels::active().isa; }
 void set_isa(Isa isa) {
   HEADS_CHECK(isa_supported(isa), "set_isa: this CPU cannot run the ", isa_name(isa), " kernels");
   g_table.store(table_of(isa));
-}
-
-namespace {
-
-// Runs `probe` on `threads` threads at once; best GFLOP/s of a few runs of about `seconds`.
-double measure_probe(float (*probe)(int64_t), int flops_per_iter, int threads, double seconds) {
-  using clock = std::chrono::steady_clock;
-  int64_t iters = 1 << 16;
-  float sink = 0;  // consumed below, so the probe's result is live
-  double best = 0;
-  for (int round = 0; round < 8; ++round) {
-    const auto t0 = clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    sink += probe(iters);
-    const double s = std::chrono::duration<double>(clock::now() - t0).count();
-    if (s < seconds / 4) {  // too short to time: grow and retry
-      iters *= 4;
-      continue;
-    }
-    best = std::max(best, static_cast<double>(iters) * flops_per_iter * threads / s / 1e9);
-    if (round >= 4) break;
-  }
-  return std::isnan(sink) ? 0.0 : best;
-}
-
-}  // namespace
-
-double measure_fma_peak_gflops(int threads, double seconds) {
-  HEADS_CHECK(threads >= 1, "measure_fma_peak_gflops: threads must be positive, got ", threads);
-  const kernels::KernelTable& k = kernels::active();
-  return measure_probe(k.fma_probe, k.fma_probe_flops_per_iter(), threads, seconds);
-}
-
-double measure_bf16_peak_gflops(int threads, double seconds) {
-  HEADS_CHECK(threads >= 1, "measure_bf16_peak_gflops: threads must be positive, got ", threads);
-  const kernels::KernelTable& k = kernels::active();
-  if (k.bf16_probe == nullptr) return 0.0;
-  return measure_probe(k.bf16_probe, k.bf16_probe_flops_per_iter(), threads, seconds);
 }
 
 namespace kernels {

@@ -1,4 +1,6 @@
 // sdpa.cc — SDPA entry: validation shared by every kernel, then dispatch.
+#include "heads/sdpa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -5,6 +5,8 @@
 // Non-finite values (docs/numerics.md): a key whose score is -inf (masked) contributes nothing; a row
 // whose scores are all -inf is zero; otherwise IEEE arithmetic — a NaN score or a +inf one makes the
 // row NaN (softmax needs exp(inf - inf)).
+#include "heads/sdpa.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>

@@ -5,11 +5,12 @@
 //   q, k, v = x W{q,k,v}ᵀ + b          ->  dW_in / dW{q,k,v}, db_in, d(query), d(key), d(value)
 // The gradient buffers of the projections are in each input's row order; the SDPA backward writes
 // dq, dk, dv into them through head views, as the forward wrote its output.
+#include "heads/mha.h"
+
 #include <array>
 #include <map>
 #include <string>
 
-#include "heads/mha.h"
 #include "heads/ops.h"
 #include "heads/sdpa.h"
 #include "modules/common.h"

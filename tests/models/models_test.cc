@@ -24,7 +24,7 @@ using ::testing::HasSubstr;
 
 const WordPieceTokenizer& tok() {
   static const WordPieceTokenizer t =
-      WordPieceTokenizer::from_vocab_file(SentenceEncoder::default_model_dir() + "/vocab.txt");
+      WordPieceTokenizer::from_vocab_file(testing::model_dir() + "/vocab.txt");
   return t;
 }
 
@@ -80,7 +80,7 @@ TEST(Tokenizer, StretchesGiveTheIdsOfTheWholeText) {
 // The portable path (HEADS_ISA=scalar: plain C++ kernels and GEMMs, no oneDNN) gives the fast
 // path's embeddings.
 TEST(SentenceEncoder, PortablePathGivesTheFastPathsEmbeddings) {
-  const SentenceEncoder enc = SentenceEncoder::load("");
+  const SentenceEncoder enc = SentenceEncoder::load(testing::model_dir());
   const std::vector<std::string> texts{"The cat sat on the mat.", "a", "Attention is all you need, they said."};
   const Tensor fast = enc.encode(texts, 32);
   testing::IsaGuard guard;
@@ -97,6 +97,7 @@ TEST(SentenceEncoder, FileErrorsNameTheFile) {
   } catch (const Error& err) {
     EXPECT_THAT(err.what(), HasSubstr("/nonexistent/model: model directory not found"));
   }
+  EXPECT_THAT(testing::error_of([] { SentenceEncoder::load(""); }), HasSubstr("model_dir is empty"));
   EXPECT_THROW(WordPieceTokenizer::from_vocab_file("/nonexistent/vocab.txt"), Error);
 }
 
@@ -104,7 +105,7 @@ TEST(SentenceEncoder, FileErrorsNameTheFile) {
 // type and range, and the message names the file, the field and the value.
 TEST(SentenceEncoder, ConfigFieldsAreCheckedForTypeAndRange) {
   namespace fs = std::filesystem;
-  const fs::path src = SentenceEncoder::default_model_dir();
+  const fs::path src = testing::model_dir();
   const fs::path dir = fs::temp_directory_path() / ("heads_test_config_" + std::to_string(::getpid()));
   auto make = [&](const std::string& file, const std::string& text) {
     fs::remove_all(dir);

@@ -2,6 +2,7 @@
 // the directional derivative of their forward (central differences, float64 sums), AdamW follows
 // its formula, and cross_entropy / embedding backward agree with their forwards. The PyTorch
 // comparisons of the same paths live in tests/python.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include "heads/mha.h"
 #include "heads/ops.h"
 #include "heads/optim.h"
+#include "heads/tiny_lm.h"
 
 namespace heads {
 namespace {
@@ -114,6 +116,37 @@ TEST(Training, EncoderBackwardIsTheForwardsDerivative) {
       expect_close(dot(named(g.params, n), dp), directional(p, dp, 1e-2, loss), n);
     }
   }
+}
+
+// The small causal LM `heads train-demo` trains: the gradient of its cross-entropy loss, for every
+// parameter, is the loss's directional derivative.
+TEST(Training, TinyCausalLMBackwardIsTheLossDerivative) {
+  TinyLMOptions o;
+  o.vocab = 7;
+  o.max_len = 9;
+  o.d_model = 12;
+  o.nhead = 3;
+  o.dim_feedforward = 20;
+  o.num_layers = 2;
+  TinyCausalLM lm(o, 4);
+  Tensor ids = Tensor::empty({2, 9}, DType::I64), target = Tensor::empty({18}, DType::I64);
+  for (int64_t i = 0; i < 18; ++i) {
+    ids.data<int64_t>()[i] = static_cast<int64_t>(testing::rng()() % 7);
+    target.data<int64_t>()[i] = i % 5 == 0 ? -100 : static_cast<int64_t>(testing::rng()() % 7);
+  }
+  auto loss = [&] { return cross_entropy(lm.forward(ids), target); };
+  TinyCausalLM::Tape tape;
+  const Tensor logits = lm.forward(ids, &tape);
+  const StateDict g = lm.backward(tape, cross_entropy_backward(logits, target));
+  ASSERT_EQ(g.size(), lm.state_dict().size());
+  for (const auto& [n, p] : lm.state_dict()) {
+    // The embeddings start near 0.02 and the first pre-norm LayerNorm divides by their spread: a
+    // smaller step keeps the difference quotient in the region where the loss is smooth.
+    const Tensor d = randn(p.shape());
+    expect_close(dot(named(g, n), d), directional(p, d, n.find("_emb.") != std::string::npos ? 1e-3 : 1e-2, loss), n);
+  }
+  EXPECT_THAT(testing::error_of([&] { lm.forward(Tensor::zeros({1, 10}, DType::I64)); }),
+              ::testing::HasSubstr("longer than max_len 9"));
 }
 
 TEST(Training, CrossEntropyAndEmbeddingBackward) {

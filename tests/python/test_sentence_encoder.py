@@ -143,9 +143,18 @@ def test_encoder_hidden_states_match_transformers(enc):
         assert err < 1e-5, err
 
 
-def test_missing_and_corrupt_model_files_are_clear_errors(tmp_path):
+def test_missing_and_corrupt_model_files_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="model directory not found"):
         heads.SentenceEncoder(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="model directory not found"):
+        heads.SentenceEncoder(tmp_path / "nope")  # a PathLike
+    with pytest.raises(ValueError, match="model_dir: expected a path, got int"):
+        heads.SentenceEncoder(3)
+    monkeypatch.setenv("HEADS_MODEL_DIR", str(tmp_path / "from_env"))  # the default comes from here first
+    with pytest.raises(ValueError, match="from_env: model directory not found"):
+        heads.SentenceEncoder()
+    monkeypatch.delenv("HEADS_MODEL_DIR")
+    assert heads.SentenceEncoder().model_dir == str(MODEL)
     bad = tmp_path / "bad"
     shutil.copytree(MODEL, bad)
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")

@@ -3,6 +3,8 @@
 // Warm-up, then repeats until at least --min-time seconds (default 1) and 5 runs; reports the
 // median. flops = 4·B·H·Lq·Lk·D for sdpa (half when causal); mha adds 2·B·L·E·E per projection.
 // sdpa --backward: forward alone and forward + backward timed in alternating blocks (8 rounds).
+#include "commands.h"
+
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -13,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "options.h"
 #include "heads/mha.h"
 #include "heads/runtime.h"
@@ -179,7 +180,7 @@ void run_embed(const BenchArgs& a) {
   apply_threads(a.threads);
   const std::vector<std::string> texts = read_lines(a.input);
   HEADS_CHECK(!texts.empty(), a.input, ": no lines");
-  const SentenceEncoder enc = SentenceEncoder::load(a.model);
+  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model));
   int64_t tokens = 0;
   for (const auto& t : texts) tokens += static_cast<int64_t>(enc.tokenize(t).size());
   const double ms = median_ms([&] { enc.encode(texts, a.batch_size); }, a.min_time);

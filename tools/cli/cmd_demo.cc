@@ -1,12 +1,13 @@
 // cmd_demo.cc — `heads demo`: a real model end to end. Embeds a few sentences with
 // all-MiniLM-L6-v2 (or --model), prints their cosine similarities, and draws the attention of
 // "The cat sat on the mat" (every head of the last layer) to a PNG.
+#include "commands.h"
+
 #include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "options.h"
 #include "heads/runtime.h"
 #include "heads/sentence_encoder.h"
@@ -22,7 +23,7 @@ struct DemoArgs {
 
 void run(const DemoArgs& a) {
   apply_threads(a.threads);
-  const SentenceEncoder enc = SentenceEncoder::load(a.model);
+  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model));
   const std::vector<std::string> texts = {
       "The cat sat on the mat.", "A kitten is resting on a rug.", "The stock market fell sharply today.",
       "Shares dropped as investors worried.", "Attention lets every token look at every other token."};

@@ -1,5 +1,7 @@
 // cmd_embed.cc — `heads embed`: sentence embeddings with a sentence-transformers model
 // (default: the installed all-MiniLM-L6-v2), written as .npy, .safetensors or .jsonl.
+#include "commands.h"
+
 #include <unistd.h>
 
 #include <cstdio>
@@ -8,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "options.h"
+#include "heads/files.h"
 #include "heads/safetensors.h"
 #include "heads/sentence_encoder.h"
 
@@ -78,7 +80,7 @@ void run(const EmbedArgs& a) {
   const std::string ext = a.output.size() >= 4 ? a.output.substr(a.output.rfind('.')) : "";
   HEADS_CHECK(ext == ".npy" || ext == ".safetensors" || ext == ".jsonl" || ext == ".json", a.output,
               ": output must end in .npy, .safetensors or .jsonl");
-  const SentenceEncoder enc = SentenceEncoder::load(a.model);
+  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model));
   const bool bar = !a.quiet && texts.size() >= 64 && isatty(STDERR_FILENO);
   int64_t truncated = 0;
   const Tensor e = enc.encode(

@@ -1,7 +1,8 @@
 // cmd_mha.cc — `heads mha`: torch.nn.MultiheadAttention (eval) forward on safetensors files.
+#include "commands.h"
+
 #include <string>
 
-#include "commands.h"
 #include "options.h"
 #include "heads/mha.h"
 #include "heads/safetensors.h"

@@ -2,9 +2,11 @@
 // (forward, backward and AdamW all from the library) on a synthetic sequence task, printing the
 // loss and the accuracy of greedy decoding on held-out sequences until the target is reached.
 //
-// Model: token + learned position embeddings -> TransformerEncoder (pre-norm, causal, final
-// LayerNorm) -> linear head over the vocabulary. A sequence is  x_1..x_n SEP y_1..y_n  with
-// digits x and y = reverse(x) (or sort(x)); the loss counts the predictions of y only.
+// Model: heads::TinyCausalLM (include/heads/tiny_lm.h) over the ten digits and a separator. A
+// sequence is  x_1..x_n SEP y_1..y_n  with digits x and y = reverse(x) (or sort(x)); the loss counts
+// the predictions of y only.
+#include "commands.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,13 +15,12 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "options.h"
-#include "heads/encoder.h"
 #include "heads/ops.h"
 #include "heads/optim.h"
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
+#include "heads/tiny_lm.h"
 
 namespace heads::cli {
 
@@ -65,85 +66,17 @@ Tensor ids_tensor(const std::vector<int64_t>& v, int64_t rows, int64_t cols) {
   return t;
 }
 
-class TinyCausalLM {
- public:
-  TinyCausalLM(const TrainArgs& a, uint64_t seed)
-      : max_len_(2 * a.length),
-        encoder_(
-            [&] {
-              TransformerEncoderLayerOptions o;
-              o.d_model = a.d_model;
-              o.nhead = a.heads;
-              o.dim_feedforward = a.ff;
-              o.dropout = a.dropout;
-              o.activation = Activation::Gelu;
-              o.batch_first = true;
-              o.norm_first = true;
-              return o;
-            }(),
-            a.layers, /*final_norm=*/true, seed) {
-    std::mt19937_64 gen(seed + 101);
-    std::normal_distribution<double> normal(0.0, 0.02);
-    auto init = [&](Tensor t, auto&& draw) {
-      for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(draw());
-      return t;
-    };
-    tok_ = init(Tensor::empty({kVocab, a.d_model}, DType::F32), [&] { return normal(gen); });
-    pos_ = init(Tensor::empty({max_len_, a.d_model}, DType::F32), [&] { return normal(gen); });
-    std::uniform_real_distribution<double> u(-1.0 / std::sqrt(static_cast<double>(a.d_model)),
-                                             1.0 / std::sqrt(static_cast<double>(a.d_model)));
-    head_w_ = init(Tensor::empty({kVocab, a.d_model}, DType::F32), [&] { return u(gen); });
-    head_b_ = init(Tensor::empty({kVocab}, DType::F32), [&] { return u(gen); });
-  }
-
-  void train(bool on) { encoder_.train(on); }
-
-  // Names and tensors sharing the model's storage (for the optimizer and for saving).
-  StateDict state_dict() const {
-    StateDict sd{{"tok_emb.weight", tok_}, {"pos_emb.weight", pos_}};
-    for (const auto& [n, t] : encoder_.state_dict()) sd.emplace_back("encoder." + n, t);
-    sd.emplace_back("head.weight", head_w_);
-    sd.emplace_back("head.bias", head_b_);
-    return sd;
-  }
-
-  struct Tape {
-    Tensor ids, positions, hidden;
-    EncoderTape encoder;
-  };
-
-  // logits [B * L, vocab] for ids [B, L].
-  Tensor forward(const Tensor& ids, Tape* tape = nullptr) const {
-    const int64_t B = ids.size(0), L = ids.size(1);
-    Tensor positions = Tensor::empty({B, L}, DType::I64);
-    for (int64_t i = 0; i < B * L; ++i) positions.data<int64_t>()[i] = i % L;
-    const Tensor x = add(embedding(tok_, ids), embedding(pos_, positions));
-    const Tensor h = encoder_.forward(x, {}, {}, /*is_causal=*/true, nullptr, tape ? &tape->encoder : nullptr);
-    if (tape) {
-      tape->ids = ids;
-      tape->positions = positions;
-      tape->hidden = h;
-    }
-    return linear(h, head_w_, head_b_).reshape({B * L, kVocab});
-  }
-
-  StateDict backward(const Tape& t, const Tensor& dlogits) const {
-    const int64_t B = t.ids.size(0), L = t.ids.size(1);
-    const LinearGrads gh = linear_backward(dlogits.reshape({B, L, kVocab}), t.hidden, head_w_, true);
-    const EncoderGrads ge = encoder_.backward(t.encoder, gh.dx);
-    StateDict g{{"tok_emb.weight", embedding_backward(ge.dsrc, t.ids, kVocab)},
-                {"pos_emb.weight", embedding_backward(ge.dsrc, t.positions, max_len_)}};
-    for (const auto& [n, d] : ge.params) g.emplace_back("encoder." + n, d);
-    g.emplace_back("head.weight", gh.dweight);
-    g.emplace_back("head.bias", gh.dbias);
-    return g;
-  }
-
- private:
-  int64_t max_len_;
-  TransformerEncoder encoder_;
-  Tensor tok_, pos_, head_w_, head_b_;
-};
+TinyCausalLM make_model(const TrainArgs& a) {
+  TinyLMOptions o;
+  o.vocab = kVocab;
+  o.max_len = 2 * a.length;
+  o.d_model = a.d_model;
+  o.nhead = a.heads;
+  o.dim_feedforward = a.ff;
+  o.num_layers = a.layers;
+  o.dropout = a.dropout;
+  return TinyCausalLM(o, a.seed);
+}
 
 struct Accuracy {
   double token = 0, sequence = 0;
@@ -190,7 +123,7 @@ void run(const TrainArgs& a) {
   HEADS_CHECK(a.task == "reverse" || a.task == "sort", "train-demo: --task must be reverse or sort, got ", a.task);
   HEADS_CHECK(a.d_model % a.heads == 0, "train-demo: --d-model ", a.d_model, " is not divisible by --heads ", a.heads);
   manual_seed(a.seed);  // dropout streams
-  TinyCausalLM model(a, a.seed);
+  TinyCausalLM model = make_model(a);
   model.train(true);
   AdamWOptions oo;
   oo.lr = a.lr;

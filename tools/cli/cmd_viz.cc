@@ -1,9 +1,10 @@
 // cmd_viz.cc — `heads viz`: attention of a sentence as heatmaps (every head of one layer, or the
 // rollout across layers), PNG or SVG.
+#include "commands.h"
+
 #include <cstdio>
 #include <string>
 
-#include "commands.h"
 #include "options.h"
 #include "heads/sentence_encoder.h"
 #include "heads/viz.h"
@@ -53,7 +54,7 @@ void add_viz_command(CLI::App& app, Action* action) {
   c->callback([args, action] {
     *action = [args] {
       apply_threads(args->threads);
-      const SentenceEncoder enc = SentenceEncoder::load(args->model);
+      const SentenceEncoder enc = SentenceEncoder::load(model_dir(args->model));
       render_sentence_attention(enc, args->text, args->layer, args->rollout, args->output);
       std::fprintf(stderr, "heads: wrote %s\n", args->output.c_str());
     };

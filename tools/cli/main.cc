@@ -2,6 +2,8 @@
 //
 // Exit codes (DESIGN.md): 0 success, 2 usage error, 1 any other error; errors are one line on
 // stderr. Commands write outputs to a temporary name and rename at the end.
+#include "commands.h"
+
 #include <malloc.h>
 #include <unistd.h>
 
@@ -13,7 +15,6 @@
 #include <iostream>
 #include <string>
 
-#include "commands.h"
 #include "heads/error.h"
 #include "heads/runtime.h"
 

@@ -1,0 +1,45 @@
+// bert.h — the BERT encoder with Hugging Face weight names (BertModel), as all-MiniLM-L6-v2 and
+// models shaped like it ship it: config.json (hidden_size, num_attention_heads, num_hidden_layers,
+// intermediate_size, hidden_act, layer_norm_eps, max_position_embeddings, type_vocab_size,
+// vocab_size) and model.safetensors (embeddings.*, encoder.layer.<i>.*, optionally under "bert.").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "heads/encoder.h"
+#include "heads/tensor.h"
+
+namespace heads {
+
+struct BertConfig {
+  int64_t hidden_size = 768, num_heads = 12, num_layers = 12, intermediate_size = 3072;
+  int64_t max_position_embeddings = 512, type_vocab_size = 2, vocab_size = 30522;
+  Activation hidden_act = Activation::Gelu;
+  double layer_norm_eps = 1e-12;
+};
+
+// The BERT encoder: embeddings (word + position + token type 0, LayerNorm) and post-norm
+// layers; returns the last hidden state.
+class BertModel {
+ public:
+  // Loads config.json and model.safetensors (or `weights`) from `dir`; errors name the file
+  // and the tensor.
+  BertModel() = default;
+  static BertModel load(const std::string& dir);
+  const BertConfig& config() const { return cfg_; }
+
+  // ids: N sequences (ragged); returns [N, L, hidden] with L the longest, rows past a
+  // sequence's end computed as padding (masked out as keys). attn_weights, when set, receives
+  // one [N, H, L, L] tensor per layer.
+  Tensor forward(const std::vector<std::vector<int64_t>>& ids,
+                 std::vector<Tensor>* attn_weights = nullptr) const;
+
+ private:
+  BertConfig cfg_;
+  Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;
+  std::vector<TransformerEncoderLayer> layers_;
+};
+
+}  // namespace heads

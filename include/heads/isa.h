@@ -1,0 +1,30 @@
+// isa.h — the kernels' instruction-set paths: which this CPU runs, which is in use (detected at
+// start-up, HEADS_ISA overrides), and the measured peak of the one in use (`heads bench peak`).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace heads {
+
+// Instruction-set paths of the kernels. `scalar` is portable C++ (no intrinsics); every SIMD
+// path is tested against it and against the float64 references.
+// avx512bf16 is avx512 plus AVX512_BF16 (vdpbf16ps) for bf16 attention.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16 };
+
+std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16"
+Isa isa_from_name(const std::string& s);  // throws heads::Error for an unknown name
+bool isa_supported(Isa isa);              // can this CPU run it?
+std::vector<Isa> supported_isas();        // best last
+// The path in use: the best supported one, or HEADS_ISA from the environment.
+Isa active_isa();
+// Forces a path (throws heads::Error if this CPU cannot run it).
+void set_isa(Isa isa);
+
+// Measured f32 FMA throughput of the active path on `threads` threads (GFLOP/s): independent
+// FMA chains on every thread at once, best of a few runs of about `seconds` each.
+double measure_fma_peak_gflops(int threads, double seconds = 0.2);
+// The same for the bf16 dot product (vdpbf16ps); 0 when the active path has none.
+double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
+
+}  // namespace heads

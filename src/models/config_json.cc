@@ -1,0 +1,72 @@
+// config_json.cc — checked fields of a model directory's JSON files.
+#include "config_json.h"
+
+#include <fstream>
+
+#include "heads/error.h"
+
+namespace heads::models {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Typed fields of a config object: the field `key`, or null when it is absent (the caller's fallback);
+// a field that fails `ok` is an error naming the file, the field, what it must be and its value.
+template <class Ok>
+const nlohmann::json* json_field(const nlohmann::json& j, const char* key, const fs::path& file, Ok ok,
+                                 const std::string& must) {
+  if (!j.contains(key)) return nullptr;
+  const nlohmann::json& v = j.at(key);
+  HEADS_CHECK(ok(v), file.string(), ": \"", key, "\" must be ", must, ", got ", v.dump());
+  return &v;
+}
+
+}  // namespace
+
+nlohmann::json read_json(const fs::path& p, bool required, bool array) {
+  std::ifstream in(p);
+  if (!in) {
+    HEADS_CHECK(!required, p.string(), ": cannot open");
+    return array ? nlohmann::json::array() : nlohmann::json::object();
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    fail(p.string(), ": not valid JSON: ", e.what());
+  }
+  HEADS_CHECK(array ? j.is_array() : j.is_object(), p.string(), ": expected a JSON ", array ? "array" : "object",
+              ", got ", j.type_name());
+  return j;
+}
+
+int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback, const fs::path& file, int64_t lo,
+                 int64_t hi) {
+  const auto in_range = [&](const nlohmann::json& v) {
+    if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(hi) && static_cast<int64_t>(v.get<uint64_t>()) >= lo;
+    return v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+  };
+  const std::string must = "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  const nlohmann::json* v = json_field(j, key, file, in_range, must);
+  return v == nullptr ? fallback : v->is_number_unsigned() ? static_cast<int64_t>(v->get<uint64_t>()) : v->get<int64_t>();
+}
+
+double json_real(const nlohmann::json& j, const char* key, double fallback, const fs::path& file, double lo,
+                 double hi) {
+  const auto in_range = [&](const nlohmann::json& v) { return v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi; };
+  const nlohmann::json* v = json_field(j, key, file, in_range, "a number in [" + detail::concat(lo, ", ", hi) + "]");
+  return v == nullptr ? fallback : v->get<double>();
+}
+
+bool json_bool(const nlohmann::json& j, const char* key, bool fallback, const fs::path& file) {
+  const nlohmann::json* v = json_field(j, key, file, [](const nlohmann::json& x) { return x.is_boolean(); }, "true or false");
+  return v == nullptr ? fallback : v->get<bool>();
+}
+
+std::string json_string(const nlohmann::json& j, const char* key, const std::string& fallback, const fs::path& file) {
+  const nlohmann::json* v = json_field(j, key, file, [](const nlohmann::json& x) { return x.is_string(); }, "a string");
+  return v == nullptr ? fallback : v->get<std::string>();
+}
+
+}  // namespace heads::models
