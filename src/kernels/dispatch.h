@@ -16,14 +16,14 @@ namespace heads::kernels {
 struct KernelTable {
   Isa isa;
   // Fused SDPA forward, f32: see sdpa_flash_fwd-inl.h.
-  void (*sdpa_fwd_f32)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+  void (*sdpa_fwd_f32)(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& out, const Tensor& lse, const Tensor& weights);
   // The same with bf16 q, k, v, out (f32 accumulation).
-  void (*sdpa_fwd_bf16)(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+  void (*sdpa_fwd_bf16)(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights);
   // SDPA backward, f32 (sdpa_bwd-inl.h): dq, dk, dv any strides with a unit inner one, every
   // element written (when B, H, Lq and Lk are positive); dmask_full [B, H, Lq, Lk] or null.
-  void (*sdpa_bwd_f32)(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
+  void (*sdpa_bwd_f32)(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
                        const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
                        const Tensor& dk, const Tensor& dv, float* dmask_full);
   // GEMMs (linear.h), M, N, K >= 1: oneDNN on the SIMD paths, the plain loops on the portable one.

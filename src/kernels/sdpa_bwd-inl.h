@@ -77,24 +77,24 @@ inline float normalized_d(float num, float den) { return den != 0.0f ? num / den
 inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* kr, int64_t ks2, const float* vr,
                       int64_t vs2, const float* q0, int64_t qs2, const float* g0, int64_t gs2, const float* lse2,
                       const float* dsum, float c, float* s, float* dp, float* pd) {
-  const SdpaProblem& P = t.P;
+  const SdpaProblem& pb = t.pb;
   const int64_t nq = t.nq;
-  small_dots(nk, kr, ks2, q0, qs2, nq, P.D, c, s, 1, kTK);
-  small_dots(nk, vr, vs2, g0, gs2, nq, P.Dv, 1.0f, dp, 1, kTK);
-  const bool has_mask = P.mask_kind != MaskKind::None;
-  const float keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f;
+  small_dots(nk, kr, ks2, q0, qs2, nq, pb.D, c, s, 1, kTK);
+  small_dots(nk, vr, vs2, g0, gs2, nq, pb.Dv, 1.0f, dp, 1, kTK);
+  const bool has_mask = pb.mask_kind != MaskKind::None;
+  const float keep_scale = pb.dropout_p > 0 ? dropout_keep_scale(pb.dropout_p) : 1.0f;
   for (int64_t l = 0; l < nq; ++l) {
     const int64_t i = t.i0 + l;
     float* sl = s + l * kTK;
     float* dl = dp + l * kTK;
-    if (has_mask || P.causal) {
-      const int64_t m0 = has_mask ? P.mask_offset(t.b, t.h, i) : 0, ms3 = has_mask ? P.mask.stride(3) : 0;
+    if (has_mask || pb.causal) {
+      const int64_t m0 = has_mask ? pb.mask_offset(t.b, t.h, i) : 0, ms3 = has_mask ? pb.mask.stride(3) : 0;
       for (int64_t r = 0; r < nk; ++r) {
         const int64_t j = j0 + r;
-        if (P.causal && j > i + P.causal_offset) {
+        if (pb.causal && j > i + pb.causal_offset) {
           sl[r] = -kInf;
         } else if (has_mask) {
-          sl[r] = fwd::masked_score(P, sl[r], fwd::mask_log2(P, m0 + j * ms3));
+          sl[r] = fwd::masked_score(pb, sl[r], fwd::mask_log2(pb, m0 + j * ms3));
         }
       }
     }
@@ -103,9 +103,9 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
       const int64_t m = std::min<int64_t>(kW, nk - r);
       Vec::store_partial(sl + r, Vec::exp2(Vec::sub(Vec::load_partial(sl + r, m), l2)), m);  // P
     }
-    if (P.dropout_p > 0.0) {  // Pd = P ∘ Z/(1-p), dP = dP ∘ Z/(1-p)
+    if (pb.dropout_p > 0.0) {  // Pd = P ∘ Z/(1-p), dP = dP ∘ Z/(1-p)
       for (int64_t r = 0; r < nk; ++r) {
-        const float z = dropout_keep(P.seed, dropout_index(P, t.b, t.h, i, j0 + r), P.dropout_p) ? keep_scale : 0.0f;
+        const float z = dropout_keep(pb.seed, dropout_index(pb, t.b, t.h, i, j0 + r), pb.dropout_p) ? keep_scale : 0.0f;
         dl[r] *= z;
         pd[l * kTK + r] = sl[r] * z;
       }
@@ -151,7 +151,7 @@ struct Scratch {
 
 // One backward call: the tensors as pointers and strides, and what is decided once per call.
 struct Call {
-  const SdpaProblem& P;
+  const SdpaProblem& pb;
   int64_t G;  // query heads per key/value head
   std::array<int64_t, 3> qs, ks, vs, os, gs, dqs, dks, dvs;
   const float *qp, *kp, *vp, *op, *gp, *lp;
@@ -178,19 +178,19 @@ struct Step {
 // Tile u of the step against keys [j0, j0 + nk), P into s (stride kLd).
 HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t, int64_t j0, int64_t nk, int64_t u,
                               const Scratch& scr, float* s) {
-  const SdpaProblem& P = C.P;
+  const SdpaProblem& pb = C.pb;
   const float* l2 = st.lse2 + u * kTQ;
   const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
-  const bool causal_here = P.causal && j0 + nk - 1 > t.i0 + P.causal_offset;
+  const bool causal_here = pb.causal && j0 + nk - 1 > t.i0 + pb.causal_offset;
   const float* kj = st.kh + j0 * C.ks[2];
-  if (!causal_here && P.mask_kind == MaskKind::None) {  // P straight from the accumulators
-    fwd::qk_block_with(nk, kj, C.ks[2], scr.qt + u * P.D * kTQ, P.D, [&](int64_t r, VR a0, VR a1) {
+  if (!causal_here && pb.mask_kind == MaskKind::None) {  // P straight from the accumulators
+    fwd::qk_block_with(nk, kj, C.ks[2], scr.qt + u * pb.D * kTQ, pb.D, [&](int64_t r, VR a0, VR a1) {
       Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
       Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
     });
     return;
   }
-  fwd::qk_block(nk, kj, C.ks[2], scr.qt + u * P.D * kTQ, P.D, s, nullptr, kLd);
+  fwd::qk_block(nk, kj, C.ks[2], scr.qt + u * pb.D * kTQ, pb.D, s, nullptr, kLd);
   VR mx[kNQ] = {Vec::zero(), Vec::zero()};
   fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
   for (int64_t r = 0; r < nk; ++r) {
@@ -205,13 +205,13 @@ HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t,
 // 4. dS = P ∘ (dP - D_i), dS into dp; with one block, D_i = sum P ∘ dP / sum P over the block.
 HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, int64_t j0, int64_t nk, int64_t u,
                            const Scratch& scr, const float* s, float* dp, float* pd) {
-  const SdpaProblem& P = C.P;
+  const SdpaProblem& pb = C.pb;
   const float* ds = st.dsum + u * kTQ;
   VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
   const float* vj = st.vh + j0 * C.vs[2];
-  const float* dot = scr.dot + u * P.Dv * kTQ;
-  if (P.dropout_p == 0.0 && !C.one_block) {  // dS straight from the accumulators
-    fwd::qk_block_with(nk, vj, C.vs[2], dot, P.Dv, [&](int64_t r, VR a0, VR a1) {
+  const float* dot = scr.dot + u * pb.Dv * kTQ;
+  if (pb.dropout_p == 0.0 && !C.one_block) {  // dS straight from the accumulators
+    fwd::qk_block_with(nk, vj, C.vs[2], dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
       Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
       Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
     });
@@ -225,17 +225,18 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
     den[0] = Vec::add(den[0], p0);
     den[1] = Vec::add(den[1], p1);
   };
-  if (P.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
-    fwd::qk_block_with(nk, vj, C.vs[2], dot, P.Dv, [&](int64_t r, VR a0, VR a1) {
+  if (pb.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
+    fwd::qk_block_with(nk, vj, C.vs[2], dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
       gather(r, a0, a1);
       Vec::store(dp + r * kLd, a0);
       Vec::store(dp + r * kLd + kW, a1);
     });
   } else {
-    fwd::qk_block(nk, vj, C.vs[2], dot, P.Dv, dp, nullptr, kLd);
+    fwd::qk_block(nk, vj, C.vs[2], dot, pb.Dv, dp, nullptr, kLd);
     for (int64_t r = 0; r < nk; ++r) {
       for (int64_t l = 0; l < kTQ; ++l) {
-        const bool keep = l < t.nq && dropout_keep(P.seed, dropout_index(P, t.b, t.h, t.i0 + l, j0 + r), P.dropout_p);
+        const bool keep =
+            l < t.nq && dropout_keep(pb.seed, dropout_index(pb, t.b, t.h, t.i0 + l, j0 + r), pb.dropout_p);
         const float z = keep ? C.keep_scale : 0.0f;
         dp[r * kLd + l] *= z;
         pd[r * kLd + l] = s[r * kLd + l] * z;
@@ -266,31 +267,32 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
 
 // P, dS (and Pd) of tile u against keys [j0, j0 + nk), and dS into the mask gradient when asked.
 HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64_t u, const Scratch& scr) {
-  const SdpaProblem& P = C.P;
+  const SdpaProblem& pb = C.pb;
   const int64_t i0 = st.I0 + u * kTQ, nq = std::min(st.nqs - u * kTQ, kTQ);
-  const fwd::Tile t{P, st.b, st.h, st.hk, i0, nq, scr.tmp};
-  float* const mrow = C.dmask_full == nullptr ? nullptr : C.dmask_full + ((st.b * P.H + st.h) * P.Lq + i0) * P.Lk + j0;
+  const fwd::Tile t{pb, st.b, st.h, st.hk, i0, nq, scr.tmp};
+  float* const mrow =
+      C.dmask_full == nullptr ? nullptr : C.dmask_full + ((st.b * pb.H + st.h) * pb.Lq + i0) * pb.Lk + j0;
   if (st.few) {
     few_block(t, j0, nk, st.kh + j0 * C.ks[2], C.ks[2], st.vh + j0 * C.vs[2], C.vs[2], st.q0, C.qs[2], st.g0,
               C.gs[2], st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd);
-    for (int64_t l = 0; mrow != nullptr && l < nq; ++l) std::copy_n(scr.dp + l * kTK, nk, mrow + l * P.Lk);
+    for (int64_t l = 0; mrow != nullptr && l < nq; ++l) std::copy_n(scr.dp + l * kTK, nk, mrow + l * pb.Lk);
     return;
   }
   float* s = scr.s + u * kTQ;
   float* dp = scr.dp + u * kTQ;
   float* pd = scr.pd + u * kTQ;
-  if (P.causal && j0 > i0 + nq - 1 + P.causal_offset) {  // the tile sees none of these keys
+  if (pb.causal && j0 > i0 + nq - 1 + pb.causal_offset) {  // the tile sees none of these keys
     for (int64_t r = 0; r < nk; ++r) {
       std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
       std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
-      if (P.dropout_p > 0.0) std::fill(pd + r * kLd, pd + r * kLd + kTQ, 0.0f);
+      if (pb.dropout_p > 0.0) std::fill(pd + r * kLd, pd + r * kLd + kTQ, 0.0f);
     }
     return;
   }
   scores_to_p(C, st, t, j0, nk, u, scr, s);
   dp_to_ds(C, st, t, j0, nk, u, scr, s, dp, pd);
   for (int64_t l = 0; mrow != nullptr && l < nq; ++l) {
-    for (int64_t r = 0; r < nk; ++r) mrow[l * P.Lk + r] = dp[r * kLd + l];
+    for (int64_t r = 0; r < nk; ++r) mrow[l * pb.Lk + r] = dp[r * kLd + l];
   }
 }
 
@@ -299,16 +301,16 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
 // by the first key block of the first group and added to after.
 HEADS_INLINE void block_products(const Call& C, const Step& st, int64_t jg, int64_t j0, int64_t nk, bool& written,
                                  const Scratch& scr) {
-  const SdpaProblem& P = C.P;
+  const SdpaProblem& pb = C.pb;
   float* dkj = C.dkp + st.b * C.dks[0] + st.hk * C.dks[1] + j0 * C.dks[2];
   float* dvj = C.dvp + st.b * C.dvs[0] + st.hk * C.dvs[1] + j0 * C.dvs[2];
   const Out kv_out = written ? Out::Add : C.stream_kv ? Out::Stream : Out::Set;
   const int64_t key_stride = st.few ? 1 : kLd, query_stride = st.few ? kTK : 1;  // of P, dS
-  gemm_acc(nk, P.Dv, st.nqs, P.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, C.gs[2], dvj,
+  gemm_acc(nk, pb.Dv, st.nqs, pb.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, C.gs[2], dvj,
            C.dvs[2], 1.0f, kv_out);
-  gemm_acc(nk, P.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, C.qs[2], dkj, C.dks[2], C.scale, kv_out);
+  gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, C.qs[2], dkj, C.dks[2], C.scale, kv_out);
   written = true;
-  gemm_acc(st.nqs, P.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, C.dqs[2],
+  gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, C.dqs[2],
            C.scale, st.first_group && j0 == jg ? Out::Set : Out::Add);
 }
 
@@ -316,16 +318,16 @@ HEADS_INLINE void block_products(const Call& C, const Step& st, int64_t jg, int6
 // dO packed once, then every key block — its tiles' dS, then its three products.
 inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t I0, int64_t jg, int64_t ng,
                        bool* written, const Scratch& scr) {
-  const SdpaProblem& P = C.P;
+  const SdpaProblem& pb = C.pb;
   Step st;
   st.b = b, st.h = h, st.hk = hk, st.I0 = I0;
-  st.nqs = std::min(P.Lq - I0, kLd);
+  st.nqs = std::min(pb.Lq - I0, kLd);
   st.n_sub = (st.nqs + kTQ - 1) / kTQ;
   st.few = st.nqs <= kSmallQ;
   st.first_group = jg == 0;
   st.dq0 = C.dqp + b * C.dqs[0] + h * C.dqs[1] + I0 * C.dqs[2];
-  if (P.causal && jg > I0 + st.nqs - 1 + P.causal_offset) {  // every key of the group hidden
-    if (st.first_group) zero_rows(st.dq0, C.dqs[2], st.nqs, P.D);
+  if (pb.causal && jg > I0 + st.nqs - 1 + pb.causal_offset) {  // every key of the group hidden
+    if (st.first_group) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
     return;
   }
   st.q0 = C.qp + b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2];
@@ -333,25 +335,25 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
   st.kh = C.kp + b * C.ks[0] + hk * C.ks[1];
   st.vh = C.vp + b * C.vs[0] + hk * C.vs[1];
   // D_i = dO_i · O_i, once per row (first group); kept per thread for the later groups
-  float* drow = scr.drow + (h - hk * C.G) * P.Lq + I0;
+  float* drow = scr.drow + (h - hk * C.G) * pb.Lq + I0;
   if (st.first_group && !C.one_block) {
-    row_dots(st.g0, C.gs[2], C.op + b * C.os[0] + h * C.os[1] + I0 * C.os[2], C.os[2], st.nqs, P.Dv, drow);
+    row_dots(st.g0, C.gs[2], C.op + b * C.os[0] + h * C.os[1] + I0 * C.os[2], C.os[2], st.nqs, pb.Dv, drow);
   }
   for (int64_t l = 0; l < kLd; ++l) {
-    const float x = l < st.nqs ? C.lp[(b * P.H + h) * P.Lq + I0 + l] : -kInf;
+    const float x = l < st.nqs ? C.lp[(b * pb.H + h) * pb.Lq + I0 + l] : -kInf;
     st.lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
     st.dsum[l] = l < st.nqs && !C.one_block ? drow[l] : 0.0f;
   }
   if (!st.few) {
     for (int64_t u = 0; u < st.n_sub; ++u) {
       const int64_t nq = std::min(st.nqs - u * kTQ, kTQ);
-      fwd::Widen<float>::pack_q(st.q0 + u * kTQ * C.qs[2], C.qs[2], nq, P.D, C.c, scr.qt + u * P.D * kTQ);
-      fwd::Widen<float>::pack_q(st.g0 + u * kTQ * C.gs[2], C.gs[2], nq, P.Dv, 1.0f, scr.dot + u * P.Dv * kTQ);
+      fwd::Widen<float>::pack_q(st.q0 + u * kTQ * C.qs[2], C.qs[2], nq, pb.D, C.c, scr.qt + u * pb.D * kTQ);
+      fwd::Widen<float>::pack_q(st.g0 + u * kTQ * C.gs[2], C.gs[2], nq, pb.Dv, 1.0f, scr.dot + u * pb.Dv * kTQ);
     }
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
     const int64_t nk = std::min(jg + ng - j0, kTK);
-    if (P.causal && j0 > I0 + st.nqs - 1 + P.causal_offset) break;  // this and later keys hidden
+    if (pb.causal && j0 > I0 + st.nqs - 1 + pb.causal_offset) break;  // this and later keys hidden
     for (int64_t u = 0; u < st.n_sub; ++u) tile_ds(C, st, j0, nk, u, scr);
     block_products(C, st, jg, j0, nk, written[(j0 - jg) / kTK], scr);
   }
@@ -361,32 +363,32 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
 // for the key blocks no query sees. The group's K, V rows and dK, dV stay in cache while the query
 // steps stream past once per group.
 inline void key_group(const Call& C, int64_t b, int64_t hk, int64_t jg, const Scratch& scr) {
-  const SdpaProblem& P = C.P;
-  const int64_t ng = std::min(P.Lk - jg, C.span);
+  const SdpaProblem& pb = C.pb;
+  const int64_t ng = std::min(pb.Lk - jg, C.span);
   bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
   for (int64_t h = hk * C.G; h < (hk + 1) * C.G; ++h) {
-    for (int64_t I0 = 0; I0 < P.Lq; I0 += kLd) query_step(C, b, hk, h, I0, jg, ng, written, scr);
+    for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, b, hk, h, I0, jg, ng, written, scr);
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
     if (written[(j0 - jg) / kTK]) continue;
     const int64_t nk = std::min(jg + ng - j0, kTK);
-    zero_rows(C.dkp + b * C.dks[0] + hk * C.dks[1] + j0 * C.dks[2], C.dks[2], nk, P.D);
-    zero_rows(C.dvp + b * C.dvs[0] + hk * C.dvs[1] + j0 * C.dvs[2], C.dvs[2], nk, P.Dv);
+    zero_rows(C.dkp + b * C.dks[0] + hk * C.dks[1] + j0 * C.dks[2], C.dks[2], nk, pb.D);
+    zero_rows(C.dvp + b * C.dvs[0] + hk * C.dvs[1] + j0 * C.dvs[2], C.dvs[2], nk, pb.Dv);
   }
 }
 
 }  // namespace bwd
 
-inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor& q, const Tensor& k,
+inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
                          const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
                          const Tensor& dk, const Tensor& dv, float* dmask_full) {
   using namespace bwd;
-  if (P.B == 0 || P.H == 0 || P.Lq == 0 || P.Lk == 0) return;
+  if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) return;
   auto str = [](const Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
-  const float scale = static_cast<float>(P.scale);
-  const int64_t G = P.group();
+  const float scale = static_cast<float>(pb.scale);
+  const int64_t G = pb.group();
   const Call C{
-      .P = P, .G = G,
+      .pb = pb, .G = G,
       .qs = str(q), .ks = str(k), .vs = str(v), .os = str(out), .gs = str(dout),
       // outputs: any strides with a unit inner one (e.g. views into a projection's gradient buffer)
       .dqs = str(dq), .dks = str(dk), .dvs = str(dv),
@@ -394,23 +396,23 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
       .gp = dout.data<float>(), .lp = lse.data<float>(),
       .dqp = dq.data<float>(), .dkp = dk.data<float>(), .dvp = dv.data<float>(),
       .dmask_full = dmask_full,
-      .scale = scale, .c = scale * kLog2e, .keep_scale = P.dropout_p > 0 ? dropout_keep_scale(P.dropout_p) : 1.0f,
+      .scale = scale, .c = scale * kLog2e, .keep_scale = pb.dropout_p > 0 ? dropout_keep_scale(pb.dropout_p) : 1.0f,
       // Keys per group: about 1 MB of K/V rows (and as much dK/dV), a multiple of kTK. Every group
       // re-reads Q and dO and adds into dQ, so fewer, larger groups save those passes as long as the
       // groups of all threads stay well inside the last-level cache (long4k, 2 threads: 256 KB -> 1 MB
       // cut the backward by 9%; 2 MB and more were slower, gpt2k unchanged up to 1 MB).
-      .span = kTK * std::clamp<int64_t>((1024 * 1024 / 4) / (kTK * (P.D + P.Dv)), 1, kMaxBlocks),
-      .one_block = P.Lk <= kTK,
+      .span = kTK * std::clamp<int64_t>((1024 * 1024 / 4) / (kTK * (pb.D + pb.Dv)), 1, kMaxBlocks),
+      .one_block = pb.Lk <= kTK,
       // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
       // large to stay in the last-level cache: streamed past it (no reads for ownership, no eviction
       // of the K and V rows still to come).
-      .stream_kv = G == 1 && P.Lq <= kLd && 4 * P.B * P.Hkv * P.Lk * (P.D + P.Dv) >= kStreamBytes,
+      .stream_kv = G == 1 && pb.Lq <= kLd && 4 * pb.B * pb.Hkv * pb.Lk * (pb.D + pb.Dv) >= kStreamBytes,
   };
-  const int64_t n_tasks = P.B * P.Hkv;
+  const int64_t n_tasks = pb.B * pb.Hkv;
   // five products of the forward's size: S and dP, then dV, dK, dQ
-  const int n_threads = threads_for(5.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
-                                        static_cast<double>(P.D + P.Dv), n_tasks);
-  const int64_t per = (Scratch::floats(P.D, P.Dv, G * P.Lq) + 15) / 16 * 16;
+  const int n_threads = threads_for(5.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
+                                        static_cast<double>(pb.D + pb.Dv), n_tasks);
+  const int64_t per = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
   float* arena = thread_scratch(per * n_threads);
 
 #pragma omp parallel num_threads(n_threads)
@@ -418,8 +420,8 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
     float* base = arena + per * omp_get_thread_num();
     Scratch scr;
     scr.qt = base;
-    scr.dot = scr.qt + kSub * P.D * kTQ;
-    scr.s = scr.dot + kSub * P.Dv * kTQ;
+    scr.dot = scr.qt + kSub * pb.D * kTQ;
+    scr.s = scr.dot + kSub * pb.Dv * kTQ;
     scr.dp = scr.s + kTK * kLd;
     scr.pd = scr.dp + kTK * kLd;
     scr.tmp = scr.pd + kTK * kLd;
@@ -427,7 +429,7 @@ inline void sdpa_bwd_f32(const SdpaProblem& P, const Tensor& dout, const Tensor&
     // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      for (int64_t jg = 0; jg < P.Lk; jg += C.span) key_group(C, task / P.Hkv, task % P.Hkv, jg, scr);
+      for (int64_t jg = 0; jg < pb.Lk; jg += C.span) key_group(C, task / pb.Hkv, task % pb.Hkv, jg, scr);
     }
     if (C.stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
   }

@@ -35,13 +35,13 @@ HEADS_INLINE void from_f32(float x, float* p) { *p = x; }
 HEADS_INLINE void from_f32(float x, uint16_t* p) { *p = f32_to_bf16(x); }
 
 struct Setup {
-  const SdpaProblem& P;
+  const SdpaProblem& pb;
   const void *q, *k, *v;
   int64_t qs[3], ks[3], vs[3];
   int64_t rows, Dp, Dvp;  // query rows per kv head; D and Dv padded to whole vectors
   int64_t chunk, n_chunks;
-  int64_t head(int64_t r) const { return r / P.Lq; }  // within the group
-  int64_t pos(int64_t r) const { return r % P.Lq; }
+  int64_t head(int64_t r) const { return r / pb.Lq; }  // within the group
+  int64_t pos(int64_t r) const { return r % pb.Lq; }
 };
 
 // Partial sums (one vector) of the dot product of a K row with a padded, pre-scaled query row.
@@ -66,9 +66,9 @@ HEADS_INLINE VR dot_partial(const T* kj, const float* qr, int64_t D) {
 template <class T>
 inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, int64_t h,
                        int64_t i, int64_t j0, int64_t nk, float* sr) {
-  const SdpaProblem& P = S.P;
+  const SdpaProblem& pb = S.pb;
   // Causal hides a suffix of the block: only keys [j0, j0 + nv) are computed.
-  const int64_t nv = std::clamp<int64_t>(P.key_end(i) - j0, 0, nk);
+  const int64_t nv = std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk);
   for (int64_t g = 0; g < kBlock; g += kW) {
     if (g >= nv) {
       Vec::store(sr + g, Vec::set1(-kInf));
@@ -76,20 +76,20 @@ inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, 
     }
     VR part[kW];
     for (int u = 0; u < kW; ++u) {
-      part[u] = g + u < nv ? dot_partial(kh + (j0 + g + u) * S.ks[2], qr, P.D) : Vec::zero();
+      part[u] = g + u < nv ? dot_partial(kh + (j0 + g + u) * S.ks[2], qr, pb.D) : Vec::zero();
     }
     Vec::store(sr + g, Vec::reduce_lanes(part));
     for (int64_t u = std::max(g, nv); u < g + kW; ++u) sr[u] = -kInf;  // past nv
   }
-  if (P.mask_kind == MaskKind::Bool) {
-    const auto* m = static_cast<const uint8_t*>(P.mask.raw_data()) + P.mask_offset(b, h, i);
-    const int64_t ms = P.mask.stride(3);
+  if (pb.mask_kind == MaskKind::Bool) {
+    const auto* m = static_cast<const uint8_t*>(pb.mask.raw_data()) + pb.mask_offset(b, h, i);
+    const int64_t ms = pb.mask.stride(3);
     for (int64_t u = 0; u < nv; ++u) {
       if (!m[(j0 + u) * ms]) sr[u] = -kInf;
     }
-  } else if (P.mask_kind == MaskKind::Float) {
-    const auto* m = static_cast<const float*>(P.mask.raw_data()) + P.mask_offset(b, h, i);
-    const int64_t ms = P.mask.stride(3);
+  } else if (pb.mask_kind == MaskKind::Float) {
+    const auto* m = static_cast<const float*>(pb.mask.raw_data()) + pb.mask_offset(b, h, i);
+    const int64_t ms = pb.mask.stride(3);
     for (int64_t u = 0; u < nv; ++u) sr[u] += m[(j0 + u) * ms] * kLog2e;
   }
 }
@@ -146,15 +146,15 @@ inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t 
 template <class T>
 HEADS_INLINE float score(const Setup& S, const T* kh, const float* qrow, int64_t b, int64_t h,
                          int64_t i, int64_t j) {
-  const SdpaProblem& P = S.P;
-  if (!P.visible_causal(i, j)) return -kInf;
-  float s = Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, P.D));
-  if (P.mask_kind == MaskKind::Bool) {
-    const auto* m = static_cast<const uint8_t*>(P.mask.raw_data());
-    if (!m[P.mask_offset(b, h, i) + j * P.mask.stride(3)]) s = -kInf;
-  } else if (P.mask_kind == MaskKind::Float) {
-    const auto* m = static_cast<const float*>(P.mask.raw_data());
-    s += m[P.mask_offset(b, h, i) + j * P.mask.stride(3)] * kLog2e;
+  const SdpaProblem& pb = S.pb;
+  if (!pb.visible_causal(i, j)) return -kInf;
+  float s = Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, pb.D));
+  if (pb.mask_kind == MaskKind::Bool) {
+    const auto* m = static_cast<const uint8_t*>(pb.mask.raw_data());
+    if (!m[pb.mask_offset(b, h, i) + j * pb.mask.stride(3)]) s = -kInf;
+  } else if (pb.mask_kind == MaskKind::Float) {
+    const auto* m = static_cast<const float*>(pb.mask.raw_data());
+    s += m[pb.mask_offset(b, h, i) + j * pb.mask.stride(3)] * kLog2e;
   }
   return s;
 }
@@ -162,12 +162,12 @@ HEADS_INLINE float score(const Setup& S, const T* kh, const float* qrow, int64_t
 // Packs the query rows of (b, hk) as [rows][Dp], times scale·log2(e), zero padded.
 template <class T>
 inline void pack_queries(const Setup& S, int64_t b, int64_t hk, float* qp) {
-  const SdpaProblem& P = S.P;
-  const float c = static_cast<float>(P.scale) * kLog2e;
+  const SdpaProblem& pb = S.pb;
+  const float c = static_cast<float>(pb.scale) * kLog2e;
   for (int64_t r = 0; r < S.rows; ++r) {
-    const int64_t h = hk * P.group() + S.head(r);
+    const int64_t h = hk * pb.group() + S.head(r);
     const T* src = static_cast<const T*>(S.q) + b * S.qs[0] + h * S.qs[1] + S.pos(r) * S.qs[2];
-    for (int64_t d = 0; d < S.Dp; ++d) qp[r * S.Dp + d] = d < P.D ? to_f32(src[d]) * c : 0.0f;
+    for (int64_t d = 0; d < S.Dp; ++d) qp[r * S.Dp + d] = d < pb.D ? to_f32(src[d]) * c : 0.0f;
   }
 }
 
@@ -175,10 +175,10 @@ inline void pack_queries(const Setup& S, int64_t b, int64_t hk, float* qp) {
 template <class T>
 inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
                   float* s, float* m, float* l, float* o) {
-  const SdpaProblem& P = S.P;
+  const SdpaProblem& pb = S.pb;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
   const T* vh = static_cast<const T*>(S.v) + b * S.vs[0] + hk * S.vs[1];
-  const float keep_scale = dropout_keep_scale(P.dropout_p);
+  const float keep_scale = dropout_keep_scale(pb.dropout_p);
   pack_queries<T>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     m[r] = -kInf;
@@ -189,7 +189,7 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
     const int64_t nk = std::min(kBlock, j1 - b0);
     // 1. S = q K_j^T (+ mask), one row per query
     for (int64_t r = 0; r < S.rows; ++r) {
-      const int64_t h = hk * P.group() + S.head(r);
+      const int64_t h = hk * pb.group() + S.head(r);
       row_scores(S, kh, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock);
     }
     // 2-3. online softmax per row
@@ -219,17 +219,17 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
         float* orow = o + r * S.Dvp;
         for (int64_t d = 0; d < S.Dvp; d += kW) Vec::store(orow + d, Vec::mul(Vec::load(orow + d), av));
       }
-      if (P.dropout_p > 0.0) {
-        const int64_t h = hk * P.group() + S.head(r);
+      if (pb.dropout_p > 0.0) {
+        const int64_t h = hk * pb.group() + S.head(r);
         for (int64_t jj = 0; jj < nk; ++jj) {
-          const bool keep = dropout_keep(P.seed, dropout_index(P, b, h, S.pos(r), b0 + jj), P.dropout_p);
+          const bool keep = dropout_keep(pb.seed, dropout_index(pb, b, h, S.pos(r), b0 + jj), pb.dropout_p);
           sr[jj] = keep ? sr[jj] * keep_scale : 0.0f;
         }
       }
     }
     // 4. O += P V_j
     for (int64_t r = 0; r < S.rows; ++r) {
-      pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, P.Dv, o + r * S.Dvp);
+      pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp);
     }
   }
 }
@@ -239,17 +239,17 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
 template <class T>
 inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
                           const float* lse2, float* w) {
-  const SdpaProblem& P = S.P;
+  const SdpaProblem& pb = S.pb;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
-  const float keep_scale = dropout_keep_scale(P.dropout_p);
+  const float keep_scale = dropout_keep_scale(pb.dropout_p);
   pack_queries<T>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
-    const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
-    float* wrow = w + ((b * P.H + h) * P.Lq + i) * P.Lk;
+    const int64_t h = hk * pb.group() + S.head(r), i = S.pos(r);
+    float* wrow = w + ((b * pb.H + h) * pb.Lq + i) * pb.Lk;
     for (int64_t j = j0; j < j1; ++j) {
       float x = std::exp2(score(S, kh, qp + r * S.Dp, b, h, i, j) - lse2[r]);
-      if (P.dropout_p > 0.0) {
-        x = dropout_keep(P.seed, dropout_index(P, b, h, i, j), P.dropout_p) ? x * keep_scale : 0.0f;
+      if (pb.dropout_p > 0.0) {
+        x = dropout_keep(pb.seed, dropout_index(pb, b, h, i, j), pb.dropout_p) ? x * keep_scale : 0.0f;
       }
       wrow[j] = x;
     }
@@ -268,58 +268,58 @@ struct Partials {
 template <class T>
 inline void merge_chunks(const Setup& S, int64_t b, int64_t hk, const Partials& part, float* acc, T* out_p,
                          const int64_t* os, float* lse_p) {
-  const SdpaProblem& P = S.P;
+  const SdpaProblem& pb = S.pb;
   for (int64_t r = 0; r < S.rows; ++r) {
     float m = -kInf;
     for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, part.m[c * S.rows + r]);
-    for (int64_t d = 0; d < P.Dv; ++d) acc[d] = 0.0f;
+    for (int64_t d = 0; d < pb.Dv; ++d) acc[d] = 0.0f;
     float l = 0.0f;
     for (int64_t c = 0; c < S.n_chunks; ++c) {
       if (part.l[c * S.rows + r] == 0.0f) continue;
       const float f = std::exp2(part.m[c * S.rows + r] - m);
       l += part.l[c * S.rows + r] * f;
       const float* oc = part.o + (c * S.rows + r) * S.Dvp;
-      for (int64_t d = 0; d < P.Dv; ++d) acc[d] += oc[d] * f;
+      for (int64_t d = 0; d < pb.Dv; ++d) acc[d] += oc[d] * f;
     }
     const float inv = l != 0.0f ? 1.0f / l : 0.0f;
-    const int64_t h = hk * P.group() + S.head(r), i = S.pos(r);
+    const int64_t h = hk * pb.group() + S.head(r), i = S.pos(r);
     T* orow = out_p + b * os[0] + h * os[1] + i * os[2];
-    for (int64_t d = 0; d < P.Dv; ++d) from_f32(acc[d] * inv, orow + d);
-    lse_p[(b * P.H + h) * P.Lq + i] = l != 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
+    for (int64_t d = 0; d < pb.Dv; ++d) from_f32(acc[d] * inv, orow + d);
+    lse_p[(b * pb.H + h) * pb.Lq + i] = l != 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;
   }
 }
 
 }  // namespace dec
 
 template <class T>
-inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights) {
   using namespace dec;
-  if (P.B == 0 || P.H == 0 || P.Lq == 0) return;
-  Setup S{P, q.raw_data(), k.raw_data(), v.raw_data(), {}, {}, {}, 0, 0, 0, 0, 0};
+  if (pb.B == 0 || pb.H == 0 || pb.Lq == 0) return;
+  Setup S{pb, q.raw_data(), k.raw_data(), v.raw_data(), {}, {}, {}, 0, 0, 0, 0, 0};
   for (int d = 0; d < 3; ++d) {
     S.qs[d] = q.stride(d);
     S.ks[d] = k.stride(d);
     S.vs[d] = v.stride(d);
   }
-  S.rows = P.group() * P.Lq;
-  S.Dp = round_up(P.D, kW);
-  S.Dvp = round_up(P.Dv, kW);
-  const int64_t heads = P.B * P.Hkv;
+  S.rows = pb.group() * pb.Lq;
+  S.Dp = round_up(pb.D, kW);
+  S.Dvp = round_up(pb.Dv, kW);
+  const int64_t heads = pb.B * pb.Hkv;
   // Split keys only while there are too few (b, hk) pairs; a function of the shape alone.
   S.n_chunks = 1;
-  if (heads < kTargetTasks && P.Lk > kMinChunk) {
-    S.n_chunks = std::min((kTargetTasks + heads - 1) / heads, (P.Lk + kMinChunk - 1) / kMinChunk);
+  if (heads < kTargetTasks && pb.Lk > kMinChunk) {
+    S.n_chunks = std::min((kTargetTasks + heads - 1) / heads, (pb.Lk + kMinChunk - 1) / kMinChunk);
   }
-  S.chunk = round_up((P.Lk + S.n_chunks - 1) / S.n_chunks, kBlock);
-  S.n_chunks = std::max<int64_t>(1, (P.Lk + S.chunk - 1) / S.chunk);
+  S.chunk = round_up((pb.Lk + S.n_chunks - 1) / S.n_chunks, kBlock);
+  S.n_chunks = std::max<int64_t>(1, (pb.Lk + S.chunk - 1) / S.chunk);
   const int64_t n_tasks = heads * S.n_chunks;
   // Partial states per task: m, l [rows], O [rows][Dvp].
   std::vector<float> pm(static_cast<size_t>(n_tasks * S.rows)), pl(pm.size());
   std::vector<float> po(static_cast<size_t>(n_tasks * S.rows * S.Dvp + 16));
   float* po_base = po.data() + (16 - (reinterpret_cast<uintptr_t>(po.data()) / 4) % 16) % 16;
-  const int n_threads = threads_for(2.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
-                                        static_cast<double>(P.D + P.Dv), n_tasks);
+  const int n_threads = threads_for(2.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
+                                        static_cast<double>(pb.D + pb.Dv), n_tasks);
   const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock + S.Dvp, 16);
   float* arena = thread_scratch(per * n_threads);
   float* lse_p = lse.data<float>();
@@ -333,8 +333,8 @@ inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
-      const int64_t j0 = c * S.chunk, j1 = std::min(P.Lk, j0 + S.chunk);
-      chunk<T>(S, bh / P.Hkv, bh % P.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
+      const int64_t j0 = c * S.chunk, j1 = std::min(pb.Lk, j0 + S.chunk);
+      chunk<T>(S, bh / pb.Hkv, bh % pb.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
             pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp);
     }
     // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
@@ -342,20 +342,20 @@ inline void sdpa_decode(const SdpaProblem& P, const Tensor& q, const Tensor& k, 
     for (int64_t bh = 0; bh < heads; ++bh) {
       const Partials part{pm.data() + bh * S.n_chunks * S.rows, pl.data() + bh * S.n_chunks * S.rows,
                           po_base + bh * S.n_chunks * S.rows * S.Dvp};
-      merge_chunks<T>(S, bh / P.Hkv, bh % P.Hkv, part, sc + S.rows * kBlock, out_p, os, lse_p);
+      merge_chunks<T>(S, bh / pb.Hkv, bh % pb.Hkv, part, sc + S.rows * kBlock, out_p, os, lse_p);
     }
     if (weights.defined()) {
       float* w = weights.data<float>();
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < n_tasks; ++t) {
         const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
-        const int64_t b = bh / P.Hkv, hk = bh % P.Hkv;
+        const int64_t b = bh / pb.Hkv, hk = bh % pb.Hkv;
         float* lse2 = sc;  // [rows] in log2 units; +inf -> weight 0
         for (int64_t r = 0; r < S.rows; ++r) {
-          const float x = lse_p[(b * P.H + hk * P.group() + S.head(r)) * P.Lq + S.pos(r)];
+          const float x = lse_p[(b * pb.H + hk * pb.group() + S.head(r)) * pb.Lq + S.pos(r)];
           lse2[r] = x == -kInf ? kInf : x * kLog2e;
         }
-        const int64_t j0 = c * S.chunk, j1 = std::min(P.Lk, j0 + S.chunk);
+        const int64_t j0 = c * S.chunk, j1 = std::min(pb.Lk, j0 + S.chunk);
         weights_chunk<T>(S, b, hk, j0, j1, qp, lse2, w);
       }
     }

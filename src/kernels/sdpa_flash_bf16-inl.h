@@ -151,7 +151,7 @@ struct Bf16Dot {
 
   // V2 [ceil(Lk/2)][v2s] dwords for one (b, hk), kept per thread across that head's tiles.
   static int64_t v2_stride(int64_t Dv) { return (Dv + 31) / 32 * 32; }
-  static int64_t cache_floats(const SdpaProblem& P) { return (P.Lk + 1) / 2 * v2_stride(P.Dv); }
+  static int64_t cache_floats(const SdpaProblem& pb) { return (pb.Lk + 1) / 2 * v2_stride(pb.Dv); }
 
   // Pairs V rows [j_begin, j_end) (j_begin even) into the cache: V2[p][d] = (V[2p][d], V[2p+1][d]),
   // the missing partner of an odd end is 0.
@@ -186,7 +186,7 @@ struct Bf16Dot {
         0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_load_si512(kInterleave);
-    const int64_t Dv = t.P.Dv, v2s = v2_stride(Dv);
+    const int64_t Dv = t.pb.Dv, v2s = v2_stride(Dv);
     const int64_t nk2 = (nk + 1) / 2;
     // V2 cache: state = {b, hk, keys paired so far (even)}.
     auto* v2 = reinterpret_cast<uint32_t*>(scr.cache);
@@ -246,10 +246,10 @@ struct Bf16Dot {
 
 }  // namespace fwd
 
-inline void sdpa_tiled_bf16_dot(const SdpaProblem& P, const Tensor& q, const Tensor& k,
+inline void sdpa_tiled_bf16_dot(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
                                 const Tensor& v, const Tensor& out, const Tensor& lse,
                                 const Tensor& weights) {
-  fwd::sdpa_tiled<fwd::Bf16Dot>(P, q, k, v, out, lse, weights);
+  fwd::sdpa_tiled<fwd::Bf16Dot>(pb, q, k, v, out, lse, weights);
 }
 
 // vdpbf16ps throughput probe, as fma_probe (peak-inl.h): flops per iteration = chains · 16 · 4.

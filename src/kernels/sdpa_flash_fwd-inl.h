@@ -147,39 +147,39 @@ inline void pv_block(int64_t Dv, const T* v, int64_t vs, const float* p, int64_t
 }
 
 struct Tile {
-  const SdpaProblem& P;
+  const SdpaProblem& pb;
   int64_t b, h, hk, i0, nq;
   float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
 // attn_mask entry at element offset `off` as a log2-domain term: a bool mask's false is -inf, a
 // float mask's value is scaled by log2(e). The mask must be present.
-HEADS_INLINE float mask_log2(const SdpaProblem& P, int64_t off) {
-  if (P.mask_kind == MaskKind::Bool) return static_cast<const uint8_t*>(P.mask.raw_data())[off] ? 0.0f : -kInf;
-  return static_cast<const float*>(P.mask.raw_data())[off] * kLog2e;
+HEADS_INLINE float mask_log2(const SdpaProblem& pb, int64_t off) {
+  if (pb.mask_kind == MaskKind::Bool) return static_cast<const uint8_t*>(pb.mask.raw_data())[off] ? 0.0f : -kInf;
+  return static_cast<const float*>(pb.mask.raw_data())[off] * kLog2e;
 }
 // Score s (log2 units) under that term: a float mask is added (IEEE: NaN + -inf is NaN); a bool
 // mask's false replaces s by -inf, so a hidden key's values never reach the row (even NaN).
-HEADS_INLINE float masked_score(const SdpaProblem& P, float s, float term) {
-  return P.mask_kind == MaskKind::Bool ? (term == 0.0f ? s : -kInf) : s + term;
+HEADS_INLINE float masked_score(const SdpaProblem& pb, float s, float term) {
+  return pb.mask_kind == MaskKind::Bool ? (term == 0.0f ? s : -kInf) : s + term;
 }
 
 // Applies causal and attn_mask to S rows [0, nk) (keys j0 + r, row stride lds), folding in the
 // running max.
 inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx,
                         int64_t lds = kTQ) {
-  const SdpaProblem& P = t.P;
+  const SdpaProblem& pb = t.pb;
   VR qlim[kNQ];  // key j is hidden from query lane i iff j > i + causal_offset
   for (int v = 0; v < kNQ; ++v) {
-    qlim[v] = Vec::add(Vec::iota(), Vec::set1(static_cast<float>(t.i0 + v * kW + P.causal_offset)));
+    qlim[v] = Vec::add(Vec::iota(), Vec::set1(static_cast<float>(t.i0 + v * kW + pb.causal_offset)));
   }
-  const bool has_mask = P.mask_kind != MaskKind::None;
-  const bool bool_mask = P.mask_kind == MaskKind::Bool;
-  const bool row_bcast = has_mask && P.mask.stride(2) == 0;  // same value for every query
-  const int64_t ms3 = has_mask ? P.mask.stride(3) : 0;
-  const int64_t mrow0 = has_mask ? P.mask_offset(t.b, t.h, t.i0) : 0;
-  const int64_t ms2 = has_mask ? P.mask.stride(2) : 0;
-  auto value = [&](int64_t off) { return mask_log2(P, off); };
+  const bool has_mask = pb.mask_kind != MaskKind::None;
+  const bool bool_mask = pb.mask_kind == MaskKind::Bool;
+  const bool row_bcast = has_mask && pb.mask.stride(2) == 0;  // same value for every query
+  const int64_t ms3 = has_mask ? pb.mask.stride(3) : 0;
+  const int64_t mrow0 = has_mask ? pb.mask_offset(t.b, t.h, t.i0) : 0;
+  const int64_t ms2 = has_mask ? pb.mask.stride(2) : 0;
+  auto value = [&](int64_t off) { return mask_log2(pb, off); };
   for (int64_t r = 0; r < nk; ++r) {
     const int64_t j = j0 + r;
     VR add[kNQ] = {Vec::zero(), Vec::zero()};
@@ -205,11 +205,11 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
 }
 
 inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
-  const SdpaProblem& P = t.P;
-  const float keep_scale = dropout_keep_scale(P.dropout_p);
+  const SdpaProblem& pb = t.pb;
+  const float keep_scale = dropout_keep_scale(pb.dropout_p);
   for (int64_t r = 0; r < nk; ++r) {
     for (int64_t l = 0; l < t.nq; ++l) {
-      const bool keep = dropout_keep(P.seed, dropout_index(P, t.b, t.h, t.i0 + l, j0 + r), P.dropout_p);
+      const bool keep = dropout_keep(pb.seed, dropout_index(pb, t.b, t.h, t.i0 + l, j0 + r), pb.dropout_p);
       s[r * kTQ + l] = keep ? s[r * kTQ + l] * keep_scale : 0.0f;
     }
   }
@@ -259,7 +259,7 @@ struct Widen {
   // Ot = Ot · alpha + P · V[j0 : j0 + nk] (V rows read in place).
   static void pv(const Tile& t, const Scratch& scr, const T* vh, int64_t vs, int64_t j0, int64_t nk,
                  const VR* alpha) {
-    pv_block(t.P.Dv, vh + j0 * vs, vs, scr.s, nk, scr.ot, alpha);
+    pv_block(t.pb.Dv, vh + j0 * vs, vs, scr.s, nk, scr.ot, alpha);
   }
   // out[l][d] = Ot[d][l] · inv_l[l] for l < nq.
   static void store_out(const float* ot, const float* inv_l, int64_t nq, int64_t Dv, T* o0,
@@ -295,27 +295,27 @@ struct Widen {
 template <class Pol>
 inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2, int64_t jend, const float* lse2_l,
                          float c, const Scratch& scr, float* w) {
-  const SdpaProblem& P = t.P;
+  const SdpaProblem& pb = t.pb;
   VR lse2[kNQ];
   for (int v = 0; v < kNQ; ++v) lse2[v] = Vec::load(lse2_l + v * kW);
-  for (int64_t j0 = 0; j0 < P.Lk; j0 += kTK) {
-    const int64_t nk = std::min(P.Lk - j0, kTK);
+  for (int64_t j0 = 0; j0 < pb.Lk; j0 += kTK) {
+    const int64_t nk = std::min(pb.Lk - j0, kTK);
     const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // visible under causal
     if (nv > 0) {
-      const bool causal_here = P.causal && j0 + nv - 1 > t.i0 + P.causal_offset;
+      const bool causal_here = pb.causal && j0 + nv - 1 > t.i0 + pb.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-      Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, P.D, c, scr.s, nullptr);
-      if (causal_here || P.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, scr.s, mx);
+      Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, nullptr);
+      if (causal_here || pb.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, scr.s, mx);
       for (int64_t r = 0; r < nv; ++r) {
         for (int v = 0; v < kNQ; ++v) {
           float* sp = scr.s + r * kTQ + v * kW;
           Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), lse2[v])));
         }
       }
-      if (P.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s);
+      if (pb.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s);
     }
     for (int64_t r = 0; r < t.nq; ++r) {
-      float* wrow = w + r * P.Lk + j0;
+      float* wrow = w + r * pb.Lk + j0;
       const float hidden = std::isnan(lse2_l[r]) ? lse2_l[r] : 0.0f;  // a NaN row's weights are all NaN
       for (int64_t c2 = 0; c2 < nk; ++c2) wrow[c2] = c2 < nv ? scr.s[c2 * kTQ + r] : hidden;
     }
@@ -323,31 +323,31 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
 }
 
 template <class Pol>
-inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const int64_t* qs,
+inline void forward_tile(const SdpaProblem& pb, const typename Pol::In* q, const int64_t* qs,
                          const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
                          const int64_t* vs, typename Pol::In* out, const int64_t* os, float* lse,
                          float* weights, int64_t b, int64_t h, int64_t qt_index, const Scratch& scr) {
   using T = typename Pol::In;
-  const int64_t hk = h / P.group();
-  const int64_t i0 = qt_index * kTQ, nq = std::min(P.Lq - i0, kTQ);
-  const int64_t jend = P.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
-  const Tile t{P, b, h, hk, i0, nq, scr.tmp};
+  const int64_t hk = h / pb.group();
+  const int64_t i0 = qt_index * kTQ, nq = std::min(pb.Lq - i0, kTQ);
+  const int64_t jend = pb.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
+  const Tile t{pb, b, h, hk, i0, nq, scr.tmp};
   const T* kh = kb + b * ks[0] + hk * ks[1];
   const T* vh = vb + b * vs[0] + hk * vs[1];
   // Qt = Q_i^T (· c where the policy folds it in), zero lanes past the last query.
-  const float c = static_cast<float>(P.scale) * kLog2e;
-  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, P.D, c, scr.qt);
-  std::fill(scr.ot, scr.ot + P.Dv * kTQ, 0.0f);
+  const float c = static_cast<float>(pb.scale) * kLog2e;
+  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, pb.D, c, scr.qt);
+  std::fill(scr.ot, scr.ot + pb.Dv * kTQ, 0.0f);
   VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
   VR l[kNQ] = {Vec::zero(), Vec::zero()};
 
   for (int64_t j0 = 0; j0 < jend; j0 += kTK) {
     const int64_t nk = std::min(jend - j0, kTK);
-    const bool causal_here = P.causal && j0 + nk - 1 > i0 + P.causal_offset;
-    const bool masked = causal_here || P.mask_kind != MaskKind::None;
+    const bool causal_here = pb.causal && j0 + nk - 1 > i0 + pb.causal_offset;
+    const bool masked = causal_here || pb.mask_kind != MaskKind::None;
     // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
     VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
-    Pol::qk(nk, kh + j0 * ks[2], ks[2], scr.qt, P.D, c, scr.s, masked ? nullptr : mx);
+    Pol::qk(nk, kh + j0 * ks[2], ks[2], scr.qt, pb.D, c, scr.s, masked ? nullptr : mx);
     if (masked) apply_masks(t, j0, nk, causal_here, scr.s, mx);
     // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
     VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
@@ -366,7 +366,7 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
       }
     }
     for (int v = 0; v < kNQ; ++v) l[v] = Vec::fma(l[v], alpha[v], sum[v]);
-    if (P.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s);
+    if (pb.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s);
     // 4. O = O·2^(m - m_new) + P V_j
     Pol::pv(t, scr, vh, vs[2], j0, nk, alpha);
   }
@@ -382,12 +382,12 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
     inv_l[r] = 1.0f / l_l[r];
     if (l_l[r] == 0.0f) {  // zeros even where a V entry is NaN (0 · NaN in the P·V product)
       inv_l[r] = 0.0f;
-      for (int64_t d = 0; d < P.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;
+      for (int64_t d = 0; d < pb.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;
     }
   }
-  Pol::store_out(scr.ot, inv_l, nq, P.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
+  Pol::store_out(scr.ot, inv_l, nq, pb.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
   for (int64_t r = 0; r < nq; ++r) {
-    lse[(b * P.H + h) * P.Lq + i0 + r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
+    lse[(b * pb.H + h) * pb.Lq + i0 + r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
   }
 
   // 6. Weights on request: w = 2^(S - log2-lse), dropped like P above.
@@ -395,14 +395,14 @@ inline void forward_tile(const SdpaProblem& P, const typename Pol::In* q, const 
   for (int64_t r = 0; r < kTQ; ++r) {
     m_l[r] = r < nq && l_l[r] != 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
   }
-  weights_pass<Pol>(t, kh, ks[2], jend, m_l, c, scr, weights + ((b * P.H + h) * P.Lq + i0) * P.Lk);
+  weights_pass<Pol>(t, kh, ks[2], jend, m_l, c, scr, weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk);
 }
 
 template <class Pol>
-inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& out, const Tensor& lse, const Tensor& weights) {
   using T = typename Pol::In;
-  if (P.B == 0 || P.H == 0 || P.Lq == 0) return;
+  if (pb.B == 0 || pb.H == 0 || pb.Lq == 0) return;
   const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
   const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
   const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
@@ -413,14 +413,14 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
   T* op = static_cast<T*>(out.raw_data());
   float* lp = lse.data<float>();
   float* wp = weights.defined() ? weights.data<float>() : nullptr;
-  const int64_t n_qt = (P.Lq + kTQ - 1) / kTQ;
-  const int64_t n_tasks = P.B * P.H * n_qt;
-  const double flops = 4.0 * static_cast<double>(P.B * P.H * P.Lq) * static_cast<double>(P.Lk) *
-                       static_cast<double>(P.D + P.Dv) / 2;
-  const int n_threads = threads_for(P.causal ? flops / 2 : flops, n_tasks);
+  const int64_t n_qt = (pb.Lq + kTQ - 1) / kTQ;
+  const int64_t n_tasks = pb.B * pb.H * n_qt;
+  const double flops = 4.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
+                       static_cast<double>(pb.D + pb.Dv) / 2;
+  const int n_threads = threads_for(pb.causal ? flops / 2 : flops, n_tasks);
   // Per-thread scratch, each slice a multiple of 64 bytes.
-  const int64_t cache = (Pol::cache_floats(P) + 15) / 16 * 16;
-  const int64_t per = (Scratch::floats(P.D, P.Dv) + 15) / 16 * 16 + cache;
+  const int64_t cache = (Pol::cache_floats(pb) + 15) / 16 * 16;
+  const int64_t per = (Scratch::floats(pb.D, pb.Dv) + 15) / 16 * 16 + cache;
   float* arena = thread_scratch(per * n_threads);
   std::vector<int64_t> cache_state(static_cast<size_t>(16 * n_threads), -1);  // a line per thread
 
@@ -428,29 +428,29 @@ inline void sdpa_tiled(const SdpaProblem& P, const Tensor& q, const Tensor& k, c
   {
     const int tid = omp_get_thread_num();
     float* base = arena + per * tid;
-    const Scratch scr{base, base + P.D * kTQ, base + (P.D + kTK) * kTQ,
-                    base + (P.D + kTK + P.Dv) * kTQ, base + (P.D + kTK + P.Dv + 1) * kTQ,
+    const Scratch scr{base, base + pb.D * kTQ, base + (pb.D + kTK) * kTQ,
+                    base + (pb.D + kTK + pb.Dv) * kTQ, base + (pb.D + kTK + pb.Dv + 1) * kTQ,
                     base + per - cache, cache_state.data() + 16 * tid};
     // Head by head (a policy's per-head cache stays warm); causal tiles grow with the query
     // index, so within a head the heaviest go first and the run ends on light tiles.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t bh = task / n_qt;
-      const int64_t qt = P.causal ? n_qt - 1 - task % n_qt : task % n_qt;
-      forward_tile<Pol>(P, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / P.H, bh % P.H, qt, scr);
+      const int64_t qt = pb.causal ? n_qt - 1 - task % n_qt : task % n_qt;
+      forward_tile<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, qt, scr);
     }
   }
 }
 
 }  // namespace fwd
 
-inline void sdpa_tiled_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+inline void sdpa_tiled_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                            const Tensor& out, const Tensor& lse, const Tensor& weights) {
-  fwd::sdpa_tiled<fwd::Widen<float>>(P, q, k, v, out, lse, weights);
+  fwd::sdpa_tiled<fwd::Widen<float>>(pb, q, k, v, out, lse, weights);
 }
 
-inline void sdpa_tiled_bf16_widen(const SdpaProblem& P, const Tensor& q, const Tensor& k,
+inline void sdpa_tiled_bf16_widen(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   const Tensor& weights) {
-  fwd::sdpa_tiled<fwd::Widen<uint16_t>>(P, q, k, v, out, lse, weights);
+  fwd::sdpa_tiled<fwd::Widen<uint16_t>>(pb, q, k, v, out, lse, weights);
 }

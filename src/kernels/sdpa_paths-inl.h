@@ -14,26 +14,26 @@
 // the decode kernel reads K and V once per key/value head instead.
 constexpr int64_t kMaxDecodeLq = 4;
 
-inline void sdpa_fwd_f32(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+inline void sdpa_fwd_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& out, const Tensor& lse, const Tensor& weights) {
-  if (P.Lq <= kMaxDecodeLq) {
-    sdpa_decode<float>(P, q, k, v, out, lse, weights);
+  if (pb.Lq <= kMaxDecodeLq) {
+    sdpa_decode<float>(pb, q, k, v, out, lse, weights);
   } else {
-    sdpa_tiled_f32(P, q, k, v, out, lse, weights);
+    sdpa_tiled_f32(pb, q, k, v, out, lse, weights);
   }
 }
 
 // bf16 q, k, v and out (f32 accumulation). The tiled part widens bf16 to f32 as it reads;
 // isa_avx512bf16.cc replaces it with vdpbf16ps kernels where the CPU has them.
-inline void sdpa_fwd_bf16(const SdpaProblem& P, const Tensor& q, const Tensor& k, const Tensor& v,
+inline void sdpa_fwd_bf16(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& out, const Tensor& lse, const Tensor& weights) {
-  if (P.Lq <= kMaxDecodeLq) {
-    sdpa_decode<uint16_t>(P, q, k, v, out, lse, weights);
+  if (pb.Lq <= kMaxDecodeLq) {
+    sdpa_decode<uint16_t>(pb, q, k, v, out, lse, weights);
   } else {
 #ifdef HEADS_NATIVE_BF16
-    sdpa_tiled_bf16_dot(P, q, k, v, out, lse, weights);
+    sdpa_tiled_bf16_dot(pb, q, k, v, out, lse, weights);
 #else
-    sdpa_tiled_bf16_widen(P, q, k, v, out, lse, weights);
+    sdpa_tiled_bf16_widen(pb, q, k, v, out, lse, weights);
 #endif
   }
 }

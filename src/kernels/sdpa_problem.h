@@ -2,6 +2,7 @@
 //
 // make_sdpa_problem() checks every argument (ranks, shapes, dtypes, GQA, mask broadcast,
 // dropout range) and resolves defaults, so that kernels receive a problem that cannot fail.
+// Kernels call it `pb`; `P` is kept for the probabilities, as the comments' formulas write them.
 #pragma once
 
 #include <cmath>
@@ -58,8 +59,8 @@ Tensor reduce_to_shape(const Tensor& full, const Shape& shape);
 // The factor a kept weight is scaled by, 1 / (1 - p); p = 1 drops everything (factor unused, 0).
 inline float dropout_keep_scale(double p) { return p < 1.0 ? static_cast<float>(1.0 / (1.0 - p)) : 0.0f; }
 
-inline uint64_t dropout_index(const SdpaProblem& P, int64_t b, int64_t h, int64_t i, int64_t j) {
-  return static_cast<uint64_t>(((b * P.H + h) * P.Lq + i) * P.Lk + j);
+inline uint64_t dropout_index(const SdpaProblem& pb, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return static_cast<uint64_t>(((b * pb.H + h) * pb.Lq + i) * pb.Lk + j);
 }
 
 }  // namespace heads::kernels

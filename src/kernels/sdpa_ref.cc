@@ -42,7 +42,7 @@ using kernels::reduce_to_shape;
 SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                         const SdpaOptions& opts) {
   using namespace kernels;
-  const SdpaProblem P = make_sdpa_problem("ref::sdpa_fwd_f64", q_in, k_in, v_in, opts);
+  const SdpaProblem pb = make_sdpa_problem("ref::sdpa_fwd_f64", q_in, k_in, v_in, opts);
   for (const Tensor* t : {&q_in, &k_in, &v_in}) {
     HEADS_CHECK(is_floating(t->dtype()), "ref::sdpa_fwd_f64: inputs must be floating, got ",
                 dtype_name(t->dtype()));
@@ -52,58 +52,58 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const double* kp = k.data<double>();
   const double* vp = v.data<double>();
   SdpaResult r;
-  r.out = Tensor::zeros({P.B, P.H, P.Lq, P.Dv}, DType::F64);
-  r.weights = Tensor::zeros({P.B, P.H, P.Lq, P.Lk}, DType::F64);
-  r.lse = Tensor::empty({P.B, P.H, P.Lq}, DType::F64);
+  r.out = Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Dv}, DType::F64);
+  r.weights = Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F64);
+  r.lse = Tensor::empty({pb.B, pb.H, pb.Lq}, DType::F64);
   double* op = r.out.data<double>();
   double* wp = r.weights.data<double>();
   double* lp = r.lse.data<double>();
   const double ninf = -std::numeric_limits<double>::infinity();
-  std::vector<double> s(static_cast<size_t>(P.Lk));
+  std::vector<double> s(static_cast<size_t>(pb.Lk));
 
-  for (int64_t b = 0; b < P.B; ++b) {
-    for (int64_t h = 0; h < P.H; ++h) {
-      const int64_t hk = h / P.group();
-      for (int64_t i = 0; i < P.Lq; ++i) {
-        const double* qi = qp + ((b * P.H + h) * P.Lq + i) * P.D;
+  for (int64_t b = 0; b < pb.B; ++b) {
+    for (int64_t h = 0; h < pb.H; ++h) {
+      const int64_t hk = h / pb.group();
+      for (int64_t i = 0; i < pb.Lq; ++i) {
+        const double* qi = qp + ((b * pb.H + h) * pb.Lq + i) * pb.D;
         double mx = ninf;
         bool any_visible = false;
-        for (int64_t j = 0; j < P.Lk; ++j) {
-          const double* kj = kp + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
+        for (int64_t j = 0; j < pb.Lk; ++j) {
+          const double* kj = kp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
           double acc = 0.0;
-          for (int64_t d = 0; d < P.D; ++d) acc += qi[d] * kj[d];
-          double x = acc * P.scale;
-          if (!P.visible_causal(i, j)) x = ninf;
-          if (P.mask_kind != MaskKind::None) {
-            const int64_t off = P.mask_offset(b, h, i) + j * P.mask.stride(3);
-            if (P.mask_kind == MaskKind::Bool) {
-              if (!static_cast<const uint8_t*>(P.mask.raw_data())[off]) x = ninf;
+          for (int64_t d = 0; d < pb.D; ++d) acc += qi[d] * kj[d];
+          double x = acc * pb.scale;
+          if (!pb.visible_causal(i, j)) x = ninf;
+          if (pb.mask_kind != MaskKind::None) {
+            const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
+            if (pb.mask_kind == MaskKind::Bool) {
+              if (!static_cast<const uint8_t*>(pb.mask.raw_data())[off]) x = ninf;
             } else {
-              x += static_cast<const float*>(P.mask.raw_data())[off];
+              x += static_cast<const float*>(pb.mask.raw_data())[off];
             }
           }
           s[j] = x;
           if (x > mx) mx = x;  // NaN never compares greater: mx is the largest non-NaN score
           any_visible = any_visible || x != ninf;
         }
-        double* w = wp + ((b * P.H + h) * P.Lq + i) * P.Lk;
-        double* o = op + ((b * P.H + h) * P.Lq + i) * P.Dv;
-        lp[(b * P.H + h) * P.Lq + i] = ninf;
+        double* w = wp + ((b * pb.H + h) * pb.Lq + i) * pb.Lk;
+        double* o = op + ((b * pb.H + h) * pb.Lq + i) * pb.Dv;
+        lp[(b * pb.H + h) * pb.Lq + i] = ninf;
         if (!any_visible) continue;  // no visible key: zero weights and output
         double sum = 0.0;
-        for (int64_t j = 0; j < P.Lk; ++j) sum += s[j] == ninf ? 0.0 : std::exp(s[j] - mx);
-        lp[(b * P.H + h) * P.Lq + i] = mx + std::log(sum);
-        for (int64_t j = 0; j < P.Lk; ++j) {
+        for (int64_t j = 0; j < pb.Lk; ++j) sum += s[j] == ninf ? 0.0 : std::exp(s[j] - mx);
+        lp[(b * pb.H + h) * pb.Lq + i] = mx + std::log(sum);
+        for (int64_t j = 0; j < pb.Lk; ++j) {
           if (s[j] == ninf && !std::isnan(sum)) continue;  // masked: contributes nothing
           double p = std::exp(s[j] - mx) / sum;
-          if (P.dropout_p > 0.0) {
-            p = dropout_keep(P.seed, dropout_index(P, b, h, i, j), P.dropout_p)
-                    ? p / (1.0 - P.dropout_p)
+          if (pb.dropout_p > 0.0) {
+            p = dropout_keep(pb.seed, dropout_index(pb, b, h, i, j), pb.dropout_p)
+                    ? p / (1.0 - pb.dropout_p)
                     : 0.0;
           }
           w[j] = p;
-          const double* vj = vp + ((b * P.Hkv + hk) * P.Lk + j) * P.Dv;
-          for (int64_t d = 0; d < P.Dv; ++d) o[d] += p * vj[d];
+          const double* vj = vp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.Dv;
+          for (int64_t d = 0; d < pb.Dv; ++d) o[d] += p * vj[d];
         }
       }
     }
@@ -114,11 +114,11 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
 SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
                        const Tensor& v_in, const SdpaOptions& opts, bool mask_grad) {
   using namespace kernels;
-  const SdpaProblem P = make_sdpa_problem("ref::sdpa_bwd_f64", q_in, k_in, v_in, opts);
-  HEADS_CHECK(P.dropout_p == 0.0 || opts.dropout_seed.has_value(),
+  const SdpaProblem pb = make_sdpa_problem("ref::sdpa_bwd_f64", q_in, k_in, v_in, opts);
+  HEADS_CHECK(pb.dropout_p == 0.0 || opts.dropout_seed.has_value(),
               "ref::sdpa_bwd_f64: dropout needs the forward's dropout_seed");
-  HEADS_CHECK(dout_in.defined() && dout_in.shape() == Shape({P.B, P.H, P.Lq, P.Dv}),
-              "ref::sdpa_bwd_f64: dout: expected [B, H, Lq, Dv] = ", Shape({P.B, P.H, P.Lq, P.Dv}));
+  HEADS_CHECK(dout_in.defined() && dout_in.shape() == Shape({pb.B, pb.H, pb.Lq, pb.Dv}),
+              "ref::sdpa_bwd_f64: dout: expected [B, H, Lq, Dv] = ", Shape({pb.B, pb.H, pb.Lq, pb.Dv}));
   const Tensor q = q_in.to(DType::F64), k = k_in.to(DType::F64), v = v_in.to(DType::F64);
   const Tensor dO = dout_in.to(DType::F64);
   const double* qp = q.data<double>();
@@ -131,59 +131,60 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
   g.dv = Tensor::zeros(v.shape(), DType::F64);
   Tensor dm_full;
   if (mask_grad) {
-    HEADS_CHECK(P.mask_kind == MaskKind::Float, "ref::sdpa_bwd_f64: mask_grad needs a float attn_mask");
-    dm_full = Tensor::zeros({P.B, P.H, P.Lq, P.Lk}, DType::F64);
+    HEADS_CHECK(pb.mask_kind == MaskKind::Float, "ref::sdpa_bwd_f64: mask_grad needs a float attn_mask");
+    dm_full = Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F64);
   }
   const SdpaResult fw = sdpa_fwd_f64(q_in, k_in, v_in, opts);  // weights include dropout
   const double ninf = -std::numeric_limits<double>::infinity();
-  std::vector<double> p(static_cast<size_t>(P.Lk)), dp(static_cast<size_t>(P.Lk));
-  const double keep_scale = P.dropout_p >= 1.0 ? 0.0 : P.dropout_p > 0 ? 1.0 / (1.0 - P.dropout_p) : 1.0;
-  for (int64_t b = 0; b < P.B; ++b) {
-    for (int64_t h = 0; h < P.H; ++h) {
-      const int64_t hk = h / P.group();
-      for (int64_t i = 0; i < P.Lq; ++i) {
-        const double lse = fw.lse.data<double>()[(b * P.H + h) * P.Lq + i];
+  std::vector<double> p(static_cast<size_t>(pb.Lk)), dp(static_cast<size_t>(pb.Lk));
+  const double keep_scale = pb.dropout_p >= 1.0 ? 0.0 : pb.dropout_p > 0 ? 1.0 / (1.0 - pb.dropout_p) : 1.0;
+  for (int64_t b = 0; b < pb.B; ++b) {
+    for (int64_t h = 0; h < pb.H; ++h) {
+      const int64_t hk = h / pb.group();
+      for (int64_t i = 0; i < pb.Lq; ++i) {
+        const double lse = fw.lse.data<double>()[(b * pb.H + h) * pb.Lq + i];
         if (lse == ninf) continue;  // sees no key: zero gradients
-        const double* qi = qp + ((b * P.H + h) * P.Lq + i) * P.D;
-        const double* gi = gp + ((b * P.H + h) * P.Lq + i) * P.Dv;
+        const double* qi = qp + ((b * pb.H + h) * pb.Lq + i) * pb.D;
+        const double* gi = gp + ((b * pb.H + h) * pb.Lq + i) * pb.Dv;
         double Dsum = 0;
-        for (int64_t j = 0; j < P.Lk; ++j) {
+        for (int64_t j = 0; j < pb.Lk; ++j) {
           // P (undropped) from the scores, exactly as the forward
-          const double* kj = kp + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
+          const double* kj = kp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
           double s = 0;
-          for (int64_t d = 0; d < P.D; ++d) s += qi[d] * kj[d];
-          s *= P.scale;
-          if (!P.visible_causal(i, j)) s = ninf;
-          if (P.mask_kind != MaskKind::None) {
-            const int64_t off = P.mask_offset(b, h, i) + j * P.mask.stride(3);
-            if (P.mask_kind == MaskKind::Bool) {
-              if (!static_cast<const uint8_t*>(P.mask.raw_data())[off]) s = ninf;
+          for (int64_t d = 0; d < pb.D; ++d) s += qi[d] * kj[d];
+          s *= pb.scale;
+          if (!pb.visible_causal(i, j)) s = ninf;
+          if (pb.mask_kind != MaskKind::None) {
+            const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
+            if (pb.mask_kind == MaskKind::Bool) {
+              if (!static_cast<const uint8_t*>(pb.mask.raw_data())[off]) s = ninf;
             } else {
-              s += static_cast<const float*>(P.mask.raw_data())[off];
+              s += static_cast<const float*>(pb.mask.raw_data())[off];
             }
           }
           p[static_cast<size_t>(j)] = std::exp(s - lse);
-          const double z = P.dropout_p > 0 ? (dropout_keep(P.seed, dropout_index(P, b, h, i, j), P.dropout_p) ? keep_scale : 0.0) : 1.0;
+          const bool keep = pb.dropout_p == 0 || dropout_keep(pb.seed, dropout_index(pb, b, h, i, j), pb.dropout_p);
+          const double z = pb.dropout_p > 0 ? (keep ? keep_scale : 0.0) : 1.0;
           // dV += (P z) dO;  dP = (dO · v_j) z
-          const double* vj = vp + ((b * P.Hkv + hk) * P.Lk + j) * P.Dv;
-          double* dvj = g.dv.data<double>() + ((b * P.Hkv + hk) * P.Lk + j) * P.Dv;
+          const double* vj = vp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.Dv;
+          double* dvj = g.dv.data<double>() + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.Dv;
           double d = 0;
-          for (int64_t c = 0; c < P.Dv; ++c) {
+          for (int64_t c = 0; c < pb.Dv; ++c) {
             dvj[c] += p[static_cast<size_t>(j)] * z * gi[c];
             d += gi[c] * vj[c];
           }
           dp[static_cast<size_t>(j)] = d * z;
           Dsum += p[static_cast<size_t>(j)] * dp[static_cast<size_t>(j)];
         }
-        double* dqi = g.dq.data<double>() + ((b * P.H + h) * P.Lq + i) * P.D;
-        for (int64_t j = 0; j < P.Lk; ++j) {
+        double* dqi = g.dq.data<double>() + ((b * pb.H + h) * pb.Lq + i) * pb.D;
+        for (int64_t j = 0; j < pb.Lk; ++j) {
           const double ds = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - Dsum);  // dL/dS
-          if (mask_grad) dm_full.data<double>()[((b * P.H + h) * P.Lq + i) * P.Lk + j] = ds;
-          const double* kj = kp + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
-          double* dkj = g.dk.data<double>() + ((b * P.Hkv + hk) * P.Lk + j) * P.D;
-          for (int64_t d = 0; d < P.D; ++d) {
-            dqi[d] += P.scale * ds * kj[d];
-            dkj[d] += P.scale * ds * qi[d];
+          if (mask_grad) dm_full.data<double>()[((b * pb.H + h) * pb.Lq + i) * pb.Lk + j] = ds;
+          const double* kj = kp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
+          double* dkj = g.dk.data<double>() + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
+          for (int64_t d = 0; d < pb.D; ++d) {
+            dqi[d] += pb.scale * ds * kj[d];
+            dkj[d] += pb.scale * ds * qi[d];
           }
         }
       }
