@@ -12,6 +12,7 @@
 #include "common/testing.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "heads/sdpa_case.h"
 
 namespace heads {
 namespace {
@@ -129,25 +130,19 @@ TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
       for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{1, 7}, {7, 1}, {64, 129}, {129, 64}, {33, 33}}) {
         for (int64_t D : {1, 8, 63, 64, 80}) {
           ++n;
-          const int64_t Dv = n % 3 == 0 ? D + 5 : D;
-          const Tensor q = randn({B, H, Lq, D}), k = randn({B, Hkv, Lk, D}), v = randn({B, Hkv, Lk, Dv});
-          const Tensor dout = randn({B, H, Lq, Dv});
-          SdpaOptions o;
-          o.enable_gqa = H != Hkv;
-          std::string what;
-          bool mask_grad = false;
+          SdpaCase c{.B = B, .H = H, .Hkv = Hkv, .Lq = Lq, .Lk = Lk, .D = D, .Dv = n % 3 == 0 ? D + 5 : D};
+          c.pad = n % 4 == 0 ? 3 : 0;
           switch (n % 6) {
-            case 1: o.attn_mask = testing::rand_bool({Lq, Lk}, 0.7); what = "bool mask"; break;
-            case 2: o.attn_mask = randn({B, 1, Lq, Lk}); mask_grad = true; what = "float mask + grad"; break;
-            case 3: o.is_causal = true; what = "causal"; break;
-            case 4: o.is_causal = true; o.causal_align = CausalAlign::BottomRight; what = "causal-br"; break;
-            case 5: o.dropout_p = 0.2; o.dropout_seed = 77; what = "dropout"; break;
-            default: o.scale = 0.3; what = "scale"; break;
+            case 1: c.mask = SdpaMask::Bool; break;
+            case 2: c.mask = SdpaMask::Float; break;  // and its gradient
+            case 3: c.causal = true; break;
+            case 4: c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
+            case 5: c.dropout_p = 0.2; break;
+            default: c.scale = 0.3; break;
           }
-          std::ostringstream os;
-          os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
-             << " Dv=" << Dv << " " << what;
-          expect_every_path_matches(dout, q, k, v, o, mask_grad, os.str());
+          c.seed = testing::rng()();
+          const SdpaCase::Inputs in = c.draw();
+          expect_every_path_matches(in.dout, in.q, in.k, in.v, in.options, c.mask == SdpaMask::Float, c.str());
           if (::testing::Test::HasFatalFailure()) return;
         }
       }
@@ -156,11 +151,11 @@ TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
 }
 
 TEST(SdpaBackward, IndependentOfThreadCount) {
-  const Tensor q = randn({2, 4, 70, 24}), k = randn({2, 2, 90, 24}), v = randn({2, 2, 90, 16});
-  const Tensor dout = randn({2, 4, 70, 16});
-  SdpaOptions o;
-  o.enable_gqa = true;
-  o.is_causal = true;
+  const SdpaCase c{.B = 2, .H = 4, .Hkv = 2, .Lq = 70, .Lk = 90, .D = 24, .Dv = 16, .causal = true,
+                   .mask = SdpaMask::Float, .dropout_p = 0.1, .pad = 2, .seed = testing::rng()()};
+  const SdpaCase::Inputs in = c.draw();
+  const Tensor &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+  const SdpaOptions& o = in.options;
   const int saved = get_num_threads();
   set_num_threads(1);
   const SdpaResult f = sdpa(q, k, v, o);
@@ -169,7 +164,7 @@ TEST(SdpaBackward, IndependentOfThreadCount) {
     set_num_threads(t);
     const SdpaGrads gt = sdpa_backward(dout, q, k, v, f, o);
     EXPECT_TRUE(testing::bitwise_equal(g1.dq, gt.dq) && testing::bitwise_equal(g1.dk, gt.dk) &&
-                testing::bitwise_equal(g1.dv, gt.dv)) << "threads=" << t;
+                testing::bitwise_equal(g1.dv, gt.dv)) << c.str() << " threads=" << t;
   }
   set_num_threads(saved);
   EXPECT_THROW(sdpa_backward(randn({2, 4, 70, 15}), q, k, v, f, o), Error);
@@ -181,20 +176,15 @@ TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
   IsaGuard guard;
   for (auto [Lq, Lk, D] : {std::tuple<int64_t, int64_t, int64_t>{37, 1100, 16}, {300, 1300, 128}, {3, 2100, 40}}) {
     for (int variant = 0; variant < 4; ++variant) {
-      const Tensor q = randn({1, 2, Lq, D}), k = randn({1, 1, Lk, D}), v = randn({1, 1, Lk, D});
-      const Tensor dout = randn({1, 2, Lq, D});
-      SdpaOptions o;
-      o.enable_gqa = true;
-      bool mask_grad = false;
+      SdpaCase c{.H = 2, .Hkv = 1, .Lq = Lq, .Lk = Lk, .D = D, .seed = testing::rng()()};
       switch (variant) {
-        case 0: o.is_causal = true; o.causal_align = CausalAlign::BottomRight; break;
-        case 1: o.attn_mask = randn({Lq, Lk}); mask_grad = true; break;
-        case 2: o.dropout_p = 0.3; o.dropout_seed = 5; break;
-        default: o.attn_mask = testing::rand_bool({1, 2, Lq, Lk}, 0.8); break;
+        case 0: c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
+        case 1: c.mask = SdpaMask::Float; break;
+        case 2: c.dropout_p = 0.3; break;
+        default: c.mask = SdpaMask::Bool; break;
       }
-      std::ostringstream os;
-      os << "Lq=" << Lq << " Lk=" << Lk << " D=" << D << " variant " << variant;
-      expect_every_path_matches(dout, q, k, v, o, mask_grad, os.str());
+      const SdpaCase::Inputs in = c.draw();
+      expect_every_path_matches(in.dout, in.q, in.k, in.v, in.options, c.mask == SdpaMask::Float, c.str());
       if (::testing::Test::HasFatalFailure()) return;
     }
   }

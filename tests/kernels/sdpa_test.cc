@@ -9,6 +9,7 @@
 #include "common/testing.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "heads/sdpa_case.h"
 
 namespace heads {
 namespace {
@@ -17,19 +18,6 @@ using testing::compare;
 using testing::randn;
 
 constexpr double kRtol = 1e-5, kAtol = 1e-6;
-
-// A [B, H, L, D] view whose memory is [B, L, H, D + pad] (strides like a projection output).
-Tensor strided_randn(int64_t B, int64_t H, int64_t L, int64_t D, int64_t pad) {
-  return randn({B, L, H, D + pad}).slice(3, 0, D).permute({0, 2, 1, 3});
-}
-
-std::string describe(int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
-                     int64_t Dv, const std::string& extra) {
-  std::ostringstream os;
-  os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " Lq=" << Lq << " Lk=" << Lk << " D=" << D
-     << " Dv=" << Dv << " " << extra << " threads=" << get_num_threads();
-  return os.str();
-}
 
 using testing::IsaGuard;
 
@@ -60,8 +48,14 @@ void expect_matches_ref(const Tensor& q, const Tensor& k, const Tensor& v, SdpaO
   }
 }
 
-// The grid of the issue: B, H/Hkv, Lq x Lk, D; every other case with strided inputs; masks,
-// causal alignments and scale cycle through the cases.
+// A case's drawn inputs on every path against the reference.
+void expect_case_matches_ref(const SdpaCase& c) {
+  const SdpaCase::Inputs in = c.draw();
+  expect_matches_ref(in.q, in.k, in.v, in.options, c.str() + " threads=" + std::to_string(get_num_threads()));
+}
+
+// The grid: B, H/Hkv, Lq x Lk, D; every other case with inputs laid out as a projection's output
+// (pad 1 to 7); masks, causal alignments and scale cycle through the cases.
 TEST(Sdpa, GridMatchesReference) {
   int64_t n = 0;
   for (int64_t B : {1, 3}) {
@@ -70,23 +64,18 @@ TEST(Sdpa, GridMatchesReference) {
         for (int64_t Lk : {1, 7, 64, 129}) {
           for (int64_t D : {1, 8, 63, 64, 80, 128}) {
             ++n;
-            const int64_t Dv = n % 5 == 0 ? D + 3 : D;
-            const bool strided = n % 2 == 0;
-            const Tensor q = strided ? strided_randn(B, H, Lq, D, 5) : randn({B, H, Lq, D});
-            const Tensor k = strided ? strided_randn(B, Hkv, Lk, D, 3) : randn({B, Hkv, Lk, D});
-            const Tensor v = strided ? strided_randn(B, Hkv, Lk, Dv, 1) : randn({B, Hkv, Lk, Dv});
-            SdpaOptions o;
-            o.enable_gqa = H != Hkv;
-            std::string extra = strided ? "strided" : "contiguous";
+            SdpaCase c{.B = B, .H = H, .Hkv = Hkv, .Lq = Lq, .Lk = Lk, .D = D, .Dv = n % 5 == 0 ? D + 3 : D};
+            c.pad = n % 2 == 0 ? n % 7 + 1 : 0;
             switch (n % 6) {
-              case 1: o.attn_mask = testing::rand_bool({Lq, Lk}, 0.8); extra += " bool[Lq,Lk]"; break;
-              case 2: o.attn_mask = randn({B, 1, Lq, Lk}); extra += " float[B,1,Lq,Lk]"; break;
-              case 3: o.is_causal = true; extra += " causal"; break;
-              case 4: o.is_causal = true; o.causal_align = CausalAlign::BottomRight; extra += " causal-br"; break;
-              case 5: o.scale = 0.37; extra += " scale=0.37"; break;
+              case 1: c.mask = SdpaMask::Bool; break;
+              case 2: c.mask = SdpaMask::Float; break;
+              case 3: c.causal = true; break;
+              case 4: c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
+              case 5: c.scale = 0.37; break;
               default: break;
             }
-            expect_matches_ref(q, k, v, o, describe(B, H, Hkv, Lq, Lk, D, Dv, extra));
+            c.seed = testing::rng()();
+            expect_case_matches_ref(c);
             if (HasFailure()) return;
           }
         }
@@ -129,26 +118,21 @@ TEST(Sdpa, EveryMaskKind) {
 // Few queries against many keys: the decode kernel, whose keys are split into chunks and merged
 // when B·Hkv is small (Lk past 512), with GQA rows sharing a head.
 TEST(Sdpa, DecodeShapesWithSplitKeys) {
-  struct Case { int64_t B, H, Hkv, Lq, Lk, D, Dv; };
-  for (const Case& c : {Case{1, 1, 1, 1, 1500, 80, 80}, Case{1, 4, 1, 3, 2111, 64, 33},
-                        Case{2, 2, 2, 1, 700, 128, 128}, Case{1, 8, 2, 4, 1025, 17, 300},
-                        Case{3, 1, 1, 2, 4100, 8, 8}}) {
-    const Tensor q = randn({c.B, c.H, c.Lq, c.D}), k = randn({c.B, c.Hkv, c.Lk, c.D});
-    const Tensor v = randn({c.B, c.Hkv, c.Lk, c.Dv});
-    const std::string what = describe(c.B, c.H, c.Hkv, c.Lq, c.Lk, c.D, c.Dv, "decode");
-    SdpaOptions o;
-    o.enable_gqa = c.H != c.Hkv;
-    expect_matches_ref(q, k, v, o, what);
-    o.attn_mask = testing::rand_bool({c.B, 1, c.Lq, c.Lk}, 0.6);
-    expect_matches_ref(q, k, v, o, what + " bool mask");
-    o.attn_mask = randn({c.Lq, c.Lk}, 3.0);
-    o.is_causal = true;
-    o.causal_align = CausalAlign::BottomRight;
-    expect_matches_ref(q, k, v, o, what + " float mask causal-br");
-    o.attn_mask = Tensor();
-    o.causal_align = CausalAlign::TopLeft;  // hides all but the first Lq keys
-    o.dropout_p = 0.2;
-    expect_matches_ref(q, k, v, o, what + " causal dropout");
+  for (SdpaCase c : {SdpaCase{.Lq = 1, .Lk = 1500, .D = 80}, SdpaCase{.H = 4, .Hkv = 1, .Lq = 3, .Lk = 2111, .D = 64, .Dv = 33},
+                     SdpaCase{.B = 2, .H = 2, .Lq = 1, .Lk = 700, .D = 128}, SdpaCase{.H = 8, .Hkv = 2, .Lq = 4, .Lk = 1025, .D = 17, .Dv = 300},
+                     SdpaCase{.B = 3, .Lq = 2, .Lk = 4100, .D = 8}}) {
+    c.seed = testing::rng()();
+    expect_case_matches_ref(c);
+    c.mask = SdpaMask::Bool;
+    expect_case_matches_ref(c);
+    c.mask = SdpaMask::Float;
+    c.causal = true;
+    c.causal_align = CausalAlign::BottomRight;
+    expect_case_matches_ref(c);
+    c.mask = SdpaMask::None;
+    c.causal_align = CausalAlign::TopLeft;  // hides all but the first Lq keys
+    c.dropout_p = 0.2;
+    expect_case_matches_ref(c);
   }
 }
 
@@ -412,14 +396,12 @@ TEST(Sdpa, DropoutStatistics) {
 }
 
 TEST(Sdpa, ResultIndependentOfThreadCount) {
-  const Tensor q = strided_randn(3, 4, 129, 63, 2), k = randn({3, 2, 77, 63}), v = randn({3, 2, 77, 40});
-  SdpaOptions o;
-  o.enable_gqa = true;
-  o.attn_mask = randn({3, 1, 129, 77});
-  o.is_causal = true;
+  const SdpaCase c{.B = 3, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 77, .D = 63, .Dv = 40, .causal = true,
+                   .mask = SdpaMask::Float, .dropout_p = 0.1, .pad = 2, .seed = testing::rng()()};
+  const SdpaCase::Inputs in = c.draw();
+  const Tensor &q = in.q, &k = in.k, &v = in.v;
+  SdpaOptions o = in.options;
   o.need_weights = true;
-  o.dropout_p = 0.1;
-  o.dropout_seed = 5;
   IsaGuard guard;
   const int saved = get_num_threads();
   for (Isa isa : supported_isas()) {
@@ -486,33 +468,30 @@ TEST(Sdpa, F64AndF16AreComputedInF32) {
 }
 
 TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
-  struct Case { int64_t B, H, Hkv, Lq, Lk, D, Dv; };
   IsaGuard guard;
-  int n = 0;
-  for (const Case& c : {Case{1, 2, 2, 7, 129, 64, 64}, Case{2, 4, 2, 129, 64, 63, 80},
-                        Case{1, 1, 1, 64, 7, 128, 128}, Case{1, 4, 1, 1, 1100, 80, 80},
-                        Case{1, 2, 2, 33, 200, 1, 8}, Case{2, 2, 1, 3, 77, 32, 17}}) {
-    for (int variant = 0; variant < 3; ++variant, ++n) {
-      const Tensor q = randn({c.B, c.H, c.Lq, c.D}).to(DType::BF16);
-      const Tensor k = randn({c.B, c.Hkv, c.Lk, c.D}).to(DType::BF16);
-      const Tensor v = randn({c.B, c.Hkv, c.Lk, c.Dv}).to(DType::BF16);
-      SdpaOptions o;
-      o.enable_gqa = c.H != c.Hkv;
-      if (variant == 1) o.attn_mask = testing::rand_bool({c.Lq, c.Lk}, 0.7);
+  for (const SdpaCase& shape : {SdpaCase{.H = 2, .Lq = 7, .Lk = 129, .D = 64}, SdpaCase{.B = 2, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 64, .D = 63, .Dv = 80},
+                                SdpaCase{.Lq = 64, .Lk = 7, .D = 128}, SdpaCase{.H = 4, .Hkv = 1, .Lq = 1, .Lk = 1100, .D = 80},
+                                SdpaCase{.H = 2, .Lq = 33, .Lk = 200, .D = 1, .Dv = 8}, SdpaCase{.B = 2, .H = 2, .Hkv = 1, .Lq = 3, .Lk = 77, .D = 32, .Dv = 17}}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      SdpaCase c = shape;
+      c.dtype = DType::BF16;
+      c.seed = testing::rng()();
+      if (variant == 1) c.mask = SdpaMask::Bool;
       if (variant == 2) {
-        o.is_causal = true;
-        o.causal_align = CausalAlign::BottomRight;
-        o.attn_mask = randn({c.B, 1, 1, c.Lk});
+        c.causal = true;
+        c.causal_align = CausalAlign::BottomRight;
+        c.mask = SdpaMask::Float;
       }
+      const SdpaCase::Inputs in = c.draw();
+      SdpaOptions o = in.options;
       o.need_weights = true;
-      const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);  // float64 on the bf16 inputs
-      const double naive = naive_bf16_error(q, k, v, o, ref);
+      const SdpaResult ref = ref::sdpa_fwd_f64(in.q, in.k, in.v, o);  // float64 on the bf16 inputs
+      const double naive = naive_bf16_error(in.q, in.k, in.v, o, ref);
       const double scale = testing::compare(ref.out, ref.out).max_ref;
       for (Isa isa : supported_isas()) {
         set_isa(isa);
-        const std::string what = describe(c.B, c.H, c.Hkv, c.Lq, c.Lk, c.D, c.Dv,
-                                          "bf16 variant=" + std::to_string(variant) + " isa=" + isa_name(isa));
-        const SdpaResult r = sdpa(q, k, v, o);
+        const std::string what = c.str() + " isa=" + isa_name(isa);
+        const SdpaResult r = sdpa(in.q, in.k, in.v, o);
         ASSERT_EQ(r.out.dtype(), DType::BF16);
         const auto e = testing::compare(r.out, ref.out);
         EXPECT_TRUE(!e.nan && e.max_abs <= 2 * naive + 1e-6 * scale)

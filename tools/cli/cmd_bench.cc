@@ -19,6 +19,7 @@
 #include "heads/mha.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "heads/sdpa_case.h"
 #include "heads/sentence_encoder.h"
 
 namespace heads::cli {
@@ -28,9 +29,11 @@ namespace {
 struct BenchArgs {
   std::string model, input;
   int64_t batch_size = 32;
-  int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, L = 128, E = 768;
+  int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
   bool causal = false, json = false, backward = false;
-  std::string dtype = "f32";
+  std::string dtype = "f32", mask = "none";
+  double dropout = 0.0;
+  uint64_t seed = 1;
   int threads = 0;
   double min_time = 1.0;
 };
@@ -82,33 +85,45 @@ DType parse_dtype(const std::string& dtype) {
   fail("bench: --dtype must be f32 or bf16, got ", dtype);
 }
 
+// The case `heads bench sdpa` times, from its flags.
+SdpaCase sdpa_case(const BenchArgs& a) {
+  SdpaCase c;
+  c.B = a.B;
+  c.H = a.H;
+  c.Hkv = a.Hkv;
+  c.Lq = a.Lq;
+  c.Lk = a.Lk;
+  c.D = a.D;
+  c.Dv = a.Dv;
+  c.dtype = parse_dtype(a.dtype);
+  c.causal = a.causal;
+  c.mask = a.mask == "bool" ? SdpaMask::Bool : a.mask == "float" ? SdpaMask::Float : SdpaMask::None;
+  c.dropout_p = a.dropout;
+  c.pad = a.pad;
+  c.seed = a.seed;
+  return c;
+}
+
 void run_sdpa(const BenchArgs& a) {
   apply_threads(a.threads);
-  const DType dt = parse_dtype(a.dtype);
-  const int64_t Lk = a.Lk > 0 ? a.Lk : a.Lq;
-  const int64_t Hkv = a.Hkv > 0 ? a.Hkv : a.H;
-  const Tensor q = random_tensor({a.B, a.H, a.Lq, a.D}, 1).to(dt);
-  const Tensor k = random_tensor({a.B, Hkv, Lk, a.D}, 2).to(dt);
-  const Tensor v = random_tensor({a.B, Hkv, Lk, a.D}, 3).to(dt);
-  SdpaOptions o;
-  o.is_causal = a.causal;
-  o.enable_gqa = Hkv != a.H;
-  Tensor out = Tensor::empty({a.B, a.H, a.Lq, a.D}, dt);
+  const SdpaCase c = sdpa_case(a);
+  const SdpaCase::Inputs in = c.draw();
+  const SdpaOptions& o = in.options;
+  Tensor out = Tensor::empty({c.B, c.H, c.Lq, c.value_dim()}, c.dtype);
   double ms = 0, bwd_ms = 0, bwd_call_ms = 0;
   if (!a.backward) {
-    ms = median_ms([&] { sdpa_out(out, q, k, v, o); }, a.min_time);
+    ms = median_ms([&] { sdpa_out(out, in.q, in.k, in.v, o); }, a.min_time);
   } else {  // forward + backward, as training runs them
-    HEADS_CHECK(dt == DType::F32, "bench sdpa: --backward is f32");
-    const Tensor dout = random_tensor({a.B, a.H, a.Lq, a.D}, 4);
+    HEADS_CHECK(c.dtype == DType::F32, "bench sdpa: --backward is f32");
     // Forward alone and forward + backward in alternating blocks, so that a slow spell of a shared
     // machine weighs on both medians alike; the backward call is also timed alone in its loop.
     constexpr int kRounds = 8;
     std::vector<double> fwd_runs, both_runs, calls;
-    const auto forward = [&] { sdpa_out(out, q, k, v, o); };
+    const auto forward = [&] { sdpa_out(out, in.q, in.k, in.v, o); };
     const auto both = [&] {
-      const SdpaResult f = sdpa(q, k, v, o);
+      const SdpaResult f = sdpa(in.q, in.k, in.v, o);
       const auto t0 = std::chrono::steady_clock::now();
-      sdpa_backward(dout, q, k, v, f, o);
+      sdpa_backward(in.dout, in.q, in.k, in.v, f, o);
       calls.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     };
     both();  // warm-up
@@ -121,30 +136,27 @@ void run_sdpa(const BenchArgs& a) {
     bwd_ms = ms - median(fwd_runs);
     bwd_call_ms = median(calls);
   }
-  double flops = 4.0 * a.B * a.H * a.Lq * Lk * a.D;
-  if (a.causal) flops /= 2;
-  if (a.backward) flops *= 3.5;  // the backward's five products are 2.5x the forward's two
-  const double gflops = flops / ms / 1e6;
+  // The backward's five products are 2.5x the forward's two.
+  const double gflops = c.forward_flops() * (a.backward ? 3.5 : 1.0) / ms / 1e6;
+  const std::string isa = isa_name(active_isa());
   if (a.json) {
     std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
-                "\"causal\":%s,\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f,"
-                "\"peak_rss_mb\":%.1f%s}\n",
-                (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
-                (long long)a.D, a.causal ? "true" : "false", a.dtype.c_str(), isa_name(active_isa()).c_str(), get_num_threads(), ms,
-                gflops, peak_rss_mb(),
+                "\"Dv\":%lld,\"causal\":%s,\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"ms\":%.4f,"
+                "\"gflops\":%.2f,\"peak_rss_mb\":%.1f,\"case\":\"%s\"%s}\n",
+                (long long)c.B, (long long)c.H, (long long)c.kv_heads(), (long long)c.Lq, (long long)c.key_len(),
+                (long long)c.D, (long long)c.value_dim(), c.causal ? "true" : "false", a.dtype.c_str(), isa.c_str(),
+                get_num_threads(), ms, gflops, peak_rss_mb(), c.str().c_str(),
                 a.backward ? (",\"backward\":true,\"backward_ms\":" + std::to_string(bwd_ms) +
                               ",\"backward_call_ms\":" + std::to_string(bwd_call_ms)).c_str()
                            : "");
   } else {
     if (a.backward) {
-      std::printf("forward+backward (backward ~%.3f ms = this minus the forward alone; the backward call itself %.3f ms): ",
+      std::printf("forward+backward (backward ~%.3f ms = this minus the forward alone; the backward call itself "
+                  "%.3f ms): ",
                   bwd_ms, bwd_call_ms);
     }
-    std::printf("sdpa B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld%s %s %s threads=%d: %.3f ms, "
-                "%.1f GFLOP/s, peak RSS %.1f MB\n",
-                (long long)a.B, (long long)a.H, (long long)Hkv, (long long)a.Lq, (long long)Lk,
-                (long long)a.D, a.causal ? " causal" : "", a.dtype.c_str(), isa_name(active_isa()).c_str(), get_num_threads(), ms,
-                gflops, peak_rss_mb());
+    std::printf("sdpa %s %s threads=%d: %.3f ms, %.1f GFLOP/s, peak RSS %.1f MB\n", c.str().c_str(), isa.c_str(),
+                get_num_threads(), ms, gflops, peak_rss_mb());
   }
 }
 
@@ -231,7 +243,15 @@ void add_bench_command(CLI::App& app, Action* action) {
   s->add_option("--q-len", args->Lq, "query length Lq")->capture_default_str()->check(int_in(1, kMaxCount));
   s->add_option("--kv-len", args->Lk, "key length Lk (default Lq)")->check(int_in(1, kMaxCount));
   s->add_option("--head-dim", args->D, "head dim D")->capture_default_str()->check(int_in(1, kMaxCount));
+  s->add_option("--v-dim", args->Dv, "value head dim Dv (default D)")->check(int_in(1, kMaxCount));
   s->add_flag("--causal", args->causal, "causal mask (flops counted half)");
+  s->add_option("--mask", args->mask, "attn_mask [B, 1, Lq, Lk]: none, bool (80% visible) or float")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "bool", "float"}));
+  s->add_option("--dropout", args->dropout, "dropout_p")->capture_default_str()->check(real_in(0.0, 1.0));
+  s->add_option("--pad", args->pad, "q, k, v as views of [B, L, H, D + PAD] memory (a projection's layout)")
+      ->capture_default_str()->check(int_in(0, kMaxCount));
+  s->add_option("--seed", args->seed, "seed of the random inputs")->capture_default_str()->check(int_in(0, INT64_MAX));
   s->add_flag("--backward", args->backward,
               "time forward + backward (flops: 3.5x the forward's); JSON adds backward_ms (that time minus "
               "the forward alone) and backward_call_ms (the backward call itself, timed in the same loop)");
