@@ -61,18 +61,8 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
   return nb::make_tuple(to_array(out, torch_out), to_array(w, torch_out));
 }
 
-}  // namespace
-
-void bind_functional(nb::module_& m) {
-  m.def("set_num_threads", &heads::set_num_threads, "n"_a);
-  m.def("get_num_threads", &heads::get_num_threads);
-  m.def("manual_seed", &heads::manual_seed, "seed"_a);
-  m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
-        "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
-        "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
-        "torch_out"_a = false, "causal_lower_right"_a = false);
-
-  // Training support for heads.torch: forward keeping (out, lse, seed), and the backward.
+// Training support for heads.torch: forward keeping (out, lse, seed), and the backward.
+void bind_sdpa_training(nb::module_& m) {
   m.def("sdpa_train_forward",
         [](const InArray& query, const InArray& key, const InArray& value, const std::optional<InArray>& attn_mask,
            double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool causal_lower_right) {
@@ -116,8 +106,10 @@ void bind_functional(nb::module_& m) {
         "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
         "mask_grad"_a = false, "causal_lower_right"_a = false);
+}
 
-  // Backward passes of the functional ops (numpy in / numpy out), for training code and tests.
+// Backward passes of the functional ops (numpy in / numpy out), for training code and tests.
+void bind_op_backwards(nb::module_& m) {
   m.def("linear_backward",
         [](const InArray& dy, const InArray& x, const InArray& w, bool has_bias) {
           const auto g = heads::linear_backward(view_of(dy, "dy"), view_of(x, "x"), view_of(w, "weight"), has_bias);
@@ -157,6 +149,20 @@ void bind_functional(nb::module_& m) {
                                                         ignore_index, dloss));
         },
         "logits"_a, "target"_a, "ignore_index"_a = -100, "dloss"_a = 1.0);
+}
+
+}  // namespace
+
+void bind_functional(nb::module_& m) {
+  m.def("set_num_threads", &heads::set_num_threads, "n"_a);
+  m.def("get_num_threads", &heads::get_num_threads);
+  m.def("manual_seed", &heads::manual_seed, "seed"_a);
+  m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
+        "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
+        "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
+        "torch_out"_a = false, "causal_lower_right"_a = false);
+  bind_sdpa_training(m);
+  bind_op_backwards(m);
 }
 
 }  // namespace heads::py

@@ -90,15 +90,9 @@ nb::tuple module_backward(const Module& s, const Tape& tape, const InArray& dout
   return nb::make_tuple(to_array(g.dsrc, torch_out), to_dict(g.params, torch_out));
 }
 
-}  // namespace
-
-void bind_modules(nb::module_& m) {
-  nb::class_<heads::MhaTape>(m, "MhaTape").def(nb::init<>()).def_prop_ro("defined", &heads::MhaTape::defined);
-  nb::class_<heads::EncoderLayerTape>(m, "EncoderLayerTape")
-      .def(nb::init<>())
-      .def_prop_ro("defined", &heads::EncoderLayerTape::defined);
-  nb::class_<heads::EncoderTape>(m, "EncoderTape").def(nb::init<>()).def_prop_ro("defined", &heads::EncoderTape::defined);
-
+// MultiheadAttention: construction from torch's arguments, options, forward (with a tape on
+// request) and backward.
+void bind_mha(nb::module_& m) {
   auto mha_cls = nb::class_<heads::MultiheadAttention>(m, "MultiheadAttention");
   bind_module_state<heads::MultiheadAttention>(mha_cls);
   mha_cls
@@ -168,7 +162,10 @@ void bind_modules(nb::module_& m) {
                                    to_array(g.dvalue, torch_out), to_dict(g.params, torch_out));
            },
            "tape"_a, "grad_output"_a, "torch_out"_a = false);
+}
 
+// TransformerEncoderLayer and TransformerEncoder: the same forward and backward bodies for both.
+void bind_encoders(nb::module_& m) {
   auto layer_cls = nb::class_<heads::TransformerEncoderLayer>(m, "TransformerEncoderLayer");
   bind_module_state<heads::TransformerEncoderLayer>(layer_cls);
   layer_cls
@@ -211,6 +208,9 @@ void bind_modules(nb::module_& m) {
            "torch_out"_a = false, "tape"_a = nb::none())
       .def("backward", &module_backward<heads::TransformerEncoder, heads::EncoderTape>,
            "tape"_a, "grad_output"_a, "torch_out"_a = false);
+}
+
+void bind_adamw(nb::module_& m) {
   nb::class_<heads::AdamW>(m, "AdamW")
       .def("__init__",
            [](heads::AdamW* self, const Items& params, double lr,
@@ -228,6 +228,20 @@ void bind_modules(nb::module_& m) {
            "grads"_a)
       .def_prop_ro("steps", &heads::AdamW::steps)
       .def_prop_rw("lr", [](const heads::AdamW& s) { return s.options().lr; }, &heads::AdamW::set_lr);
+}
+
+}  // namespace
+
+void bind_modules(nb::module_& m) {
+  nb::class_<heads::MhaTape>(m, "MhaTape").def(nb::init<>()).def_prop_ro("defined", &heads::MhaTape::defined);
+  nb::class_<heads::EncoderLayerTape>(m, "EncoderLayerTape")
+      .def(nb::init<>())
+      .def_prop_ro("defined", &heads::EncoderLayerTape::defined);
+  nb::class_<heads::EncoderTape>(m, "EncoderTape").def(nb::init<>()).def_prop_ro("defined", &heads::EncoderTape::defined);
+
+  bind_mha(m);
+  bind_encoders(m);
+  bind_adamw(m);
 }
 
 }  // namespace heads::py

@@ -39,6 +39,31 @@ namespace heads::ref {
 
 using kernels::reduce_to_shape;
 
+namespace {
+
+// Score (i, j) of head (b, h) in [B, H, L, D] f64 q and k: q_i · k_j · scale; -inf where the causal
+// rule or a bool mask hides the key; plus a float mask's value.
+double score(const kernels::SdpaProblem& pb, const double* q, const double* k, int64_t b, int64_t h, int64_t i,
+             int64_t j) {
+  const double* qi = q + ((b * pb.H + h) * pb.Lq + i) * pb.D;
+  const double* kj = k + ((b * pb.Hkv + h / pb.group()) * pb.Lk + j) * pb.D;
+  double acc = 0.0;
+  for (int64_t d = 0; d < pb.D; ++d) acc += qi[d] * kj[d];
+  double x = acc * pb.scale;
+  if (!pb.visible_causal(i, j)) x = -std::numeric_limits<double>::infinity();
+  if (pb.mask_kind != kernels::MaskKind::None) {
+    const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
+    if (pb.mask_kind == kernels::MaskKind::Bool) {
+      if (!static_cast<const uint8_t*>(pb.mask.raw_data())[off]) x = -std::numeric_limits<double>::infinity();
+    } else {
+      x += static_cast<const float*>(pb.mask.raw_data())[off];
+    }
+  }
+  return x;
+}
+
+}  // namespace
+
 SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                         const SdpaOptions& opts) {
   using namespace kernels;
@@ -65,23 +90,10 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     for (int64_t h = 0; h < pb.H; ++h) {
       const int64_t hk = h / pb.group();
       for (int64_t i = 0; i < pb.Lq; ++i) {
-        const double* qi = qp + ((b * pb.H + h) * pb.Lq + i) * pb.D;
         double mx = ninf;
         bool any_visible = false;
         for (int64_t j = 0; j < pb.Lk; ++j) {
-          const double* kj = kp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
-          double acc = 0.0;
-          for (int64_t d = 0; d < pb.D; ++d) acc += qi[d] * kj[d];
-          double x = acc * pb.scale;
-          if (!pb.visible_causal(i, j)) x = ninf;
-          if (pb.mask_kind != MaskKind::None) {
-            const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
-            if (pb.mask_kind == MaskKind::Bool) {
-              if (!static_cast<const uint8_t*>(pb.mask.raw_data())[off]) x = ninf;
-            } else {
-              x += static_cast<const float*>(pb.mask.raw_data())[off];
-            }
-          }
+          const double x = score(pb, qp, kp, b, h, i, j);
           s[j] = x;
           if (x > mx) mx = x;  // NaN never compares greater: mx is the largest non-NaN score
           any_visible = any_visible || x != ninf;
@@ -148,21 +160,7 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
         const double* gi = gp + ((b * pb.H + h) * pb.Lq + i) * pb.Dv;
         double Dsum = 0;
         for (int64_t j = 0; j < pb.Lk; ++j) {
-          // P (undropped) from the scores, exactly as the forward
-          const double* kj = kp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
-          double s = 0;
-          for (int64_t d = 0; d < pb.D; ++d) s += qi[d] * kj[d];
-          s *= pb.scale;
-          if (!pb.visible_causal(i, j)) s = ninf;
-          if (pb.mask_kind != MaskKind::None) {
-            const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
-            if (pb.mask_kind == MaskKind::Bool) {
-              if (!static_cast<const uint8_t*>(pb.mask.raw_data())[off]) s = ninf;
-            } else {
-              s += static_cast<const float*>(pb.mask.raw_data())[off];
-            }
-          }
-          p[static_cast<size_t>(j)] = std::exp(s - lse);
+          p[static_cast<size_t>(j)] = std::exp(score(pb, qp, kp, b, h, i, j) - lse);  // P (undropped), as the forward
           const bool keep = pb.dropout_p == 0 || dropout_keep(pb.seed, dropout_index(pb, b, h, i, j), pb.dropout_p);
           const double z = pb.dropout_p > 0 ? (keep ? keep_scale : 0.0) : 1.0;
           // dV += (P z) dO;  dP = (dO · v_j) z
