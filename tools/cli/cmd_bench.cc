@@ -275,7 +275,7 @@ void add_bench_command(CLI::App& app, Action* action) {
   CLI::App* e = bench->add_subcommand(
       "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");
   e->add_option("--input", args->input, "texts, one per line (e.g. bench/sentences.txt)")->required();
-  e->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
+  add_model_option(e, &args->model);
   e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(int_in(1, kMaxCount));
   add_threads_option(e, &args->threads);
   e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));

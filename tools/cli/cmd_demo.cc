@@ -61,7 +61,7 @@ void add_demo_command(CLI::App& app, Action* action) {
       "demo",
       "Embed a few sentences with all-MiniLM-L6-v2, print their similarities, and draw the attention\n"
       "of \"The cat sat on the mat\".");
-  c->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
+  add_model_option(c, &args->model);
   c->add_option("--sentence", args->sentence, "the sentence whose attention is drawn")->capture_default_str();
   c->add_option("--output", args->output, "heatmap file (.png or .svg)")->capture_default_str();
   add_threads_option(c, &args->threads);

