@@ -64,14 +64,14 @@ SdpaResult sdpa_out(const Tensor& out, const Tensor& q, const Tensor& k, const T
 // Backward of sdpa (FlashAttention-2, arXiv:2307.08691, Alg. 2): scores and probabilities are
 // recomputed block by block from q, k and fwd.lse, so no Lq x Lk buffer exists unless the mask
 // gradient is requested. `fwd` is the forward's result for the same inputs and options (its lse
-// and dropout seed are used). f32 inputs; f16 and f64 (q, k, v and dout alike) are computed in f32
-// and the gradients returned in that dtype.
+// and dropout seed are used). f32 inputs; bf16, f16 and f64 (q, k, v and dout alike) are computed in
+// f32 — gradients accumulated in f32 and rounded once — and returned in that dtype.
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts = {}, bool mask_grad = false);
 
-// As sdpa_backward, writing the gradients into dq, dk, dv (f32, the shapes of q, k, v, any strides
-// with innermost 1, not overlapping each other or the inputs), e.g. views into the gradient buffer
-// of a fused projection. The result's tensors alias them.
+// As sdpa_backward for f32 inputs, writing the gradients into dq, dk, dv (f32, the shapes of q, k,
+// v, any strides with innermost 1, not overlapping each other or the inputs), e.g. views into the
+// gradient buffer of a fused projection. The result's tensors alias them.
 SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& q, const Tensor& k, const Tensor& v, const SdpaResult& fwd,
                             const SdpaOptions& opts = {}, bool mask_grad = false);

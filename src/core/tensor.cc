@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include "heads/runtime.h"
+
 namespace heads {
 
 size_t dtype_size(DType dt) {
@@ -128,6 +130,12 @@ int64_t wrap_dim(int64_t d, int64_t ndim, const char* op) {
   HEADS_CHECK(d >= 0 && d < ndim, "Tensor::", op, ": dimension ", d, " out of range for ", ndim,
               "-D tensor");
   return d;
+}
+
+// dst[j·ds] = f(src[j·ss]) for j < n.
+template <class S, class D, class F>
+void convert_row(const S* src, int64_t ss, D* dst, int64_t ds, int64_t n, F f) {
+  for (int64_t j = 0; j < n; ++j) dst[j * ds] = f(src[j * ss]);
 }
 
 double load_as_double(const std::byte* p, DType dt) {
@@ -388,6 +396,23 @@ void Tensor::copy_from(const Tensor& src) {
     std::memmove(data_, src.data_, static_cast<size_t>(n * dbytes));
     return;
   }
+  if (is_contiguous() && src.is_contiguous() && n >= (1 << 16)) {  // bf16 <-> f32 of whole tensors, in parallel
+    const int threads = std::min<int>(get_num_threads(), static_cast<int>(n >> 16));
+    if (src.dtype_ == DType::BF16 && dtype_ == DType::F32) {
+      const auto* from = reinterpret_cast<const uint16_t*>(src.data_);
+      auto* to = reinterpret_cast<float*>(data_);
+#pragma omp parallel for schedule(static) num_threads(threads)
+      for (int64_t i = 0; i < n; ++i) to[i] = bf16_to_f32(from[i]);
+      return;
+    }
+    if (src.dtype_ == DType::F32 && dtype_ == DType::BF16) {
+      const auto* from = reinterpret_cast<const float*>(src.data_);
+      auto* to = reinterpret_cast<uint16_t*>(data_);
+#pragma omp parallel for schedule(static) num_threads(threads)
+      for (int64_t i = 0; i < n; ++i) to[i] = f32_to_bf16(from[i]);
+      return;
+    }
+  }
   // Walk every index with a counter; the innermost dimension is a plain strided loop.
   const int64_t inner = nd == 0 ? 1 : shape_[nd - 1];
   const int64_t s_in = nd == 0 ? 0 : src.strides_[nd - 1];
@@ -406,6 +431,12 @@ void Tensor::copy_from(const Tensor& src) {
       for (int64_t j = 0; j < inner; ++j) {
         std::memcpy(dp + j * d_in * dbytes, sp + j * s_in * sbytes, static_cast<size_t>(dbytes));
       }
+    } else if (src.dtype_ == DType::BF16 && dtype_ == DType::F32) {  // the common conversions, typed
+      convert_row(reinterpret_cast<const uint16_t*>(sp), s_in, reinterpret_cast<float*>(dp), d_in, inner,
+                  [](uint16_t h) { return bf16_to_f32(h); });
+    } else if (src.dtype_ == DType::F32 && dtype_ == DType::BF16) {
+      convert_row(reinterpret_cast<const float*>(sp), s_in, reinterpret_cast<uint16_t*>(dp), d_in, inner,
+                  [](float f) { return f32_to_bf16(f); });
     } else {
       for (int64_t j = 0; j < inner; ++j) {
         store_from_double(dp + j * d_in * dbytes, dtype_,

@@ -189,7 +189,9 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
 
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts, bool mask_grad) {
-  if (via_f32(q)) {  // f16 / f64: computed in f32, the gradients in q's dtype
+  // f16 / f64 / bf16: computed in f32 (bf16 and f16 values are exact there) and rounded once to q's
+  // dtype at the end; the forward's bf16 output is read widened.
+  if (via_f32(q) || (q.defined() && q.dtype() == DType::BF16)) {
     kernels::check_dtypes("sdpa_backward", q, k, v, q.dtype());
     HEADS_CHECK(dout.defined() && dout.dtype() == q.dtype(), "sdpa_backward: dout: expected ", dtype_name(q.dtype()),
                 " like query");

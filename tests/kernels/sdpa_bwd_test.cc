@@ -307,5 +307,36 @@ TEST(SdpaBackward, NonFiniteInputsReachTheGradientsTheyTouch) {
   }
 }
 
+// bf16 inputs: the gradients are the f32 backward's of the widened inputs, rounded once to bf16, on
+// every path; against the float64 reference they carry about one bf16 rounding.
+TEST(SdpaBackward, Bf16GradientsAreTheF32OnesRoundedOnce) {
+  IsaGuard guard;
+  for (SdpaCase c : {SdpaCase{.B = 2, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 77, .D = 63, .Dv = 40, .causal = true},
+                     SdpaCase{.H = 2, .Lq = 3, .Lk = 300, .D = 64, .mask = SdpaMask::Float, .dropout_p = 0.2}}) {
+    c.dtype = DType::BF16;
+    c.seed = testing::rng()();
+    const SdpaCase::Inputs in = c.draw();
+    const Tensor dout = in.dout.to(DType::BF16);
+    const SdpaGrads ref = ref::sdpa_bwd_f64(dout, in.q, in.k, in.v, in.options);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const std::string what = c.str() + " isa=" + isa_name(isa);
+      const SdpaResult f = sdpa(in.q, in.k, in.v, in.options);
+      const SdpaGrads g = sdpa_backward(dout, in.q, in.k, in.v, f, in.options);
+      SdpaResult f32 = f;
+      f32.out = f.out.to(DType::F32);
+      const SdpaGrads w = sdpa_backward(dout.to(DType::F32), in.q.to(DType::F32), in.k.to(DType::F32),
+                                        in.v.to(DType::F32), f32, in.options);
+      for (const auto& [got, f32_grad, want, name] :
+           {std::tuple{&g.dq, &w.dq, &ref.dq, "dq"}, {&g.dk, &w.dk, &ref.dk, "dk"}, {&g.dv, &w.dv, &ref.dv, "dv"}}) {
+        ASSERT_EQ(got->dtype(), DType::BF16) << what << " " << name;
+        EXPECT_TRUE(testing::bitwise_equal(*got, f32_grad->to(DType::BF16))) << what << " " << name;
+        const auto e = testing::compare(*got, *want);
+        EXPECT_LE(e.max_abs, 1e-2 * e.max_ref) << what << " " << name;  // bf16 keeps 8 bits: 2^-8 = 0.4%
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace heads

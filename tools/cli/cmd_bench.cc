@@ -114,16 +114,16 @@ void run_sdpa(const BenchArgs& a) {
   if (!a.backward) {
     ms = median_ms([&] { sdpa_out(out, in.q, in.k, in.v, o); }, a.min_time);
   } else {  // forward + backward, as training runs them
-    HEADS_CHECK(c.dtype == DType::F32, "bench sdpa: --backward is f32");
     // Forward alone and forward + backward in alternating blocks, so that a slow spell of a shared
     // machine weighs on both medians alike; the backward call is also timed alone in its loop.
     constexpr int kRounds = 8;
     std::vector<double> fwd_runs, both_runs, calls;
     const auto forward = [&] { sdpa_out(out, in.q, in.k, in.v, o); };
+    const Tensor dout = in.dout.to(c.dtype);
     const auto both = [&] {
       const SdpaResult f = sdpa(in.q, in.k, in.v, o);
       const auto t0 = std::chrono::steady_clock::now();
-      sdpa_backward(in.dout, in.q, in.k, in.v, f, o);
+      sdpa_backward(dout, in.q, in.k, in.v, f, o);
       calls.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     };
     both();  // warm-up
