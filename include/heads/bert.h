@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "heads/encoder.h"
+#include "heads/precision.h"
 #include "heads/tensor.h"
 
 namespace heads {
@@ -29,6 +30,10 @@ class BertModel {
   BertModel() = default;
   static BertModel load(const std::string& dir);
   const BertConfig& config() const { return cfg_; }
+  // Reduced precision for every layer's linear layers (heads/precision.h); embeddings, LayerNorm,
+  // attention and the activations stay f32.
+  void set_precision(Precision p);
+  Precision precision() const;
 
   // ids: N sequences (ragged); returns [N, L, hidden] with L the longest, rows past a
   // sequence's end computed as padding (masked out as keys). attn_weights, when set, receives

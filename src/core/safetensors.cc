@@ -25,7 +25,7 @@ constexpr uint64_t kMaxSpan = uint64_t{1} << 60;  // largest shape a Tensor hold
 bool parse_dtype(const std::string& s, DType* out) {
   static const std::pair<const char*, DType> table[] = {
       {"F32", DType::F32}, {"F64", DType::F64}, {"F16", DType::F16}, {"BF16", DType::BF16},
-      {"BOOL", DType::Bool}, {"U8", DType::U8}, {"I64", DType::I64}};
+      {"BOOL", DType::Bool}, {"U8", DType::U8}, {"I64", DType::I64}, {"I8", DType::I8}};
   for (const auto& [name, dt] : table) {
     if (s == name) {
       *out = dt;
@@ -53,6 +53,7 @@ std::string safetensors_dtype(DType dt) {
     case DType::Bool: return "BOOL";
     case DType::U8: return "U8";
     case DType::I64: return "I64";
+    case DType::I8: return "I8";
   }
   return "?";
 }

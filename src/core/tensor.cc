@@ -19,6 +19,7 @@ size_t dtype_size(DType dt) {
     case DType::Bool: return 1;
     case DType::U8: return 1;
     case DType::I64: return 8;
+    case DType::I8: return 1;
   }
   return 0;
 }
@@ -32,6 +33,7 @@ std::string_view dtype_name(DType dt) {
     case DType::Bool: return "bool";
     case DType::U8: return "u8";
     case DType::I64: return "i64";
+    case DType::I8: return "i8";
   }
   return "?";
 }
@@ -147,6 +149,7 @@ double load_as_double(const std::byte* p, DType dt) {
     case DType::Bool: return *reinterpret_cast<const uint8_t*>(p) != 0 ? 1.0 : 0.0;
     case DType::U8: return *reinterpret_cast<const uint8_t*>(p);
     case DType::I64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
+    case DType::I8: return *reinterpret_cast<const int8_t*>(p);
   }
   return 0.0;
 }
@@ -160,6 +163,7 @@ void store_from_double(std::byte* p, DType dt, double x) {
     case DType::Bool: { *reinterpret_cast<uint8_t*>(p) = x != 0.0; return; }
     case DType::U8: { *reinterpret_cast<uint8_t*>(p) = static_cast<uint8_t>(x); return; }
     case DType::I64: { int64_t v = static_cast<int64_t>(x); std::memcpy(p, &v, 8); return; }
+    case DType::I8: { *reinterpret_cast<int8_t*>(p) = static_cast<int8_t>(x); return; }
   }
 }
 

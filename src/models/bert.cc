@@ -149,6 +149,12 @@ BertModel BertModel::load(const std::string& dir) {
   return m;
 }
 
+void BertModel::set_precision(Precision p) {
+  for (auto& layer : layers_) layer.set_precision(p);
+}
+
+Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }
+
 Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
                           std::vector<Tensor>* attn_weights) const {
   const auto N = static_cast<int64_t>(ids.size());

@@ -45,4 +45,22 @@ std::string names_of(const StateDict& sd) {
   return s.empty() ? "none" : s;
 }
 
+void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std::string>& names) {
+  std::vector<std::pair<std::string, PackedLinear>> packed;
+  if (p != Precision::F32) {
+    for (const std::string& n : names) {
+      if (const Tensor* w = modules::find(sd, n)) packed.emplace_back(n, PackedLinear(*w, p));
+    }
+  }
+  weights = std::move(packed);
+  precision = p;
+}
+
+const PackedLinear* PackedWeights::find(const std::string& name) const {
+  for (const auto& [n, w] : weights) {
+    if (n == name) return &w;
+  }
+  return nullptr;
+}
+
 }  // namespace heads::modules

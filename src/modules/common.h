@@ -5,8 +5,12 @@
 
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "heads/mha.h"
+#include "heads/ops.h"
+#include "heads/precision.h"
 #include "heads/tensor.h"
 
 namespace heads::modules {
@@ -24,6 +28,22 @@ Tensor filled(const Shape& shape, float v);
 const Tensor* find(const StateDict& sd, const std::string& name);
 // "a, b, c" (or "none"), for errors that list what a state dict holds.
 std::string names_of(const StateDict& sd);
+
+// A module's linear weights packed for reduced-precision inference (precision.h), by parameter name.
+struct PackedWeights {
+  Precision precision = Precision::F32;
+  std::vector<std::pair<std::string, PackedLinear>> weights;
+
+  // Packs each named weight of `sd` for `p` (F32: clears).
+  void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names);
+  // The packed weight `name`, or null (f32, or not a packed weight).
+  const PackedLinear* find(const std::string& name) const;
+};
+
+// x Wᵀ + b through the packed weight when there is one, else in f32.
+inline Tensor project(const Tensor& x, const Tensor& w, const Tensor& b, const PackedLinear* packed) {
+  return packed != nullptr ? linear(x, *packed, b) : linear(x, w, b);
+}
 
 // [rows, width] view of a [d0, d1, width] tensor, and a [rows, n] result back as [d0, d1, n].
 inline Tensor rows(const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); }

@@ -15,6 +15,7 @@ namespace heads {
 
 using modules::filled;
 using modules::find;
+using modules::project;
 using modules::uniform;
 
 namespace {
@@ -109,7 +110,21 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& sd, bool strict) 
   for (auto& [n, t] : params_) {
     if (const Tensor* src = find(sd, n)) t.copy_from(*src);
   }
+  if (packed_) set_precision(packed_->precision);  // the new weights, packed again
 }
+
+void TransformerEncoderLayer::set_precision(Precision p) {
+  self_attn_.set_precision(p);
+  if (p == Precision::F32) {
+    packed_.reset();
+    return;
+  }
+  auto packed = std::make_shared<modules::PackedWeights>();
+  packed->pack(p, params_, {"linear1.weight", "linear2.weight"});
+  packed_ = std::move(packed);
+}
+
+Precision TransformerEncoderLayer::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 
 Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardArgs& a) const {
   HEADS_CHECK(src.defined() && (src.dim() == 2 || src.dim() == 3), kOp,
@@ -145,15 +160,18 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
     if (a.attn_weights) *a.attn_weights = w;
     return dropout(out, p, seed_attn);
   };
+  // Reduced-precision weights for inference; a forward that records a tape runs in f32.
+  const auto packed = [&](const char* name) { return packed_ && !tape ? packed_->find(name) : nullptr; };
   auto ff = [&](const Tensor& x) {
-    const Tensor hidden = linear(x, *param("linear1.weight"), opt_param("linear1.bias"));
+    const Tensor hidden = project(x, *param("linear1.weight"), opt_param("linear1.bias"), packed("linear1.weight"));
     const Tensor h = dropout(activation(hidden, opt_.activation), p, seed_hidden);
     if (tape) {
       tape->ff_in = x;
       tape->hidden = hidden;
       tape->hidden_out = h;
     }
-    return dropout(linear(h, *param("linear2.weight"), opt_param("linear2.bias")), p, seed_out);
+    return dropout(project(h, *param("linear2.weight"), opt_param("linear2.bias"), packed("linear2.weight")), p,
+                   seed_out);
   };
   if (tape) {
     *tape = EncoderLayerTape{};
@@ -327,6 +345,14 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
       t->copy_from(*src);
     }
   }
+}
+
+void TransformerEncoder::set_precision(Precision p) {
+  for (auto& layer : layers_) layer.set_precision(p);
+}
+
+Precision TransformerEncoder::precision() const {
+  return layers_.empty() ? Precision::F32 : layers_.front().precision();
 }
 
 void TransformerEncoder::load(const std::string& path, bool strict) {

@@ -22,6 +22,8 @@ namespace heads {
 using modules::as3;
 using modules::find;
 using modules::names_of;
+using modules::PackedWeights;
+using modules::project;
 using modules::normal;
 using modules::rows;
 using modules::split_heads;
@@ -129,7 +131,20 @@ void MultiheadAttention::load_state_dict(const StateDict& sd, bool strict) {
   for (auto& p : params_) {
     if (const Tensor* t = find(sd, p.name)) p.value.copy_from(*t);
   }
+  if (packed_) set_precision(packed_->precision);  // the new weights, packed again
 }
+
+void MultiheadAttention::set_precision(Precision p) {
+  if (p == Precision::F32) {
+    packed_.reset();
+    return;
+  }
+  auto packed = std::make_shared<PackedWeights>();
+  packed->pack(p, state_dict(), {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"});
+  packed_ = std::move(packed);
+}
+
+Precision MultiheadAttention::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 
 void MultiheadAttention::load(const std::string& path, bool strict) {
   try {
@@ -297,17 +312,24 @@ Tensor average_heads(const Tensor& weights) {
 
 // _in_projection_packed / _in_projection: q = x Wqᵀ + bq, ... as [N, T, E] views; one GEMM for
 // self-attention with the packed weight w_in [3E, E] (else w[0..2] are q/k/v_proj_weight).
+// With `packed` (reduced precision), the weights come from there.
 std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t E, const Tensor* w_in, const Tensor* b_in,
-                                    const std::array<const Tensor*, 3>& w) {
+                                    const std::array<const Tensor*, 3>& w, const PackedWeights* packed) {
+  static const char* const kParts[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
+  const PackedLinear* p_in = packed && w_in ? packed->find("in_proj_weight") : nullptr;
   auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * E, part * E + E) : *w[part]; };
   auto bias = [&](int64_t part) { return b_in ? b_in->slice(0, part * E, part * E + E) : Tensor(); };
+  auto proj = [&](const Tensor& x, int64_t part) {
+    PackedLinear pw;
+    if (p_in) pw = p_in->rows(part * E, part * E + E);
+    const PackedLinear* pp = p_in ? &pw : packed ? packed->find(kParts[part]) : nullptr;
+    return in.nle(as3(project(rows(x), weight(part), bias(part), pp), x));
+  };
   if (in.self_attn && w_in) {
-    const Tensor y = in.nle(as3(linear(rows(in.xq), *w_in, b_in ? *b_in : Tensor()), in.xq));
+    const Tensor y = in.nle(as3(project(rows(in.xq), *w_in, b_in ? *b_in : Tensor(), p_in), in.xq));
     return {y.slice(2, 0, E), y.slice(2, E, 2 * E), y.slice(2, 2 * E, 3 * E)};
   }
-  return {in.nle(as3(linear(rows(in.xq), weight(0), bias(0)), in.xq)),
-          in.nle(as3(linear(rows(in.xk), weight(1), bias(1)), in.xk)),
-          in.nle(as3(linear(rows(in.xv), weight(2), bias(2)), in.xv))};
+  return {proj(in.xq, 0), proj(in.xk, 1), proj(in.xv, 2)};
 }
 
 // add_bias_kv appends bias_k / bias_v ([1, 1, E]) as one more key; add_zero_attn a zero key.
@@ -349,8 +371,10 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     }
   }
 
-  const auto [q3, k3, v3] = in_projection(in, E, param("in_proj_weight"), param("in_proj_bias"),
-                                           {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")});
+  const PackedWeights* packed = args.tape == nullptr ? packed_.get() : nullptr;  // training runs in f32
+  const auto [q3, k3, v3] =
+      in_projection(in, E, param("in_proj_weight"), param("in_proj_bias"),
+                    {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed);
   const Tensor q4 = split_heads(q3, H);
   Tensor k4 = split_heads(k3, H), v4 = split_heads(v3, H);
   append_keys(k4, v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
@@ -367,7 +391,9 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
 
   // Out-projection.
   const Tensor* b_out = param("out_proj.bias");
-  Tensor out = as3(linear(rows(attn3), *param("out_proj.weight"), b_out ? *b_out : Tensor()), attn3);
+  Tensor out = as3(project(rows(attn3), *param("out_proj.weight"), b_out ? *b_out : Tensor(),
+                           packed ? packed->find("out_proj.weight") : nullptr),
+                   attn3);
   if (!in.batched) out = out.squeeze(1);
 
   if (args.tape != nullptr) {

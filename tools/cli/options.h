@@ -57,6 +57,15 @@ inline void add_threads_option(CLI::App* c, int* threads) {
   c->add_option("--threads", *threads, "worker threads (default: all cores)")->check(int_in(0, kMaxThreads));
 }
 
+// --dtype f32|bf16|int8: the precision of a model's linear layers (heads/precision.h).
+inline void add_precision_option(CLI::App* c, std::string* dtype) {
+  c->add_option("--dtype", *dtype,
+                "linear layers in f32, bf16 (f32 sums) or int8 (dynamic quantization: per-channel weights, "
+                "per-row activations); attention and LayerNorm stay f32")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16", "int8"}));
+}
+
 // --model DIR (empty: the default model_dir() finds, commands.h).
 inline void add_model_option(CLI::App* c, std::string* model) {
   c->add_option("--model", *model,

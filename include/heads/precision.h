@@ -1,0 +1,56 @@
+// precision.h — reduced-precision inference for the linear layers (projections and feed-forward):
+// a weight prepared once for a precision, and the linear op that runs it.
+//
+//   F32   y = x Wᵀ + b                                           (as torch.nn.functional.linear)
+//   BF16  y = bf16(x) bf16(W)ᵀ + b, products summed in f32, y in f32
+//   Int8  dynamic quantization, symmetric, integer products: W row n ≈ Wq[n]·sw[n] once (per output
+//         channel, sw[n] = max|W[n,:]| / 127); at every call each row of x in two int8 terms,
+//         x[m] ≈ xq[m]·sx[m] + rq[m]·sr[m]: q(v) = round(v / s), s = max|v| / 127, first of x, then of
+//         its residual r = x − xq·sx (about 15 bits in all: one int8 step on activations lost 0.3%
+//         of cosine on all-MiniLM-L6-v2, the residual term wins it back);
+//         y[m, n] = (Σ_k xq·Wq · sx + Σ_k rq·Wq · sr) · sw[n] + b[n], sums exact in int32
+//         (K ≤ 2^31 / 127² = 133,152). A row of x holding NaN or ±inf gives a NaN row.
+// Rounding is to nearest even everywhere. Attention, LayerNorm, softmax and activations stay f32.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "heads/tensor.h"
+
+namespace heads {
+
+enum class Precision { F32, BF16, Int8 };
+
+std::string precision_name(Precision p);            // "f32", "bf16", "int8"
+Precision precision_from_name(const std::string& s);  // throws heads::Error naming the choices
+
+// A linear layer's weight [N, K] prepared for a precision: F32 keeps the tensor, BF16 holds a bf16
+// copy, Int8 the int8 rows and their f32 scales. Immutable once made; copies share storage.
+class PackedLinear {
+ public:
+  PackedLinear() = default;
+  // weight: a floating [N, K] tensor (any strides).
+  PackedLinear(const Tensor& weight, Precision precision);
+  // Int8 from stored parts (e.g. a file `heads quantize` wrote): data i8 [N, K], scales f32 [N],
+  // finite and positive; errors name `name`.
+  static PackedLinear from_int8(const Tensor& data, const Tensor& scales, const std::string& name);
+
+  bool defined() const { return data_.defined(); }
+  Precision precision() const { return precision_; }
+  int64_t out_features() const { return data_.size(0); }
+  int64_t in_features() const { return data_.size(1); }
+  const Tensor& data() const { return data_; }      // f32, bf16 or i8 [N, K], contiguous
+  const Tensor& scales() const { return scales_; }  // Int8: f32 [N]; otherwise undefined
+  // Output channels [n0, n1): a view sharing storage (e.g. the q, k, v parts of in_proj_weight).
+  PackedLinear rows(int64_t n0, int64_t n1) const;
+
+ private:
+  Precision precision_ = Precision::F32;
+  Tensor data_, scales_;
+};
+
+// y [..., N] f32 = x [..., K] through w (above) + bias [N]; x floating, read as f32.
+Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias = {});
+
+}  // namespace heads

@@ -1,0 +1,229 @@
+// linear_lowp.cc — the reduced-precision linear layers of include/heads/precision.h: weights
+// converted or quantized once (PackedLinear), activations at each call, the GEMM through oneDNN
+// (bf16 and int8 matmul) on the SIMD paths and plain loops on the portable one.
+#include "heads/precision.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <vector>
+
+#include "heads/error.h"
+#include "heads/ops.h"
+#include "heads/runtime.h"
+#include "kernels/dispatch.h"
+#include "kernels/linear.h"
+#include "kernels/onednn.h"
+
+namespace heads {
+
+namespace {
+
+constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (127 * 127);  // exact int32 sums
+
+// Symmetric int8 of one row: q = round(x / s), s = max|x| / 127 (s = 1 for an all-zero row). A row
+// with NaN or ±inf gets s = NaN and q = 0: its outputs come out NaN.
+float quantize_row(const float* x, int64_t K, int8_t* q) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t k = 0; k < K; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    amax = std::max(amax, std::fabs(x[k]));
+  }
+  if (!finite) {
+    std::fill(q, q + K, int8_t{0});
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const float inv = 1.0f / s;
+  for (int64_t k = 0; k < K; ++k) {
+    q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] * inv), -127.0f, 127.0f));
+  }
+  return s;
+}
+
+// y [M, N] (row stride ys) from x [M, K] f32 rows (stride xs) through bf16 W [N, K] and bias.
+void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias, int64_t N,
+                 float* y, int64_t ys) {
+  std::vector<uint16_t> xb(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xb[static_cast<size_t>(m * K + k)] = f32_to_bf16(x[m * xs + k]);
+  }
+  const int threads = kernels::gemm_threads(M, N, K);
+  if (kernels::active().isa != Isa::Scalar) {
+    try {
+      kernels::onednn_matmul({M, K, N, K, 1, 1, K, ys, bias != nullptr, threads, kernels::MatmulTypes::Bf16},
+                             xb.data(), W, bias, y);
+      return;
+    } catch (const dnnl::error& e) {
+      fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += bf16_to_f32(xb[static_cast<size_t>(m * K + k)]) * bf16_to_f32(W[n * K + k]);
+      y[m * ys + n] = acc + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+
+// The same through int8 W [N, K] with scales sw [N]. Each row of x is quantized in two int8 terms,
+// x ≈ xq·sx + rq·sr with rq the rounding residual of the first (about 15 bits in all); both go
+// through one integer GEMM as rows [0, M) and [M, 2M), then y = (acc·sx + acc_r·sr)·sw[n] + b[n].
+void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t* W, const float* sw,
+                 const float* bias, int64_t N, float* y, int64_t ys) {
+  std::vector<int8_t> xq(static_cast<size_t>(2 * M * K));
+  std::vector<float> sx(static_cast<size_t>(2 * M));
+  std::vector<int32_t> acc(static_cast<size_t>(2 * M * N));
+  const int threads = kernels::gemm_threads(2 * M, N, K);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> r(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* q = xq.data() + m * K;
+      const float s = quantize_row(x + m * xs, K, q);
+      for (int64_t k = 0; k < K; ++k) r[static_cast<size_t>(k)] = x[m * xs + k] - static_cast<float>(q[k]) * s;
+      sx[static_cast<size_t>(m)] = s;
+      sx[static_cast<size_t>(M + m)] = std::isnan(s) ? 0.0f : quantize_row(r.data(), K, xq.data() + (M + m) * K);
+    }
+  }
+  bool done = false;
+  if (kernels::active().isa != Isa::Scalar) {
+    try {
+      kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, xq.data(), W,
+                             nullptr, acc.data());
+      done = true;
+    } catch (const dnnl::error& e) {
+      fail("linear (int8): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t m = 0; m < 2 * M; ++m) {
+    if (done) continue;
+    const int8_t* xr = xq.data() + m * K;
+    for (int64_t n = 0; n < N; ++n) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(W[n * K + k]);
+      acc[static_cast<size_t>(m * N + n)] = s;
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    const int32_t* a = acc.data() + m * N;
+    const int32_t* ar = acc.data() + (M + m) * N;
+    const float s = sx[static_cast<size_t>(m)], sr = sx[static_cast<size_t>(M + m)];
+    for (int64_t n = 0; n < N; ++n) {
+      y[m * ys + n] = (static_cast<float>(a[n]) * s + static_cast<float>(ar[n]) * sr) * sw[n] + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+
+}  // namespace
+
+std::string precision_name(Precision p) {
+  switch (p) {
+    case Precision::F32: return "f32";
+    case Precision::BF16: return "bf16";
+    case Precision::Int8: return "int8";
+  }
+  return "?";
+}
+
+Precision precision_from_name(const std::string& s) {
+  for (Precision p : {Precision::F32, Precision::BF16, Precision::Int8}) {
+    if (precision_name(p) == s) return p;
+  }
+  fail("precision must be f32, bf16 or int8, got \"", s, "\"");
+}
+
+PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precision_(precision) {
+  HEADS_CHECK(weight.defined() && weight.dim() == 2 && is_floating(weight.dtype()),
+              "PackedLinear: weight: expected a floating [out, in] tensor, got ",
+              weight.defined() ? std::string(dtype_name(weight.dtype())) + " " + shape_str(weight.shape())
+                               : std::string("none"));
+  if (precision == Precision::F32) {
+    data_ = weight.to(DType::F32);
+  } else if (precision == Precision::BF16) {
+    data_ = weight.to(DType::BF16);
+  } else {
+    const int64_t N = weight.size(0), K = weight.size(1);
+    HEADS_CHECK(K <= kMaxInt8K, "PackedLinear: int8 weight ", weight.shape(), " has more than ", kMaxInt8K,
+                " inputs (int32 sums would overflow)");
+    const Tensor w = weight.to(DType::F32);
+    data_ = Tensor::empty({N, K}, DType::I8);
+    scales_ = Tensor::empty({N}, DType::F32);
+    for (int64_t n = 0; n < N; ++n) {
+      const float s = quantize_row(w.data<float>() + n * K, K, static_cast<int8_t*>(data_.raw_data()) + n * K);
+      HEADS_CHECK(std::isfinite(s), "PackedLinear: weight row ", n, " holds NaN or inf");
+      scales_.data<float>()[n] = s;
+    }
+  }
+}
+
+PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name) {
+  HEADS_CHECK(data.defined() && data.dtype() == DType::I8 && data.dim() == 2, name,
+              ": expected int8 [out, in] data, got ",
+              data.defined() ? std::string(dtype_name(data.dtype())) + " " + shape_str(data.shape()) : "none");
+  HEADS_CHECK(data.size(1) <= kMaxInt8K, name, ": ", data.size(1), " inputs is more than ", kMaxInt8K);
+  HEADS_CHECK(scales.defined() && scales.dtype() == DType::F32 && scales.shape() == Shape({data.size(0)}), name,
+              ": scales: expected f32 [", data.size(0), "], got ",
+              scales.defined() ? std::string(dtype_name(scales.dtype())) + " " + shape_str(scales.shape()) : "none");
+  PackedLinear p;
+  p.precision_ = Precision::Int8;
+  p.data_ = data.contiguous();
+  p.scales_ = scales.contiguous();
+  for (int64_t n = 0; n < p.scales_.numel(); ++n) {
+    const float s = p.scales_.data<float>()[n];
+    HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": scale ", n, " must be finite and positive, got ", s);
+  }
+  return p;
+}
+
+PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
+  HEADS_CHECK(defined() && 0 <= n0 && n0 <= n1 && n1 <= out_features(), "PackedLinear::rows: [", n0, ", ", n1,
+              ") is not a range of the ", defined() ? out_features() : 0, " output channels");
+  PackedLinear p = *this;
+  p.data_ = data_.slice(0, n0, n1);
+  if (scales_.defined()) p.scales_ = scales_.slice(0, n0, n1);
+  return p;
+}
+
+Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in) {
+  const char* op = "linear";
+  HEADS_CHECK(w.defined(), op, ": the packed weight is empty");
+  if (w.precision() == Precision::F32) return linear(x_in, w.data(), b_in);
+  const int64_t N = w.out_features(), K = w.in_features();
+  HEADS_CHECK(x_in.defined() && x_in.dim() >= 1 && x_in.size(-1) == K && is_floating(x_in.dtype()), op, ": input ",
+              x_in.defined() ? x_in.shape() : Shape{}, " does not match the ", precision_name(w.precision()),
+              " weight [", N, ", ", K, "] (expected a floating tensor with last dim ", K, ")");
+  HEADS_CHECK(!b_in.defined() || b_in.shape() == Shape({N}), op, ": bias: expected [", N, "], got ",
+              b_in.defined() ? b_in.shape() : Shape{});
+  const Tensor x = x_in.to(DType::F32);
+  const Tensor b = b_in.defined() ? b_in.to(DType::F32) : Tensor();
+  Shape ys = x.shape();
+  ys.back() = N;
+  Tensor y = Tensor::empty(ys, DType::F32);
+  const int64_t M = K > 0 ? x.numel() / K : y.numel() / std::max<int64_t>(N, 1);
+  const float* bias = b.defined() ? b.data<float>() : nullptr;
+  if (M == 0 || N == 0) return y;
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) y.data<float>()[m * N + n] = bias ? bias[n] : 0.0f;
+    }
+    return y;
+  }
+  if (w.precision() == Precision::BF16) {
+    linear_bf16(x.data<float>(), M, K, K, static_cast<const uint16_t*>(w.data().raw_data()), bias, N,
+                y.data<float>(), N);
+  } else {
+    linear_int8(x.data<float>(), M, K, K, static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
+                bias, N, y.data<float>(), N);
+  }
+  return y;
+}
+
+}  // namespace heads

@@ -1,0 +1,121 @@
+// onednn.cc — oneDNN matmul primitives (onednn.h): created once per call shape and kept, run on
+// heads' OpenMP thread count with a per-thread scratchpad.
+#include "kernels/onednn.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
+#include <unordered_map>
+
+#include "heads/error.h"
+#include "heads/runtime.h"
+
+namespace heads::kernels {
+
+namespace {
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+
+// oneDNN sizes a primitive's parallel work for the OpenMP thread count of the thread creating it
+// and keeps that count: primitives are created and run with omp_set_num_threads(n) in force on the
+// calling thread, and n is part of their key.
+class OmpThreads {
+ public:
+  explicit OmpThreads(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~OmpThreads() { omp_set_num_threads(saved_); }
+  OmpThreads(const OmpThreads&) = delete;
+  OmpThreads& operator=(const OmpThreads&) = delete;
+
+ private:
+  int saved_;
+};
+
+struct Entry {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul prim;
+};
+
+// Matmul primitives by shape, strides, types and threads; bounded. Callers hold a shared reference, so another
+// thread clearing the full cache never frees a primitive in use.
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int>;
+
+Key key_of(const MatmulCall& c) {
+  return {c.M, c.K, c.N, c.a_rs, c.a_cs, c.b_rs, c.b_cs, c.c_rs, c.bias, c.threads, static_cast<int>(c.types)};
+}
+
+std::shared_ptr<const Entry> primitive_for(const MatmulCall& call) {
+  static std::mutex mu;
+  static std::map<Key, std::shared_ptr<const Entry>> cache;
+  const Key key = key_of(call);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (cache.size() >= 256) cache.clear();
+  const MatmulCall& c = call;
+  using dt = dnnl::memory::data_type;
+  const dt in = c.types == MatmulTypes::F32 ? dt::f32 : c.types == MatmulTypes::Bf16 ? dt::bf16 : dt::s8;
+  const dt out = c.types == MatmulTypes::S8 ? dt::s32 : dt::f32;
+  const dnnl::memory::desc src({c.M, c.K}, in, {c.a_rs, c.a_cs});
+  const dnnl::memory::desc wei({c.K, c.N}, in, {c.b_rs, c.b_cs});
+  const dnnl::memory::desc dst({c.M, c.N}, out, {c.c_rs, 1});
+  const dnnl::memory::desc bias({1, c.N}, dt::f32, {c.N, 1});
+  const auto desc = c.bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
+  // oneDNN's library-managed scratchpad is not for concurrent execution unless the library is built
+  // with DNNL_ENABLE_CONCURRENT_EXEC (Debian's is not): MHA calls from several Python threads at once
+  // gave wrong results. Each call passes its thread's own scratchpad (onednn_matmul).
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  return cache.emplace(key, std::make_shared<const Entry>(Entry{pd, dnnl::matmul(pd)})).first->second;
+}
+
+}  // namespace
+
+void onednn_matmul(const MatmulCall& call, const void* a, const void* b, const float* bias, void* c) {
+  const OmpThreads threads(call.threads);
+  const std::shared_ptr<const Entry> entry = primitive_for(call);
+  const Entry& e = *entry;
+  const auto& pd = e.pd;
+  dnnl::engine& eng = cpu_engine();
+  dnnl::stream stream(eng);
+  dnnl::memory src(pd.src_desc(), eng, const_cast<void*>(a));
+  dnnl::memory wei(pd.weights_desc(), eng, const_cast<void*>(b));
+  dnnl::memory dst(pd.dst_desc(), eng, c);
+  std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));
+  // This thread's scratchpad, kept across calls (grown to the largest a primitive asked for).
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<void, Free> scratch;
+  thread_local size_t scratch_size = 0;
+  const dnnl::memory::desc sd = pd.scratchpad_desc();
+  if (sd.get_size() > 0) {
+    if (scratch_size < sd.get_size()) {
+      const size_t n = (sd.get_size() + 63) / 64 * 64;
+      scratch.reset(std::aligned_alloc(64, n));
+      HEADS_CHECK(scratch != nullptr, "linear: cannot allocate a ", n, "-byte oneDNN scratchpad");
+      scratch_size = n;
+    }
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(sd, eng, scratch.get()));
+  }
+  e.prim.execute(stream, args);
+  stream.wait();
+}
+
+int gemm_threads(int64_t M, int64_t N, int64_t K) {
+  return threads_for(2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K),
+                     std::max<int64_t>(M, N));
+}
+
+}  // namespace heads::kernels

@@ -1,0 +1,189 @@
+// precision_test.cc — the reduced-precision linear layers (heads/precision.h) against float64 loops
+// that follow their definitions, on every ISA path, and against the exact product within the bound
+// their error model gives; modules and the sentence encoder in bf16 and int8.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/testing.h"
+#include "heads/encoder.h"
+#include "heads/mha.h"
+#include "heads/ops.h"
+#include "heads/precision.h"
+#include "heads/sentence_encoder.h"
+
+namespace heads {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::randn;
+
+// Row-wise symmetric int8 of the definition, in double: q = round_even(x / s), s = max|x| / 127.
+std::vector<double> quantize(const float* x, int64_t K, double* scale) {
+  double amax = 0;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<double>(x[k])));
+  const float s = amax > 0 ? static_cast<float>(amax) / 127.0f : 1.0f;  // computed in f32, as specified
+  *scale = s;
+  std::vector<double> q(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) q[static_cast<size_t>(k)] = std::nearbyint(x[k] * (1.0f / s));
+  return q;
+}
+
+struct Shapes {
+  int64_t M, K, N;
+};
+
+TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
+  testing::IsaGuard guard;
+  for (const Shapes& s : {Shapes{1, 1, 1}, Shapes{7, 3, 5}, Shapes{37, 70, 45}, Shapes{129, 384, 17}}) {
+    const Tensor x = randn({s.M, s.K}, 2.0), W = randn({s.N, s.K}, 0.1), b = randn({s.N});
+    const PackedLinear pw(W, Precision::Int8);
+    ASSERT_EQ(pw.data().dtype(), DType::I8);
+    Tensor first;
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const Tensor y = linear(x, pw, b);
+      // The exact int32 sums make every path give the same bits.
+      if (first.defined()) EXPECT_TRUE(testing::bitwise_equal(first, y)) << "isa " << isa_name(isa);
+      first = y;
+    }
+    for (int64_t m = 0; m < s.M; ++m) {
+      double sx = 0, sr = 0;
+      const float* xm = x.data<float>() + m * s.K;
+      const std::vector<double> xq = quantize(xm, s.K, &sx);
+      std::vector<float> r(static_cast<size_t>(s.K));  // the residual, in f32 as specified
+      for (int64_t k = 0; k < s.K; ++k) r[static_cast<size_t>(k)] = xm[k] - static_cast<float>(xq[static_cast<size_t>(k)]) * static_cast<float>(sx);
+      const std::vector<double> rq = quantize(r.data(), s.K, &sr);
+      double sum_x = 0;
+      for (int64_t k = 0; k < s.K; ++k) sum_x += std::fabs(x.data<float>()[m * s.K + k]);
+      for (int64_t n = 0; n < s.N; ++n) {
+        double sw = 0;
+        const std::vector<double> wq = quantize(W.data<float>() + n * s.K, s.K, &sw);
+        double acc = 0, acc_r = 0, exact = b.data<float>()[n], sum_w = 0;
+        for (int64_t k = 0; k < s.K; ++k) {
+          acc += xq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
+          acc_r += rq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
+          exact += static_cast<double>(x.data<float>()[m * s.K + k]) * W.data<float>()[n * s.K + k];
+          sum_w += std::fabs(W.data<float>()[n * s.K + k]);
+        }
+        const double defined = (acc * sx + acc_r * sr) * sw + b.data<float>()[n];
+        const double got = first.data<float>()[m * s.N + n];
+        EXPECT_NEAR(got, defined,
+                    1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n])))
+            << "m=" << m << " n=" << n;
+        // x is off by at most half a residual step (sr/2) and W by half a weight step (sw/2), so
+        // |y - exact| <= sr/2·Σ|W| + sw/2·Σ|x| + K·sr·sw/4, plus the f32 rounding of the residual.
+        const double bound = sr / 2 * sum_w + sw / 2 * sum_x + s.K * sr * sw / 4 + 1e-6 * sum_x * sw * 127;
+        EXPECT_LE(std::fabs(got - exact), bound * (1 + 1e-6) + 1e-6) << "m=" << m << " n=" << n;
+      }
+    }
+  }
+}
+
+TEST(Precision, Bf16IsTheF32ProductOfRoundedValues) {
+  testing::IsaGuard guard;
+  for (const Shapes& s : {Shapes{1, 1, 1}, Shapes{7, 3, 5}, Shapes{37, 70, 45}, Shapes{129, 384, 17}}) {
+    const Tensor x = randn({s.M, s.K}), W = randn({s.N, s.K}), b = randn({s.N});
+    const PackedLinear pw(W, Precision::BF16);
+    ASSERT_EQ(pw.data().dtype(), DType::BF16);
+    const Tensor xr = x.to(DType::BF16).to(DType::F32), wr = W.to(DType::BF16).to(DType::F32);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const Tensor y = linear(x, pw, b);
+      for (int64_t m = 0; m < s.M; ++m) {
+        for (int64_t n = 0; n < s.N; ++n) {
+          double ref = b.data<float>()[n], mag = std::fabs(ref);
+          for (int64_t k = 0; k < s.K; ++k) {
+            const double p = static_cast<double>(xr.data<float>()[m * s.K + k]) * wr.data<float>()[n * s.K + k];
+            ref += p;
+            mag += std::fabs(p);
+          }
+          // f32 sums of exact products: each addition rounds by at most 2^-24 of the running magnitude.
+          EXPECT_NEAR(y.data<float>()[m * s.N + n], ref, (s.K + 1) * 6e-8 * mag) << isa_name(isa) << " m=" << m;
+        }
+      }
+    }
+  }
+}
+
+TEST(Precision, RowsNonFiniteInputsAndStoredParts) {
+  const Tensor W = randn({6, 5}), b = randn({6});
+  const PackedLinear pw(W, Precision::Int8);
+  const PackedLinear part = pw.rows(2, 5);
+  const Tensor x = randn({3, 5});
+  const Tensor full = linear(x, pw, b), some = linear(x, part, b.slice(0, 2, 5));
+  EXPECT_TRUE(testing::bitwise_equal(full.slice(1, 2, 5).contiguous(), some));
+  Tensor bad = x.clone();
+  bad.data<float>()[5 + 2] = std::numeric_limits<float>::infinity();  // row 1
+  const Tensor y = linear(bad, pw, b);
+  for (int64_t n = 0; n < 6; ++n) {
+    EXPECT_TRUE(std::isnan(y.data<float>()[6 + n]));
+    EXPECT_EQ(y.data<float>()[n], full.data<float>()[n]);
+  }
+  const PackedLinear back = PackedLinear::from_int8(pw.data(), pw.scales(), "w");
+  EXPECT_TRUE(testing::bitwise_equal(linear(x, back, b), full));
+  EXPECT_THAT(testing::error_of([&] { PackedLinear::from_int8(pw.data(), Tensor::zeros({5}, DType::F32), "w"); }),
+              HasSubstr("w: scales: expected f32 [6], got f32 [5]"));
+  EXPECT_THAT(testing::error_of([&] { PackedLinear::from_int8(pw.data(), Tensor::zeros({6}, DType::F32), "w"); }),
+              HasSubstr("w: scale 0 must be finite and positive, got 0"));
+  EXPECT_THAT(testing::error_of([&] { PackedLinear::from_int8(W, pw.scales(), "w"); }),
+              HasSubstr("w: expected int8 [out, in] data, got f32 [6, 5]"));
+  EXPECT_THAT(testing::error_of([&] { linear(randn({2, 4}), pw); }), HasSubstr("does not match the int8 weight [6, 5]"));
+  EXPECT_THAT(testing::error_of([] { precision_from_name("fp8"); }), HasSubstr("f32, bf16 or int8, got \"fp8\""));
+}
+
+// A module in reduced precision: close to its f32 output by the precision's step, back to f32 bits
+// when set back, and re-packed when new weights are loaded.
+TEST(Precision, ModulesRunTheirLinearLayersInTheChosenPrecision) {
+  TransformerEncoderLayerOptions o;
+  o.d_model = 64;
+  o.nhead = 4;
+  o.dim_feedforward = 96;
+  o.dropout = 0.0;
+  o.batch_first = true;
+  TransformerEncoderLayer layer(o, 3);
+  layer.eval();
+  const Tensor x = randn({2, 9, 64});
+  const Tensor ref = layer.forward(x);
+  for (auto [p, tol] : {std::pair{Precision::BF16, 2e-2}, {Precision::Int8, 4e-2}}) {
+    layer.set_precision(p);
+    EXPECT_EQ(layer.precision(), p);
+    const auto e = testing::compare(layer.forward(x), ref);
+    EXPECT_GT(e.max_abs, 0.0) << precision_name(p);  // it did run in another precision
+    EXPECT_LT(e.max_abs, tol * e.max_ref) << precision_name(p);
+  }
+  TransformerEncoderLayer other(o, 4);
+  layer.load_state_dict(other.state_dict());  // int8 still in force: packed again from the new weights
+  other.eval();
+  other.set_precision(Precision::Int8);
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
+  layer.set_precision(Precision::F32);
+  other.set_precision(Precision::F32);
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
+}
+
+// all-MiniLM-L6-v2 in bf16 and int8: embeddings within the cosine the issue asks for.
+TEST(Precision, SentenceEmbeddingsStayCloseToF32) {
+  const std::vector<std::string> texts = {
+      "The cat sat on the mat.", "A quick brown fox jumps over the lazy dog near the river bank.",
+      "Quantum chromodynamics describes the strong interaction between quarks and gluons.",
+      "I'd like a coffee, please!", "Attention is all you need."};
+  const Tensor f32 = SentenceEncoder::load(testing::model_dir()).encode(texts);
+  for (auto [p, floor] : {std::pair{Precision::BF16, 0.9999}, {Precision::Int8, 0.999}}) {
+    const SentenceEncoder enc = SentenceEncoder::load(testing::model_dir(), p);
+    EXPECT_EQ(enc.precision(), p);
+    const Tensor e = enc.encode(texts);
+    for (int64_t i = 0; i < e.size(0); ++i) {
+      double dot = 0;
+      for (int64_t d = 0; d < e.size(1); ++d) dot += static_cast<double>(e.data<float>()[i * e.size(1) + d]) * f32.data<float>()[i * e.size(1) + d];
+      EXPECT_GE(dot, floor) << precision_name(p) << " text " << i;  // unit rows: the cosine
+      EXPECT_LT(dot, 1.0 - 1e-9) << precision_name(p) << " text " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace heads
