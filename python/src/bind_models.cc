@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "heads/precision.h"
 #include "heads/sentence_encoder.h"
 #include "heads/tokenizer.h"
 
@@ -37,7 +38,13 @@ void bind_models(nb::module_& m) {
       .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
 
   nb::class_<heads::SentenceEncoder>(m, "SentenceEncoder")
-      .def_static("load", &heads::SentenceEncoder::load, "model_dir"_a)
+      .def_static(
+          "load",
+          [](const std::string& dir, const std::string& dtype) {
+            return heads::SentenceEncoder::load(dir, heads::precision_from_name(dtype));
+          },
+          "model_dir"_a, "dtype"_a = "f32")
+      .def_prop_ro("dtype", [](const heads::SentenceEncoder& s) { return heads::precision_name(s.precision()); })
       .def("encode",
            [](const heads::SentenceEncoder& s, const std::vector<std::string>& texts, int64_t batch_size) {
              heads::Tensor out;

@@ -43,6 +43,28 @@ float quantize_row(const float* x, int64_t K, int8_t* q) {
   return s;
 }
 
+// The weight rows' scale: of s·c for c in {1, 0.99, ..., 0.50} (values beyond 127 steps clipped),
+// the one with the least squared error over the row, its int8 values left in q.
+float clip_row(const float* w, int64_t K, float s, int8_t* q) {
+  const auto error = [&](float t) {
+    double e = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double d = w[k] - std::clamp(std::nearbyint(w[k] / t), -127.0f, 127.0f) * t;
+      e += d * d;
+    }
+    return e;
+  };
+  float best = s;
+  double best_error = error(s);
+  for (int c = 99; c >= 50; --c) {
+    const float t = s * static_cast<float>(c) / 100.0f;
+    const double e = error(t);
+    if (e < best_error) best = t, best_error = e;
+  }
+  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(w[k] / best), -127.0f, 127.0f));
+  return best;
+}
+
 // y [M, N] (row stride ys) from x [M, K] f32 rows (stride xs) through bf16 W [N, K] and bias.
 void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias, int64_t N,
                  float* y, int64_t ys) {
@@ -157,9 +179,11 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
     data_ = Tensor::empty({N, K}, DType::I8);
     scales_ = Tensor::empty({N}, DType::F32);
     for (int64_t n = 0; n < N; ++n) {
-      const float s = quantize_row(w.data<float>() + n * K, K, static_cast<int8_t*>(data_.raw_data()) + n * K);
+      const float* row = w.data<float>() + n * K;
+      int8_t* q = static_cast<int8_t*>(data_.raw_data()) + n * K;
+      const float s = quantize_row(row, K, q);
       HEADS_CHECK(std::isfinite(s), "PackedLinear: weight row ", n, " holds NaN or inf");
-      scales_.data<float>()[n] = s;
+      scales_.data<float>()[n] = clip_row(row, K, s, q);
     }
   }
 }

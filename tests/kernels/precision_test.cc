@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -60,8 +61,18 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
       double sum_x = 0;
       for (int64_t k = 0; k < s.K; ++k) sum_x += std::fabs(x.data<float>()[m * s.K + k]);
       for (int64_t n = 0; n < s.N; ++n) {
-        double sw = 0;
-        const std::vector<double> wq = quantize(W.data<float>() + n * s.K, s.K, &sw);
+        // The weight row as packed: a scale of c·max|W[n]|/127 with c in [0.5, 1] (the least squared
+        // error), its values round(W / scale) clipped to ±127.
+        const float sw = pw.scales().data<float>()[n];
+        const int8_t* wp = static_cast<const int8_t*>(pw.data().raw_data()) + n * s.K;
+        std::vector<double> wq(static_cast<size_t>(s.K));
+        float wmax = 0;
+        for (int64_t k = 0; k < s.K; ++k) wmax = std::max(wmax, std::fabs(W.data<float>()[n * s.K + k]));
+        EXPECT_TRUE(sw >= 0.5f * wmax / 127 * (1 - 1e-6f) && sw <= wmax / 127 * (1 + 1e-6f)) << "n=" << n;
+        for (int64_t k = 0; k < s.K; ++k) {
+          wq[static_cast<size_t>(k)] = wp[k];
+          EXPECT_EQ(wp[k], std::clamp(std::nearbyint(W.data<float>()[n * s.K + k] / sw), -127.0f, 127.0f));
+        }
         double acc = 0, acc_r = 0, exact = b.data<float>()[n], sum_w = 0;
         for (int64_t k = 0; k < s.K; ++k) {
           acc += xq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
@@ -74,9 +85,16 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
         EXPECT_NEAR(got, defined,
                     1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n])))
             << "m=" << m << " n=" << n;
-        // x is off by at most half a residual step (sr/2) and W by half a weight step (sw/2), so
-        // |y - exact| <= sr/2·Σ|W| + sw/2·Σ|x| + K·sr·sw/4, plus the f32 rounding of the residual.
-        const double bound = sr / 2 * sum_w + sw / 2 * sum_x + s.K * sr * sw / 4 + 1e-6 * sum_x * sw * 127;
+        // x is off by at most half a residual step (sr/2), W by |W - Wq·sw| (half a step, or what
+        // the clipping cut off), so |y - exact| <= sr/2·Σ|W| + Σ|x|·|ΔW| + sr/2·Σ|ΔW|, plus the f32
+        // rounding of the residual.
+        double dw = 0, xdw = 0;
+        for (int64_t k = 0; k < s.K; ++k) {
+          const double d = std::fabs(W.data<float>()[n * s.K + k] - wq[static_cast<size_t>(k)] * sw);
+          dw += d;
+          xdw += std::fabs(x.data<float>()[m * s.K + k]) * d;
+        }
+        const double bound = sr / 2 * sum_w + xdw + sr / 2 * dw + 1e-6 * sum_x * sw * 127;
         EXPECT_LE(std::fabs(got - exact), bound * (1 + 1e-6) + 1e-6) << "m=" << m << " n=" << n;
       }
     }
