@@ -40,6 +40,8 @@ struct KernelTable {
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
   // dx = dy · act'(x), n values; act 0 ReLU, 1 GELU (erf), 2 GELU (tanh form).
   void (*activation_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n, int act);
+  // Rows of x as two int8 terms each, value and residual (quantize-inl.h): q [2·rows, n], s [2·rows].
+  void (*quantize_rows_i8)(const float* x, int64_t rows, int64_t n, int64_t xs, int8_t* q, float* s);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

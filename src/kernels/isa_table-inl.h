@@ -7,6 +7,7 @@
 #include "kernels/sdpa_paths-inl.h"
 #include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
+#include "kernels/quantize-inl.h"
 
 const KernelTable kTable{
     .isa = kIsa,
@@ -21,6 +22,7 @@ const KernelTable kTable{
     .layer_norm_f32 = &layer_norm_f32,
     .add_f32 = &add_f32,
     .activation_bwd_f32 = &activation_bwd_f32,
+    .quantize_rows_i8 = &quantize_rows_i8,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,
 #ifdef HEADS_NATIVE_BF16

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <vector>
 
@@ -20,10 +21,22 @@ namespace heads {
 
 namespace {
 
+// Working memory of one call, left uninitialised (every element is written before it is read).
+template <class T>
+class Buffer {
+ public:
+  explicit Buffer(int64_t n) : p_(new T[static_cast<size_t>(n)]) {}
+  T* data() const { return p_.get(); }
+  T& operator[](int64_t i) const { return p_[static_cast<size_t>(i)]; }
+
+ private:
+  std::unique_ptr<T[]> p_;
+};
+
 constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (127 * 127);  // exact int32 sums
 
-// Symmetric int8 of one row: q = round(x / s), s = max|x| / 127 (s = 1 for an all-zero row). A row
-// with NaN or ±inf gets s = NaN and q = 0: its outputs come out NaN.
+// Symmetric int8 of one weight row: q = round(x / s), s = max|x| / 127 (s = 1 for an all-zero row);
+// NaN when the row holds NaN or ±inf. (Activations: the table's quantize_rows_i8.)
 float quantize_row(const float* x, int64_t K, int8_t* q) {
   float amax = 0.0f;
   bool finite = true;
@@ -68,9 +81,9 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
 // y [M, N] (row stride ys) from x [M, K] f32 rows (stride xs) through bf16 W [N, K] and bias.
 void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias, int64_t N,
                  float* y, int64_t ys) {
-  std::vector<uint16_t> xb(static_cast<size_t>(M * K));
+  const Buffer<uint16_t> xb(M * K);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) xb[static_cast<size_t>(m * K + k)] = f32_to_bf16(x[m * xs + k]);
+    for (int64_t k = 0; k < K; ++k) xb[m * K + k] = f32_to_bf16(x[m * xs + k]);
   }
   const int threads = kernels::gemm_threads(M, N, K);
   if (kernels::active().isa != Isa::Scalar) {
@@ -86,33 +99,23 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += bf16_to_f32(xb[static_cast<size_t>(m * K + k)]) * bf16_to_f32(W[n * K + k]);
+      for (int64_t k = 0; k < K; ++k) acc += bf16_to_f32(xb[m * K + k]) * bf16_to_f32(W[n * K + k]);
       y[m * ys + n] = acc + (bias ? bias[n] : 0.0f);
     }
   }
 }
 
-// The same through int8 W [N, K] with scales sw [N]. Each row of x is quantized in two int8 terms,
-// x ≈ xq·sx + rq·sr with rq the rounding residual of the first (about 15 bits in all); both go
-// through one integer GEMM as rows [0, M) and [M, 2M), then y = (acc·sx + acc_r·sr)·sw[n] + b[n].
+// The same through int8 W [N, K] with scales sw [N]. Each row of x is quantized in two int8 terms
+// (the kernel table's quantize_rows_i8), x ≈ xq·sx + rq·sr with rq the rounding residual of the
+// first (about 15 bits in all); both go through one integer GEMM as rows [0, M) and [M, 2M), then
+// y = (acc·sx + acc_r·sr)·sw[n] + b[n].
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t* W, const float* sw,
                  const float* bias, int64_t N, float* y, int64_t ys) {
-  std::vector<int8_t> xq(static_cast<size_t>(2 * M * K));
-  std::vector<float> sx(static_cast<size_t>(2 * M));
-  std::vector<int32_t> acc(static_cast<size_t>(2 * M * N));
+  const Buffer<int8_t> xq(2 * M * K);
+  const Buffer<float> sx(2 * M);
+  const Buffer<int32_t> acc(2 * M * N);
   const int threads = kernels::gemm_threads(2 * M, N, K);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    std::vector<float> r(static_cast<size_t>(K));
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      int8_t* q = xq.data() + m * K;
-      const float s = quantize_row(x + m * xs, K, q);
-      for (int64_t k = 0; k < K; ++k) r[static_cast<size_t>(k)] = x[m * xs + k] - static_cast<float>(q[k]) * s;
-      sx[static_cast<size_t>(m)] = s;
-      sx[static_cast<size_t>(M + m)] = std::isnan(s) ? 0.0f : quantize_row(r.data(), K, xq.data() + (M + m) * K);
-    }
-  }
+  kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
   bool done = false;
   if (kernels::active().isa != Isa::Scalar) {
     try {
@@ -130,14 +133,14 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t*
     for (int64_t n = 0; n < N; ++n) {
       int32_t s = 0;
       for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(W[n * K + k]);
-      acc[static_cast<size_t>(m * N + n)] = s;
+      acc[m * N + n] = s;
     }
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
     const int32_t* a = acc.data() + m * N;
     const int32_t* ar = acc.data() + (M + m) * N;
-    const float s = sx[static_cast<size_t>(m)], sr = sx[static_cast<size_t>(M + m)];
+    const float s = sx[m], sr = sx[M + m];
     for (int64_t n = 0; n < N; ++n) {
       y[m * ys + n] = (static_cast<float>(a[n]) * s + static_cast<float>(ar[n]) * sr) * sw[n] + (bias ? bias[n] : 0.0f);
     }

@@ -56,7 +56,9 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
       const float* xm = x.data<float>() + m * s.K;
       const std::vector<double> xq = quantize(xm, s.K, &sx);
       std::vector<float> r(static_cast<size_t>(s.K));  // the residual, in f32 as specified
-      for (int64_t k = 0; k < s.K; ++k) r[static_cast<size_t>(k)] = xm[k] - static_cast<float>(xq[static_cast<size_t>(k)]) * static_cast<float>(sx);
+      for (int64_t k = 0; k < s.K; ++k) {
+        r[static_cast<size_t>(k)] = std::fma(-static_cast<float>(xq[static_cast<size_t>(k)]), static_cast<float>(sx), xm[k]);
+      }
       const std::vector<double> rq = quantize(r.data(), s.K, &sr);
       double sum_x = 0;
       for (int64_t k = 0; k < s.K; ++k) sum_x += std::fabs(x.data<float>()[m * s.K + k]);

@@ -76,6 +76,20 @@ struct Vec {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
   HEADS_INLINE static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  HEADS_INLINE static float reduce_max(R x) {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, x);
+    float m = t[0];
+    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
+    return m;
+  }
+  HEADS_INLINE static R round_even(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).
+  HEADS_INLINE static void store_partial_i8(int8_t* p, R x, int64_t n) {
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(x));
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int8_t>(t[i]);
+  }
   HEADS_INLINE static R add(R a, R b) { return _mm256_add_ps(a, b); }
   HEADS_INLINE static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   HEADS_INLINE static R mul(R a, R b) { return _mm256_mul_ps(a, b); }

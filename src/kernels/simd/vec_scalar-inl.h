@@ -4,7 +4,8 @@
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), div, min, abs, select_neg(x, a, b) = x < 0 ? a : b, loadu/storeu, load_partial/store_partial (first n
-//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), reduce_add, reduce_lanes(a[W]) (lane i = sum of a[i]),
+//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), reduce_add, reduce_max, round_even (to nearest even),
+//   store_partial_i8 (integral lanes as int8), reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
@@ -65,6 +66,18 @@ struct Vec {
     R r;
     for (int i = 0; i < W; ++i) r.v[i] = reduce_add(a[i]);
     return r;
+  }
+  static float reduce_max(R x) {
+    float m = x.v[0];
+    for (int i = 1; i < W; ++i) m = x.v[i] > m ? x.v[i] : m;
+    return m;
+  }
+  static R round_even(R x) {
+    for (float& e : x.v) e = std::nearbyint(e);
+    return x;
+  }
+  static void store_partial_i8(int8_t* p, R x, int64_t n) {  // lanes hold integers in [-128, 127]
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int8_t>(x.v[i]);
   }
   static R fma(R a, R b, R c) {
     for (int i = 0; i < W; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
