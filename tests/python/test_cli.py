@@ -157,3 +157,32 @@ def test_bench_json_contract():
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert j["op"] == "mha" and j["ms"] > 0
+
+
+def test_embed_and_bench_in_reduced_precision(tmp_path):
+    """`--dtype bf16|int8` on embed, bench embed and bench mha; a bad value is a usage error (exit 2)."""
+    import json
+
+    import numpy as np
+
+    texts = ["The cat sat on the mat.", "Attention is all you need."]
+    out = {}
+    for dtype in ("f32", "bf16", "int8"):
+        r = run("embed", "--dtype", dtype, "--quiet", "--output", tmp_path / f"{dtype}.npy", *texts)
+        assert r.returncode == 0, r.stderr
+        out[dtype] = np.load(tmp_path / f"{dtype}.npy")
+        assert out[dtype].shape == (2, 384) and out[dtype].dtype == np.float32
+    for dtype in ("bf16", "int8"):
+        cos = (out[dtype].astype(np.float64) * out["f32"]).sum(1)
+        assert cos.min() >= 0.999 and not np.array_equal(out[dtype], out["f32"]), (dtype, cos)
+    r = run("embed", "--dtype", "fp8", "--output", tmp_path / "x.npy", "hello")
+    assert r.returncode == 2 and "--dtype" in r.stderr and not (tmp_path / "x.npy").exists()
+    r = run("bench", "mha", "--batch", 1, "--seq", 5, "--embed", 8, "--heads", 2, "--dtype", "int8", "--min-time", 0,
+            "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["dtype"] == "int8"
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(texts) + "\n")
+    r = run("bench", "embed", "--input", lines, "--dtype", "bf16", "--min-time", 0, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["dtype"] == "bf16"
