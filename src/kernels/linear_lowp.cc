@@ -92,7 +92,10 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_
                              xb.data(), W, bias, y);
       return;
     } catch (const dnnl::error& e) {
-      fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+      // oneDNN has no bf16 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
+      if (e.status != dnnl_unimplemented) {
+        fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+      }
     }
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -103,6 +106,19 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_
       y[m * ys + n] = acc + (bias ? bias[n] : 0.0f);
     }
   }
+}
+
+// oneDNN's int8 GEMM is exact only with VNNI (vpdpbusd): without it, it sums pairs of u8·s8
+// products in saturating int16 (vpmaddubsw), which values of full 8-bit range overflow. Measured
+// with DNNL_MAX_CPU_ISA=AVX2: results off by 10%. Without VNNI the portable loops run instead.
+bool onednn_has_vnni() {
+  static const bool vnni = [] {
+    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+    const auto has = [&](unsigned bits) { return (isa & bits) == bits; };
+    return has(static_cast<unsigned>(dnnl::cpu_isa::avx512_core_vnni)) ||
+           has(static_cast<unsigned>(dnnl::cpu_isa::avx2_vnni));
+  }();
+  return vnni;
 }
 
 // The same through int8 W [N, K] with scales sw [N]. Each row of x is quantized in two int8 terms
@@ -117,13 +133,16 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t*
   const int threads = kernels::gemm_threads(2 * M, N, K);
   kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
   bool done = false;
-  if (kernels::active().isa != Isa::Scalar) {
+  if (kernels::active().isa != Isa::Scalar && onednn_has_vnni()) {
     try {
       kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, xq.data(), W,
                              nullptr, acc.data());
       done = true;
     } catch (const dnnl::error& e) {
-      fail("linear (int8): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+      // oneDNN has no int8 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
+      if (e.status != dnnl_unimplemented) {
+        fail("linear (int8): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+      }
     }
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
