@@ -6,11 +6,12 @@
 //   Int8  dynamic quantization, symmetric, integer products: W row n ≈ Wq[n]·sw[n] once (per output
 //         channel; sw[n] = c·max|W[n,:]| / 127 with c in {1, 0.99, ..., 0.5} the least squared
 //         error, values past ±127 steps clipped); at every call each row of x in two int8 terms,
-//         x[m] ≈ xq[m]·sx[m] + rq[m]·sr[m]: q(v) = round(v / s), s = max|v| / 127, first of x, then of
+//         x[m] ≈ xq[m]·sx[m] + rq[m]·sr[m]: q(v) = round(v · (1/s)), s = max|v| / 127 (1 when that is
+//         below 127·FLT_MIN), first of x, then of
 //         its residual r = x − xq·sx (one fused multiply-add; about 15 bits in all: one int8 step on activations lost 0.3%
 //         of cosine on all-MiniLM-L6-v2, the residual term wins it back);
 //         y[m, n] = (Σ_k xq·Wq · sx + Σ_k rq·Wq · sr) · sw[n] + b[n], sums exact in int32
-//         (K ≤ 2^31 / 127² = 133,152). A row of x holding NaN or ±inf gives a NaN row.
+//         (K ≤ 2^31 / 127² = 133,144). A row of x holding NaN or ±inf gives a NaN row.
 // Rounding is to nearest even everywhere. Attention, LayerNorm, softmax and activations stay f32.
 #pragma once
 
@@ -33,7 +34,7 @@ class PackedLinear {
   PackedLinear() = default;
   // weight: a floating [N, K] tensor (any strides).
   PackedLinear(const Tensor& weight, Precision precision);
-  // Int8 from stored parts (e.g. a file `heads quantize` wrote): data i8 [N, K], scales f32 [N],
+  // Int8 from stored parts (e.g. weights saved from data() and scales()): data i8 [N, K], scales f32 [N],
   // finite and positive; errors name `name`.
   static PackedLinear from_int8(const Tensor& data, const Tensor& scales, const std::string& name);
 

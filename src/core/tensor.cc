@@ -161,9 +161,12 @@ void store_from_double(std::byte* p, DType dt, double x) {
     case DType::F16: { uint16_t v = f32_to_f16(static_cast<float>(x)); std::memcpy(p, &v, 2); return; }
     case DType::BF16: { uint16_t v = f32_to_bf16(static_cast<float>(x)); std::memcpy(p, &v, 2); return; }
     case DType::Bool: { *reinterpret_cast<uint8_t*>(p) = x != 0.0; return; }
-    case DType::U8: { *reinterpret_cast<uint8_t*>(p) = static_cast<uint8_t>(x); return; }
+    case DType::U8: { *reinterpret_cast<uint8_t*>(p) = static_cast<uint8_t>(x >= 0 ? std::min(x, 255.0) : 0.0); return; }
     case DType::I64: { int64_t v = static_cast<int64_t>(x); std::memcpy(p, &v, 8); return; }
-    case DType::I8: { *reinterpret_cast<int8_t*>(p) = static_cast<int8_t>(x); return; }
+    case DType::I8: {  // saturating, NaN -> 0 (as U8): a cast out of range is undefined
+      *reinterpret_cast<int8_t*>(p) = static_cast<int8_t>(x == x ? std::clamp(x, -128.0, 127.0) : 0.0);
+      return;
+    }
   }
 }
 

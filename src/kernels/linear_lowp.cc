@@ -4,6 +4,7 @@
 #include "heads/precision.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -48,7 +49,7 @@ float quantize_row(const float* x, int64_t K, int8_t* q) {
     std::fill(q, q + K, int8_t{0});
     return std::numeric_limits<float>::quiet_NaN();
   }
-  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const float s = amax >= 127.0f * std::numeric_limits<float>::min() ? amax / 127.0f : 1.0f;  // as quantize-inl.h
   const float inv = 1.0f / s;
   for (int64_t k = 0; k < K; ++k) {
     q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] * inv), -127.0f, 127.0f));
@@ -86,13 +87,15 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_
     for (int64_t k = 0; k < K; ++k) xb[m * K + k] = f32_to_bf16(x[m * xs + k]);
   }
   const int threads = kernels::gemm_threads(M, N, K);
-  if (kernels::active().isa != Isa::Scalar) {
+  static std::atomic<bool> unavailable{false};  // oneDNN said it has no bf16 matmul here: stop asking
+  if (kernels::active().isa != Isa::Scalar && !unavailable.load(std::memory_order_relaxed)) {
     try {
       kernels::onednn_matmul({M, K, N, K, 1, 1, K, ys, bias != nullptr, threads, kernels::MatmulTypes::Bf16},
                              xb.data(), W, bias, y);
       return;
     } catch (const dnnl::error& e) {
       // oneDNN has no bf16 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
+      unavailable.store(e.status == dnnl_unimplemented, std::memory_order_relaxed);
       if (e.status != dnnl_unimplemented) {
         fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
       }
@@ -145,9 +148,8 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t*
       }
     }
   }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t m = 0; m < 2 * M; ++m) {
-    if (done) continue;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && !done)
+  for (int64_t m = 0; m < (done ? 0 : 2 * M); ++m) {
     const int8_t* xr = xq.data() + m * K;
     for (int64_t n = 0; n < N; ++n) {
       int32_t s = 0;

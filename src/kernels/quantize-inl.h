@@ -1,9 +1,10 @@
 // quantize-inl.h — dynamic int8 of activation rows for the int8 linear layers (linear_lowp.cc,
 // heads/precision.h), over the vector layer. Included by isa_table-inl.h.
 //
-// Row r of x in two int8 terms: q[r] = round(x / s1) with s1 = max|x| / 127, then q[rows + r] =
-// round(e / s2) of the residual e = x − q[r]·s1 (one fused rounding) with s2 = max|e| / 127; a zero
-// maximum gives the scale 1. Rounding to nearest even; every path computes the same bits.
+// Row r of x in two int8 terms: q[r] = round(x · (1/s1)) with s1 = max|x| / 127, then q[rows + r] =
+// round(e · (1/s2)) of the residual e = x − q[r]·s1 (one fused rounding) with s2 = max|e| / 127; a
+// maximum below 127·FLT_MIN (zero, or too small to invert) gives the scale 1. Rounding to nearest
+// even; every path computes the same bits.
 
 namespace qz {
 
@@ -41,7 +42,10 @@ HEADS_INLINE void row_quantize(const float* x, int64_t n, float inv1, float s1, 
   }
 }
 
-HEADS_INLINE float scale_of(float amax) { return amax > 0.0f ? amax / kLevels : 1.0f; }
+// max/127; below 127 · FLT_MIN (where 1/scale would overflow) the row counts as zero, scale 1.
+HEADS_INLINE float scale_of(float amax) {
+  return amax >= kLevels * std::numeric_limits<float>::min() ? amax / kLevels : 1.0f;
+}
 
 }  // namespace qz
 

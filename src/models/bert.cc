@@ -150,7 +150,13 @@ BertModel BertModel::load(const std::string& dir) {
 }
 
 void BertModel::set_precision(Precision p) {
-  for (auto& layer : layers_) layer.set_precision(p);
+  const Precision before = precision();
+  try {
+    for (auto& layer : layers_) layer.set_precision(p);
+  } catch (...) {  // a weight that cannot be packed: every layer back as it was
+    for (auto& layer : layers_) layer.set_precision(before);
+    throw;
+  }
 }
 
 Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }

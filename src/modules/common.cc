@@ -56,6 +56,23 @@ void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std
   precision = p;
 }
 
+std::shared_ptr<const PackedWeights> PackedWeights::make(Precision p, const StateDict& current,
+                                                        const StateDict& incoming,
+                                                        const std::vector<std::string>& names) {
+  if (p == Precision::F32) return nullptr;
+  StateDict merged;
+  for (const std::string& n : names) {
+    if (const Tensor* t = modules::find(incoming, n)) {
+      merged.emplace_back(n, *t);
+    } else if (const Tensor* c = modules::find(current, n)) {
+      merged.emplace_back(n, *c);
+    }
+  }
+  auto packed = std::make_shared<PackedWeights>();
+  packed->pack(p, merged, names);
+  return packed;
+}
+
 const PackedLinear* PackedWeights::find(const std::string& name) const {
   for (const auto& [n, w] : weights) {
     if (n == name) return &w;

@@ -3,6 +3,7 @@
 // attention heads.
 #pragma once
 
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -36,6 +37,10 @@ struct PackedWeights {
 
   // Packs each named weight of `sd` for `p` (F32: clears).
   void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names);
+  // The named weights packed for `p`, each taken from `incoming` when it holds it, else from
+  // `current`; null for F32. Throws (before anything changes) on a weight that cannot be packed.
+  static std::shared_ptr<const PackedWeights> make(Precision p, const StateDict& current, const StateDict& incoming,
+                                                   const std::vector<std::string>& names);
   // The packed weight `name`, or null (f32, or not a packed weight).
   const PackedLinear* find(const std::string& name) const;
 };

@@ -105,22 +105,19 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& sd, bool strict) 
                   "::load_state_dict: unexpected tensor \"", n, "\"");
     }
   }
-  // MultiheadAttention validates all of its tensors before it copies any.
+  // The feed-forward weights packed before anything is copied (packing can fail); then
+  // MultiheadAttention, which validates and packs all of its tensors before it copies any.
+  auto packed = modules::PackedWeights::make(precision(), params_, sd, {"linear1.weight", "linear2.weight"});
   self_attn_.load_state_dict(with_prefix_removed(sd, "self_attn."), strict);
   for (auto& [n, t] : params_) {
     if (const Tensor* src = find(sd, n)) t.copy_from(*src);
   }
-  if (packed_) set_precision(packed_->precision);  // the new weights, packed again
+  packed_ = std::move(packed);
 }
 
 void TransformerEncoderLayer::set_precision(Precision p) {
-  self_attn_.set_precision(p);
-  if (p == Precision::F32) {
-    packed_.reset();
-    return;
-  }
-  auto packed = std::make_shared<modules::PackedWeights>();
-  packed->pack(p, params_, {"linear1.weight", "linear2.weight"});
+  auto packed = modules::PackedWeights::make(p, params_, {}, {"linear1.weight", "linear2.weight"});
+  self_attn_.set_precision(p);  // after the step that can fail alone
   packed_ = std::move(packed);
 }
 
@@ -348,7 +345,13 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
 }
 
 void TransformerEncoder::set_precision(Precision p) {
-  for (auto& layer : layers_) layer.set_precision(p);
+  const Precision before = precision();
+  try {
+    for (auto& layer : layers_) layer.set_precision(p);
+  } catch (...) {  // a weight that cannot be packed: every layer back as it was
+    for (auto& layer : layers_) layer.set_precision(before);
+    throw;
+  }
 }
 
 Precision TransformerEncoder::precision() const {

@@ -32,6 +32,10 @@ using modules::xavier_uniform;
 
 namespace {
 
+// The weights a reduced precision packs (those present: in_proj_weight or q/k/v_proj_weight).
+const std::vector<std::string> kPackedNames = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                                               "out_proj.weight"};
+
 constexpr const char* kOp = "MultiheadAttention";
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -128,21 +132,15 @@ void MultiheadAttention::load_state_dict(const StateDict& sd, bool strict) {
                   }());
     }
   }
+  // The new weights packed in the precision in force before anything is copied (packing can fail).
+  auto packed = PackedWeights::make(precision(), state_dict(), sd, kPackedNames);
   for (auto& p : params_) {
     if (const Tensor* t = find(sd, p.name)) p.value.copy_from(*t);
   }
-  if (packed_) set_precision(packed_->precision);  // the new weights, packed again
-}
-
-void MultiheadAttention::set_precision(Precision p) {
-  if (p == Precision::F32) {
-    packed_.reset();
-    return;
-  }
-  auto packed = std::make_shared<PackedWeights>();
-  packed->pack(p, state_dict(), {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"});
   packed_ = std::move(packed);
 }
+
+void MultiheadAttention::set_precision(Precision p) { packed_ = PackedWeights::make(p, state_dict(), {}, kPackedNames); }
 
 Precision MultiheadAttention::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 

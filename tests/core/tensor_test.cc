@@ -2,6 +2,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 #include <cstring>
 
@@ -104,6 +106,20 @@ TEST(Runtime, ThreadsFollowTheWork) {
   EXPECT_THROW(set_num_threads(0), Error);
   EXPECT_EQ(get_num_threads(), 4);
   set_num_threads(saved);
+}
+
+// Conversions into the integer dtypes saturate and map NaN to 0 (a C++ cast out of range is undefined).
+TEST(Tensor, IntegerConversionsSaturate) {
+  Tensor x = Tensor::empty({5}, DType::F32);
+  const float v[5] = {300.0f, -300.0f, std::numeric_limits<float>::quiet_NaN(), 5.6f, -5.5f};
+  std::copy(v, v + 5, x.data<float>());
+  const Tensor i8 = x.to(DType::I8), u8 = x.to(DType::U8);
+  const int8_t want_i8[5] = {127, -128, 0, 5, -5};  // truncation toward zero, as a cast
+  const uint8_t want_u8[5] = {255, 0, 0, 5, 0};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(static_cast<const int8_t*>(i8.raw_data())[i], want_i8[i]) << i;
+    EXPECT_EQ(static_cast<const uint8_t*>(u8.raw_data())[i], want_u8[i]) << i;
+  }
 }
 
 }  // namespace

@@ -180,9 +180,36 @@ TEST(Precision, ModulesRunTheirLinearLayersInTheChosenPrecision) {
   other.eval();
   other.set_precision(Precision::Int8);
   EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
+  // A weight that cannot be packed (inf) fails the load and leaves the layer as it was.
+  StateDict bad = TransformerEncoderLayer(o, 5).state_dict();
+  for (auto& [n, t] : bad) {
+    if (n == "linear2.weight") t.data<float>()[3] = std::numeric_limits<float>::infinity();
+  }
+  const Tensor before = layer.forward(x);
+  EXPECT_THAT(testing::error_of([&] { layer.load_state_dict(bad); }), HasSubstr("holds NaN or inf"));
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), before));
+  EXPECT_EQ(layer.precision(), Precision::Int8);
   layer.set_precision(Precision::F32);
   other.set_precision(Precision::F32);
   EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
+}
+
+// Rows far below 1 (down to subnormals) quantize without NaN: the product stays within the bound.
+TEST(Precision, TinyRowsQuantizeWithoutNaN) {
+  testing::IsaGuard guard;
+  const PackedLinear pw(randn({4, 20}), Precision::Int8);
+  Tensor x = randn({3, 20});
+  for (int64_t k = 0; k < 20; ++k) {
+    x.data<float>()[k] *= 1e-39f;        // subnormal row
+    x.data<float>()[20 + k] *= 1e-30f;   // small normal row
+  }
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    const Tensor y = linear(x, pw);
+    for (int64_t i = 0; i < y.numel(); ++i) EXPECT_TRUE(std::isfinite(y.data<float>()[i])) << isa_name(isa) << " " << i;
+    for (int64_t n = 0; n < 4; ++n) EXPECT_LT(std::fabs(y.data<float>()[n]), 1e-36) << isa_name(isa);
+    for (int64_t n = 0; n < 4; ++n) EXPECT_LT(std::fabs(y.data<float>()[4 + n]), 1e-27) << isa_name(isa);
+  }
 }
 
 // all-MiniLM-L6-v2 in bf16 and int8: embeddings within the cosine the issue asks for.
