@@ -103,6 +103,10 @@ class TransformerEncoderLayer {
   std::shared_ptr<const modules::PackedWeights> packed_;  // linear1, linear2; null: f32
 };
 
+// set_precision on every layer, all or none: when a layer's weights cannot be packed, the layers
+// already switched go back to the precision they had, and the error is rethrown.
+void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precision p);
+
 class TransformerEncoder {
  public:
   // num_layers copies of a layer built from `layer` (identical initial parameters, as torch's

@@ -41,9 +41,13 @@ heads::TransformerEncoderLayerOptions layer_options(int64_t d_model, int64_t nhe
   return o;
 }
 
-// train/state_dict/load_state_dict, shared by the module classes.
+// train/state_dict/load_state_dict and the precision of the linear layers (dtype), shared by the
+// module classes.
 template <class Module, class Class>
 void bind_module_state(Class& cls) {
+  cls.def_prop_rw(
+      "dtype", [](const Module& s) { return heads::precision_name(s.precision()); },
+      [](Module& s, const std::string& d) { s.set_precision(heads::precision_from_name(d)); });
   cls.def("_set_training", &Module::train, "mode"_a)
       .def("state_dict", [](const Module& s) { return to_dict(s.state_dict()); })
       .def("load_state_dict",
@@ -124,9 +128,6 @@ void bind_mha(nb::module_& m) {
       .def_prop_ro("dropout", [](const heads::MultiheadAttention& s) { return s.options().dropout; })
       .def_prop_ro("batch_first", [](const heads::MultiheadAttention& s) { return s.options().batch_first; })
       .def_prop_ro("training", &heads::MultiheadAttention::training)
-      .def_prop_rw(
-          "dtype", [](const heads::MultiheadAttention& s) { return heads::precision_name(s.precision()); },
-          [](heads::MultiheadAttention& s, const std::string& d) { s.set_precision(heads::precision_from_name(d)); })
       .def("load", &heads::MultiheadAttention::load, "path"_a, "strict"_a = true)
       .def("save", &heads::MultiheadAttention::save, "path"_a)
       .def("forward",
@@ -185,9 +186,6 @@ void bind_encoders(nb::module_& m) {
            "activation"_a = "relu", "layer_norm_eps"_a = 1e-5, "batch_first"_a = false,
            "norm_first"_a = false, "bias"_a = true, "seed"_a = nb::none())
       .def_prop_ro("training", &heads::TransformerEncoderLayer::training)
-      .def_prop_rw(
-          "dtype", [](const heads::TransformerEncoderLayer& s) { return heads::precision_name(s.precision()); },
-          [](heads::TransformerEncoderLayer& s, const std::string& d) { s.set_precision(heads::precision_from_name(d)); })
       .def("forward", &encoder_forward<heads::TransformerEncoderLayer, heads::EncoderLayerTape>, "src"_a,
            "src_mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(), "is_causal"_a = false,
            "torch_out"_a = false, "tape"_a = nb::none())
@@ -209,9 +207,6 @@ void bind_encoders(nb::module_& m) {
            "d_model"_a, "nhead"_a, "dim_feedforward"_a, "dropout"_a, "activation"_a,
            "layer_norm_eps"_a, "batch_first"_a, "norm_first"_a, "bias"_a, "num_layers"_a,
            "final_norm"_a, "seed"_a = nb::none())
-      .def_prop_rw(
-          "dtype", [](const heads::TransformerEncoder& s) { return heads::precision_name(s.precision()); },
-          [](heads::TransformerEncoder& s, const std::string& d) { s.set_precision(heads::precision_from_name(d)); })
       .def("forward", &encoder_forward<heads::TransformerEncoder, heads::EncoderTape>, "src"_a,
            "mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(), "is_causal"_a = false,
            "torch_out"_a = false, "tape"_a = nb::none())

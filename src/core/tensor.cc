@@ -140,6 +140,25 @@ void convert_row(const S* src, int64_t ss, D* dst, int64_t ds, int64_t n, F f) {
   for (int64_t j = 0; j < n; ++j) dst[j * ds] = f(src[j * ss]);
 }
 
+// The conversions common enough for typed loops (the rest go through double).
+bool typed_pair(DType from, DType to) {
+  return (from == DType::BF16 && to == DType::F32) || (from == DType::F32 && to == DType::BF16);
+}
+
+// n elements (strides in elements) of a typed pair; false, doing nothing, for any other pair.
+bool convert_typed(const std::byte* s, int64_t ss, DType from, std::byte* d, int64_t ds, DType to, int64_t n) {
+  if (from == DType::BF16 && to == DType::F32) {
+    convert_row(reinterpret_cast<const uint16_t*>(s), ss, reinterpret_cast<float*>(d), ds, n,
+                [](uint16_t h) { return bf16_to_f32(h); });
+  } else if (from == DType::F32 && to == DType::BF16) {
+    convert_row(reinterpret_cast<const float*>(s), ss, reinterpret_cast<uint16_t*>(d), ds, n,
+                [](float f) { return f32_to_bf16(f); });
+  } else {
+    return false;
+  }
+  return true;
+}
+
 double load_as_double(const std::byte* p, DType dt) {
   switch (dt) {
     case DType::F32: { float v; std::memcpy(&v, p, 4); return v; }
@@ -403,22 +422,17 @@ void Tensor::copy_from(const Tensor& src) {
     std::memmove(data_, src.data_, static_cast<size_t>(n * dbytes));
     return;
   }
-  if (is_contiguous() && src.is_contiguous() && n >= (1 << 16)) {  // bf16 <-> f32 of whole tensors, in parallel
-    const int threads = std::min<int>(get_num_threads(), static_cast<int>(n >> 16));
-    if (src.dtype_ == DType::BF16 && dtype_ == DType::F32) {
-      const auto* from = reinterpret_cast<const uint16_t*>(src.data_);
-      auto* to = reinterpret_cast<float*>(data_);
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  if (is_contiguous() && src.is_contiguous() && n >= kChunk && typed_pair(src.dtype_, dtype_)) {
+    // Whole tensors of a typed pair (bf16 <-> f32): chunks over the threads.
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    const int threads = static_cast<int>(std::min<int64_t>(get_num_threads(), chunks));
 #pragma omp parallel for schedule(static) num_threads(threads)
-      for (int64_t i = 0; i < n; ++i) to[i] = bf16_to_f32(from[i]);
-      return;
+    for (int64_t c = 0; c < chunks; ++c) {
+      convert_typed(src.data_ + c * kChunk * sbytes, 1, src.dtype_, data_ + c * kChunk * dbytes, 1, dtype_,
+                    std::min(kChunk, n - c * kChunk));
     }
-    if (src.dtype_ == DType::F32 && dtype_ == DType::BF16) {
-      const auto* from = reinterpret_cast<const float*>(src.data_);
-      auto* to = reinterpret_cast<uint16_t*>(data_);
-#pragma omp parallel for schedule(static) num_threads(threads)
-      for (int64_t i = 0; i < n; ++i) to[i] = f32_to_bf16(from[i]);
-      return;
-    }
+    return;
   }
   // Walk every index with a counter; the innermost dimension is a plain strided loop.
   const int64_t inner = nd == 0 ? 1 : shape_[nd - 1];
@@ -438,13 +452,7 @@ void Tensor::copy_from(const Tensor& src) {
       for (int64_t j = 0; j < inner; ++j) {
         std::memcpy(dp + j * d_in * dbytes, sp + j * s_in * sbytes, static_cast<size_t>(dbytes));
       }
-    } else if (src.dtype_ == DType::BF16 && dtype_ == DType::F32) {  // the common conversions, typed
-      convert_row(reinterpret_cast<const uint16_t*>(sp), s_in, reinterpret_cast<float*>(dp), d_in, inner,
-                  [](uint16_t h) { return bf16_to_f32(h); });
-    } else if (src.dtype_ == DType::F32 && dtype_ == DType::BF16) {
-      convert_row(reinterpret_cast<const float*>(sp), s_in, reinterpret_cast<uint16_t*>(dp), d_in, inner,
-                  [](float f) { return f32_to_bf16(f); });
-    } else {
+    } else if (!convert_typed(sp, s_in, src.dtype_, dp, d_in, dtype_, inner)) {
       for (int64_t j = 0; j < inner; ++j) {
         store_from_double(dp + j * d_in * dbytes, dtype_,
                           load_as_double(sp + j * s_in * sbytes, src.dtype_));

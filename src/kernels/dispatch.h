@@ -15,6 +15,8 @@ namespace heads::kernels {
 
 struct KernelTable {
   Isa isa;
+  // GEMMs through oneDNN (the SIMD paths) or portable loops (scalar): linear.cc, linear_lowp.cc.
+  bool onednn;
   // Fused SDPA forward, f32: see sdpa_flash_fwd-inl.h.
   void (*sdpa_fwd_f32)(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& out, const Tensor& lse, const Tensor& weights);

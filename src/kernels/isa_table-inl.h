@@ -11,6 +11,7 @@
 
 const KernelTable kTable{
     .isa = kIsa,
+    .onednn = kIsa != Isa::Scalar,
     .sdpa_fwd_f32 = &sdpa_fwd_f32,
     .sdpa_fwd_bf16 = &sdpa_fwd_bf16,
     .sdpa_bwd_f32 = &sdpa_bwd_f32,

@@ -88,7 +88,7 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_
   }
   const int threads = kernels::gemm_threads(M, N, K);
   static std::atomic<bool> unavailable{false};  // oneDNN said it has no bf16 matmul here: stop asking
-  if (kernels::active().isa != Isa::Scalar && !unavailable.load(std::memory_order_relaxed)) {
+  if (kernels::active().onednn && !unavailable.load(std::memory_order_relaxed)) {
     try {
       kernels::onednn_matmul({M, K, N, K, 1, 1, K, ys, bias != nullptr, threads, kernels::MatmulTypes::Bf16},
                              xb.data(), W, bias, y);
@@ -136,7 +136,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t*
   const int threads = kernels::gemm_threads(2 * M, N, K);
   kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
   bool done = false;
-  if (kernels::active().isa != Isa::Scalar && onednn_has_vnni()) {
+  if (kernels::active().onednn && onednn_has_vnni()) {
     try {
       kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, xq.data(), W,
                              nullptr, acc.data());

@@ -150,13 +150,7 @@ BertModel BertModel::load(const std::string& dir) {
 }
 
 void BertModel::set_precision(Precision p) {
-  const Precision before = precision();
-  try {
-    for (auto& layer : layers_) layer.set_precision(p);
-  } catch (...) {  // a weight that cannot be packed: every layer back as it was
-    for (auto& layer : layers_) layer.set_precision(before);
-    throw;
-  }
+  set_layers_precision(layers_, p);
 }
 
 Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }

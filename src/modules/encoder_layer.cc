@@ -344,14 +344,18 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
   }
 }
 
-void TransformerEncoder::set_precision(Precision p) {
-  const Precision before = precision();
+void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precision p) {
+  const Precision before = layers.empty() ? Precision::F32 : layers.front().precision();
   try {
-    for (auto& layer : layers_) layer.set_precision(p);
-  } catch (...) {  // a weight that cannot be packed: every layer back as it was
-    for (auto& layer : layers_) layer.set_precision(before);
+    for (auto& layer : layers) layer.set_precision(p);
+  } catch (...) {
+    for (auto& layer : layers) layer.set_precision(before);
     throw;
   }
+}
+
+void TransformerEncoder::set_precision(Precision p) {
+  set_layers_precision(layers_, p);
 }
 
 Precision TransformerEncoder::precision() const {
