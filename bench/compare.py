@@ -332,9 +332,11 @@ def main():
         backward_table(shapes, args)
         return
     pk = run_heads(args, "peak")
-    peak = pk["bf16_gflops"] if args.dtype == "bf16" and pk.get("bf16_gflops") else pk["gflops"]
-    print(f"machine: f32 FMA peak {pk['gflops']:.0f} GFLOP/s, bf16 dot peak {pk.get('bf16_gflops', 0):.0f} "
-          f"on {args.threads} threads (heads bench peak); torch {torch.__version__}; dtype {args.dtype}; "
+    # bf16: the best bf16 unit the path has (AMX tiles, else vdpbf16ps), else the f32 FMA peak.
+    bf16_peak = max(pk.get("amx_bf16_gflops", 0), pk.get("bf16_gflops", 0))
+    peak = bf16_peak if args.dtype == "bf16" and bf16_peak else pk["gflops"]
+    print(f"machine: f32 FMA peak {pk['gflops']:.0f} GFLOP/s, bf16 dot peak {pk.get('bf16_gflops', 0):.0f}, "
+          f"AMX bf16 peak {pk.get('amx_bf16_gflops', 0):.0f} on {args.threads} threads (heads bench peak); torch {torch.__version__}; dtype {args.dtype}; "
           f"% of peak is of the {args.dtype} peak\n")
     rows = []
     for s in shapes["sdpa"]:

@@ -9,10 +9,11 @@ namespace heads {
 
 // Instruction-set paths of the kernels. `scalar` is portable C++ (no intrinsics); every SIMD
 // path is tested against it and against the float64 references.
-// avx512bf16 is avx512 plus AVX512_BF16 (vdpbf16ps) for bf16 attention.
-enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16 };
+// avx512bf16 is avx512 plus AVX512_BF16 (vdpbf16ps) for bf16 attention; amx is avx512bf16 plus AMX
+// tiles (AMX-TILE, AMX-BF16) for bf16 attention, where the OS grants the tile state.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx };
 
-std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16"
+std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16", "amx"
 Isa isa_from_name(const std::string& s);  // throws heads::Error for an unknown name
 bool isa_supported(Isa isa);              // can this CPU run it?
 std::vector<Isa> supported_isas();        // best last
@@ -26,5 +27,7 @@ void set_isa(Isa isa);
 double measure_fma_peak_gflops(int threads, double seconds = 0.2);
 // The same for the bf16 dot product (vdpbf16ps); 0 when the active path has none.
 double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
+// The same for AMX tiles (tdpbf16ps); 0 when the active path is not amx.
+double measure_amx_peak_gflops(int threads, double seconds = 0.2);
 
 }  // namespace heads

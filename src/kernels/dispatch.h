@@ -1,8 +1,8 @@
 // dispatch.h — CPU detection and the per-ISA kernel table.
 //
-// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512, avx512bf16)
+// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512, avx512bf16, amx)
 // fills one table; the active table is chosen once from CPUID, or forced by
-// HEADS_ISA=scalar|avx2|avx512|avx512bf16
+// HEADS_ISA=scalar|avx2|avx512|avx512bf16|amx
 // (an error if this CPU cannot run it), or by heads::set_isa().
 #pragma once
 
@@ -50,12 +50,16 @@ struct KernelTable {
   // The same for the bf16 dot product (vdpbf16ps); null where the path has none.
   float (*bf16_probe)(int64_t iters) = nullptr;
   int (*bf16_probe_flops_per_iter)() = nullptr;
+  // The same for AMX tiles (tdpbf16ps); null where the path has none.
+  float (*tile_probe)(int64_t iters) = nullptr;
+  int (*tile_probe_flops_per_iter)() = nullptr;
 };
 
 namespace scalar { extern const KernelTable kTable; }
 namespace avx2 { extern const KernelTable kTable; }
 namespace avx512 { extern const KernelTable kTable; }
 namespace avx512bf16 { extern const KernelTable kTable; }  // avx512 + AVX512_BF16
+namespace amx { extern const KernelTable kTable; }         // avx512bf16 + AMX-TILE, AMX-BF16
 
 const KernelTable& active();
 

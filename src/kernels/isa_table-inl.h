@@ -2,7 +2,7 @@
 //
 // Included by src/kernels/isa_<isa>.cc inside namespace heads::kernels::<isa>, after that ISA's
 // vector layer (kernels/simd/vec_<isa>-inl.h) and a `constexpr Isa kIsa`; HEADS_NATIVE_BF16 adds
-// the vdpbf16ps kernels. Adding an ISA is one such file (see docs/architecture.md).
+// the vdpbf16ps kernels, HEADS_AMX the AMX-tile bf16 attention. Adding an ISA is one such file (see docs/architecture.md).
 
 #include "kernels/sdpa_paths-inl.h"
 #include "kernels/elementwise-inl.h"
@@ -29,5 +29,9 @@ const KernelTable kTable{
 #ifdef HEADS_NATIVE_BF16
     .bf16_probe = &bf16_probe,
     .bf16_probe_flops_per_iter = &bf16_probe_flops_per_iter,
+#endif
+#ifdef HEADS_AMX
+    .tile_probe = &amx::tile_probe,
+    .tile_probe_flops_per_iter = &amx::tile_probe_flops_per_iter,
 #endif
 };

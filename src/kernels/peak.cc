@@ -49,4 +49,11 @@ double measure_bf16_peak_gflops(int threads, double seconds) {
   return measure_probe(k.bf16_probe, k.bf16_probe_flops_per_iter(), threads, seconds);
 }
 
+double measure_amx_peak_gflops(int threads, double seconds) {
+  HEADS_CHECK(threads >= 1, "measure_amx_peak_gflops: threads must be positive, got ", threads);
+  const kernels::KernelTable& k = kernels::active();
+  if (k.tile_probe == nullptr) return 0.0;
+  return measure_probe(k.tile_probe, k.tile_probe_flops_per_iter(), threads, seconds);
+}
+
 }  // namespace heads

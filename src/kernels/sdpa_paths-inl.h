@@ -9,6 +9,9 @@
 #ifdef HEADS_NATIVE_BF16
 #include "kernels/sdpa_flash_bf16-inl.h"
 #endif
+#ifdef HEADS_AMX
+#include "kernels/sdpa_amx-inl.h"
+#endif
 
 // Up to this many query rows per head, a queries-on-lanes tile would leave most lanes idle:
 // the decode kernel reads K and V once per key/value head instead.
@@ -24,13 +27,15 @@ inline void sdpa_fwd_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k
 }
 
 // bf16 q, k, v and out (f32 accumulation). The tiled part widens bf16 to f32 as it reads;
-// isa_avx512bf16.cc replaces it with vdpbf16ps kernels where the CPU has them.
+// isa_avx512bf16.cc replaces it with vdpbf16ps kernels, isa_amx.cc with AMX tiles.
 inline void sdpa_fwd_bf16(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& out, const Tensor& lse, const Tensor& weights) {
   if (pb.Lq <= kMaxDecodeLq) {
     sdpa_decode<uint16_t>(pb, q, k, v, out, lse, weights);
   } else {
-#ifdef HEADS_NATIVE_BF16
+#if defined(HEADS_AMX)
+    amx::sdpa_fwd(pb, q, k, v, out, lse, weights);
+#elif defined(HEADS_NATIVE_BF16)
     sdpa_tiled_bf16_dot(pb, q, k, v, out, lse, weights);
 #else
     sdpa_tiled_bf16_widen(pb, q, k, v, out, lse, weights);

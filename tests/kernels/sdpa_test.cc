@@ -467,12 +467,15 @@ TEST(Sdpa, F64AndF16AreComputedInF32) {
   }
 }
 
+// Every path this CPU runs (the AMX tiles included: odd D and Dv, key blocks with tails, GQA, masks,
+// both causal alignments with Lq > Lk, dropout), with and without weights (the same output bits).
 TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
   IsaGuard guard;
   for (const SdpaCase& shape : {SdpaCase{.H = 2, .Lq = 7, .Lk = 129, .D = 64}, SdpaCase{.B = 2, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 64, .D = 63, .Dv = 80},
                                 SdpaCase{.Lq = 64, .Lk = 7, .D = 128}, SdpaCase{.H = 4, .Hkv = 1, .Lq = 1, .Lk = 1100, .D = 80},
-                                SdpaCase{.H = 2, .Lq = 33, .Lk = 200, .D = 1, .Dv = 8}, SdpaCase{.B = 2, .H = 2, .Hkv = 1, .Lq = 3, .Lk = 77, .D = 32, .Dv = 17}}) {
-    for (int variant = 0; variant < 3; ++variant) {
+                                SdpaCase{.H = 2, .Lq = 33, .Lk = 200, .D = 1, .Dv = 8}, SdpaCase{.B = 2, .H = 2, .Hkv = 1, .Lq = 3, .Lk = 77, .D = 32, .Dv = 17},
+                                SdpaCase{.H = 3, .Hkv = 1, .Lq = 70, .Lk = 300, .D = 96, .Dv = 48}, SdpaCase{.Lq = 50, .Lk = 20, .D = 40, .Dv = 33}}) {
+    for (int variant = 0; variant < 5; ++variant) {
       SdpaCase c = shape;
       c.dtype = DType::BF16;
       c.seed = testing::rng()();
@@ -482,6 +485,8 @@ TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
         c.causal_align = CausalAlign::BottomRight;
         c.mask = SdpaMask::Float;
       }
+      if (variant == 3) c.causal = true;  // top-left
+      if (variant == 4) c.dropout_p = 0.25;
       const SdpaCase::Inputs in = c.draw();
       SdpaOptions o = in.options;
       o.need_weights = true;
@@ -499,6 +504,10 @@ TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
         // weights stay f32: as tight as the f32 kernel
         const auto ew = testing::compare(r.weights, ref.weights);
         EXPECT_TRUE(ew.within(kRtol, kAtol)) << what << ": weights max err " << ew.max_abs;
+        SdpaOptions no_weights = o;
+        no_weights.need_weights = false;
+        EXPECT_TRUE(testing::bitwise_equal(sdpa(in.q, in.k, in.v, no_weights).out, r.out))
+            << what << ": need_weights changed the output";
       }
     }
   }

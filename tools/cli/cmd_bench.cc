@@ -218,14 +218,16 @@ void run_peak(const BenchArgs& a) {
   const double g1 = measure_fma_peak_gflops(1, a.min_time / 5);
   const double gn = threads > 1 ? measure_fma_peak_gflops(threads, a.min_time / 5) : g1;
   const double bf = measure_bf16_peak_gflops(threads, a.min_time / 5);
+  const double tiles = measure_amx_peak_gflops(threads, a.min_time / 5);
   if (a.json) {
     std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f,"
-                "\"bf16_gflops\":%.1f}\n",
-                isa_name(active_isa()).c_str(), g1, threads, gn, bf);
+                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f}\n",
+                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles);
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
     if (bf > 0) std::printf("bf16 dot peak (vdpbf16ps): %.1f GFLOP/s on %d threads\n", bf, threads);
+    if (tiles > 0) std::printf("bf16 AMX tile peak (tdpbf16ps): %.1f GFLOP/s on %d threads\n", tiles, threads);
   }
 }
 
@@ -283,7 +285,7 @@ void add_bench_command(CLI::App& app, Action* action) {
   e->add_flag("--json", args->json, "one JSON line");
   e->callback([args, action] { *action = [args] { run_embed(*args); }; });
 
-  CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine.");
+  CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine (and its bf16 dot product and AMX tiles, where the path has them).");
   add_threads_option(p, &args->threads);
   p->add_option("--min-time", args->min_time, "seconds of measurement")->capture_default_str()->check(real_in(0, 3600));
   p->add_flag("--json", args->json, "one JSON line");
