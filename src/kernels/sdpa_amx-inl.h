@@ -11,10 +11,11 @@
 // One task = one (b, h) and kBQ = 32 query rows; keys in blocks of kBK = 128, online softmax per
 // block (FlashAttention-2 order, as sdpa_flash_fwd-inl.h):
 //   S  [32][128] f32 = Q · Kᵀ      A = Q rows (packed [32][Dp] bf16, zero past Lq and D),
-//                                   B = K of the (b, kv head) packed once per call: 16 keys x 32 dims
+//                                   B = K of the (b, kv head) packed by the thread: 16 keys x 32 dims
 //                                   a tile, dword (K[j][2p], K[j][2p+1]) at row p, column j.
-//   P  [32][128] bf16 = 2^(c·S + mask - m)   AVX-512, row by row (keys on lanes); l and m in f32.
-//   O  [32][Dvp] f32 = O·alpha + P · V      A = P, B = V packed once per call: 32 keys x 16 columns
+//   P  [32][128] bf16 = 2^(c·S + mask - m)   AVX-512, row by row (keys on lanes, a row's 128 scores
+//                                   in registers); l and m in f32.
+//   O  [32][Dvp] f32 = O·alpha + P · V      A = P, B = V packed by the thread: 32 keys x 16 columns
 //                                   a tile, dword (V[2p][n], V[2p+1][n]) at row p.
 // O lives in memory (f32, per thread) between blocks: loaded into the accumulators, P·V added, stored
 // back; rows whose max did not move (alpha = 1, most of them after the first blocks) are not rescaled.
@@ -24,9 +25,10 @@
 // follow sdpa_flash_fwd-inl.h exactly (the weights from a second sweep of S after the final lse).
 // Padding (keys past Lk, dims past D or Dv, query rows past Lq) is zero in the packed operands and
 // never reaches an output: padded keys are -inf in S, padded rows and columns are not stored.
-// Parallel: K and V are packed by all threads (one 32-key chunk per task), then the (b, h, query
-// block) tasks run heaviest first under causal; one task per row block, so results do not depend
-// on the thread count.
+// Parallel: (b, h, query block) tasks, heaviest first under causal, handed out in runs of one head,
+// so that a thread packs the K and V it reads (into its own cache, as far as its tasks reach, once
+// per head): no packing pass, no barrier, no packed data crossing cores. One task per row block, so
+// results do not depend on the thread count.
 //
 // GCC's tileloadd asm declares no memory input, so the loads below use their own asm with a memory
 // clobber: the compiler may not move the vector stores that fill P (or O) past them.
@@ -68,6 +70,26 @@ HEADS_INLINE void dp_2x2() {
   HEADS_TILE_DP(1, 4, 7);
   HEADS_TILE_DP(2, 5, 6);
   HEADS_TILE_DP(3, 5, 7);
+}
+
+// 2^x for x <= 0 (or NaN): exactly 0 below -126 (and for -inf), NaN stays NaN. The integer part n
+// comes from the 1.5 · 2^23 rounding trick and is added to the exponent of 2^f (f in [-1/2, 1/2],
+// degree-5 Taylor: relative error below 3e-6, far under bf16's 2^-9) as an integer: no
+// round-to-integer or scalef instructions, which compete for one port with the FMAs.
+HEADS_INLINE __m512 exp2_nonpos(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);  // max_ps returns its second operand for NaN
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 t = _mm512_add_ps(x, magic);  // low mantissa bits: round(x)
+  const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, magic));
+  __m512 p = _mm512_set1_ps(kExp2C5);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
+  return _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
 }
 
 HEADS_INLINE __mmask32 first_mask32(int64_t n) {
@@ -141,11 +163,14 @@ struct Scratch {
   float* l;      // [kBQ] running sum
   float* alpha;  // [kBQ]
   float* tmp;    // [16]
+  uint16_t* kv;  // the thread's packed K [Lkp][Dp] and V [Lkp][Dvp] of one (b, kv head), as tiles
+  int64_t* kv_state;  // {b, kv head, keys packed so far (a multiple of 32)}, owned by the thread
   static int64_t floats(const Layout& lay) {
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
-    return up(kBQ * lay.Dp / 2) + kBQ * kBK + kBQ * kBK / 2 + kBQ * lay.Dvp + 3 * kBQ + 16;
+    return up(kBQ * lay.Dp / 2) + kBQ * kBK + kBQ * kBK / 2 + kBQ * lay.Dvp + 3 * kBQ + 16 +
+           (lay.k_elems + lay.v_elems) / 2;
   }
-  Scratch(float* base, const Layout& lay) {
+  Scratch(float* base, const Layout& lay, int64_t* state) : kv_state(state) {
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
     qp = reinterpret_cast<uint16_t*>(base);
     s = base + up(kBQ * lay.Dp / 2);
@@ -155,16 +180,36 @@ struct Scratch {
     l = m + kBQ;
     alpha = l + kBQ;
     tmp = alpha + kBQ;
+    kv = reinterpret_cast<uint16_t*>(tmp + 16);
   }
 };
 
 struct Task {
   const SdpaProblem& pb;
   const Layout& lay;
-  int64_t b, h, i0, nq;
-  const uint16_t* kp;  // packed K of (b, h's kv head)
+  int64_t b, h, hk, i0, nq;
+  const uint16_t* kh;  // K of (b, hk) as given, row stride ks
+  int64_t ks;
+  const uint16_t* vh;  // V of (b, hk), row stride vs
+  int64_t vs;
+  const uint16_t* kp;  // packed K of (b, hk): the thread's cache
   const uint16_t* vp;  // packed V
 };
+
+// Packs keys [0, jmax) of the task's (b, kv head) into the thread's cache, unless it holds them:
+// tasks of one head run back to back on a thread, so each thread packs what it reads, once.
+inline void ensure_packed(const Task& t, const Scratch& scr, int64_t jmax) {
+  int64_t* st = scr.kv_state;
+  if (st[0] != t.b || st[1] != t.hk) {
+    st[0] = t.b;
+    st[1] = t.hk;
+    st[2] = 0;
+  }
+  for (; st[2] < jmax; st[2] += 32) {
+    pack_k_chunk(t.kh, t.ks, t.pb, t.lay, st[2] / 32, scr.kv);
+    pack_v_chunk(t.vh, t.vs, t.pb, t.lay, st[2] / 32, scr.kv + t.lay.k_elems);
+  }
+}
 
 // S[0:32][0:nkp] = Q · K[j0 : j0 + nkp]ᵀ (raw products, f32), nkp a multiple of 32, j0 of 16.
 inline void scores_block(const Task& t, const Scratch& scr, int64_t j0, int64_t nkp) {
@@ -190,52 +235,53 @@ inline void scores_block(const Task& t, const Scratch& scr, int64_t j0, int64_t 
   }
 }
 
-// Row r of S (keys j0 .. j0 + nkp): raw products -> scores in log2 units (times c = scale · log2 e),
-// attn_mask applied (fwd::masked_score's rule), keys at or past `lim` (relative to j0: the row's causal
-// limit or Lk) -inf. Returns the row's max (NaN lanes may be skipped: they reach l through 2^NaN).
-inline float score_row(const Task& t, const Scratch& scr, int64_t r, int64_t j0, int64_t nkp, int64_t lim, float c) {
+// Where row r's attn_mask entries for keys j0, j0 + 1, ... start, and their stride.
+struct RowMask {
+  const void* at = nullptr;
+  int64_t stride = 0;
+};
+HEADS_INLINE RowMask row_mask(const Task& t, int64_t r, int64_t j0) {
   const SdpaProblem& pb = t.pb;
-  float* sr = scr.s + r * kBK;
-  const __m512 cv = _mm512_set1_ps(c), ninf = _mm512_set1_ps(kNegInf);
-  __m512 mx = ninf;
-  const bool has_mask = pb.mask_kind != MaskKind::None;
-  int64_t moff = 0, ms3 = 0;
-  if (has_mask) {
-    moff = pb.mask_offset(t.b, t.h, t.i0 + r) + j0 * pb.mask.stride(3);
-    ms3 = pb.mask.stride(3);
-  }
-  for (int64_t v = 0; v < nkp / 16; ++v) {
-    const __mmask16 valid = first_mask16(lim - 16 * v);
-    __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + 16 * v), cv);
-    __mmask16 keep = valid;
-    if (has_mask && valid != 0) {
-      if (pb.mask_kind == MaskKind::Bool) {
-        const auto* mb = static_cast<const uint8_t*>(pb.mask.raw_data()) + moff + 16 * v * ms3;
-        if (ms3 == 1) {
-          const __m128i bytes = _mm_maskz_loadu_epi8(valid, mb);
-          keep = _mm_test_epi8_mask(bytes, bytes) & valid;
-        } else {
-          uint32_t bits = 0;
-          for (int64_t e = 0; e < 16 && e < lim - 16 * v; ++e) bits |= (mb[e * ms3] != 0 ? 1u : 0u) << e;
-          keep = static_cast<__mmask16>(bits);
-        }
+  if (pb.mask_kind == MaskKind::None) return {};
+  const int64_t off = pb.mask_offset(t.b, t.h, t.i0 + r) + j0 * pb.mask.stride(3);
+  const size_t bytes = pb.mask_kind == MaskKind::Bool ? 1 : 4;
+  return {static_cast<const char*>(pb.mask.raw_data()) + off * bytes, pb.mask.stride(3)};
+}
+
+// Scores of keys 16v .. 16v + 15 (relative to the block) of one row: raw products `raw` -> log2
+// units (times c = scale · log2 e), attn_mask applied (fwd::masked_score's rule: a bool mask's false
+// is -inf whatever the score, a float mask is added), keys at or past `lim` (the row's causal limit
+// or Lk, relative to the block) -inf.
+HEADS_INLINE __m512 score16(const SdpaProblem& pb, const RowMask& rm, __m512 raw, int64_t v, int64_t lim, __m512 cv,
+                            float* tmp) {
+  const __mmask16 valid = first_mask16(lim - 16 * v);
+  __m512 x = _mm512_mul_ps(raw, cv);
+  __mmask16 keep = valid;
+  if (rm.at != nullptr && valid != 0) {
+    const int64_t ms = rm.stride, n = lim - 16 * v;
+    if (pb.mask_kind == MaskKind::Bool) {
+      const auto* mb = static_cast<const uint8_t*>(rm.at) + 16 * v * ms;
+      if (ms == 1) {
+        const __m128i bytes = _mm_maskz_loadu_epi8(valid, mb);
+        keep = _mm_test_epi8_mask(bytes, bytes) & valid;
       } else {
-        const float* mf = static_cast<const float*>(pb.mask.raw_data()) + moff + 16 * v * ms3;
-        __m512 add;
-        if (ms3 == 1) {
-          add = _mm512_maskz_loadu_ps(valid, mf);
-        } else {
-          for (int64_t e = 0; e < 16; ++e) scr.tmp[e] = e < lim - 16 * v ? mf[e * ms3] : 0.0f;
-          add = _mm512_load_ps(scr.tmp);
-        }
-        x = _mm512_fmadd_ps(add, _mm512_set1_ps(kLog2e), x);
+        uint32_t bits = 0;
+        for (int64_t e = 0; e < 16 && e < n; ++e) bits |= (mb[e * ms] != 0 ? 1u : 0u) << e;
+        keep = static_cast<__mmask16>(bits);
       }
+    } else {
+      const float* mf = static_cast<const float*>(rm.at) + 16 * v * ms;
+      __m512 add;
+      if (ms == 1) {
+        add = _mm512_maskz_loadu_ps(valid, mf);
+      } else {
+        for (int64_t e = 0; e < 16; ++e) tmp[e] = e < n ? mf[e * ms] : 0.0f;
+        add = _mm512_load_ps(tmp);
+      }
+      x = _mm512_fmadd_ps(add, _mm512_set1_ps(kLog2e), x);
     }
-    x = _mm512_mask_blend_ps(keep, ninf, x);
-    _mm512_store_ps(sr + 16 * v, x);
-    mx = _mm512_max_ps(mx, x);
   }
-  return _mm512_reduce_max_ps(mx);
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), x);
 }
 
 // Dropout of the 16 values at key j (row i): kept ones times 1 / (1 - p), the others 0.
@@ -260,6 +306,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
   const SdpaProblem& pb = t.pb;
   const Layout& lay = t.lay;
   const float c = static_cast<float>(pb.scale) * kLog2e;
+  const __m512 cv = _mm512_set1_ps(c);
   // Q rows (zero past nq and D); P rows past nq stay zero for the whole task.
   for (int64_t r = 0; r < kBQ; ++r) {
     for (int64_t dc = 0; dc < lay.n_dc; ++dc) {
@@ -273,39 +320,56 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
     scr.m[r] = kNegInf;
     scr.l[r] = 0.0f;
   }
-  std::fill(scr.o, scr.o + kBQ * lay.Dvp, 0.0f);
   const int64_t jend = pb.key_end(t.i0 + t.nq - 1);  // causal limit of the widest row
 
   for (int64_t j0 = 0; j0 < jend; j0 += kBK) {
     const int64_t nk = std::min(jend - j0, kBK), nkp = (nk + 31) / 32 * 32;
+    ensure_packed(t, scr, j0 + nkp);
     scores_block(t, scr, j0, nkp);
     bool rescale = false;
+    const int64_t n16 = nkp / 16;  // at most kBK / 16 = 8 vectors a row, kept in registers
     for (int64_t r = 0; r < t.nq; ++r) {
-      const float mx = score_row(t, scr, r, j0, nkp, row_limit(t, r, j0, nk), c);
+      const RowMask rm = row_mask(t, r, j0);
+      const int64_t lim = row_limit(t, r, j0, nk);
+      const float* sr = scr.s + r * kBK;
+      __m512 x[kBK / 16];
+      __m512 mxv = _mm512_set1_ps(kNegInf);
+#pragma GCC unroll 8
+      for (int64_t v = 0; v < kBK / 16; ++v) {
+        if (v < n16) {
+          x[v] = score16(pb, rm, _mm512_load_ps(sr + 16 * v), v, lim, cv, scr.tmp);
+          mxv = _mm512_max_ps(mxv, x[v]);  // a NaN lane may be skipped: it reaches l through 2^NaN
+        }
+      }
+      const float mx = _mm512_reduce_max_ps(mxv);
       const float m_old = scr.m[r];
       const float m_new = mx > m_old ? mx : m_old;
       const float m_safe = m_new == kNegInf ? 0.0f : m_new;  // nothing visible yet: P = 0
       const float alpha = std::exp2(m_old - m_safe);
       const __m512 ms = _mm512_set1_ps(m_safe);
       __m512 sum = _mm512_setzero_ps();
-      const float* sr = scr.s + r * kBK;
       uint16_t* pr = scr.p + r * kBK;
-      for (int64_t kk = 0; kk < nkp; kk += 32) {
-        __m512 p0 = Vec::exp2(_mm512_sub_ps(_mm512_load_ps(sr + kk), ms));
-        __m512 p1 = Vec::exp2(_mm512_sub_ps(_mm512_load_ps(sr + kk + 16), ms));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        if (pb.dropout_p > 0.0) {
-          p0 = drop16(t, scr, t.i0 + r, j0 + kk, p0);
-          p1 = drop16(t, scr, t.i0 + r, j0 + kk + 16, p1);
+#pragma GCC unroll 4
+      for (int64_t w = 0; w < kBK / 32; ++w) {
+        if (2 * w < n16) {
+          __m512 p0 = exp2_nonpos(_mm512_sub_ps(x[2 * w], ms));
+          __m512 p1 = exp2_nonpos(_mm512_sub_ps(x[2 * w + 1], ms));
+          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          if (pb.dropout_p > 0.0) {
+            p0 = drop16(t, scr, t.i0 + r, j0 + 32 * w, p0);
+            p1 = drop16(t, scr, t.i0 + r, j0 + 32 * w + 16, p1);
+          }
+          _mm512_store_si512(pr + 32 * w, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
         }
-        _mm512_store_si512(pr + kk, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
       }
       scr.l[r] = scr.l[r] * alpha + _mm512_reduce_add_ps(sum);
       scr.m[r] = m_new;
       scr.alpha[r] = alpha;
       rescale = rescale || alpha != 1.0f;
     }
-    if (rescale) {
+    // O = O · alpha (O is zero before the first block: its accumulators start from tilezero)
+    const bool first = j0 == 0;
+    if (rescale && !first) {
       for (int64_t r = 0; r < t.nq; ++r) {
         if (scr.alpha[r] == 1.0f) continue;
         const __m512 a = _mm512_set1_ps(scr.alpha[r]);
@@ -317,10 +381,17 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
     const int64_t ost = lay.Dvp * 4;
     for (int64_t cp = 0; cp < lay.n_ct / 2; ++cp) {
       float* o0 = scr.o + 32 * cp;
-      HEADS_TILE_LOAD(0, o0, ost);
-      HEADS_TILE_LOAD(1, o0 + 16, ost);
-      HEADS_TILE_LOAD(2, o0 + 16 * lay.Dvp, ost);
-      HEADS_TILE_LOAD(3, o0 + 16 * lay.Dvp + 16, ost);
+      if (first) {
+        HEADS_TILE_ZERO(0);
+        HEADS_TILE_ZERO(1);
+        HEADS_TILE_ZERO(2);
+        HEADS_TILE_ZERO(3);
+      } else {
+        HEADS_TILE_LOAD(0, o0, ost);
+        HEADS_TILE_LOAD(1, o0 + 16, ost);
+        HEADS_TILE_LOAD(2, o0 + 16 * lay.Dvp, ost);
+        HEADS_TILE_LOAD(3, o0 + 16 * lay.Dvp + 16, ost);
+      }
       for (int64_t kk = 0; kk < nkp; kk += 32) {
         const uint16_t* vt = t.vp + (((j0 + kk) / 32) * lay.n_ct + 2 * cp) * 512;
         HEADS_TILE_LOAD(4, scr.p + kk, kBK * 2);
@@ -360,18 +431,23 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
   for (int64_t j0 = 0; j0 < pb.Lk; j0 += kBK) {
     const int64_t nk = std::min(pb.Lk - j0, kBK), nkp = (nk + 31) / 32 * 32;
     const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // keys any row may see
-    if (nv > 0) scores_block(t, scr, j0, (nv + 31) / 32 * 32);
+    if (nv > 0) {
+      ensure_packed(t, scr, j0 + (nv + 31) / 32 * 32);
+      scores_block(t, scr, j0, (nv + 31) / 32 * 32);
+    }
     for (int64_t r = 0; r < t.nq; ++r) {
       float* w = weights + r * pb.Lk + j0;
-      const float lse2 = scr.alpha[r];
-      if (nv > 0) {
-        score_row(t, scr, r, j0, (nv + 31) / 32 * 32, row_limit(t, r, j0, nv), c);
-      }
-      const __m512 ls = _mm512_set1_ps(lse2);
-      const float hidden = std::isnan(lse2) ? lse2 : 0.0f;
+      const __m512 ls = _mm512_set1_ps(scr.alpha[r]);
+      const float hidden = std::isnan(scr.alpha[r]) ? scr.alpha[r] : 0.0f;
+      const RowMask rm = row_mask(t, r, j0);
+      const int64_t lim = row_limit(t, r, j0, nv);
       for (int64_t kk = 0; kk < nkp; kk += 16) {
-        __m512 x = kk < nv ? Vec::exp2(_mm512_sub_ps(_mm512_load_ps(scr.s + r * kBK + kk), ls)) : _mm512_set1_ps(hidden);
-        if (pb.dropout_p > 0.0 && kk < nv) x = drop16(t, scr, t.i0 + r, j0 + kk, x);
+        __m512 x = _mm512_set1_ps(hidden);
+        if (kk < nv) {
+          x = score16(pb, rm, _mm512_load_ps(scr.s + r * kBK + kk), kk / 16, lim, cv, scr.tmp);
+          x = exp2_nonpos(_mm512_sub_ps(x, ls));
+          if (pb.dropout_p > 0.0) x = drop16(t, scr, t.i0 + r, j0 + kk, x);
+        }
         _mm512_mask_storeu_ps(w + kk, first_mask16(nk - kk), x);
       }
     }
@@ -388,35 +464,31 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
   auto* op = static_cast<uint16_t*>(out.raw_data());
   float* lp = lse.data<float>();
   float* wp = weights.defined() ? weights.data<float>() : nullptr;
-  const int64_t n_qb = (pb.Lq + kBQ - 1) / kBQ, n_kc = lay.Lkp / 32;
+  const int64_t n_qb = (pb.Lq + kBQ - 1) / kBQ;
   const int64_t n_tasks = pb.B * pb.H * n_qb;
   const double flops = 2.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                        static_cast<double>(pb.D + pb.Dv);
   const int n_threads = threads_for(pb.causal ? flops / 2 : flops, n_tasks);
-  // Packed K and V for every (b, kv head), then each thread's slice; all 64-byte aligned.
-  const int64_t kv_floats = pb.B * pb.Hkv * (lay.k_elems + lay.v_elems) / 2;
+  // Runs of consecutive tasks share a (b, kv head) and so the thread's packed K and V; about four
+  // runs per thread balance the load (causal tasks differ in size).
+  const int64_t run = std::max<int64_t>(1, std::min(n_qb, n_tasks / (4 * n_threads)));
   const int64_t per = (Scratch::floats(lay) + 15) / 16 * 16;
-  float* arena = thread_scratch(kv_floats + per * n_threads);
-  auto* packed = reinterpret_cast<uint16_t*>(arena);
-  auto k_of = [&](int64_t b, int64_t hk) { return packed + (b * pb.Hkv + hk) * (lay.k_elems + lay.v_elems); };
+  float* arena = thread_scratch(per * n_threads);
+  std::vector<int64_t> kv_state(static_cast<size_t>(16 * n_threads), -1);  // a cache line per thread
 
 #pragma omp parallel num_threads(n_threads)
   {
-    const Scratch scr(arena + kv_floats + per * omp_get_thread_num(), lay);
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < pb.B * pb.Hkv * n_kc; ++task) {
-      const int64_t bk = task / n_kc, kc = task % n_kc, b = bk / pb.Hkv, hk = bk % pb.Hkv;
-      uint16_t* kdst = k_of(b, hk);
-      pack_k_chunk(kb + b * k.stride(0) + hk * k.stride(1), k.stride(2), pb, lay, kc, kdst);
-      pack_v_chunk(vb + b * v.stride(0) + hk * v.stride(1), v.stride(2), pb, lay, kc, kdst + lay.k_elems);
-    }
+    const int tid = omp_get_thread_num();
+    const Scratch scr(arena + per * tid, lay, kv_state.data() + 16 * tid);
     configure_tiles();
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, run)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t bh = task / n_qb, b = bh / pb.H, h = bh % pb.H;
-      const int64_t qb = pb.causal ? n_qb - 1 - task % n_qb : task % n_qb;
+      const int64_t qb = pb.causal ? n_qb - 1 - task % n_qb : task % n_qb;  // heaviest first
       const int64_t i0 = qb * kBQ, hk = h / pb.group();
-      const Task t{pb, lay, b, h, i0, std::min(pb.Lq - i0, kBQ), k_of(b, hk), k_of(b, hk) + lay.k_elems};
+      const Task t{pb, lay, b, h, hk, i0, std::min(pb.Lq - i0, kBQ),
+                   kb + b * k.stride(0) + hk * k.stride(1), k.stride(2),
+                   vb + b * v.stride(0) + hk * v.stride(1), v.stride(2), scr.kv, scr.kv + lay.k_elems};
       run_task(t, scr, qp + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2), q.stride(2),
                op + b * out.stride(0) + h * out.stride(1) + i0 * out.stride(2), out.stride(2),
                lp + (b * pb.H + h) * pb.Lq + i0, wp ? wp + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr);
