@@ -83,10 +83,11 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
 void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias, int64_t N,
                  float* y, int64_t ys) {
   const Buffer<uint16_t> xb(M * K);
+  const int threads = kernels::gemm_threads(M, N, K);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) xb[m * K + k] = f32_to_bf16(x[m * xs + k]);
   }
-  const int threads = kernels::gemm_threads(M, N, K);
   static std::atomic<bool> unavailable{false};  // oneDNN said it has no bf16 matmul here: stop asking
   if (kernels::active().onednn && !unavailable.load(std::memory_order_relaxed)) {
     try {
