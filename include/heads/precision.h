@@ -52,7 +52,9 @@ class PackedLinear {
   Tensor data_, scales_;
 };
 
-// y [..., N] f32 = x [..., K] through w (above) + bias [N]; x floating, read as f32.
-Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias = {});
+// y [..., N] = x [..., K] through w (above) + bias [N]; x floating, read as f32 (bf16 x with a bf16
+// weight is read as it is). y is f32, or bf16 (`out`, with a bf16 weight only: the f32 sums rounded
+// once, as a bf16 model's activations are).
+Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias = {}, DType out = DType::F32);
 
 }  // namespace heads

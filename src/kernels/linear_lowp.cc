@@ -79,20 +79,29 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
   return best;
 }
 
-// y [M, N] (row stride ys) from x [M, K] f32 rows (stride xs) through bf16 W [N, K] and bias.
-void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias, int64_t N,
-                 float* y, int64_t ys) {
-  const Buffer<uint16_t> xb(M * K);
+// y [M, N] (row stride ys; f32, or bf16 when y_bf16) from x [M, K] rows (stride xs; f32, or bf16 when
+// x_bf16) through bf16 W [N, K] and bias.
+void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias,
+                 int64_t N, void* y, bool y_bf16, int64_t ys) {
   const int threads = kernels::gemm_threads(M, N, K);
+  const Buffer<uint16_t> converted(x_bf16 ? 1 : M * K);
+  const uint16_t* xb = static_cast<const uint16_t*>(x);
+  int64_t xbs = xs;
+  if (!x_bf16) {
+    const auto* xf = static_cast<const float*>(x);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) xb[m * K + k] = f32_to_bf16(x[m * xs + k]);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) converted[m * K + k] = f32_to_bf16(xf[m * xs + k]);
+    }
+    xb = converted.data();
+    xbs = K;
   }
   static std::atomic<bool> unavailable{false};  // oneDNN said it has no bf16 matmul here: stop asking
   if (kernels::active().onednn && !unavailable.load(std::memory_order_relaxed)) {
     try {
-      kernels::onednn_matmul({M, K, N, K, 1, 1, K, ys, bias != nullptr, threads, kernels::MatmulTypes::Bf16},
-                             xb.data(), W, bias, y);
+      kernels::onednn_matmul({M, K, N, xbs, 1, 1, K, ys, bias != nullptr, threads,
+                              y_bf16 ? kernels::MatmulTypes::Bf16Out : kernels::MatmulTypes::Bf16},
+                             xb, W, bias, y);
       return;
     } catch (const dnnl::error& e) {
       // oneDNN has no bf16 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
@@ -106,8 +115,13 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += bf16_to_f32(xb[m * K + k]) * bf16_to_f32(W[n * K + k]);
-      y[m * ys + n] = acc + (bias ? bias[n] : 0.0f);
+      for (int64_t k = 0; k < K; ++k) acc += bf16_to_f32(xb[m * xbs + k]) * bf16_to_f32(W[n * K + k]);
+      acc += bias ? bias[n] : 0.0f;
+      if (y_bf16) {
+        static_cast<uint16_t*>(y)[m * ys + n] = f32_to_bf16(acc);
+      } else {
+        static_cast<float*>(y)[m * ys + n] = acc;
+      }
     }
   }
 }
@@ -241,9 +255,12 @@ PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
   return p;
 }
 
-Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in) {
+Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DType out) {
   const char* op = "linear";
   HEADS_CHECK(w.defined(), op, ": the packed weight is empty");
+  HEADS_CHECK(out == DType::F32 || (out == DType::BF16 && w.precision() == Precision::BF16), op, ": output dtype ",
+              dtype_name(out), " with a ", precision_name(w.precision()),
+              " weight (expected f32, or bf16 with a bf16 weight)");
   if (w.precision() == Precision::F32) return linear(x_in, w.data(), b_in);
   const int64_t N = w.out_features(), K = w.in_features();
   HEADS_CHECK(x_in.defined() && x_in.dim() >= 1 && x_in.size(-1) == K && is_floating(x_in.dtype()), op, ": input ",
@@ -251,23 +268,28 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in) {
               " weight [", N, ", ", K, "] (expected a floating tensor with last dim ", K, ")");
   HEADS_CHECK(!b_in.defined() || b_in.shape() == Shape({N}), op, ": bias: expected [", N, "], got ",
               b_in.defined() ? b_in.shape() : Shape{});
-  const Tensor x = x_in.to(DType::F32);
+  // bf16 input to a bf16 weight is read as it is (no rounding to do); anything else as f32.
+  const bool x_bf16 = w.precision() == Precision::BF16 && x_in.dtype() == DType::BF16;
+  const Tensor x = x_bf16 ? x_in.contiguous() : x_in.to(DType::F32);
   const Tensor b = b_in.defined() ? b_in.to(DType::F32) : Tensor();
   Shape ys = x.shape();
   ys.back() = N;
-  Tensor y = Tensor::empty(ys, DType::F32);
-  const int64_t M = K > 0 ? x.numel() / K : y.numel() / std::max<int64_t>(N, 1);
+  int64_t rows_of_x = 1;
+  for (size_t d = 0; d + 1 < ys.size(); ++d) rows_of_x *= ys[d];
+  const int64_t M = rows_of_x;
   const float* bias = b.defined() ? b.data<float>() : nullptr;
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return Tensor::empty(ys, out);
   if (K == 0) {
+    Tensor y = Tensor::empty(ys, DType::F32);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t n = 0; n < N; ++n) y.data<float>()[m * N + n] = bias ? bias[n] : 0.0f;
     }
-    return y;
+    return y.to(out);
   }
+  Tensor y = Tensor::empty(ys, out);
   if (w.precision() == Precision::BF16) {
-    linear_bf16(x.data<float>(), M, K, K, static_cast<const uint16_t*>(w.data().raw_data()), bias, N,
-                y.data<float>(), N);
+    linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()), bias, N,
+                y.raw_data(), out == DType::BF16, N);
   } else {
     linear_int8(x.data<float>(), M, K, K, static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
                 bias, N, y.data<float>(), N);

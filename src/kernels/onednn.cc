@@ -63,8 +63,8 @@ std::shared_ptr<const Entry> primitive_for(const MatmulCall& call) {
   if (cache.size() >= 256) cache.clear();
   const MatmulCall& c = call;
   using dt = dnnl::memory::data_type;
-  const dt in = c.types == MatmulTypes::F32 ? dt::f32 : c.types == MatmulTypes::Bf16 ? dt::bf16 : dt::s8;
-  const dt out = c.types == MatmulTypes::S8 ? dt::s32 : dt::f32;
+  const dt in = c.types == MatmulTypes::F32 ? dt::f32 : c.types == MatmulTypes::S8 ? dt::s8 : dt::bf16;
+  const dt out = c.types == MatmulTypes::S8 ? dt::s32 : c.types == MatmulTypes::Bf16Out ? dt::bf16 : dt::f32;
   const dnnl::memory::desc src({c.M, c.K}, in, {c.a_rs, c.a_cs});
   const dnnl::memory::desc wei({c.K, c.N}, in, {c.b_rs, c.b_cs});
   const dnnl::memory::desc dst({c.M, c.N}, out, {c.c_rs, 1});

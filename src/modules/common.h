@@ -45,9 +45,11 @@ struct PackedWeights {
   const PackedLinear* find(const std::string& name) const;
 };
 
-// x Wᵀ + b through the packed weight when there is one, else in f32.
-inline Tensor project(const Tensor& x, const Tensor& w, const Tensor& b, const PackedLinear* packed) {
-  return packed != nullptr ? linear(x, *packed, b) : linear(x, w, b);
+// x Wᵀ + b through the packed weight when there is one (y in `out`: f32, or bf16 for a bf16 weight),
+// else in f32.
+inline Tensor project(const Tensor& x, const Tensor& w, const Tensor& b, const PackedLinear* packed,
+                      DType out = DType::F32) {
+  return packed != nullptr ? linear(x, *packed, b, out) : linear(x, w, b);
 }
 
 // [rows, width] view of a [d0, d1, width] tensor, and a [rows, n] result back as [d0, d1, n].

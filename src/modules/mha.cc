@@ -310,9 +310,9 @@ Tensor average_heads(const Tensor& weights) {
 
 // _in_projection_packed / _in_projection: q = x Wqᵀ + bq, ... as [N, T, E] views; one GEMM for
 // self-attention with the packed weight w_in [3E, E] (else w[0..2] are q/k/v_proj_weight).
-// With `packed` (reduced precision), the weights come from there.
+// With `packed` (reduced precision), the weights come from there, and q, k, v are in `act`.
 std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t E, const Tensor* w_in, const Tensor* b_in,
-                                    const std::array<const Tensor*, 3>& w, const PackedWeights* packed) {
+                                    const std::array<const Tensor*, 3>& w, const PackedWeights* packed, DType act) {
   static const char* const kParts[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
   const PackedLinear* p_in = packed && w_in ? packed->find("in_proj_weight") : nullptr;
   auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * E, part * E + E) : *w[part]; };
@@ -321,10 +321,10 @@ std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t E, const Tensor
     PackedLinear pw;
     if (p_in) pw = p_in->rows(part * E, part * E + E);
     const PackedLinear* pp = p_in ? &pw : packed ? packed->find(kParts[part]) : nullptr;
-    return in.nle(as3(project(rows(x), weight(part), bias(part), pp), x));
+    return in.nle(as3(project(rows(x), weight(part), bias(part), pp, act), x));
   };
   if (in.self_attn && w_in) {
-    const Tensor y = in.nle(as3(project(rows(in.xq), *w_in, b_in ? *b_in : Tensor(), p_in), in.xq));
+    const Tensor y = in.nle(as3(project(rows(in.xq), *w_in, b_in ? *b_in : Tensor(), p_in, act), in.xq));
     return {y.slice(2, 0, E), y.slice(2, E, 2 * E), y.slice(2, 2 * E, 3 * E)};
   }
   return {proj(in.xq, 0), proj(in.xk, 1), proj(in.xv, 2)};
@@ -335,8 +335,8 @@ void append_keys(Tensor& k4, Tensor& v4, const Tensor* bias_k, const Tensor* bia
   const int64_t extra = (bias_k ? 1 : 0) + (zero_attn ? 1 : 0);
   if (extra == 0) return;
   const int64_t N = k4.size(0), H = k4.size(1), S = k4.size(2), hd = k4.size(3);
-  Tensor k2 = Tensor::zeros({N, H, S + extra, hd}, DType::F32);
-  Tensor v2 = Tensor::zeros({N, H, S + extra, hd}, DType::F32);
+  Tensor k2 = Tensor::zeros({N, H, S + extra, hd}, k4.dtype());
+  Tensor v2 = Tensor::zeros({N, H, S + extra, hd}, v4.dtype());
   k2.slice(2, 0, S).copy_from(k4);
   v2.slice(2, 0, S).copy_from(v4);
   if (bias_k) {
@@ -370,16 +370,19 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   }
 
   const PackedWeights* packed = args.tape == nullptr ? packed_.get() : nullptr;  // training runs in f32
+  // A bf16 model keeps q, k, v and the attention output in bf16 (the projections round their f32 sums
+  // once; attention runs its bf16 kernel: AMX tiles where present); other precisions in f32.
+  const DType act = packed != nullptr && packed->precision == Precision::BF16 ? DType::BF16 : DType::F32;
   const auto [q3, k3, v3] =
       in_projection(in, E, param("in_proj_weight"), param("in_proj_bias"),
-                    {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed);
+                    {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed, act);
   const Tensor q4 = split_heads(q3, H);
   Tensor k4 = split_heads(k3, H), v4 = split_heads(v3, H);
   append_keys(k4, v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
   const Tensor mask = merge_masks(in, am, H, k4.size(2));
 
   // Attention, written into the [rows, E] buffer in the query's memory order.
-  Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), E}, DType::F32);
+  Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), E}, act);
   SdpaOptions so;
   so.attn_mask = mask;
   so.is_causal = causal;

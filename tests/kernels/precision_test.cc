@@ -129,6 +129,59 @@ TEST(Precision, Bf16IsTheF32ProductOfRoundedValues) {
   }
 }
 
+// bf16 out: the same f32 sums rounded once; bf16 in: read as it is (the f32 input rounded first
+// gives the same bits). Other precisions refuse a bf16 output.
+TEST(Precision, Bf16ActivationsInAndOut) {
+  testing::IsaGuard guard;
+  const Tensor x = randn({37, 70}), W = randn({45, 70}), b = randn({45});
+  const PackedLinear pw(W, Precision::BF16);
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    const Tensor y = linear(x, pw, b);
+    const Tensor yb = linear(x, pw, b, DType::BF16);
+    ASSERT_EQ(yb.dtype(), DType::BF16);
+    EXPECT_TRUE(testing::bitwise_equal(yb, y.to(DType::BF16))) << isa_name(isa);
+    EXPECT_TRUE(testing::bitwise_equal(linear(x.to(DType::BF16), pw, b, DType::BF16), yb)) << isa_name(isa);
+    EXPECT_TRUE(testing::bitwise_equal(linear(x.to(DType::BF16).slice(0, 3, 20), pw, b), y.slice(0, 3, 20).contiguous()))
+        << isa_name(isa) << ": a bf16 view";
+  }
+  EXPECT_THAT(testing::error_of([&] { linear(x, PackedLinear(W, Precision::Int8), b, DType::BF16); }),
+              HasSubstr("output dtype bf16 with a int8 weight"));
+}
+
+// A bf16 MultiheadAttention keeps q, k, v and the attention in bf16: every option (bias_k/v, a zero
+// key, kdim/vdim, key_padding_mask, attn_mask, weights) stays within bf16's error of the f32 module.
+TEST(Precision, Bf16MultiheadAttentionEveryOption) {
+  testing::IsaGuard guard;
+  MultiheadAttentionOptions o;
+  o.embed_dim = 48;
+  o.num_heads = 4;
+  o.add_bias_kv = true;
+  o.add_zero_attn = true;
+  o.kdim = 40;
+  o.vdim = 24;
+  o.batch_first = true;
+  MultiheadAttention m(o, 7);
+  m.eval();
+  const Tensor q = randn({2, 37, 48}), k = randn({2, 29, 40}), v = randn({2, 29, 24});
+  MhaForwardArgs a;
+  a.key_padding_mask = testing::rand_bool({2, 29}, 0.2);
+  a.attn_mask = randn({37, 29});  // [L, S]: padded for bias_k and the zero key as torch does
+  a.average_attn_weights = false;
+  const auto [ref, ref_w] = m.forward(q, k, v, a);
+  m.set_precision(Precision::BF16);
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    const auto [out, w] = m.forward(q, k, v, a);
+    ASSERT_EQ(out.dtype(), DType::F32);
+    const auto e = testing::compare(out, ref), ew = testing::compare(w, ref_w);
+    EXPECT_GT(e.max_abs, 0.0) << isa_name(isa);
+    EXPECT_LT(e.max_abs, 3e-2 * e.max_ref) << isa_name(isa);
+    EXPECT_LT(ew.max_abs, 3e-2) << isa_name(isa);
+    EXPECT_FALSE(e.nan || ew.nan) << isa_name(isa);
+  }
+}
+
 TEST(Precision, RowsNonFiniteInputsAndStoredParts) {
   const Tensor W = randn({6, 5}), b = randn({6});
   const PackedLinear pw(W, Precision::Int8);
