@@ -5,7 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -19,7 +19,7 @@ namespace {
 
 constexpr Isa kAllIsas[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__linux__)
 // AMX-TILE and AMX-BF16 in CPUID, the tile state enabled by the OS (XCR0 bits 17, 18), and this
 // process granted it (Linux keeps the 8 KB tile data out of a process until it asks, once).
 bool amx_usable() {
@@ -36,6 +36,8 @@ bool amx_usable() {
   }();
   return ok;
 }
+#else
+bool amx_usable() { return false; }  // the tile state is requested from Linux
 #endif
 
 }  // namespace

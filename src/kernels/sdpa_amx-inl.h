@@ -1,6 +1,7 @@
 // sdpa_amx-inl.h — bf16 SDPA forward on AMX tiles (tdpbf16ps), for CPUs with AMX-BF16.
-// Included by isa_amx.cc (through sdpa_paths-inl.h) inside namespace heads::kernels::amx, after the
-// AVX-512 vector layer and sdpa_flash_fwd-inl.h (for the mask helpers and the f32 conventions).
+// Included by isa_amx.cc (through sdpa_paths-inl.h) inside namespace heads::kernels::amx (its code
+// in a nested namespace amx), after the AVX-512 vector layer and sdpa_flash_fwd-inl.h (for the mask
+// helpers and the f32 conventions).
 //
 // Tiles: eight registers of up to 16 rows x 64 bytes; tdpbf16ps C[16][16] f32 += A[16][32 bf16] ·
 // B[16 pairs][16 x 2 bf16], B in "VNNI" layout: row p of B holds, for each of 16 columns n, the two
@@ -61,7 +62,8 @@ inline void configure_tiles() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  // ldtilecfg reads all 64 bytes (GCC's _tile_loadconfig declares an 8-byte operand).
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
 }
 
 // The four tdpbf16ps of a 32 x 32 block: C[rt][ct] += A[rt] · B[ct].
@@ -72,12 +74,15 @@ HEADS_INLINE void dp_2x2() {
   HEADS_TILE_DP(3, 5, 7);
 }
 
-// 2^x for x <= 0 (or NaN): exactly 0 below -126 (and for -inf), NaN stays NaN. The integer part n
-// comes from the 1.5 · 2^23 rounding trick and is added to the exponent of 2^f (f in [-1/2, 1/2],
-// degree-5 Taylor: relative error below 3e-6, far under bf16's 2^-9) as an integer: no
-// round-to-integer or scalef instructions, which compete for one port with the FMAs.
+// 2^x for x <= 0 (or NaN): exactly 0 below -126 (and for -inf), NaN stays NaN (whatever its
+// payload). The integer part n comes from the 1.5 · 2^23 rounding trick and is added to the
+// exponent of 2^f (f in [-1/2, 1/2], degree-5 Taylor: relative error at most 3.3e-6, far under
+// bf16's 2^-9) as an integer: no round-to-integer or scalef instructions, which compete for one
+// port with the FMAs.
 HEADS_INLINE __m512 exp2_nonpos(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512 x_in = x;
   x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);  // max_ps returns its second operand for NaN
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 t = _mm512_add_ps(x, magic);  // low mantissa bits: round(x)
@@ -89,7 +94,8 @@ HEADS_INLINE __m512 exp2_nonpos(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
-  return _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
+  const __m512 r = _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
+  return _mm512_mask_mov_ps(r, nan, x_in);  // a NaN's payload bits would have reached the exponent
 }
 
 HEADS_INLINE __mmask32 first_mask32(int64_t n) {
@@ -104,9 +110,12 @@ struct Layout {
   int64_t Dp, Dvp, Lkp;  // D and Dv rounded up to 32, Lk to 32
   int64_t n_dc, n_ct;    // 32-dim chunks of D; 16-column tiles of Dv (even)
   int64_t k_elems, v_elems;  // bf16 per (b, kv head)
+  // Keys some query may see (all but those past the last row's causal limit). Later keys are packed
+  // as 0, so values there (a preallocated cache's garbage, NaN) never reach P · V, as in the f32 kernel.
+  int64_t Lk_seen;
   explicit Layout(const SdpaProblem& pb)
       : Dp((pb.D + 31) / 32 * 32), Dvp((pb.Dv + 31) / 32 * 32), Lkp((pb.Lk + 31) / 32 * 32),
-        n_dc(Dp / 32), n_ct(Dvp / 16), k_elems(Lkp * Dp), v_elems(Lkp * Dvp) {}
+        n_dc(Dp / 32), n_ct(Dvp / 16), k_elems(Lkp * Dp), v_elems(Lkp * Dvp), Lk_seen(pb.key_end(pb.Lq - 1)) {}
 };
 
 // K tiles of keys [32 kc, 32 kc + 32) of one (b, hk): tile (kt, dc) at dst + (kt · n_dc + dc) · 512,
@@ -119,7 +128,7 @@ inline void pack_k_chunk(const uint16_t* kh, int64_t ks, const SdpaProblem& pb, 
       const __mmask32 m = first_mask32(pb.D - 32 * dc);
       for (int64_t n = 0; n < 16; ++n) {
         const int64_t j = 16 * kt + n;
-        const __m512i r = j < pb.Lk ? _mm512_maskz_loadu_epi16(m, kh + j * ks + 32 * dc) : _mm512_setzero_si512();
+        const __m512i r = j < lay.Lk_seen ? _mm512_maskz_loadu_epi16(m, kh + j * ks + 32 * dc) : _mm512_setzero_si512();
         _mm512_store_si512(rows + 16 * n, r);
       }
       Vec::transpose_bits(reinterpret_cast<const float*>(rows), 16,
@@ -145,9 +154,9 @@ inline void pack_v_chunk(const uint16_t* vh, int64_t vs, const SdpaProblem& pb, 
     uint16_t* t1 = t0 + 512;
     for (int64_t p = 0; p < 16; ++p) {
       const int64_t j = 32 * kc + 2 * p;
-      const __m512i a = j < pb.Lk ? _mm512_maskz_loadu_epi16(m, vh + j * vs + 32 * cp) : _mm512_setzero_si512();
-      const __m512i b = j + 1 < pb.Lk ? _mm512_maskz_loadu_epi16(m, vh + (j + 1) * vs + 32 * cp)
-                                      : _mm512_setzero_si512();
+      const __m512i a = j < lay.Lk_seen ? _mm512_maskz_loadu_epi16(m, vh + j * vs + 32 * cp) : _mm512_setzero_si512();
+      const __m512i b = j + 1 < lay.Lk_seen ? _mm512_maskz_loadu_epi16(m, vh + (j + 1) * vs + 32 * cp)
+                                            : _mm512_setzero_si512();
       _mm512_store_si512(t0 + 32 * p, _mm512_permutex2var_epi16(a, lo, b));
       _mm512_store_si512(t1 + 32 * p, _mm512_permutex2var_epi16(a, hi, b));
     }

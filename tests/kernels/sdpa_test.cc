@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 
@@ -315,14 +316,17 @@ TEST(Sdpa, NonFiniteInputsReachTheRowsTheyTouch) {
           EXPECT_TRUE(row_is_nan(r.out, 0, 1)) << where << " +inf score";
           EXPECT_TRUE(row_is_finite(r.out, 0, 0)) << where;
         }
-        {  // NaN in a float mask entry: that row
-          Tensor fm = randn({Lq, Lk});
-          fm.data<float>()[Lk + 3] = nan;
-          SdpaOptions o;
-          o.attn_mask = fm;
-          const SdpaResult r = run(q0, k0, v0, o, "NaN float mask");
-          EXPECT_TRUE(row_is_nan(r.out, 0, 1) && row_is_nan(r.out, 1, 1)) << where << " NaN float mask";
-          EXPECT_TRUE(row_is_finite(r.out, 0, 0)) << where;
+        {  // NaN in a float mask entry: that row, whatever the NaN's payload bits
+          for (const uint32_t bits : {0x7fc00000u, 0x7fc00001u, 0x7fc000ffu, 0xffc12345u}) {
+            Tensor fm = randn({Lq, Lk});
+            std::memcpy(fm.data<float>() + Lk + 3, &bits, 4);
+            SdpaOptions o;
+            o.attn_mask = fm;
+            const SdpaResult r = run(q0, k0, v0, o, "NaN float mask");
+            EXPECT_TRUE(row_is_nan(r.out, 0, 1) && row_is_nan(r.out, 1, 1)) << where << " NaN float mask " << bits;
+            EXPECT_TRUE(std::isnan(r.lse.item_as_double({0, 0, 1}))) << where << " " << bits;
+            EXPECT_TRUE(row_is_finite(r.out, 0, 0)) << where;
+          }
         }
         {  // a row the bool mask hides entirely stays zero, even with NaN in its (hidden) keys
           Tensor m = testing::rand_bool({Lq, Lk}, 0.8);
@@ -393,6 +397,34 @@ TEST(Sdpa, DropoutStatistics) {
   manual_seed(7);
   const Tensor g2 = sdpa(q, k, v, o).out;
   EXPECT_TRUE(testing::bitwise_equal(g1, g2));
+}
+
+// Keys that no query may see (past the last row's causal limit: a preallocated cache's unused end)
+// never reach the output, even holding NaN or inf, on every path.
+TEST(Sdpa, KeysNoQuerySeesNeverReachTheOutput) {
+  IsaGuard guard;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const int64_t Lq : {5, 40}) {
+    const int64_t Lk = 64;
+    Tensor k = randn({1, 2, Lk, 24}), v = randn({1, 2, Lk, 20});
+    for (const int64_t j : {Lq, Lq + 5, Lk - 1}) {  // top-left causal: key j is seen by rows i >= j
+      for (int64_t d = 0; d < 24; ++d) k.data<float>()[j * 24 + d] = nan;
+      for (int64_t d = 0; d < 20; ++d) v.data<float>()[(Lk + j) * 20 + d] = d % 2 ? inf : nan;
+    }
+    const Tensor q = randn({1, 2, Lq, 24});
+    SdpaOptions o;
+    o.is_causal = true;
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      for (DType dt : {DType::F32, DType::BF16}) {
+        const SdpaResult r = sdpa(q.to(dt), k.to(dt), v.to(dt), o);
+        const Tensor out = r.out.to(DType::F32);
+        for (int64_t i = 0; i < out.numel(); ++i) {
+          ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << "Lq=" << Lq << " " << dtype_name(dt) << " isa=" << isa_name(isa);
+        }
+      }
+    }
+  }
 }
 
 TEST(Sdpa, ResultIndependentOfThreadCount) {
