@@ -159,6 +159,30 @@ def test_bench_json_contract():
     assert j["op"] == "mha" and j["ms"] > 0
 
 
+def test_bench_sdpa_grid():
+    """Comma-separated sizes time every combination: one JSON line each (last list fastest), or a table."""
+    import json
+
+    r = run("bench", "sdpa", "--heads", "1,4", "--q-len", "7,33", "--kv-heads", 1, "--head-dim", 17,
+            "--min-time", 0, "--threads", 1, "--json")
+    assert r.returncode == 0, r.stderr
+    points = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(j["H"], j["Hkv"], j["Lq"], j["Lk"], j["D"]) for j in points] == [
+        (1, 1, 7, 7, 17), (1, 1, 33, 33, 17), (4, 1, 7, 7, 17), (4, 1, 33, 33, 17)]
+    assert all(j["ms"] > 0 for j in points)
+
+    r = run("bench", "sdpa", "--batch", "2,1", "--q-len", 9, "--kv-len", "5,6", "--min-time", 0)
+    assert r.returncode == 0, r.stderr
+    table = [line for line in r.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [tuple(int(x) for x in row.split("|")[1:8]) for row in table] == [
+        (2, 1, 1, 9, 5, 64, 64), (2, 1, 1, 9, 6, 64, 64), (1, 1, 1, 9, 5, 64, 64), (1, 1, 1, 9, 6, 64, 64)]
+
+    r = run("bench", "sdpa", "--heads", "2,0", "--min-time", 0)
+    assert r.returncode != 0 and "--heads: expected an integer from 1" in r.stderr
+    r = run("bench", "sdpa", "--heads", "3", "--kv-heads", "2", "--min-time", 0)
+    assert r.returncode != 0 and "not a multiple" in r.stderr
+
+
 def test_embed_and_bench_in_reduced_precision(tmp_path):
     """`--dtype bf16|int8` on embed, bench embed and bench mha; a bad value is a usage error (exit 2)."""
     import json

@@ -36,6 +36,8 @@ struct BenchArgs {
   uint64_t seed = 1;
   int threads = 0;
   double min_time = 1.0;
+  // bench sdpa: each size a list; every combination is timed (a grid).
+  std::vector<int64_t> grid_B{1}, grid_H{1}, grid_Hkv, grid_Lq{128}, grid_Lk, grid_D{64}, grid_Dv;
 };
 
 Tensor random_tensor(const Shape& shape, uint64_t seed) {
@@ -104,8 +106,12 @@ SdpaCase sdpa_case(const BenchArgs& a) {
   return c;
 }
 
-void run_sdpa(const BenchArgs& a) {
-  apply_threads(a.threads);
+struct SdpaTiming {
+  SdpaCase c;
+  double ms, gflops;
+};
+
+SdpaTiming time_sdpa(const BenchArgs& a) {
   const SdpaCase c = sdpa_case(a);
   const SdpaCase::Inputs in = c.draw();
   const SdpaOptions& o = in.options;
@@ -157,6 +163,38 @@ void run_sdpa(const BenchArgs& a) {
     }
     std::printf("sdpa %s %s threads=%d: %.3f ms, %.1f GFLOP/s, peak RSS %.1f MB\n", c.str().c_str(), isa.c_str(),
                 get_num_threads(), ms, gflops, peak_rss_mb());
+  }
+  std::fflush(stdout);
+  return {c, ms, gflops};
+}
+
+// Every combination of the size lists, in the order given (the last list varies fastest). One point
+// prints as before; with --json, one line per point; otherwise a grid also prints one table.
+void run_sdpa(const BenchArgs& a) {
+  apply_threads(a.threads);
+  const std::vector<int64_t> none{0};
+  const std::vector<const std::vector<int64_t>*> lists = {
+      &a.grid_B, &a.grid_H, a.grid_Hkv.empty() ? &none : &a.grid_Hkv, &a.grid_Lq,
+      a.grid_Lk.empty() ? &none : &a.grid_Lk, &a.grid_D, a.grid_Dv.empty() ? &none : &a.grid_Dv};
+  size_t points = 1;
+  for (const auto* l : lists) points *= l->size();
+  std::vector<SdpaTiming> rows;
+  for (size_t p = 0; p < points; ++p) {
+    BenchArgs one = a;
+    int64_t* fields[] = {&one.B, &one.H, &one.Hkv, &one.Lq, &one.Lk, &one.D, &one.Dv};
+    size_t rest = p;
+    for (size_t f = lists.size(); f-- > 0;) {
+      *fields[f] = (*lists[f])[rest % lists[f]->size()];
+      rest /= lists[f]->size();
+    }
+    rows.push_back(time_sdpa(one));
+  }
+  if (points == 1 || a.json) return;
+  std::printf("\n| B | H | Hkv | Lq | Lk | D | Dv | ms | GFLOP/s |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const SdpaTiming& r : rows) {
+    std::printf("| %lld | %lld | %lld | %lld | %lld | %lld | %lld | %.3f | %.1f |\n", (long long)r.c.B, (long long)r.c.H,
+                (long long)r.c.kv_heads(), (long long)r.c.Lq, (long long)r.c.key_len(), (long long)r.c.D,
+                (long long)r.c.value_dim(), r.ms, r.gflops);
   }
 }
 
@@ -238,14 +276,21 @@ void add_bench_command(CLI::App& app, Action* action) {
   CLI::App* bench = app.add_subcommand("bench", "Time an operation on random inputs (median of repeats).");
   bench->require_subcommand(1);
 
-  CLI::App* s = bench->add_subcommand("sdpa", "Scaled dot-product attention forward.");
-  s->add_option("--batch", args->B, "B")->capture_default_str()->check(int_in(1, kMaxCount));
-  s->add_option("--heads", args->H, "query heads H")->capture_default_str()->check(int_in(1, kMaxCount));
-  s->add_option("--kv-heads", args->Hkv, "key/value heads Hkv (default H)")->check(int_in(1, kMaxCount));
-  s->add_option("--q-len", args->Lq, "query length Lq")->capture_default_str()->check(int_in(1, kMaxCount));
-  s->add_option("--kv-len", args->Lk, "key length Lk (default Lq)")->check(int_in(1, kMaxCount));
-  s->add_option("--head-dim", args->D, "head dim D")->capture_default_str()->check(int_in(1, kMaxCount));
-  s->add_option("--v-dim", args->Dv, "value head dim Dv (default D)")->check(int_in(1, kMaxCount));
+  CLI::App* s = bench->add_subcommand(
+      "sdpa", "Scaled dot-product attention forward. Each size takes a comma-separated list "
+              "(--heads 1,4,8,16 --q-len 128,512,2048): every combination is timed, one JSON line each with "
+              "--json, else one line each and a table.");
+  auto sizes = [&](const char* flag, std::vector<int64_t>* v, const char* what) {
+    CLI::Option* o = s->add_option(flag, *v, what)->delimiter(',')->check(int_in(1, kMaxCount));
+    if (!v->empty()) o->capture_default_str();
+  };
+  sizes("--batch", &args->grid_B, "B");
+  sizes("--heads", &args->grid_H, "query heads H");
+  sizes("--kv-heads", &args->grid_Hkv, "key/value heads Hkv (default H)");
+  sizes("--q-len", &args->grid_Lq, "query length Lq");
+  sizes("--kv-len", &args->grid_Lk, "key length Lk (default Lq)");
+  sizes("--head-dim", &args->grid_D, "head dim D");
+  sizes("--v-dim", &args->grid_Dv, "value head dim Dv (default D)");
   s->add_flag("--causal", args->causal, "causal mask (flops counted half)");
   s->add_option("--mask", args->mask, "attn_mask [B, 1, Lq, Lk]: none, bool (80% visible) or float")
       ->capture_default_str()
