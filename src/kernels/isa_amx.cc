@@ -7,10 +7,8 @@
 
 #include "kernels/isa_build.h"
 
-// GCC 12 warns about the intentionally undefined pass-through operands of _mm512_max_ps and
-// _mm512_reduce_add_ps (the latter only in this target's build).
+// GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2,amx-tile,amx-bf16")
 

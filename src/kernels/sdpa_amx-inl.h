@@ -141,13 +141,7 @@ inline void pack_k_chunk(const uint16_t* kh, int64_t ks, const SdpaProblem& pb, 
 // pairs (V[32 kc + 2p][16 ct + n], V[32 kc + 2p + 1][16 ct + n]) for n < 16.
 inline void pack_v_chunk(const uint16_t* vh, int64_t vs, const SdpaProblem& pb, const Layout& lay, int64_t kc,
                          uint16_t* dst) {
-  alignas(64) static constexpr uint16_t kPairLo[32] = {
-      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t kPairHi[32] = {
-      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
+  const __m512i lo = _mm512_load_si512(kBf16PairLo), hi = _mm512_load_si512(kBf16PairHi);
   for (int64_t cp = 0; cp < lay.n_ct / 2; ++cp) {
     const __mmask32 m = first_mask32(pb.Dv - 32 * cp);
     uint16_t* t0 = dst + (kc * lay.n_ct + 2 * cp) * 512;

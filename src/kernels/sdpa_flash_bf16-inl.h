@@ -157,13 +157,7 @@ struct Bf16Dot {
   // the missing partner of an odd end is 0.
   static void pack_v(const uint16_t* vh, int64_t vs, int64_t Dv, int64_t j_begin, int64_t j_end,
                      uint32_t* v2) {
-    alignas(64) static constexpr uint16_t kPairLo[32] = {
-        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    alignas(64) static constexpr uint16_t kPairHi[32] = {
-        16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-    const __m512i pair_lo = _mm512_load_si512(kPairLo), pair_hi = _mm512_load_si512(kPairHi);
+    const __m512i pair_lo = _mm512_load_si512(kBf16PairLo), pair_hi = _mm512_load_si512(kBf16PairHi);
     const int64_t v2s = v2_stride(Dv);
     for (int64_t j = j_begin; j < j_end; j += 2) {
       const uint16_t* a = vh + j * vs;

@@ -2,6 +2,8 @@
 // per-ISA `#pragma GCC target`, so nothing here is compiled for a specific ISA).
 #pragma once
 
+#include <cstdint>
+
 #define HEADS_INLINE inline __attribute__((always_inline))
 
 namespace heads::kernels {
@@ -16,5 +18,14 @@ inline constexpr float kExp2C6 = 0.000154035303933816100f;
 
 inline constexpr float kLog2e = 1.44269504088896340736f;
 inline constexpr float kLn2 = 0.693147180559945309417f;
+
+// vpermt2w indices that interleave two rows of 32 bf16, a and b: kBf16PairLo gives the dwords
+// (a[n], b[n]) for n < 16, kBf16PairHi for 16 <= n < 32 (pairs of V rows for the bf16 products).
+alignas(64) inline constexpr uint16_t kBf16PairLo[32] = {
+    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) inline constexpr uint16_t kBf16PairHi[32] = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
 }  // namespace heads::kernels
