@@ -109,6 +109,7 @@ class MultiheadAttention {
 
   // Reduced precision for the linear layers of forward() (heads/precision.h): the weights are
   // packed now, and again at every load_state_dict; a forward that records a tape runs in f32.
+  // In bf16, q, k, v and the attention output are bf16 too (the bf16 attention kernel).
   // Parameters changed in place afterwards (an optimizer step) are not re-packed: call it again.
   void set_precision(Precision p);
   Precision precision() const;

@@ -2,7 +2,7 @@
 // a weight prepared once for a precision, and the linear op that runs it.
 //
 //   F32   y = x Wᵀ + b                                           (as torch.nn.functional.linear)
-//   BF16  y = bf16(x) bf16(W)ᵀ + b, products summed in f32, y in f32
+//   BF16  y = bf16(x) bf16(W)ᵀ + b, products summed in f32, y in f32 (or rounded once to bf16)
 //   Int8  dynamic quantization, symmetric, integer products: W row n ≈ Wq[n]·sw[n] once (per output
 //         channel; sw[n] = c·max|W[n,:]| / 127 with c in {1, 0.99, ..., 0.5} the least squared
 //         error, values past ±127 steps clipped); at every call each row of x in two int8 terms,
@@ -12,7 +12,9 @@
 //         of cosine on all-MiniLM-L6-v2, the residual term wins it back);
 //         y[m, n] = (Σ_k xq·Wq · sx + Σ_k rq·Wq · sr) · sw[n] + b[n], sums exact in int32
 //         (K ≤ 2^31 / 127² = 133,144). A row of x holding NaN or ±inf gives a NaN row.
-// Rounding is to nearest even everywhere. Attention, LayerNorm, softmax and activations stay f32.
+// Rounding is to nearest even everywhere. In a bf16 MultiheadAttention q, k, v and the attention
+// output are bf16 and attention runs its bf16 kernel (f32 softmax and sums, P rounded to bf16);
+// otherwise attention, LayerNorm, softmax and activations stay f32.
 #pragma once
 
 #include <cstdint>

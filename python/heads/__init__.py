@@ -225,8 +225,9 @@ class _Picklable:
 
     def to(self, dtype: Any):
         """Runs the linear layers (projections, feed-forward) of inference forwards in ``dtype``:
-        "f32", "bf16" (f32 sums) or "int8" (dynamic quantization, as ``quantize_dynamic`` on its
-        ``nn.Linear``s, with per-channel weights and per-row activations). The weights are packed
+        "f32", "bf16" (f32 sums; in attention modules q, k, v and the attention run in bf16 too) or
+        "int8" (dynamic quantization, as ``quantize_dynamic`` on its ``nn.Linear``s, with per-channel
+        weights and per-row activations; attention in f32). The weights are packed
         now and again on ``load_state_dict``; forwards with a tape (training) run in f32. Returns self."""
         self._m.dtype = _precision(dtype)
         return self

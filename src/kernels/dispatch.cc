@@ -37,7 +37,7 @@ bool amx_usable() {
   return ok;
 }
 #else
-bool amx_usable() { return false; }  // the tile state is requested from Linux
+[[maybe_unused]] bool amx_usable() { return false; }  // the tile state is requested from Linux
 #endif
 
 }  // namespace

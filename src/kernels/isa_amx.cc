@@ -9,6 +9,8 @@
 
 // GCC 12 warns about the intentionally undefined pass-through operand of _mm512_max_ps.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// ... and about the undefined operand _mm512_reduce_add_ps passes (_mm256_undefined_pd).
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2,amx-tile,amx-bf16")
 

@@ -22,5 +22,3 @@
 
 // Vector arguments of the lambdas inside the kernels never cross an ABI boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
-// GCC 12's _mm512_reduce_add_ps passes an intentionally undefined operand (_mm256_undefined_pd).
-#pragma GCC diagnostic ignored "-Wuninitialized"

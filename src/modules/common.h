@@ -49,7 +49,7 @@ struct PackedWeights {
 // else in f32.
 inline Tensor project(const Tensor& x, const Tensor& w, const Tensor& b, const PackedLinear* packed,
                       DType out = DType::F32) {
-  return packed != nullptr ? linear(x, *packed, b, out) : linear(x, w, b);
+  return packed != nullptr ? linear(x, *packed, b, out) : linear(x, w, b).to(out);
 }
 
 // [rows, width] view of a [d0, d1, width] tensor, and a [rows, n] result back as [d0, d1, n].

@@ -130,7 +130,7 @@ TEST(Precision, Bf16IsTheF32ProductOfRoundedValues) {
 }
 
 // bf16 out: the same f32 sums rounded once; bf16 in: read as it is (the f32 input rounded first
-// gives the same bits). Other precisions refuse a bf16 output.
+// gives the same bits), strided views too. f32 and int8 weights refuse a bf16 output.
 TEST(Precision, Bf16ActivationsInAndOut) {
   testing::IsaGuard guard;
   const Tensor x = randn({37, 70}), W = randn({45, 70}), b = randn({45});
@@ -142,11 +142,16 @@ TEST(Precision, Bf16ActivationsInAndOut) {
     ASSERT_EQ(yb.dtype(), DType::BF16);
     EXPECT_TRUE(testing::bitwise_equal(yb, y.to(DType::BF16))) << isa_name(isa);
     EXPECT_TRUE(testing::bitwise_equal(linear(x.to(DType::BF16), pw, b, DType::BF16), yb)) << isa_name(isa);
-    EXPECT_TRUE(testing::bitwise_equal(linear(x.to(DType::BF16).slice(0, 3, 20), pw, b), y.slice(0, 3, 20).contiguous()))
-        << isa_name(isa) << ": a bf16 view";
+    const Tensor wide = randn({37, 90}).to(DType::BF16);
+    const Tensor view = wide.slice(1, 10, 80);  // [37, 70], row stride 90
+    ASSERT_FALSE(view.is_contiguous());
+    EXPECT_TRUE(testing::bitwise_equal(linear(view, pw, b), linear(view.to(DType::F32), pw, b)))
+        << isa_name(isa) << ": a strided bf16 view";
   }
   EXPECT_THAT(testing::error_of([&] { linear(x, PackedLinear(W, Precision::Int8), b, DType::BF16); }),
               HasSubstr("output dtype bf16 with a int8 weight"));
+  EXPECT_THAT(testing::error_of([&] { linear(x, PackedLinear(W, Precision::F32), b, DType::BF16); }),
+              HasSubstr("output dtype bf16 with a f32 weight"));
 }
 
 // A bf16 MultiheadAttention keeps q, k, v and the attention in bf16: every option (bias_k/v, a zero
@@ -179,6 +184,26 @@ TEST(Precision, Bf16MultiheadAttentionEveryOption) {
     EXPECT_LT(e.max_abs, 3e-2 * e.max_ref) << isa_name(isa);
     EXPECT_LT(ew.max_abs, 3e-2) << isa_name(isa);
     EXPECT_FALSE(e.nan || ew.nan) << isa_name(isa);
+  }
+  // Self-attention through the packed in_proj (q, k, v as strided bf16 views of one projection),
+  // sequence-first layout (a strided bf16 attention buffer), unbatched input, causal.
+  MultiheadAttentionOptions so;
+  so.embed_dim = 32;
+  so.num_heads = 4;
+  MultiheadAttention self(so, 8);
+  self.eval();
+  const Tensor x = randn({19, 2, 32}), xu = randn({19, 32});
+  MhaForwardArgs causal;
+  causal.is_causal = true;
+  causal.need_weights = false;
+  const Tensor r1 = self.forward(x, x, x, causal).first, r2 = self.forward(xu, xu, xu, causal).first;
+  self.set_precision(Precision::BF16);
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    const auto e1 = testing::compare(self.forward(x, x, x, causal).first, r1);
+    const auto e2 = testing::compare(self.forward(xu, xu, xu, causal).first, r2);
+    EXPECT_TRUE(e1.max_abs > 0 && e1.max_abs < 3e-2 * e1.max_ref && !e1.nan) << isa_name(isa) << " " << e1.max_abs;
+    EXPECT_TRUE(e2.max_abs > 0 && e2.max_abs < 3e-2 * e2.max_ref && !e2.nan) << isa_name(isa) << " " << e2.max_abs;
   }
 }
 

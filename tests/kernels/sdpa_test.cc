@@ -404,7 +404,7 @@ TEST(Sdpa, DropoutStatistics) {
 TEST(Sdpa, KeysNoQuerySeesNeverReachTheOutput) {
   IsaGuard guard;
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  for (const int64_t Lq : {5, 40}) {
+  for (const int64_t Lq : {3, 5, 40}) {  // 3: the decode kernel
     const int64_t Lk = 64;
     Tensor k = randn({1, 2, Lk, 24}), v = randn({1, 2, Lk, 20});
     for (const int64_t j : {Lq, Lq + 5, Lk - 1}) {  // top-left causal: key j is seen by rows i >= j

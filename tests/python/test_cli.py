@@ -177,10 +177,12 @@ def test_bench_sdpa_grid():
     assert [tuple(int(x) for x in row.split("|")[1:8]) for row in table] == [
         (2, 1, 1, 9, 5, 64, 64), (2, 1, 1, 9, 6, 64, 64), (1, 1, 1, 9, 5, 64, 64), (1, 1, 1, 9, 6, 64, 64)]
 
-    r = run("bench", "sdpa", "--heads", "2,0", "--min-time", 0)
-    assert r.returncode != 0 and "--heads: expected an integer from 1" in r.stderr
-    r = run("bench", "sdpa", "--heads", "3", "--kv-heads", "2", "--min-time", 0)
-    assert r.returncode != 0 and "not a multiple" in r.stderr
+    for bad in ("2,0", "1,,3", "4,", ",", "a"):
+        r = run("bench", "sdpa", "--heads", bad, "--min-time", 0)
+        assert r.returncode != 0 and "expected integers from 1" in r.stderr and f"'{bad}'" in r.stderr, (bad, r.stderr)
+    # every point is checked before any is timed: nothing printed for H=4 when H=3 cannot run
+    r = run("bench", "sdpa", "--heads", "4,3", "--kv-heads", "2", "--min-time", 0, "--json")
+    assert r.returncode != 0 and "--heads 3 is not a multiple of --kv-heads 2" in r.stderr and r.stdout == ""
 
 
 def test_embed_and_bench_in_reduced_precision(tmp_path):

@@ -1,4 +1,5 @@
-// cmd_bench.cc — `heads bench sdpa|mha`: time one shape, report the median (DESIGN.md contract).
+// cmd_bench.cc — `heads bench sdpa|mha|embed|peak`: time one shape (or, for sdpa, a grid of shapes),
+// report the median (DESIGN.md contract).
 //
 // Warm-up, then repeats until at least --min-time seconds (default 1) and 5 runs; reports the
 // median. flops = 4·B·H·Lq·Lk·D for sdpa (half when causal); mha adds 2·B·L·E·E per projection.
@@ -36,8 +37,8 @@ struct BenchArgs {
   uint64_t seed = 1;
   int threads = 0;
   double min_time = 1.0;
-  // bench sdpa: each size a list; every combination is timed (a grid).
-  std::vector<int64_t> grid_B{1}, grid_H{1}, grid_Hkv, grid_Lq{128}, grid_Lk, grid_D{64}, grid_Dv;
+  // bench sdpa: each size a comma-separated list; every combination is timed (a grid).
+  std::string grid_B = "1", grid_H = "1", grid_Hkv, grid_Lq = "128", grid_Lk, grid_D = "64", grid_Dv;
 };
 
 Tensor random_tensor(const Shape& shape, uint64_t seed) {
@@ -172,23 +173,28 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
 // prints as before; with --json, one line per point; otherwise a grid also prints one table.
 void run_sdpa(const BenchArgs& a) {
   apply_threads(a.threads);
-  const std::vector<int64_t> none{0};
-  const std::vector<const std::vector<int64_t>*> lists = {
-      &a.grid_B, &a.grid_H, a.grid_Hkv.empty() ? &none : &a.grid_Hkv, &a.grid_Lq,
-      a.grid_Lk.empty() ? &none : &a.grid_Lk, &a.grid_D, a.grid_Dv.empty() ? &none : &a.grid_Dv};
+  std::vector<std::vector<int64_t>> lists;
+  for (const std::string* s : {&a.grid_B, &a.grid_H, &a.grid_Hkv, &a.grid_Lq, &a.grid_Lk, &a.grid_D, &a.grid_Dv}) {
+    lists.push_back(s->empty() ? std::vector<int64_t>{0} : int_list(*s));  // 0: "the default" (Hkv = H, ...)
+  }
   size_t points = 1;
-  for (const auto* l : lists) points *= l->size();
-  std::vector<SdpaTiming> rows;
+  for (const auto& l : lists) points *= l.size();
+  std::vector<BenchArgs> grid;
   for (size_t p = 0; p < points; ++p) {
     BenchArgs one = a;
     int64_t* fields[] = {&one.B, &one.H, &one.Hkv, &one.Lq, &one.Lk, &one.D, &one.Dv};
     size_t rest = p;
     for (size_t f = lists.size(); f-- > 0;) {
-      *fields[f] = (*lists[f])[rest % lists[f]->size()];
-      rest /= lists[f]->size();
+      *fields[f] = lists[f][rest % lists[f].size()];
+      rest /= lists[f].size();
     }
-    rows.push_back(time_sdpa(one));
+    // Every point is checked before any is timed.
+    HEADS_CHECK(one.Hkv == 0 || one.H % one.Hkv == 0, "bench sdpa: --heads ", one.H,
+                " is not a multiple of --kv-heads ", one.Hkv);
+    grid.push_back(one);
   }
+  std::vector<SdpaTiming> rows;
+  for (const BenchArgs& one : grid) rows.push_back(time_sdpa(one));
   if (points == 1 || a.json) return;
   std::printf("\n| B | H | Hkv | Lq | Lk | D | Dv | ms | GFLOP/s |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const SdpaTiming& r : rows) {
@@ -280,8 +286,8 @@ void add_bench_command(CLI::App& app, Action* action) {
       "sdpa", "Scaled dot-product attention forward. Each size takes a comma-separated list "
               "(--heads 1,4,8,16 --q-len 128,512,2048): every combination is timed, one JSON line each with "
               "--json, else one line each and a table.");
-  auto sizes = [&](const char* flag, std::vector<int64_t>* v, const char* what) {
-    CLI::Option* o = s->add_option(flag, *v, what)->delimiter(',')->check(int_in(1, kMaxCount));
+  auto sizes = [&](const char* flag, std::string* v, const char* what) {
+    CLI::Option* o = s->add_option(flag, *v, what)->check(int_list_in(1, kMaxCount));
     if (!v->empty()) o->capture_default_str();
   };
   sizes("--batch", &args->grid_B, "B");
@@ -305,7 +311,7 @@ void add_bench_command(CLI::App& app, Action* action) {
   s->add_option("--dtype", args->dtype, "f32 or bf16 (q, k, v and out in bf16, f32 accumulation)")->capture_default_str();
   add_threads_option(s, &args->threads);
   s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
-  s->add_flag("--json", args->json, "one JSON line");
+  s->add_flag("--json", args->json, "one JSON line (per point of a grid)");
   s->callback([args, action] { *action = [args] { run_sdpa(*args); }; });
 
   CLI::App* m = bench->add_subcommand("mha", "MultiheadAttention forward (self-attention, batch_first, eval).");

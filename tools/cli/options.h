@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "heads/runtime.h"
 
@@ -33,6 +34,40 @@ inline CLI::Validator int_in(int64_t lo, int64_t hi) {
         return std::string();
       },
       "INT in " + range);
+}
+
+// A comma-separated list of such integers ("1,4,8"): no empty entries.
+inline CLI::Validator int_list_in(int64_t lo, int64_t hi) {
+  const std::string range = std::to_string(lo) + " to " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, range](std::string& s) -> std::string {
+        const char* p = s.data();
+        const char* end = p + s.size();
+        while (true) {
+          int64_t v = 0;
+          const auto [q, ec] = std::from_chars(p, end, v);
+          if (ec != std::errc() || q == p || v < lo || v > hi || (q != end && *q != ',')) {
+            return "expected integers from " + range + " separated by commas, got '" + s + "'";
+          }
+          if (q == end) return std::string();
+          p = q + 1;
+        }
+      },
+      "INT[,INT...] in " + range);
+}
+
+// The integers of a list int_list_in accepted; {} for an empty string (an option not given).
+inline std::vector<int64_t> int_list(const std::string& s) {
+  std::vector<int64_t> out;
+  const char* p = s.data();
+  const char* end = p + s.size();
+  while (p < end) {
+    int64_t v = 0;
+    p = std::from_chars(p, end, v).ptr;
+    out.push_back(v);
+    if (p < end) ++p;  // the comma
+  }
+  return out;
 }
 
 // A finite number in [lo, hi] (bounds printed as %g).
