@@ -29,5 +29,9 @@ double measure_fma_peak_gflops(int threads, double seconds = 0.2);
 double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
 // The same for AMX tiles (tdpbf16ps); 0 when the active path is not amx.
 double measure_amx_peak_gflops(int threads, double seconds = 0.2);
+// How the active path computes bf16 attention's products: "amx" (tiles), "dot" (vdpbf16ps) or
+// "widen" (bf16 widened to f32, f32 FMAs). avx512bf16 picks dot or widen by measuring both rates
+// once (HEADS_BF16_DOT=1|0 forces one).
+const char* bf16_attention_products();
 
 }  // namespace heads

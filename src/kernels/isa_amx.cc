@@ -2,7 +2,8 @@
 // (sdpa_amx-inl.h). The best path on CPUs with AMX-BF16 whose OS grants the tile state
 // (HEADS_ISA=amx); f32 kernels as in isa_avx512.cc. Where a bf16 product does not go through the
 // tiles (decode shapes), bf16 is widened to f32: on these CPUs vdpbf16ps runs at half the f32 FMA
-// rate per flop (`heads bench peak`), so the vdpbf16ps kernels would be slower than widening.
+// rate per flop (`heads bench peak`), so the vdpbf16ps kernels would be slower than widening (the
+// avx512bf16 path measures this: bf16_dot_pays()).
 #include <immintrin.h>
 
 #include "kernels/isa_build.h"

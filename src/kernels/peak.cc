@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "heads/error.h"
 #include "kernels/dispatch.h"
@@ -35,6 +37,34 @@ double measure_probe(float (*probe)(int64_t), int flops_per_iter, int threads, d
 }
 
 }  // namespace
+
+namespace kernels {
+
+bool bf16_dot_pays() {
+  static const bool pays = [] {
+    if (const char* env = std::getenv("HEADS_BF16_DOT"); env != nullptr && *env != '\0') {
+      const std::string v = env;
+      HEADS_CHECK(v == "0" || v == "1", "HEADS_BF16_DOT must be 0 or 1, got \"", v, "\"");
+      return v == "1";
+    }
+    if (!isa_supported(Isa::Avx512Bf16)) return false;
+    const KernelTable& t = avx512bf16::kTable;
+    const double dot = measure_probe(t.bf16_probe, t.bf16_probe_flops_per_iter(), 1, 0.004);
+    const double fma = measure_probe(t.fma_probe, t.fma_probe_flops_per_iter(), 1, 0.004);
+    return dot > fma;
+  }();
+  return pays;
+}
+
+}  // namespace kernels
+
+const char* bf16_attention_products() {
+  switch (active_isa()) {
+    case Isa::Amx: return "amx";
+    case Isa::Avx512Bf16: return kernels::bf16_dot_pays() ? "dot" : "widen";
+    default: return "widen";
+  }
+}
 
 double measure_fma_peak_gflops(int threads, double seconds) {
   HEADS_CHECK(threads >= 1, "measure_fma_peak_gflops: threads must be positive, got ", threads);

@@ -27,7 +27,8 @@ inline void sdpa_fwd_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k
 }
 
 // bf16 q, k, v and out (f32 accumulation). The tiled part widens bf16 to f32 as it reads;
-// isa_avx512bf16.cc replaces it with vdpbf16ps kernels, isa_amx.cc with AMX tiles.
+// isa_avx512bf16.cc replaces it with vdpbf16ps kernels where they pay (bf16_dot_pays()),
+// isa_amx.cc with AMX tiles.
 inline void sdpa_fwd_bf16(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& out, const Tensor& lse, const Tensor& weights) {
   if (pb.Lq <= kMaxDecodeLq) {
@@ -36,7 +37,11 @@ inline void sdpa_fwd_bf16(const SdpaProblem& pb, const Tensor& q, const Tensor& 
 #if defined(HEADS_AMX)
     amx::sdpa_fwd(pb, q, k, v, out, lse, weights);
 #elif defined(HEADS_NATIVE_BF16)
-    sdpa_tiled_bf16_dot(pb, q, k, v, out, lse, weights);
+    if (bf16_dot_pays()) {
+      sdpa_tiled_bf16_dot(pb, q, k, v, out, lse, weights);
+    } else {
+      sdpa_tiled_bf16_widen(pb, q, k, v, out, lse, weights);
+    }
 #else
     sdpa_tiled_bf16_widen(pb, q, k, v, out, lse, weights);
 #endif

@@ -263,15 +263,17 @@ void run_peak(const BenchArgs& a) {
   const double gn = threads > 1 ? measure_fma_peak_gflops(threads, a.min_time / 5) : g1;
   const double bf = measure_bf16_peak_gflops(threads, a.min_time / 5);
   const double tiles = measure_amx_peak_gflops(threads, a.min_time / 5);
+  const char* products = bf16_attention_products();
   if (a.json) {
     std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f,"
-                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f}\n",
-                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles);
+                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"bf16_attention\":\"%s\"}\n",
+                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles, products);
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
     if (bf > 0) std::printf("bf16 dot peak (vdpbf16ps): %.1f GFLOP/s on %d threads\n", bf, threads);
     if (tiles > 0) std::printf("bf16 AMX tile peak (tdpbf16ps): %.1f GFLOP/s on %d threads\n", tiles, threads);
+    std::printf("bf16 attention products: %s\n", products);
   }
 }
 
