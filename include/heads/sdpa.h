@@ -15,6 +15,22 @@
 // Dropout (dropout_p > 0) drops attention weights with probability p and scales the kept ones
 // by 1/(1-p); the mask is a pure function of (seed, b, h, i, j), so results do not depend on
 // threads or tiling and the same seed gives the same result.
+// Position and score modifiers, computed inside the fused kernels (never an Lq x Lk tensor). With
+// a = 0 (top-left) or Lk - Lq (bottom-right, causal_align), query i sits at key position i + a:
+//   window_left / window_right (-1 = unbounded): key j is visible iff i + a - window_left <= j <=
+//     i + a + window_right (flash-attn's window_size); is_causal is window_right = 0. A sliding
+//     window of W keys as Mistral / Gemma 2 / transformers' sliding_window is window_left = W - 1
+//     with is_causal. Blocks of keys outside every row's window are skipped, not computed.
+//   softcap > 0: the scaled score t becomes softcap · tanh(t / softcap) (Gemma 2), before masks
+//     and biases are added.
+//   alibi_slopes [H]: adds -slope_h · |i + a - j| (ALiBi; flash-attn's alibi_slopes; for causal
+//     rows the same softmax as BLOOM's slope · j). heads::alibi_slopes(H) gives the standard ones.
+//   relative_attention_bias [num_buckets, H]: adds table[bucket(j - i - a), h], T5's bucketing
+//     (bidirectional or causal, relative_attention_max_distance), as transformers' T5Attention.
+//     T5 does not scale its scores: pass scale = 1.
+//   sinks [H]: a learned logit per head (in the units of the scaled scores) that joins every
+//     row's softmax denominator with no value (gpt-oss): rows sum to less than 1, lse includes it,
+//     and a row that sees no key gives zeros with lse = sink.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +51,23 @@ struct SdpaOptions {
   std::optional<uint64_t> dropout_seed;  // default: heads::next_seed()
   bool need_weights = false;             // also return the [B, H, Lq, Lk] attention weights
   bool enable_gqa = false;               // allow Hkv != H
+  int64_t window_left = -1;              // keys left of the diagonal a row sees (-1: all)
+  int64_t window_right = -1;             // keys right of the diagonal a row sees (-1: all)
+  double softcap = 0.0;                  // > 0: scores become softcap · tanh(score / softcap)
+  Tensor alibi_slopes;                   // [H] floating: ALiBi bias -slope_h · distance
+  Tensor relative_attention_bias;        // [num_buckets, H] floating: T5 relative position bias
+  int64_t relative_attention_max_distance = 128;
+  bool relative_attention_bidirectional = true;  // false: T5 decoder (causal) bucketing
+  Tensor sinks;                          // [H] floating: attention-sink logits
 };
+
+// The ALiBi slopes of an H-head model (Press et al.; BLOOM's build_alibi_tensor, also for H not a
+// power of two), f32 [H].
+Tensor alibi_slopes(int64_t num_heads);
+
+// T5's relative position bucket of relative_position = key position - query position.
+int64_t t5_relative_bucket(int64_t relative_position, bool bidirectional, int64_t num_buckets,
+                           int64_t max_distance);
 
 struct SdpaResult {
   Tensor out;      // [B, H, Lq, Dv], dtype of q
@@ -47,6 +79,8 @@ struct SdpaResult {
 struct SdpaGrads {
   Tensor dq, dk, dv;  // f32, shapes of q, k, v (dk/dv summed over the query heads of a group)
   Tensor dmask;       // gradient of a float attn_mask, in the mask's shape (when requested)
+  Tensor dsinks;                   // f32 [H], when the options have sinks
+  Tensor drelative_attention_bias;  // f32 [num_buckets, H], when they have a relative bias table
 };
 
 // Fused forward: online softmax over key blocks; allocates no Lq x Lk buffer unless

@@ -5,12 +5,74 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/sdpa_problem.h"
 
 namespace heads::kernels {
+
+namespace {
+
+// A per-head vector option ([H] floating) as contiguous f32.
+Tensor per_head(const char* op, const char* name, const Tensor& t, int64_t H) {
+  HEADS_CHECK(t.dim() == 1 && t.size(0) == H && is_floating(t.dtype()), op, ": ", name,
+              ": expected a floating tensor [H] = [", H, "], got ", dtype_name(t.dtype()), " ", t.shape());
+  return t.to(DType::F32).contiguous();
+}
+
+// ALiBi and T5 biases as the [H, Lq + Lk - 1 + kRelPad] table of pb.rel (log2 units), and sinks.
+void set_position_terms(const char* op, const SdpaOptions& opts, SdpaProblem& pb) {
+  if (opts.sinks.defined()) pb.sinks = per_head(op, "sinks", opts.sinks, pb.H);
+  const bool alibi = opts.alibi_slopes.defined();
+  const Tensor& table_in = opts.relative_attention_bias;
+  if (!alibi && !table_in.defined()) return;
+  Tensor slopes, table;
+  if (alibi) slopes = per_head(op, "alibi_slopes", opts.alibi_slopes, pb.H);
+  if (table_in.defined()) {
+    HEADS_CHECK(table_in.dim() == 2 && table_in.size(1) == pb.H && table_in.size(0) >= 2 &&
+                    is_floating(table_in.dtype()),
+                op, ": relative_attention_bias: expected a floating table [num_buckets >= 2, H = ", pb.H, "], got ",
+                dtype_name(table_in.dtype()), " ", table_in.shape());
+    HEADS_CHECK(opts.relative_attention_max_distance >= 1, op,
+                ": relative_attention_max_distance must be at least 1, got ", opts.relative_attention_max_distance);
+    const int64_t exact = (opts.relative_attention_bidirectional ? table_in.size(0) / 2 : table_in.size(0)) / 2;
+    HEADS_CHECK(exact >= 1 && opts.relative_attention_max_distance > exact, op,
+                ": relative_attention_bias: ", table_in.size(0), " buckets (",
+                opts.relative_attention_bidirectional ? "bidirectional" : "causal",
+                ") leave ", exact, " exact distances; need at least 1 and relative_attention_max_distance (",
+                opts.relative_attention_max_distance, ") above them");
+    table = table_in.to(DType::F32).contiguous();
+    pb.rel_buckets = table.size(0);
+    pb.rel_max_distance = opts.relative_attention_max_distance;
+    pb.rel_bidirectional = opts.relative_attention_bidirectional;
+  }
+  pb.rel_len = pb.Lq + pb.Lk - 1 + kRelPad;
+  pb.rel = Tensor::zeros({pb.H, pb.rel_len}, DType::F32);
+  float* rp = pb.rel.data<float>();
+  // Bucket of each distance once (shared by the heads).
+  std::vector<int64_t> bucket;
+  if (table.defined()) {
+    bucket.resize(static_cast<size_t>(pb.Lq + pb.Lk - 1));
+    for (int64_t x = 0; x < pb.Lq + pb.Lk - 1; ++x) {  // x = i - j + Lk - 1
+      const int64_t rel_pos = -(x - (pb.Lk - 1) + pb.align_offset);  // j - (i + a)
+      bucket[static_cast<size_t>(x)] =
+          t5_relative_bucket(rel_pos, pb.rel_bidirectional, pb.rel_buckets, pb.rel_max_distance);
+    }
+  }
+  for (int64_t h = 0; h < pb.H; ++h) {
+    for (int64_t x = 0; x < pb.Lq + pb.Lk - 1; ++x) {
+      const int64_t dist = x - (pb.Lk - 1) + pb.align_offset;  // i + a - j
+      float bias = 0.0f;
+      if (alibi) bias -= slopes.data<float>()[h] * static_cast<float>(dist < 0 ? -dist : dist);
+      if (table.defined()) bias += table.data<float>()[bucket[static_cast<size_t>(x)] * pb.H + h];
+      rp[h * pb.rel_len + x] = bias * 1.44269504088896340736f;  // log2 e
+    }
+  }
+}
+
+}  // namespace
 
 SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                               const SdpaOptions& opts) {
@@ -45,8 +107,18 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
               ", value ", v.shape(), ")");
   pb.scale = opts.scale.has_value() ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(pb.D));
   HEADS_CHECK(std::isfinite(pb.scale), op, ": scale must be finite, got ", pb.scale);
-  pb.causal = opts.is_causal;
-  pb.causal_offset = opts.causal_align == CausalAlign::BottomRight ? pb.Lk - pb.Lq : 0;
+  HEADS_CHECK(opts.window_left >= -1 && opts.window_right >= -1, op,
+              ": window_left and window_right must be -1 (unbounded) or >= 0, got (", opts.window_left, ", ",
+              opts.window_right, ")");
+  pb.align_offset = opts.causal_align == CausalAlign::BottomRight ? pb.Lk - pb.Lq : 0;
+  pb.causal = opts.is_causal || opts.window_right >= 0;
+  pb.causal_offset = pb.align_offset + (opts.is_causal ? 0 : opts.window_right);
+  pb.has_left = opts.window_left >= 0;
+  pb.left_offset = pb.align_offset - (pb.has_left ? opts.window_left : 0);
+  HEADS_CHECK(opts.softcap >= 0.0 && std::isfinite(opts.softcap), op, ": softcap must be finite and >= 0, got ",
+              opts.softcap);
+  pb.softcap = opts.softcap;
+  set_position_terms(op, opts, pb);
   HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
               ": dropout_p must be in [0, 1], got ", opts.dropout_p);
   pb.dropout_p = opts.dropout_p;
@@ -94,6 +166,40 @@ static Tensor unit_inner(const Tensor& t) { return t.stride(-1) == 1 || t.size(-
 }  // namespace heads::kernels
 
 namespace heads {
+
+Tensor alibi_slopes(int64_t num_heads) {
+  HEADS_CHECK(num_heads >= 1, "alibi_slopes: num_heads must be at least 1, got ", num_heads);
+  int64_t p2 = 1;
+  while (p2 * 2 <= num_heads) p2 *= 2;
+  Tensor s = Tensor::empty({num_heads}, DType::F32);
+  float* sp = s.data<float>();
+  const auto base = [](int64_t n) { return std::exp2(-std::exp2(-(std::log2(static_cast<double>(n)) - 3.0))); };
+  const double b0 = base(p2), b1 = base(2 * p2);
+  for (int64_t h = 0; h < p2; ++h) sp[h] = static_cast<float>(std::pow(b0, static_cast<double>(h + 1)));
+  for (int64_t e = 0; p2 + e < num_heads; ++e) sp[p2 + e] = static_cast<float>(std::pow(b1, static_cast<double>(2 * e + 1)));
+  return s;
+}
+
+int64_t t5_relative_bucket(int64_t relative_position, bool bidirectional, int64_t num_buckets, int64_t max_distance) {
+  // As transformers' T5Attention._relative_position_bucket, in its float32 arithmetic.
+  int64_t bucket = 0;
+  int64_t n = num_buckets;
+  int64_t rp = relative_position;
+  if (bidirectional) {
+    n /= 2;
+    if (rp > 0) bucket += n;
+    rp = rp < 0 ? -rp : rp;
+  } else {
+    rp = rp < 0 ? -rp : 0;
+  }
+  const int64_t max_exact = n / 2;
+  if (rp < max_exact) return bucket + rp;
+  const float ratio = std::log(static_cast<float>(rp) / static_cast<float>(max_exact)) /
+                      static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
+  int64_t large = max_exact + static_cast<int64_t>(ratio * static_cast<float>(n - max_exact));
+  if (large > n - 1) large = n - 1;
+  return bucket + large;
+}
 
 namespace {
 
@@ -174,16 +280,44 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
               ": fwd.lse: expected the forward's lse [B, H, Lq] = ", Shape({pb.B, pb.H, pb.Lq}));
   HEADS_CHECK(!mask_grad || pb.mask_kind == MaskKind::Float, op,
               ": mask_grad needs a floating attn_mask");
-  SdpaGrads g{dq, dk, dv, Tensor()};
+  SdpaGrads g{dq, dk, dv, Tensor(), Tensor(), Tensor()};
+  if (pb.sinks.defined()) g.dsinks = Tensor::zeros({pb.H}, DType::F32);
+  if (pb.rel_buckets > 0) g.drelative_attention_bias = Tensor::zeros({pb.rel_buckets, pb.H}, DType::F32);
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) {  // nothing attends: zero gradients
     for (const Tensor* t : {&dq, &dk, &dv}) Tensor(*t).copy_from(Tensor::zeros(t->shape(), DType::F32));
     if (mask_grad) g.dmask = Tensor::zeros(opts.attn_mask.shape(), DType::F32);
     return g;
   }
   Tensor dm_full = mask_grad ? Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F32) : Tensor();
-  active().sdpa_bwd_f32(pb, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), unit_inner(fwd.out),
-                        fwd.lse.contiguous(), dq, dk, dv, mask_grad ? dm_full.data<float>() : nullptr);
+  Tensor drel = pb.rel_buckets > 0 ? Tensor::zeros({pb.H, pb.rel_len}, DType::F32) : Tensor();
+  const Tensor out_f = unit_inner(fwd.out), lse_c = fwd.lse.contiguous();
+  active().sdpa_bwd_f32(pb, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), out_f, lse_c, dq, dk,
+                        dv, mask_grad ? dm_full.data<float>() : nullptr, drel.defined() ? drel.data<float>() : nullptr);
   if (mask_grad) g.dmask = reduce_to_shape(dm_full, opts.attn_mask.shape()).to(DType::F32);
+  if (drel.defined()) {  // the sums along i - j, gathered into their buckets
+    float* gt = g.drelative_attention_bias.data<float>();
+    for (int64_t x = 0; x < pb.Lq + pb.Lk - 1; ++x) {
+      const int64_t bk = t5_relative_bucket(-(x - (pb.Lk - 1) + pb.align_offset), pb.rel_bidirectional,
+                                            pb.rel_buckets, pb.rel_max_distance);
+      for (int64_t h = 0; h < pb.H; ++h) gt[bk * pb.H + h] += drel.data<float>()[h * pb.rel_len + x];
+    }
+  }
+  if (pb.sinks.defined()) {  // d sink_h = -sum over rows of P_sink · D, P_sink = e^(sink - lse), D = dO · O
+    for (int64_t h = 0; h < pb.H; ++h) {
+      double acc = 0.0;
+      const double sink = pb.sinks.data<float>()[h];
+      for (int64_t b = 0; b < pb.B; ++b) {
+        for (int64_t i = 0; i < pb.Lq; ++i) {
+          const float* o = out_f.data<float>() + b * out_f.stride(0) + h * out_f.stride(1) + i * out_f.stride(2);
+          const float* go = dout.data<float>() + b * dout.stride(0) + h * dout.stride(1) + i * dout.stride(2);
+          double d = 0.0;
+          for (int64_t c = 0; c < pb.Dv; ++c) d += static_cast<double>(o[c * out_f.stride(3)]) * go[c * dout.stride(3)];
+          acc += std::exp(sink - lse_c.data<float>()[(b * pb.H + h) * pb.Lq + i]) * d;
+        }
+      }
+      g.dsinks.data<float>()[h] = static_cast<float>(-acc);
+    }
+  }
   return g;
 }
 

@@ -76,7 +76,7 @@ inline float normalized_d(float num, float den) { return den != 0.0f ? num / den
 // these are all the keys, D_l = sum_r P ∘ dP is taken from the block.
 inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* kr, int64_t ks2, const float* vr,
                       int64_t vs2, const float* q0, int64_t qs2, const float* g0, int64_t gs2, const float* lse2,
-                      const float* dsum, float c, float* s, float* dp, float* pd) {
+                      const float* dsum, float c, float* s, float* dp, float* pd, float* tg) {
   const SdpaProblem& pb = t.pb;
   const int64_t nq = t.nq;
   small_dots(nk, kr, ks2, q0, qs2, nq, pb.D, c, s, 1, kTK);
@@ -87,16 +87,8 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
     const int64_t i = t.i0 + l;
     float* sl = s + l * kTK;
     float* dl = dp + l * kTK;
-    if (has_mask || pb.causal) {
-      const int64_t m0 = has_mask ? pb.mask_offset(t.b, t.h, i) : 0, ms3 = has_mask ? pb.mask.stride(3) : 0;
-      for (int64_t r = 0; r < nk; ++r) {
-        const int64_t j = j0 + r;
-        if (pb.causal && j > i + pb.causal_offset) {
-          sl[r] = -kInf;
-        } else if (has_mask) {
-          sl[r] = fwd::masked_score(pb, sl[r], fwd::mask_log2(pb, m0 + j * ms3));
-        }
-      }
+    if (has_mask || pb.causal || pb.has_left || pb.softcap > 0.0 || pb.rel.defined()) {
+      for (int64_t r = 0; r < nk; ++r) sl[r] = mod_score_log2(pb, t.b, t.h, i, j0 + r, sl[r], tg + l * kTK + r);
     }
     const VR l2 = Vec::set1(lse2[l]);
     for (int64_t r = 0; r < nk; r += kW) {
@@ -142,10 +134,11 @@ constexpr int64_t kMaxBlocks = 8;  // key blocks per key group
 constexpr int64_t kStreamBytes = int64_t{16} << 20;  // half the L3 of the machines this is tuned on
 
 struct Scratch {
-  float *qt, *dot, *s, *dp, *pd, *tmp, *drow;
+  float *qt, *dot, *s, *dp, *pd, *tg, *tmp, *drow;
+  float* drel;  // [H][rel_len] this thread's dS sums along i - j (T5 table gradient), or null
   // rows: G·Lq values of D_i
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
-    return kSub * (D + Dv) * kTQ + 3 * kTK * kLd + kTQ + rows + 64;
+    return kSub * (D + Dv) * kTQ + 4 * kTK * kLd + kTQ + rows + 64;
   }
 };
 
@@ -168,6 +161,7 @@ struct Step {
   int64_t b, h, hk, I0, nqs, n_sub;
   bool few;          // at most kSmallQ queries: the query-major few_block path
   bool first_group;  // dQ rows and D_i are set up in the first key group
+  bool dq_unset;     // the step's dQ rows not written yet (the next product sets them)
   const float *q0, *g0, *kh, *vh;
   float* dq0;
   alignas(64) float lse2[kLd];  // lse in log2 units; +inf where the row sees nothing (P = 0)
@@ -183,7 +177,7 @@ HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t,
   const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
   const bool causal_here = pb.causal && j0 + nk - 1 > t.i0 + pb.causal_offset;
   const float* kj = st.kh + j0 * C.ks[2];
-  if (!causal_here && pb.mask_kind == MaskKind::None) {  // P straight from the accumulators
+  if (!fwd::needs_masks(t, j0, nk, causal_here)) {  // P straight from the accumulators
     fwd::qk_block_with(nk, kj, C.ks[2], scr.qt + u * pb.D * kTQ, pb.D, [&](int64_t r, VR a0, VR a1) {
       Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
       Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
@@ -192,7 +186,7 @@ HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t,
   }
   fwd::qk_block(nk, kj, C.ks[2], scr.qt + u * pb.D * kTQ, pb.D, s, nullptr, kLd);
   VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-  fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd);
+  fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd, scr.tg + u * kTQ);
   for (int64_t r = 0; r < nk; ++r) {
     for (int vv = 0; vv < kNQ; ++vv) {
       float* sp = s + r * kLd + vv * kW;
@@ -274,14 +268,24 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
       C.dmask_full == nullptr ? nullptr : C.dmask_full + ((st.b * pb.H + st.h) * pb.Lq + i0) * pb.Lk + j0;
   if (st.few) {
     few_block(t, j0, nk, st.kh + j0 * C.ks[2], C.ks[2], st.vh + j0 * C.vs[2], C.vs[2], st.q0, C.qs[2], st.g0,
-              C.gs[2], st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd);
+              C.gs[2], st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd, scr.tg);
     for (int64_t l = 0; mrow != nullptr && l < nq; ++l) std::copy_n(scr.dp + l * kTK, nk, mrow + l * pb.Lk);
+    for (int64_t l = 0; scr.drel != nullptr && l < nq; ++l) {  // dS of (i, j) into drel[i - j + Lk - 1]
+      float* dr = scr.drel + st.h * pb.rel_len + (i0 + l - j0 + pb.Lk - 1);
+      for (int64_t r = 0; r < nk; ++r) dr[-r] += scr.dp[l * kTK + r];
+    }
+    if (pb.softcap > 0.0) {  // dS through the softcap for dQ and dK
+      for (int64_t l = 0; l < nq; ++l) {
+        for (int64_t r = 0; r < nk; ++r) scr.dp[l * kTK + r] *= scr.tg[l * kTK + r];
+      }
+    }
     return;
   }
   float* s = scr.s + u * kTQ;
   float* dp = scr.dp + u * kTQ;
   float* pd = scr.pd + u * kTQ;
-  if (pb.causal && j0 > i0 + nq - 1 + pb.causal_offset) {  // the tile sees none of these keys
+  if ((pb.causal && j0 > i0 + nq - 1 + pb.causal_offset) ||
+      (pb.has_left && j0 + nk - 1 < i0 + pb.left_offset)) {  // the tile sees none of these keys
     for (int64_t r = 0; r < nk; ++r) {
       std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
       std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
@@ -294,12 +298,30 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
   for (int64_t l = 0; mrow != nullptr && l < nq; ++l) {
     for (int64_t r = 0; r < nk; ++r) mrow[l * pb.Lk + r] = dp[r * kLd + l];
   }
+  if (scr.drel != nullptr) {  // dS of (i0 + lane, j0 + r) into drel[lane - r + i0 - j0 + Lk - 1]
+    float* dr = scr.drel + st.h * pb.rel_len + (i0 - j0 + pb.Lk - 1);
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int vv = 0; vv < kNQ; ++vv) {
+        float* x = dr - r + vv * kW;
+        Vec::storeu(x, Vec::add(Vec::loadu(x), Vec::load(dp + r * kLd + vv * kW)));
+      }
+    }
+  }
+  if (pb.softcap > 0.0) {  // dS through the softcap for dQ and dK
+    const float* tg = scr.tg + u * kTQ;
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int vv = 0; vv < kNQ; ++vv) {
+        const int64_t o = r * kLd + vv * kW;
+        Vec::store(dp + o, Vec::mul(Vec::load(dp + o), Vec::load(tg + o)));
+      }
+    }
+  }
 }
 
 // 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j, over the step's queries. A key
 // block's first contribution sets dK/dV (or streams them), later ones add; the step's dQ rows are set
 // by the first key block of the first group and added to after.
-HEADS_INLINE void block_products(const Call& C, const Step& st, int64_t jg, int64_t j0, int64_t nk, bool& written,
+HEADS_INLINE void block_products(const Call& C, Step& st, int64_t jg, int64_t j0, int64_t nk, bool& written,
                                  const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
   float* dkj = C.dkp + st.b * C.dks[0] + st.hk * C.dks[1] + j0 * C.dks[2];
@@ -311,7 +333,8 @@ HEADS_INLINE void block_products(const Call& C, const Step& st, int64_t jg, int6
   gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, C.qs[2], dkj, C.dks[2], C.scale, kv_out);
   written = true;
   gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, C.dqs[2],
-           C.scale, st.first_group && j0 == jg ? Out::Set : Out::Add);
+           C.scale, st.dq_unset ? Out::Set : Out::Add);
+  st.dq_unset = false;
 }
 
 // Queries [I0, I0 + kLd) of head h against the key group [jg, jg + ng): lse and D_i of the rows, Q and
@@ -326,18 +349,23 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
   st.few = st.nqs <= kSmallQ;
   st.first_group = jg == 0;
   st.dq0 = C.dqp + b * C.dqs[0] + h * C.dqs[1] + I0 * C.dqs[2];
-  if (pb.causal && jg > I0 + st.nqs - 1 + pb.causal_offset) {  // every key of the group hidden
-    if (st.first_group) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
-    return;
-  }
+  // With a left limit, a step may see no block of the first group: its dQ rows start at zero.
+  st.dq_unset = st.first_group && !pb.has_left;
+  if (st.first_group && pb.has_left) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
   st.q0 = C.qp + b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2];
   st.g0 = C.gp + b * C.gs[0] + h * C.gs[1] + I0 * C.gs[2];
   st.kh = C.kp + b * C.ks[0] + hk * C.ks[1];
   st.vh = C.vp + b * C.vs[0] + hk * C.vs[1];
-  // D_i = dO_i · O_i, once per row (first group); kept per thread for the later groups
+  // D_i = dO_i · O_i, once per row (first group, even one the rows cannot see); kept per thread
+  // for the later groups
   float* drow = scr.drow + (h - hk * C.G) * pb.Lq + I0;
   if (st.first_group && !C.one_block) {
     row_dots(st.g0, C.gs[2], C.op + b * C.os[0] + h * C.os[1] + I0 * C.os[2], C.os[2], st.nqs, pb.Dv, drow);
+  }
+  if ((pb.causal && jg > I0 + st.nqs - 1 + pb.causal_offset) ||
+      (pb.has_left && jg + ng - 1 < I0 + pb.left_offset)) {  // every key of the group hidden
+    if (st.dq_unset) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
+    return;
   }
   for (int64_t l = 0; l < kLd; ++l) {
     const float x = l < st.nqs ? C.lp[(b * pb.H + h) * pb.Lq + I0 + l] : -kInf;
@@ -354,6 +382,7 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
     const int64_t nk = std::min(jg + ng - j0, kTK);
     if (pb.causal && j0 > I0 + st.nqs - 1 + pb.causal_offset) break;  // this and later keys hidden
+    if (pb.has_left && j0 + nk - 1 < I0 + pb.left_offset) continue;  // left of every row's window
     for (int64_t u = 0; u < st.n_sub; ++u) tile_ds(C, st, j0, nk, u, scr);
     block_products(C, st, jg, j0, nk, written[(j0 - jg) / kTK], scr);
   }
@@ -381,7 +410,7 @@ inline void key_group(const Call& C, int64_t b, int64_t hk, int64_t jg, const Sc
 
 inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
                          const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
-                         const Tensor& dk, const Tensor& dv, float* dmask_full) {
+                         const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel) {
   using namespace bwd;
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) return;
   auto str = [](const Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
@@ -402,7 +431,8 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
       // groups of all threads stay well inside the last-level cache (long4k, 2 threads: 256 KB -> 1 MB
       // cut the backward by 9%; 2 MB and more were slower, gpt2k unchanged up to 1 MB).
       .span = kTK * std::clamp<int64_t>((1024 * 1024 / 4) / (kTK * (pb.D + pb.Dv)), 1, kMaxBlocks),
-      .one_block = pb.Lk <= kTK,
+      // (a sink takes part of each row's mass, so sum P over the keys is not the normaliser: D from O)
+      .one_block = pb.Lk <= kTK && !pb.sinks.defined(),
       // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
       // large to stay in the last-level cache: streamed past it (no reads for ownership, no eviction
       // of the K and V rows still to come).
@@ -414,6 +444,8 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
   const int64_t per = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
   float* arena = thread_scratch(per * n_threads);
+  // dS sums per batch entry (each task writes the rows of its own heads), added in a fixed order after.
+  std::vector<float> drel_b(drel != nullptr ? static_cast<size_t>(pb.B * pb.H * pb.rel_len) : 0);
 
 #pragma omp parallel num_threads(n_threads)
   {
@@ -424,13 +456,20 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
     scr.s = scr.dot + kSub * pb.Dv * kTQ;
     scr.dp = scr.s + kTK * kLd;
     scr.pd = scr.dp + kTK * kLd;
-    scr.tmp = scr.pd + kTK * kLd;
+    scr.tg = scr.pd + kTK * kLd;
+    scr.tmp = scr.tg + kTK * kLd;
+    scr.drel = nullptr;
     scr.drow = scr.tmp + kTQ;
     // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
+      if (drel != nullptr) scr.drel = drel_b.data() + task / pb.Hkv * pb.H * pb.rel_len;
       for (int64_t jg = 0; jg < pb.Lk; jg += C.span) key_group(C, task / pb.Hkv, task % pb.Hkv, jg, scr);
     }
     if (C.stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
+  }
+  for (int64_t b = 0; drel != nullptr && b < pb.B; ++b) {
+    const float* src = drel_b.data() + b * pb.H * pb.rel_len;
+    for (int64_t x = 0; x < pb.H * pb.rel_len; ++x) drel[x] += src[x];
   }
 }

@@ -67,30 +67,24 @@ template <class T>
 inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, int64_t h,
                        int64_t i, int64_t j0, int64_t nk, float* sr) {
   const SdpaProblem& pb = S.pb;
-  // Causal hides a suffix of the block: only keys [j0, j0 + nv) are computed.
+  // The band hides a prefix and a suffix of the block: only keys [j0 + nb, j0 + nv) are computed.
   const int64_t nv = std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk);
+  const int64_t nb = std::clamp<int64_t>(pb.key_begin(i) - j0, 0, nv);
   for (int64_t g = 0; g < kBlock; g += kW) {
-    if (g >= nv) {
+    if (g >= nv || g + kW <= nb) {
       Vec::store(sr + g, Vec::set1(-kInf));
       continue;
     }
     VR part[kW];
     for (int u = 0; u < kW; ++u) {
-      part[u] = g + u < nv ? dot_partial(kh + (j0 + g + u) * S.ks[2], qr, pb.D) : Vec::zero();
+      part[u] = g + u < nv && g + u >= nb ? dot_partial(kh + (j0 + g + u) * S.ks[2], qr, pb.D) : Vec::zero();
     }
     Vec::store(sr + g, Vec::reduce_lanes(part));
+    for (int64_t u = g; u < std::min(nb, g + kW); ++u) sr[u] = -kInf;  // before nb
     for (int64_t u = std::max(g, nv); u < g + kW; ++u) sr[u] = -kInf;  // past nv
   }
-  if (pb.mask_kind == MaskKind::Bool) {
-    const auto* m = static_cast<const uint8_t*>(pb.mask.raw_data()) + pb.mask_offset(b, h, i);
-    const int64_t ms = pb.mask.stride(3);
-    for (int64_t u = 0; u < nv; ++u) {
-      if (!m[(j0 + u) * ms]) sr[u] = -kInf;
-    }
-  } else if (pb.mask_kind == MaskKind::Float) {
-    const auto* m = static_cast<const float*>(pb.mask.raw_data()) + pb.mask_offset(b, h, i);
-    const int64_t ms = pb.mask.stride(3);
-    for (int64_t u = 0; u < nv; ++u) sr[u] += m[(j0 + u) * ms] * kLog2e;
+  if (pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined()) {
+    for (int64_t u = nb; u < nv; ++u) sr[u] = mod_score_log2(pb, b, h, i, j0 + u, sr[u]);
   }
 }
 
@@ -147,16 +141,8 @@ template <class T>
 HEADS_INLINE float score(const Setup& S, const T* kh, const float* qrow, int64_t b, int64_t h,
                          int64_t i, int64_t j) {
   const SdpaProblem& pb = S.pb;
-  if (!pb.visible_causal(i, j)) return -kInf;
-  float s = Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, pb.D));
-  if (pb.mask_kind == MaskKind::Bool) {
-    const auto* m = static_cast<const uint8_t*>(pb.mask.raw_data());
-    if (!m[pb.mask_offset(b, h, i) + j * pb.mask.stride(3)]) s = -kInf;
-  } else if (pb.mask_kind == MaskKind::Float) {
-    const auto* m = static_cast<const float*>(pb.mask.raw_data());
-    s += m[pb.mask_offset(b, h, i) + j * pb.mask.stride(3)] * kLog2e;
-  }
-  return s;
+  if (!pb.visible(i, j)) return -kInf;
+  return mod_score_log2(pb, b, h, i, j, Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, pb.D)));
 }
 
 // Packs the query rows of (b, hk) as [rows][Dp], times scale·log2(e), zero padded.
@@ -187,6 +173,7 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
   std::fill(o, o + S.rows * S.Dvp, 0.0f);
   for (int64_t b0 = j0; b0 < j1; b0 += kBlock) {
     const int64_t nk = std::min(kBlock, j1 - b0);
+    if (b0 + nk <= pb.key_begin(0) || b0 >= pb.key_end(pb.Lq - 1)) continue;  // outside every row's band
     // 1. S = q K_j^T (+ mask), one row per query
     for (int64_t r = 0; r < S.rows; ++r) {
       const int64_t h = hk * pb.group() + S.head(r);
@@ -270,10 +257,13 @@ inline void merge_chunks(const Setup& S, int64_t b, int64_t hk, const Partials& 
                          const int64_t* os, float* lse_p) {
   const SdpaProblem& pb = S.pb;
   for (int64_t r = 0; r < S.rows; ++r) {
-    float m = -kInf;
+    const int64_t h = hk * pb.group() + S.head(r), i = S.pos(r);
+    // A sink is one more partial state: m = sink, l = 1, O = 0.
+    const float sink2 = pb.sink_log2(h);
+    float m = sink2;
     for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, part.m[c * S.rows + r]);
     for (int64_t d = 0; d < pb.Dv; ++d) acc[d] = 0.0f;
-    float l = 0.0f;
+    float l = pb.sinks.defined() ? std::exp2(sink2 - m) : 0.0f;
     for (int64_t c = 0; c < S.n_chunks; ++c) {
       if (part.l[c * S.rows + r] == 0.0f) continue;
       const float f = std::exp2(part.m[c * S.rows + r] - m);
@@ -282,7 +272,6 @@ inline void merge_chunks(const Setup& S, int64_t b, int64_t hk, const Partials& 
       for (int64_t d = 0; d < pb.Dv; ++d) acc[d] += oc[d] * f;
     }
     const float inv = l != 0.0f ? 1.0f / l : 0.0f;
-    const int64_t h = hk * pb.group() + S.head(r), i = S.pos(r);
     T* orow = out_p + b * os[0] + h * os[1] + i * os[2];
     for (int64_t d = 0; d < pb.Dv; ++d) from_f32(acc[d] * inv, orow + d);
     lse_p[(b * pb.H + h) * pb.Lq + i] = l != 0.0f ? (m + std::log2(l)) * kLn2 : -kInf;

@@ -164,15 +164,43 @@ HEADS_INLINE float masked_score(const SdpaProblem& pb, float s, float term) {
   return pb.mask_kind == MaskKind::Bool ? (term == 0.0f ? s : -kInf) : s + term;
 }
 
-// Applies causal and attn_mask to S rows [0, nk) (keys j0 + r, row stride lds), folding in the
-// running max.
+// tanh(x): an odd Taylor polynomial below |x| = 0.3 (relative error < 1e-7 there), else
+// sign(x) · (1 - e) / (1 + e) with e = e^{-2|x|} (no cancellation left at that size).
+HEADS_INLINE VR tanh_v(VR x) {
+  const VR ax = Vec::abs(x);
+  const VR e = Vec::exp2(Vec::mul(ax, Vec::set1(-2.0f * kLog2e)));
+  const VR one = Vec::set1(1.0f);
+  const VR big = Vec::div(Vec::sub(one, e), Vec::add(one, e));
+  const VR x2 = Vec::mul(x, x);
+  VR p = Vec::set1(62.0f / 2835.0f);
+  p = Vec::fma(p, x2, Vec::set1(-17.0f / 315.0f));
+  p = Vec::fma(p, x2, Vec::set1(2.0f / 15.0f));
+  p = Vec::fma(p, x2, Vec::set1(-1.0f / 3.0f));
+  p = Vec::mul(Vec::fma(p, x2, one), x);
+  const VR signed_big = Vec::select_neg(x, Vec::sub(Vec::zero(), big), big);
+  return Vec::select_neg(Vec::sub(ax, Vec::set1(0.3f)), p, signed_big);
+}
+
+// Applies the score modifiers and masks to S rows [0, nk) (keys j0 + r, row stride lds, log2
+// units), folding in the running max: softcap, then the ALiBi / T5 bias and a float attn_mask
+// added; a bool attn_mask's false and keys outside the band become -inf. causal_here: some key of
+// the block lies past some row's upper limit. With softcap, tg (when given, stride lds) receives
+// d(capped)/dS = 1 - tanh².
 inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx,
-                        int64_t lds = kTQ) {
+                        int64_t lds = kTQ, float* tg = nullptr) {
   const SdpaProblem& pb = t.pb;
-  VR qlim[kNQ];  // key j is hidden from query lane i iff j > i + causal_offset
+  VR qlim[kNQ], qlo[kNQ];  // key j is hidden from query lane i iff j > i + causal_offset or j < i + left_offset
   for (int v = 0; v < kNQ; ++v) {
-    qlim[v] = Vec::add(Vec::iota(), Vec::set1(static_cast<float>(t.i0 + v * kW + pb.causal_offset)));
+    const VR i = Vec::add(Vec::iota(), Vec::set1(static_cast<float>(t.i0 + v * kW)));
+    qlim[v] = Vec::add(i, Vec::set1(static_cast<float>(pb.causal_offset)));
+    qlo[v] = Vec::add(i, Vec::set1(static_cast<float>(pb.left_offset)));
   }
+  const bool left_here = pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset;
+  const bool cap = pb.softcap > 0.0;
+  const VR cap2 = Vec::set1(static_cast<float>(pb.softcap) * kLog2e);
+  const VR inv_cap2 = Vec::set1(1.0f / (static_cast<float>(pb.softcap) * kLog2e));
+  // Bias of (i0 + lane, j0 + r) at rel[lane - r]: the table runs along i - j.
+  const float* rel = pb.rel.defined() ? pb.rel_row(t.h) + (t.i0 - j0 + pb.Lk - 1) : nullptr;
   const bool has_mask = pb.mask_kind != MaskKind::None;
   const bool bool_mask = pb.mask_kind == MaskKind::Bool;
   const bool row_bcast = has_mask && pb.mask.stride(2) == 0;  // same value for every query
@@ -190,18 +218,33 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       add[0] = Vec::load(t.tmp);
       add[1] = Vec::load(t.tmp + kW);
     }
+    const VR jv = Vec::set1(static_cast<float>(j));
     for (int v = 0; v < kNQ; ++v) {
       VR x = Vec::load(s + r * lds + v * kW);
+      if (cap) {
+        const VR th = tanh_v(Vec::mul(x, inv_cap2));
+        if (tg != nullptr) Vec::store(tg + r * lds + v * kW, Vec::sub(Vec::set1(1.0f), Vec::mul(th, th)));
+        x = Vec::mul(cap2, th);
+      }
+      if (rel != nullptr) x = Vec::add(x, Vec::loadu(rel - r + v * kW));
       if (bool_mask) {
         x = Vec::fill_if_gt(x, Vec::zero(), add[v], -kInf);  // false (-inf term): hidden
       } else if (has_mask) {
         x = Vec::add(x, add[v]);
       }
-      if (causal_here) x = Vec::fill_if_gt(x, Vec::set1(static_cast<float>(j)), qlim[v], -kInf);
+      if (causal_here) x = Vec::fill_if_gt(x, jv, qlim[v], -kInf);
+      if (left_here) x = Vec::fill_if_gt(x, qlo[v], jv, -kInf);
       mx[v] = Vec::max(mx[v], x);
       Vec::store(s + r * lds + v * kW, x);
     }
   }
+}
+
+// Whether S of keys [j0, j0 + nk) needs apply_masks for the tile (else it is used as computed).
+HEADS_INLINE bool needs_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here) {
+  const SdpaProblem& pb = t.pb;
+  return causal_here || pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined() ||
+         (pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset);
 }
 
 inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
@@ -300,12 +343,13 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
   for (int v = 0; v < kNQ; ++v) lse2[v] = Vec::load(lse2_l + v * kW);
   for (int64_t j0 = 0; j0 < pb.Lk; j0 += kTK) {
     const int64_t nk = std::min(pb.Lk - j0, kTK);
-    const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // visible under causal
+    // visible under the band: before the upper limit jend, not wholly left of the first row's window
+    const int64_t nv = j0 + nk <= pb.key_begin(t.i0) ? 0 : std::max<int64_t>(0, std::min(nk, jend - j0));
     if (nv > 0) {
       const bool causal_here = pb.causal && j0 + nv - 1 > t.i0 + pb.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
       Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, nullptr);
-      if (causal_here || pb.mask_kind != MaskKind::None) apply_masks(t, j0, nv, causal_here, scr.s, mx);
+      if (needs_masks(t, j0, nv, causal_here)) apply_masks(t, j0, nv, causal_here, scr.s, mx);
       for (int64_t r = 0; r < nv; ++r) {
         for (int v = 0; v < kNQ; ++v) {
           float* sp = scr.s + r * kTQ + v * kW;
@@ -331,6 +375,7 @@ inline void forward_tile(const SdpaProblem& pb, const typename Pol::In* q, const
   const int64_t hk = h / pb.group();
   const int64_t i0 = qt_index * kTQ, nq = std::min(pb.Lq - i0, kTQ);
   const int64_t jend = pb.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
+  const int64_t jbeg = pb.key_begin(i0) / 2 * 2;  // left limit of its first row (even: bf16 pairs)
   const Tile t{pb, b, h, hk, i0, nq, scr.tmp};
   const T* kh = kb + b * ks[0] + hk * ks[1];
   const T* vh = vb + b * vs[0] + hk * vs[1];
@@ -338,13 +383,15 @@ inline void forward_tile(const SdpaProblem& pb, const typename Pol::In* q, const
   const float c = static_cast<float>(pb.scale) * kLog2e;
   Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, pb.D, c, scr.qt);
   std::fill(scr.ot, scr.ot + pb.Dv * kTQ, 0.0f);
-  VR m[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
-  VR l[kNQ] = {Vec::zero(), Vec::zero()};
+  // A sink starts the row's softmax as a key of logit sink with no value (m = sink, l = 1).
+  const float sink2 = pb.sink_log2(h);
+  VR m[kNQ] = {Vec::set1(sink2), Vec::set1(sink2)};
+  VR l[kNQ] = {Vec::set1(pb.sinks.defined() ? 1.0f : 0.0f), Vec::set1(pb.sinks.defined() ? 1.0f : 0.0f)};
 
-  for (int64_t j0 = 0; j0 < jend; j0 += kTK) {
+  for (int64_t j0 = jbeg; j0 < jend; j0 += kTK) {
     const int64_t nk = std::min(jend - j0, kTK);
     const bool causal_here = pb.causal && j0 + nk - 1 > i0 + pb.causal_offset;
-    const bool masked = causal_here || pb.mask_kind != MaskKind::None;
+    const bool masked = needs_masks(t, j0, nk, causal_here);
     // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
     VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
     Pol::qk(nk, kh + j0 * ks[2], ks[2], scr.qt, pb.D, c, scr.s, masked ? nullptr : mx);

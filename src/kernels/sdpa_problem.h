@@ -15,29 +15,88 @@ namespace heads::kernels {
 
 enum class MaskKind { None, Bool, Float };
 
+// Entries of SdpaProblem::rel past the last (query - key) distance, so that a vector of queries
+// starting at any row of a tile reads inside the table.
+constexpr int64_t kRelPad = 64;
+
 struct SdpaProblem {
   int64_t B, H, Hkv, Lq, Lk, D, Dv;
   double scale;
+  // The visible band: key j is visible to query i iff i + left_offset <= j (when has_left) and
+  // j <= i + causal_offset (when causal, which is also set by window_right).
   bool causal;
-  int64_t causal_offset;  // key j visible to query i iff j <= i + causal_offset
+  int64_t causal_offset;
+  bool has_left = false;
+  int64_t left_offset = 0;
+  int64_t align_offset = 0;  // a: query i sits at key position i + a (0 or Lk - Lq)
   MaskKind mask_kind = MaskKind::None;
   Tensor mask;       // [B, H, Lq, Lk] broadcast view: Bool (u8 bytes) or F32
   double dropout_p;  // 0 = no dropout
   uint64_t seed;
   bool need_weights;
+  double softcap = 0.0;  // > 0: t -> softcap · tanh(t / softcap) on the scaled score
+  // ALiBi and T5 biases, which depend on i - j only: f32 [H, rel_len] in log2 units, the bias of
+  // (i, j) at h * rel_len + i - j + Lk - 1 (zero in the kRelPad entries past Lq + Lk - 1).
+  Tensor rel;
+  int64_t rel_len = 0;
+  int64_t rel_buckets = 0;  // T5 table rows (0: no table)
+  int64_t rel_max_distance = 128;
+  bool rel_bidirectional = true;
+  Tensor sinks;  // f32 [H] contiguous, natural-log units
 
   int64_t group() const { return H / Hkv; }
-  bool visible_causal(int64_t i, int64_t j) const { return !causal || j <= i + causal_offset; }
-  // Keys [0, key_end(i)) can be visible to query i under the causal rule.
+  bool visible(int64_t i, int64_t j) const {
+    return (!causal || j <= i + causal_offset) && (!has_left || j >= i + left_offset);
+  }
+  // Keys [key_begin(i), key_end(i)) can be visible to query i under the band.
   int64_t key_end(int64_t i) const {
     if (!causal) return Lk;
     const int64_t e = i + causal_offset + 1;
     return e < 0 ? 0 : (e > Lk ? Lk : e);
   }
+  int64_t key_begin(int64_t i) const {
+    if (!has_left) return 0;
+    const int64_t e = i + left_offset;
+    return e < 0 ? 0 : (e > Lk ? Lk : e);
+  }
+  // Modifiers only the f32 tiled and decode kernels (and the backward) apply; the bf16 tile kernels
+  // hand such problems to the widening path.
+  bool score_mods() const { return has_left || softcap > 0.0 || rel.defined() || sinks.defined(); }
+  const float* rel_row(int64_t h) const { return rel.data<float>() + h * rel_len; }
+  float rel_log2(int64_t h, int64_t i, int64_t j) const { return rel_row(h)[i - j + Lk - 1]; }
+  // The sink of head h in log2 units (-inf: none, an empty term of the denominator).
+  float sink_log2(int64_t h) const {
+    return sinks.defined() ? static_cast<float>(sinks.data<float>()[h] * 1.4426950408889634)
+                           : -std::numeric_limits<float>::infinity();
+  }
   int64_t mask_offset(int64_t b, int64_t h, int64_t i) const {
     return b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
   }
 };
+
+// The score of query i against key j of head (b, h) in log2 units, from the scaled product s2
+// (q·k · scale · log2 e): softcap, then the ALiBi / T5 bias and a float attn_mask added; -inf
+// outside the band or where a bool attn_mask is false (whatever s2 is, even NaN). With softcap,
+// *dcap (when given) receives d(capped)/d(s2) = 1 - tanh².
+inline float mod_score_log2(const SdpaProblem& pb, int64_t b, int64_t h, int64_t i, int64_t j, float s2,
+                            float* dcap = nullptr) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  if (!pb.visible(i, j)) return -kInf;
+  if (pb.softcap > 0.0) {
+    const float cap2 = static_cast<float>(pb.softcap * 1.4426950408889634);
+    const float t = std::tanh(s2 / cap2);
+    s2 = cap2 * t;
+    if (dcap != nullptr) *dcap = 1.0f - t * t;
+  }
+  if (pb.rel.defined()) s2 += pb.rel_log2(h, i, j);
+  if (pb.mask_kind == MaskKind::Bool) {
+    if (!static_cast<const uint8_t*>(pb.mask.raw_data())[pb.mask_offset(b, h, i) + j * pb.mask.stride(3)]) return -kInf;
+  } else if (pb.mask_kind == MaskKind::Float) {
+    s2 += static_cast<const float*>(pb.mask.raw_data())[pb.mask_offset(b, h, i) + j * pb.mask.stride(3)] *
+          1.4426950408889634f;
+  }
+  return s2;
+}
 
 SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                               const SdpaOptions& opts);

@@ -41,16 +41,41 @@ using kernels::reduce_to_shape;
 
 namespace {
 
-// Score (i, j) of head (b, h) in [B, H, L, D] f64 q and k: q_i · k_j · scale; -inf where the causal
-// rule or a bool mask hides the key; plus a float mask's value.
-double score(const kernels::SdpaProblem& pb, const double* q, const double* k, int64_t b, int64_t h, int64_t i,
-             int64_t j) {
+// The position terms in float64, from the options themselves (not the kernels' f32 table).
+struct Terms {
+  std::vector<double> slopes, table, sinks;  // [H], [num_buckets * H], [H]
+  static std::vector<double> f64(const Tensor& t) {
+    if (!t.defined()) return {};
+    const Tensor d = t.to(DType::F64).contiguous();
+    return {d.data<double>(), d.data<double>() + d.numel()};
+  }
+  explicit Terms(const SdpaOptions& o)
+      : slopes(f64(o.alibi_slopes)), table(f64(o.relative_attention_bias)), sinks(f64(o.sinks)) {}
+};
+
+// Score (i, j) of head (b, h) in [B, H, L, D] f64 q and k: t = q_i · k_j · scale, softcapped,
+// plus the ALiBi and T5 biases and a float mask's value; -inf outside the band or where a bool
+// mask hides the key. *dcap: d(capped t)/dt.
+double score(const kernels::SdpaProblem& pb, const Terms& tm, const double* q, const double* k, int64_t b, int64_t h,
+             int64_t i, int64_t j, double* dcap = nullptr) {
   const double* qi = q + ((b * pb.H + h) * pb.Lq + i) * pb.D;
   const double* kj = k + ((b * pb.Hkv + h / pb.group()) * pb.Lk + j) * pb.D;
   double acc = 0.0;
   for (int64_t d = 0; d < pb.D; ++d) acc += qi[d] * kj[d];
   double x = acc * pb.scale;
-  if (!pb.visible_causal(i, j)) x = -std::numeric_limits<double>::infinity();
+  if (dcap != nullptr) *dcap = 1.0;
+  if (pb.softcap > 0.0) {
+    const double t = std::tanh(x / pb.softcap);
+    x = pb.softcap * t;
+    if (dcap != nullptr) *dcap = 1.0 - t * t;
+  }
+  const int64_t dist = i + pb.align_offset - j;
+  if (!tm.slopes.empty()) x -= tm.slopes[static_cast<size_t>(h)] * static_cast<double>(dist < 0 ? -dist : dist);
+  if (!tm.table.empty()) {
+    const int64_t bk = t5_relative_bucket(-dist, pb.rel_bidirectional, pb.rel_buckets, pb.rel_max_distance);
+    x += tm.table[static_cast<size_t>(bk * pb.H + h)];
+  }
+  if (!pb.visible(i, j)) x = -std::numeric_limits<double>::infinity();
   if (pb.mask_kind != kernels::MaskKind::None) {
     const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
     if (pb.mask_kind == kernels::MaskKind::Bool) {
@@ -85,6 +110,7 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   double* lp = r.lse.data<double>();
   const double ninf = -std::numeric_limits<double>::infinity();
   std::vector<double> s(static_cast<size_t>(pb.Lk));
+  const Terms tm(opts);
 
   for (int64_t b = 0; b < pb.B; ++b) {
     for (int64_t h = 0; h < pb.H; ++h) {
@@ -93,16 +119,18 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
         double mx = ninf;
         bool any_visible = false;
         for (int64_t j = 0; j < pb.Lk; ++j) {
-          const double x = score(pb, qp, kp, b, h, i, j);
+          const double x = score(pb, tm, qp, kp, b, h, i, j);
           s[j] = x;
           if (x > mx) mx = x;  // NaN never compares greater: mx is the largest non-NaN score
           any_visible = any_visible || x != ninf;
         }
+        const double sink = tm.sinks.empty() ? ninf : tm.sinks[static_cast<size_t>(h)];
         double* w = wp + ((b * pb.H + h) * pb.Lq + i) * pb.Lk;
         double* o = op + ((b * pb.H + h) * pb.Lq + i) * pb.Dv;
-        lp[(b * pb.H + h) * pb.Lq + i] = ninf;
+        lp[(b * pb.H + h) * pb.Lq + i] = sink;  // a sink alone: weight 1 on it, zero output
         if (!any_visible) continue;  // no visible key: zero weights and output
-        double sum = 0.0;
+        if (sink > mx) mx = sink;
+        double sum = sink == ninf ? 0.0 : std::exp(sink - mx);  // the sink joins the denominator
         for (int64_t j = 0; j < pb.Lk; ++j) sum += s[j] == ninf ? 0.0 : std::exp(s[j] - mx);
         lp[(b * pb.H + h) * pb.Lq + i] = mx + std::log(sum);
         for (int64_t j = 0; j < pb.Lk; ++j) {
@@ -147,6 +175,10 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
     dm_full = Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F64);
   }
   const SdpaResult fw = sdpa_fwd_f64(q_in, k_in, v_in, opts);  // weights include dropout
+  const Terms tm(opts);
+  if (!tm.sinks.empty()) g.dsinks = Tensor::zeros({pb.H}, DType::F64);
+  if (!tm.table.empty()) g.drelative_attention_bias = Tensor::zeros({pb.rel_buckets, pb.H}, DType::F64);
+  std::vector<double> dcap(static_cast<size_t>(pb.Lk));
   const double ninf = -std::numeric_limits<double>::infinity();
   std::vector<double> p(static_cast<size_t>(pb.Lk)), dp(static_cast<size_t>(pb.Lk));
   const double keep_scale = pb.dropout_p >= 1.0 ? 0.0 : pb.dropout_p > 0 ? 1.0 / (1.0 - pb.dropout_p) : 1.0;
@@ -160,7 +192,7 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
         const double* gi = gp + ((b * pb.H + h) * pb.Lq + i) * pb.Dv;
         double Dsum = 0;
         for (int64_t j = 0; j < pb.Lk; ++j) {
-          p[static_cast<size_t>(j)] = std::exp(score(pb, qp, kp, b, h, i, j) - lse);  // P (undropped), as the forward
+          p[static_cast<size_t>(j)] = std::exp(score(pb, tm, qp, kp, b, h, i, j, &dcap[static_cast<size_t>(j)]) - lse);
           const bool keep = pb.dropout_p == 0 || dropout_keep(pb.seed, dropout_index(pb, b, h, i, j), pb.dropout_p);
           const double z = pb.dropout_p > 0 ? (keep ? keep_scale : 0.0) : 1.0;
           // dV += (P z) dO;  dP = (dO · v_j) z
@@ -174,10 +206,18 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
           dp[static_cast<size_t>(j)] = d * z;
           Dsum += p[static_cast<size_t>(j)] * dp[static_cast<size_t>(j)];
         }
+        // The sink's weight exp(sink - lse) has dP = 0: its logit's gradient is -P_sink · D.
+        if (!tm.sinks.empty()) g.dsinks.data<double>()[h] -= std::exp(tm.sinks[static_cast<size_t>(h)] - lse) * Dsum;
         double* dqi = g.dq.data<double>() + ((b * pb.H + h) * pb.Lq + i) * pb.D;
         for (int64_t j = 0; j < pb.Lk; ++j) {
-          const double ds = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - Dsum);  // dL/dS
-          if (mask_grad) dm_full.data<double>()[((b * pb.H + h) * pb.Lq + i) * pb.Lk + j] = ds;
+          const double ds_out = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - Dsum);  // dL/dS
+          if (mask_grad) dm_full.data<double>()[((b * pb.H + h) * pb.Lq + i) * pb.Lk + j] = ds_out;
+          if (!tm.table.empty() && p[static_cast<size_t>(j)] != 0.0) {
+            const int64_t bk = t5_relative_bucket(j - i - pb.align_offset, pb.rel_bidirectional, pb.rel_buckets,
+                                                  pb.rel_max_distance);
+            g.drelative_attention_bias.data<double>()[bk * pb.H + h] += ds_out;
+          }
+          const double ds = ds_out * dcap[static_cast<size_t>(j)];  // through the softcap
           const double* kj = kp + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
           double* dkj = g.dk.data<double>() + ((b * pb.Hkv + hk) * pb.Lk + j) * pb.D;
           for (int64_t d = 0; d < pb.D; ++d) {

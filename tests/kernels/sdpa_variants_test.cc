@@ -1,0 +1,350 @@
+// sdpa_variants_test.cc — sliding windows, softcap, ALiBi, T5 relative bias and attention sinks in
+// the fused kernels (forward, decode, backward; every ISA path; f32 and bf16) against the float64
+// reference, and the reference against finite differences.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/testing.h"
+#include "heads/runtime.h"
+#include "heads/sdpa.h"
+
+namespace heads {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::error_of;
+using testing::IsaGuard;
+using testing::randn;
+
+// One variant: the options it sets on top of a plain call (H query heads).
+struct Variant {
+  std::string name;
+  std::function<void(SdpaOptions&, int64_t H)> set;
+};
+
+std::vector<Variant> variants() {
+  return {
+      {"window(3,-1)", [](SdpaOptions& o, int64_t) { o.window_left = 3; }},
+      {"window(-1,2)", [](SdpaOptions& o, int64_t) { o.window_right = 2; }},
+      {"window(5,0)", [](SdpaOptions& o, int64_t) { o.window_left = 5, o.window_right = 0; }},
+      {"sliding 4 + causal", [](SdpaOptions& o, int64_t) { o.window_left = 3, o.is_causal = true; }},
+      {"sliding 40 + causal-br",
+       [](SdpaOptions& o, int64_t) {
+         o.window_left = 39, o.is_causal = true, o.causal_align = CausalAlign::BottomRight;
+       }},
+      {"window(0,0)", [](SdpaOptions& o, int64_t) { o.window_left = 0, o.window_right = 0; }},
+      {"softcap 2", [](SdpaOptions& o, int64_t) { o.softcap = 2.0; }},
+      {"softcap 30 + causal", [](SdpaOptions& o, int64_t) { o.softcap = 30.0, o.is_causal = true; }},
+      {"alibi", [](SdpaOptions& o, int64_t H) { o.alibi_slopes = alibi_slopes(H); }},
+      {"alibi random + causal-br",
+       [](SdpaOptions& o, int64_t H) {
+         o.alibi_slopes = randn({H}, 0.05), o.is_causal = true, o.causal_align = CausalAlign::BottomRight;
+       }},
+      {"t5 bidirectional",
+       [](SdpaOptions& o, int64_t H) {
+         o.relative_attention_bias = randn({32, H}), o.relative_attention_max_distance = 20, o.scale = 1.0;
+       }},
+      {"t5 causal",
+       [](SdpaOptions& o, int64_t H) {
+         o.relative_attention_bias = randn({16, H}), o.relative_attention_bidirectional = false;
+         o.relative_attention_max_distance = 40, o.is_causal = true;
+       }},
+      {"sinks", [](SdpaOptions& o, int64_t H) { o.sinks = randn({H}, 2.0); }},
+      {"sinks + window(2,0)",
+       [](SdpaOptions& o, int64_t H) { o.sinks = randn({H}, 2.0), o.window_left = 2, o.window_right = 0; }},
+      {"everything",
+       [](SdpaOptions& o, int64_t H) {
+         o.window_left = 9, o.window_right = 4, o.softcap = 5.0, o.alibi_slopes = alibi_slopes(H);
+         o.relative_attention_bias = randn({8, H}), o.sinks = randn({H});
+         o.attn_mask = testing::rand_bool({1, 1, 1, 1}, 1.0);
+       }},
+      {"everything + float mask + dropout",
+       [](SdpaOptions& o, int64_t H) {
+         o.window_left = 6, o.is_causal = true, o.softcap = 3.0, o.relative_attention_bias = randn({8, H});
+         o.sinks = randn({H}), o.dropout_p = 0.25, o.dropout_seed = 77;
+       }},
+  };
+}
+
+struct Shape4 {
+  int64_t B, H, Hkv, Lq, Lk, D, Dv;
+};
+
+std::vector<Shape4> shapes() {
+  return {{1, 1, 1, 1, 1, 8, 8},     {2, 4, 2, 1, 700, 16, 16},  {1, 3, 3, 3, 129, 17, 9},
+          {2, 2, 1, 7, 7, 5, 5},     {1, 4, 4, 129, 129, 64, 64}, {1, 2, 2, 129, 33, 63, 66},
+          {1, 2, 1, 33, 200, 32, 32}};
+}
+
+TEST(SdpaVariants, ForwardMatchesReferenceOnEveryPath) {
+  IsaGuard guard;
+  for (const Shape4& s : shapes()) {
+    const Tensor q = randn({s.B, s.H, s.Lq, s.D}), k = randn({s.B, s.Hkv, s.Lk, s.D}),
+                 v = randn({s.B, s.Hkv, s.Lk, s.Dv});
+    for (const Variant& var : variants()) {
+      SdpaOptions o;
+      o.enable_gqa = s.H != s.Hkv;
+      var.set(o, s.H);
+      o.need_weights = true;
+      const std::string what = var.name + " B=" + std::to_string(s.B) + " H=" + std::to_string(s.H) + "/" +
+                               std::to_string(s.Hkv) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
+                               " D=" + std::to_string(s.D) + " Dv=" + std::to_string(s.Dv);
+      const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
+      // bf16: the same call on bf16-rounded inputs against float64 on those inputs.
+      const Tensor qb = q.to(DType::BF16), kb = k.to(DType::BF16), vb = v.to(DType::BF16);
+      const SdpaResult ref_b = ref::sdpa_fwd_f64(qb, kb, vb, o);
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const std::string where = what + " isa=" + isa_name(isa);
+        o.need_weights = true;
+        const SdpaResult r = sdpa(q, k, v, o);
+        const auto e = testing::compare(r.out, ref.out), ew = testing::compare(r.weights, ref.weights),
+                   el = testing::compare(r.lse, ref.lse);
+        ASSERT_TRUE(e.within(1e-5, 1e-6)) << where << ": out max err " << e.max_abs << " (ref max " << e.max_ref << ")";
+        ASSERT_TRUE(ew.within(1e-5, 1e-6)) << where << ": weights max err " << ew.max_abs;
+        ASSERT_TRUE(el.within(1e-5, 1e-6) || el.max_abs == 0) << where << ": lse max err " << el.max_abs;
+        o.need_weights = false;
+        const SdpaResult r2 = sdpa(q, k, v, o);
+        ASSERT_TRUE(testing::bitwise_equal(r.out, r2.out)) << where << ": need_weights changed the output";
+        const SdpaResult rb = sdpa(qb, kb, vb, o);
+        const auto eb = testing::compare(rb.out, ref_b.out);
+        ASSERT_TRUE(eb.within(8e-3, 4e-3)) << where << " bf16: out max err " << eb.max_abs << " (ref max "
+                                           << eb.max_ref << ")";
+        o.need_weights = true;
+      }
+    }
+  }
+}
+
+// What the options mean, spelt out on a small case: the fused call equals a plain call with the
+// equivalent explicit mask / bias (the way PyTorch users write them today).
+TEST(SdpaVariants, EqualExplicitMasksAndBiases) {
+  const int64_t H = 3, Lq = 9, Lk = 13;
+  const Tensor q = randn({1, H, Lq, 8}), k = randn({1, H, Lk, 8}), v = randn({1, H, Lk, 8});
+  const int64_t a = Lk - Lq;  // bottom-right
+  // Sliding window of 4 keys, causal, bottom-right, as a bool mask.
+  SdpaOptions w;
+  w.window_left = 3, w.is_causal = true, w.causal_align = CausalAlign::BottomRight;
+  Tensor band = Tensor::empty({Lq, Lk}, DType::Bool);
+  for (int64_t i = 0; i < Lq; ++i) {
+    for (int64_t j = 0; j < Lk; ++j) static_cast<uint8_t*>(band.raw_data())[i * Lk + j] = j <= i + a && j >= i + a - 3;
+  }
+  SdpaOptions m;
+  m.attn_mask = band;
+  EXPECT_TRUE(testing::compare(sdpa(q, k, v, w).out, sdpa(q, k, v, m).out).within(1e-6, 1e-7));
+  // ALiBi and a T5 table as a float bias [H, Lq, Lk].
+  SdpaOptions p;
+  p.alibi_slopes = alibi_slopes(H);
+  p.relative_attention_bias = randn({32, H});
+  Tensor bias = Tensor::empty({H, Lq, Lk}, DType::F32);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < Lq; ++i) {
+      for (int64_t j = 0; j < Lk; ++j) {
+        const int64_t bk = t5_relative_bucket(j - i, true, 32, 128);
+        bias.data<float>()[(h * Lq + i) * Lk + j] = -p.alibi_slopes.data<float>()[h] * static_cast<float>(std::abs(i - j)) +
+                                                    p.relative_attention_bias.data<float>()[bk * H + h];
+      }
+    }
+  }
+  SdpaOptions pm;
+  pm.attn_mask = bias;
+  EXPECT_TRUE(testing::compare(sdpa(q, k, v, p).out, sdpa(q, k, v, pm).out).within(1e-5, 1e-6));
+}
+
+TEST(SdpaVariants, AlibiSlopesAndT5Buckets) {
+  const Tensor s8 = alibi_slopes(8);
+  for (int h = 0; h < 8; ++h) EXPECT_FLOAT_EQ(s8.data<float>()[h], std::exp2(-(h + 1.0f)));
+  // 12 heads (BLOOM's rule for a count that is not a power of two): 8 slopes of base 2^-1, then
+  // odd powers of 2^-0.5.
+  const Tensor s12 = alibi_slopes(12);
+  for (int h = 0; h < 8; ++h) EXPECT_FLOAT_EQ(s12.data<float>()[h], std::exp2(-(h + 1.0f)));
+  for (int e = 0; e < 4; ++e) EXPECT_FLOAT_EQ(s12.data<float>()[8 + e], std::exp2(-0.5f * (2 * e + 1)));
+  // T5 buckets (transformers' _relative_position_bucket, 32 buckets, max distance 128).
+  const std::vector<std::tuple<int64_t, bool, int64_t>> want = {
+      {0, true, 0},    {1, true, 17},   {-1, true, 1},   {7, true, 23},  {-8, true, 8},   {12, true, 25},
+      {-20, true, 10}, {127, true, 31}, {500, true, 31}, {-3, false, 3}, {5, false, 0},   {-15, false, 15},
+      {-16, false, 16}, {-40, false, 23}, {-1000, false, 31}};
+  for (const auto& [rp, bidir, bucket] : want) {
+    EXPECT_EQ(t5_relative_bucket(rp, bidir, 32, 128), bucket) << rp << (bidir ? " bidirectional" : " causal");
+  }
+}
+
+TEST(SdpaVariants, LongWindowsSkipBlocksAndStayExact) {
+  // Windows far shorter than the keys (blocks outside every row skipped), decode rows against a long
+  // cache (split into chunks), and a window reaching past both ends.
+  IsaGuard guard;
+  for (auto [Lq, Lk, left, right] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {300, 1100, 40, 0}, {2, 2000, 100, -1}, {600, 600, 2000, 2000}, {130, 130, 0, -1}}) {
+    const Tensor q = randn({1, 2, Lq, 24}), k = randn({1, 2, Lk, 24}), v = randn({1, 2, Lk, 24});
+    SdpaOptions o;
+    o.window_left = left, o.window_right = right, o.causal_align = CausalAlign::BottomRight;
+    o.need_weights = true;
+    const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
+    const Tensor dout = randn({1, 2, Lq, 24});
+    const SdpaGrads gref = ref::sdpa_bwd_f64(dout, q, k, v, o);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const std::string where = "Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) + " window(" +
+                                std::to_string(left) + "," + std::to_string(right) + ") isa=" + isa_name(isa);
+      const SdpaResult r = sdpa(q, k, v, o);
+      EXPECT_TRUE(testing::compare(r.out, ref.out).within(1e-5, 1e-6)) << where;
+      EXPECT_TRUE(testing::compare(r.weights, ref.weights).within(1e-5, 1e-6)) << where;
+      const SdpaGrads g = sdpa_backward(dout, q, k, v, r, o);
+      for (const auto& [got, want, name] : {std::tuple{&g.dq, &gref.dq, "dq"}, {&g.dk, &gref.dk, "dk"},
+                                            {&g.dv, &gref.dv, "dv"}}) {
+        const auto e = testing::compare(*got, *want);
+        EXPECT_TRUE(e.within(1e-5, 1e-5)) << where << ": " << name << " max err " << e.max_abs;
+      }
+    }
+  }
+}
+
+// L = sum(out ∘ G) in float64, for finite differences.
+double loss(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& o, const Tensor& G) {
+  const Tensor out = ref::sdpa_fwd_f64(q, k, v, o).out;
+  double s = 0;
+  for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * G.data<double>()[i];
+  return s;
+}
+
+TEST(SdpaVariants, ReferenceBackwardMatchesFiniteDifferences) {
+  const int64_t H = 2;
+  const Tensor q = randn({1, H, 4, 3}).to(DType::F64).clone(), k = randn({1, H, 6, 3}).to(DType::F64).clone(),
+               v = randn({1, H, 6, 2}).to(DType::F64).clone();
+  const Tensor G = randn({1, H, 4, 2}).to(DType::F64);
+  for (const Variant& var : variants()) {
+    SdpaOptions o;
+    var.set(o, H);
+    if (o.sinks.defined()) o.sinks = o.sinks.to(DType::F64).clone();
+    if (o.relative_attention_bias.defined()) o.relative_attention_bias = o.relative_attention_bias.to(DType::F64).clone();
+    if (o.alibi_slopes.defined()) o.alibi_slopes = o.alibi_slopes.to(DType::F64).clone();
+    const SdpaGrads g = ref::sdpa_bwd_f64(G, q, k, v, o);
+    auto check = [&](const Tensor& x, const Tensor& grad, const std::string& name) {
+      ASSERT_TRUE(grad.defined()) << var.name << ": no gradient for " << name;
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        double* p = const_cast<Tensor&>(x).data<double>() + i;
+        const double save = *p, eps = 1e-6;
+        *p = save + eps;
+        const double up = loss(q, k, v, o, G);
+        *p = save - eps;
+        const double down = loss(q, k, v, o, G);
+        *p = save;
+        const double fd = (up - down) / (2 * eps);
+        ASSERT_NEAR(grad.to(DType::F64).data<double>()[i], fd, 1e-6 * (1 + std::fabs(fd)))
+            << var.name << " d" << name << "[" << i << "]";
+      }
+    };
+    check(q, g.dq, "q");
+    check(k, g.dk, "k");
+    check(v, g.dv, "v");
+    if (o.sinks.defined()) check(o.sinks, g.dsinks, "sinks");
+    if (o.relative_attention_bias.defined()) check(o.relative_attention_bias, g.drelative_attention_bias, "table");
+  }
+}
+
+Tensor nan_filled(const Shape& shape) {
+  Tensor t = Tensor::empty(shape, DType::F32);
+  std::fill(t.data<float>(), t.data<float>() + t.numel(), std::numeric_limits<float>::quiet_NaN());
+  return t;
+}
+
+TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
+  IsaGuard guard;
+  for (const Shape4& s : shapes()) {
+    const Tensor q = randn({s.B, s.H, s.Lq, s.D}), k = randn({s.B, s.Hkv, s.Lk, s.D}),
+                 v = randn({s.B, s.Hkv, s.Lk, s.Dv}), dout = randn({s.B, s.H, s.Lq, s.Dv});
+    for (const Variant& var : variants()) {
+      SdpaOptions o;
+      o.enable_gqa = s.H != s.Hkv;
+      var.set(o, s.H);
+      const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o);
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const std::string where = var.name + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
+                                  " H=" + std::to_string(s.H) + "/" + std::to_string(s.Hkv) + " D=" +
+                                  std::to_string(s.D) + " isa=" + isa_name(isa);
+        const SdpaResult f = sdpa(q, k, v, o);
+        const SdpaGrads g =
+            sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()), dout, q, k, v, f, o);
+        for (const auto& [got, want, name] :
+             {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"}, {&g.dv, &ref.dv, "dv"},
+              {&g.dsinks, &ref.dsinks, "dsinks"}, {&g.drelative_attention_bias, &ref.drelative_attention_bias, "dtable"}}) {
+          ASSERT_EQ(got->defined(), want->defined()) << where << ": " << name;
+          if (!want->defined()) continue;
+          const auto e = testing::compare(*got, *want);
+          ASSERT_TRUE(e.within(1e-5, 1e-5)) << where << ": " << name << " max err " << e.max_abs << " (ref max "
+                                            << e.max_ref << ")";
+        }
+      }
+    }
+  }
+}
+
+TEST(SdpaVariants, TableGradientIndependentOfThreadCount) {
+  const int64_t H = 4;
+  const Tensor q = randn({3, H, 70, 16}), k = randn({3, H, 90, 16}), v = randn({3, H, 90, 16}),
+               dout = randn({3, H, 70, 16});
+  SdpaOptions o;
+  o.relative_attention_bias = randn({32, H});
+  o.sinks = randn({H});
+  o.softcap = 4.0;
+  const int saved = get_num_threads();
+  set_num_threads(1);
+  const SdpaResult f = sdpa(q, k, v, o);
+  const SdpaGrads g1 = sdpa_backward(dout, q, k, v, f, o);
+  for (int t : {2, 3}) {
+    set_num_threads(t);
+    const SdpaGrads gt = sdpa_backward(dout, q, k, v, f, o);
+    EXPECT_TRUE(testing::bitwise_equal(g1.drelative_attention_bias, gt.drelative_attention_bias) &&
+                testing::bitwise_equal(g1.dsinks, gt.dsinks) && testing::bitwise_equal(g1.dq, gt.dq))
+        << "threads=" << t;
+  }
+  set_num_threads(saved);
+}
+
+TEST(SdpaVariants, SinkAloneGivesZerosAndItsLse) {
+  // Every key hidden: the sink takes all the mass, the output is zero and lse is the sink.
+  const Tensor q = randn({1, 2, 3, 4}), k = randn({1, 2, 5, 4}), v = randn({1, 2, 5, 4});
+  SdpaOptions o;
+  o.sinks = randn({2});
+  o.attn_mask = Tensor::zeros({3, 5}, DType::Bool);
+  const SdpaResult r = sdpa(q, k, v, o);
+  for (int64_t i = 0; i < r.out.numel(); ++i) EXPECT_EQ(r.out.data<float>()[i], 0.0f);
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t i = 0; i < 3; ++i) EXPECT_FLOAT_EQ(r.lse.data<float>()[h * 3 + i], o.sinks.data<float>()[h]);
+  }
+}
+
+TEST(SdpaVariants, BadOptionsAreClearErrors) {
+  const Tensor q = randn({1, 4, 5, 8}), k = randn({1, 4, 6, 8}), v = randn({1, 4, 6, 8});
+  auto err = [&](const std::function<void(SdpaOptions&)>& set) {
+    SdpaOptions o;
+    set(o);
+    return error_of([&] { sdpa(q, k, v, o); });
+  };
+  EXPECT_THAT(err([](SdpaOptions& o) { o.window_left = -2; }),
+              HasSubstr("window_left and window_right must be -1 (unbounded) or >= 0, got (-2, -1)"));
+  EXPECT_THAT(err([](SdpaOptions& o) { o.softcap = -1; }), HasSubstr("softcap must be finite and >= 0, got -1"));
+  EXPECT_THAT(err([](SdpaOptions& o) { o.alibi_slopes = randn({3}); }),
+              HasSubstr("alibi_slopes: expected a floating tensor [H] = [4], got f32 [3]"));
+  EXPECT_THAT(err([](SdpaOptions& o) { o.sinks = randn({4, 1}); }),
+              HasSubstr("sinks: expected a floating tensor [H] = [4], got f32 [4, 1]"));
+  EXPECT_THAT(err([](SdpaOptions& o) { o.relative_attention_bias = randn({32, 3}); }),
+              HasSubstr("relative_attention_bias: expected a floating table [num_buckets >= 2, H = 4], got f32 [32, 3]"));
+  EXPECT_THAT(err([](SdpaOptions& o) {
+                o.relative_attention_bias = randn({32, 4});
+                o.relative_attention_max_distance = 8;
+              }),
+              HasSubstr("relative_attention_max_distance (8) above them"));
+  EXPECT_THAT(error_of([] { alibi_slopes(0); }), HasSubstr("alibi_slopes: num_heads must be at least 1, got 0"));
+}
+
+}  // namespace
+}  // namespace heads
