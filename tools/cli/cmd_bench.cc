@@ -32,8 +32,9 @@ struct BenchArgs {
   int64_t batch_size = 32;
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
   bool causal = false, json = false, backward = false;
-  std::string dtype = "f32", mask = "none";
-  double dropout = 0.0;
+  std::string dtype = "f32", mask = "none", window;
+  double dropout = 0.0, softcap = 0.0;
+  bool alibi = false, sinks = false;
   uint64_t seed = 1;
   int threads = 0;
   double min_time = 1.0;
@@ -112,10 +113,54 @@ struct SdpaTiming {
   double ms, gflops;
 };
 
+// --window LEFT,RIGHT as the two extents (-1: unbounded).
+std::pair<int64_t, int64_t> window_extents(const std::string& w) {
+  if (w.empty()) return {-1, -1};
+  const size_t comma = w.find(',');
+  HEADS_CHECK(comma != std::string::npos, "bench sdpa: --window: expected LEFT,RIGHT (-1 = unbounded), got '", w, "'");
+  try {
+    size_t n1 = 0, n2 = 0;
+    const long long l = std::stoll(w.substr(0, comma), &n1), r = std::stoll(w.substr(comma + 1), &n2);
+    HEADS_CHECK(n1 == comma && n2 == w.size() - comma - 1 && l >= -1 && r >= -1, "");
+    return {l, r};
+  } catch (const std::exception&) {
+    fail("bench sdpa: --window: expected LEFT,RIGHT with each -1 (unbounded) or >= 0, got '", w, "'");
+  }
+}
+
+// (query, key) pairs the band lets through, for the FLOP count of a windowed call.
+double visible_pairs(const SdpaCase& c, int64_t left, int64_t right) {
+  double n = 0;
+  const int64_t Lk = c.key_len(), a = c.causal_align == CausalAlign::BottomRight ? Lk - c.Lq : 0;
+  const int64_t r = c.causal ? 0 : right;
+  for (int64_t i = 0; i < c.Lq; ++i) {
+    const int64_t hi = r < 0 ? Lk : std::clamp<int64_t>(i + a + r + 1, 0, Lk);
+    const int64_t lo = left < 0 ? 0 : std::clamp<int64_t>(i + a - left, 0, Lk);
+    n += static_cast<double>(std::max<int64_t>(0, hi - lo));
+  }
+  return n;
+}
+
 SdpaTiming time_sdpa(const BenchArgs& a) {
   const SdpaCase c = sdpa_case(a);
   const SdpaCase::Inputs in = c.draw();
-  const SdpaOptions& o = in.options;
+  SdpaOptions o = in.options;
+  const auto [left, right] = window_extents(a.window);
+  o.window_left = left;
+  o.window_right = right;
+  o.softcap = a.softcap;
+  if (a.alibi) o.alibi_slopes = alibi_slopes(c.H);
+  if (a.sinks) o.sinks = random_tensor({c.H}, a.seed + 1);
+  const bool windowed = left >= 0 || right >= 0;
+  std::string mods;  // the modifiers, as the case string shows them
+  if (windowed) mods += " window=" + std::to_string(left) + "," + std::to_string(right);
+  if (a.softcap > 0) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, " softcap=%g", a.softcap);
+    mods += buf;
+  }
+  if (a.alibi) mods += " alibi";
+  if (a.sinks) mods += " sinks";
   Tensor out = Tensor::empty({c.B, c.H, c.Lq, c.value_dim()}, c.dtype);
   double ms = 0, bwd_ms = 0, bwd_call_ms = 0;
   if (!a.backward) {
@@ -143,8 +188,12 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
     bwd_ms = ms - median(fwd_runs);
     bwd_call_ms = median(calls);
   }
-  // The backward's five products are 2.5x the forward's two.
-  const double gflops = c.forward_flops() * (a.backward ? 3.5 : 1.0) / ms / 1e6;
+  // The backward's five products are 2.5x the forward's two. A window counts only the pairs it lets through.
+  const double fwd_flops = windowed ? 2.0 * c.B * c.H * static_cast<double>(c.D + c.value_dim()) *
+                                          visible_pairs(c, left, right)
+                                    : c.forward_flops();
+  const double gflops = fwd_flops * (a.backward ? 3.5 : 1.0) / ms / 1e6;
+  const std::string case_str = c.str() + mods;
   const std::string isa = isa_name(active_isa());
   if (a.json) {
     std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
@@ -152,7 +201,7 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
                 "\"gflops\":%.2f,\"peak_rss_mb\":%.1f,\"case\":\"%s\"%s}\n",
                 (long long)c.B, (long long)c.H, (long long)c.kv_heads(), (long long)c.Lq, (long long)c.key_len(),
                 (long long)c.D, (long long)c.value_dim(), c.causal ? "true" : "false", a.dtype.c_str(), isa.c_str(),
-                get_num_threads(), ms, gflops, peak_rss_mb(), c.str().c_str(),
+                get_num_threads(), ms, gflops, peak_rss_mb(), case_str.c_str(),
                 a.backward ? (",\"backward\":true,\"backward_ms\":" + std::to_string(bwd_ms) +
                               ",\"backward_call_ms\":" + std::to_string(bwd_call_ms)).c_str()
                            : "");
@@ -162,7 +211,7 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
                   "%.3f ms): ",
                   bwd_ms, bwd_call_ms);
     }
-    std::printf("sdpa %s %s threads=%d: %.3f ms, %.1f GFLOP/s, peak RSS %.1f MB\n", c.str().c_str(), isa.c_str(),
+    std::printf("sdpa %s %s threads=%d: %.3f ms, %.1f GFLOP/s, peak RSS %.1f MB\n", case_str.c_str(), isa.c_str(),
                 get_num_threads(), ms, gflops, peak_rss_mb());
   }
   std::fflush(stdout);
@@ -300,6 +349,12 @@ void add_bench_command(CLI::App& app, Action* action) {
   sizes("--head-dim", &args->grid_D, "head dim D");
   sizes("--v-dim", &args->grid_Dv, "value head dim Dv (default D)");
   s->add_flag("--causal", args->causal, "causal mask (flops counted half)");
+  s->add_option("--window", args->window,
+                "LEFT,RIGHT: sliding-window extents around the diagonal (-1 = unbounded; flops count the visible "
+                "pairs only)");
+  s->add_option("--softcap", args->softcap, "logit softcap (0 = none)")->check(real_in(0.0, 1e30));
+  s->add_flag("--alibi", args->alibi, "ALiBi bias with the standard slopes of --heads");
+  s->add_flag("--sinks", args->sinks, "a random attention-sink logit per head");
   s->add_option("--mask", args->mask, "attn_mask [B, 1, Lq, Lk]: none, bool (80% visible) or float")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "bool", "float"}));
