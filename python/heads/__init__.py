@@ -38,6 +38,7 @@ _heads = _load_native()
 
 __all__ = [
     "sdpa",
+    "alibi_slopes",
     "MultiheadAttention",
     "TransformerEncoderLayer",
     "TransformerEncoder",
@@ -129,6 +130,37 @@ def _causal_bias(attn_mask: Any, is_causal: bool, causal_variant: str, query: An
     return attn_mask, bool(is_causal), lower_right
 
 
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The standard ALiBi slopes of a ``num_heads``-head model (BLOOM's rule, any head count), float32."""
+    return _heads.alibi_slopes(_int(num_heads, "num_heads", 1, 2**31 - 1))
+
+
+def _mods(window_size: Any, sliding_window: Any, softcap: Any, alibi_slopes: Any, sinks: Any,
+          relative_attention_bias: Any, relative_attention_max_distance: Any,
+          relative_attention_bidirectional: Any, num_heads: int):
+    """The modifier tuple of the native sdpa calls, or None when no modifier is set."""
+    left = right = -1
+    if window_size is not None:
+        try:
+            wl, wr = window_size
+        except (TypeError, ValueError):
+            raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}") from None
+        left, right = _int(wl, "window_size[0]", -1, 2**62), _int(wr, "window_size[1]", -1, 2**62)
+    if sliding_window is not None:
+        if window_size is not None:
+            raise ValueError("sliding_window: pass either window_size or sliding_window, not both")
+        w = _int(sliding_window, "sliding_window", 1, 2**62)
+        left = w - 1  # the key itself and w - 1 before it (transformers' sliding_window)
+    cap = 0.0 if softcap is None else float(softcap)
+    if isinstance(alibi_slopes, bool):
+        alibi_slopes = _heads.alibi_slopes(num_heads) if alibi_slopes else None
+    if (left, right, cap) == (-1, -1, 0.0) and alibi_slopes is None and sinks is None and relative_attention_bias is None:
+        return None
+    return (left, right, cap, _arg(alibi_slopes, "alibi_slopes"), _arg(relative_attention_bias, "relative_attention_bias"),
+            _int(relative_attention_max_distance, "relative_attention_max_distance", 1, 2**62),
+            bool(relative_attention_bidirectional), _arg(sinks, "sinks"))
+
+
 def sdpa(
     query: Any,
     key: Any,
@@ -142,6 +174,14 @@ def sdpa(
     causal_variant: str = "upper_left",
     need_weights: bool = False,
     seed: Optional[int] = None,
+    window_size: Any = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    relative_attention_bias: Any = None,
+    relative_attention_max_distance: int = 128,
+    relative_attention_bidirectional: bool = True,
 ):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -154,8 +194,22 @@ def sdpa(
     bottom-right corner (query i sees keys j <= i + Lk - Lq, as ``causal_lower_right``);
     ``need_weights=True`` returns ``(out, weights)``; ``seed`` fixes the dropout mask (default: the
     generator set by ``heads.manual_seed``).
+
+    Position and score modifiers, computed inside the fused kernel (no ``[Lq, Lk]`` tensor; query i
+    sits at key position ``i + a``, ``a = 0`` or ``Lk - Lq`` with ``causal_variant="lower_right"``):
+    ``window_size=(left, right)`` — key j visible iff ``i + a - left <= j <= i + a + right`` (-1:
+    unbounded; flash-attn's ``window_size``); ``sliding_window=W`` — ``left = W - 1`` as transformers'
+    Mistral / Gemma 2 (combine with ``is_causal=True``); ``softcap`` — scores become
+    ``softcap * tanh(score / softcap)`` before masks and biases (Gemma 2); ``alibi_slopes`` ``[H]`` (or
+    ``True`` for the standard slopes) — adds ``-slope * |i + a - j|``; ``relative_attention_bias``
+    ``[num_buckets, H]`` — T5's bucketed bias (``relative_attention_max_distance``,
+    ``relative_attention_bidirectional``; T5 uses ``scale=1.0``); ``sinks`` ``[H]`` — a per-head logit
+    in the softmax denominator with no value (gpt-oss).
     """
     mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
+    mods = _mods(window_size, sliding_window, softcap, alibi_slopes, sinks, relative_attention_bias,
+                 relative_attention_max_distance, relative_attention_bidirectional, np.shape(query)[-3]
+                 if len(np.shape(query)) >= 3 else 1)
     r = _heads.sdpa(
         _arg(query, "query", True),
         _arg(key, "key", True),
@@ -169,6 +223,7 @@ def sdpa(
         _seed(seed),
         _is_torch(query),
         lower_right,
+        mods,
     )
     return tuple(r) if need_weights else r
 

@@ -19,43 +19,60 @@ mask. Rows that can attend to nothing give zeros and zero gradients. ``attn_mask
 
 import torch as _torch
 
-from . import _arg, _causal_bias, _heads
+from . import _arg, _causal_bias, _heads, _mods
 
 __all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention"]
 
 
 class SDPAFunction(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, lower_right=False):
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, lower_right=False,
+                mods=None, sinks=None, relative_attention_bias=None):
+        # mods: heads._mods's tuple without its sinks and table, which come as tensors (they have gradients).
+        full = None if mods is None else mods[:4] + (_arg(relative_attention_bias, "relative_attention_bias"),) + \
+            mods[5:7] + (_arg(sinks, "sinks"),)
         out, lse, seed = _heads.sdpa_train_forward(
             _arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
             _arg(attn_mask, "attn_mask"), float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
-            bool(lower_right))
+            bool(lower_right), full)
         out = out.reshape(query.shape[:-1] + (value.shape[-1],))
         ctx.save_for_backward(query, key, value, out, lse, attn_mask if attn_mask is not None else _torch.empty(0))
         ctx.args = (seed, attn_mask is not None, float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
-                    bool(lower_right))
+                    bool(lower_right), full, sinks is not None, relative_attention_bias is not None)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         query, key, value, out, lse, mask = ctx.saved_tensors
-        seed, has_mask, dropout_p, is_causal, scale, enable_gqa, lower_right = ctx.args
+        seed, has_mask, dropout_p, is_causal, scale, enable_gqa, lower_right, full, has_sinks, has_table = ctx.args
         mask = mask if has_mask else None
         mask_grad = bool(has_mask and mask.is_floating_point() and ctx.needs_input_grad[3])
-        dq, dk, dv, dm = _heads.sdpa_train_backward(
+        dq, dk, dv, dm, dsinks, dtable = _heads.sdpa_train_backward(
             dout.contiguous(), query.detach(), key.detach(), value.detach(), out, lse, seed,
             None if mask is None else mask.detach(), dropout_p, is_causal, scale, enable_gqa, mask_grad,
-            lower_right)
+            lower_right, full)
         return (dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape),
-                dm if mask_grad else None, None, None, None, None, None)
+                dm if mask_grad else None, None, None, None, None, None, None,
+                dsinks if has_sinks and ctx.needs_input_grad[10] else None,
+                dtable if has_table and ctx.needs_input_grad[11] else None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
-    """As torch.nn.functional.scaled_dot_product_attention, computed by heads (forward and backward)."""
-    mask, causal, lower_right = _causal_bias(attn_mask, is_causal, "upper_left", query, key)
-    return SDPAFunction.apply(query, key, value, mask, dropout_p, causal, scale, enable_gqa, lower_right)
+                                 scale=None, enable_gqa=False, *, causal_variant="upper_left", window_size=None,
+                                 sliding_window=None, softcap=None, alibi_slopes=None, sinks=None,
+                                 relative_attention_bias=None, relative_attention_max_distance=128,
+                                 relative_attention_bidirectional=True):
+    """As torch.nn.functional.scaled_dot_product_attention, computed by heads (forward and backward).
+
+    The keyword-only modifiers are those of ``heads.sdpa``; ``sinks`` and ``relative_attention_bias``
+    receive gradients when they require them.
+    """
+    mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
+    mods = _mods(window_size, sliding_window, softcap, alibi_slopes, sinks, relative_attention_bias,
+                 relative_attention_max_distance, relative_attention_bidirectional,
+                 query.shape[-3] if query.dim() >= 3 else 1)
+    return SDPAFunction.apply(query, key, value, mask, dropout_p, causal, scale, enable_gqa, lower_right, mods,
+                              sinks, relative_attention_bias)
 
 
 class _MhaFunction(_torch.autograd.Function):

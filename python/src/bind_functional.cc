@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
@@ -22,10 +23,32 @@ using namespace nb::literals;
 
 namespace {
 
-// The options every sdpa binding takes, as torch names them (plus the bottom-right causal alignment).
+// The position and score modifiers, as heads/__init__.py packs them: (window_left, window_right,
+// softcap, alibi_slopes, relative_attention_bias, relative_attention_max_distance,
+// relative_attention_bidirectional, sinks).
+using Mods = std::tuple<int64_t, int64_t, double, std::optional<InArray>, std::optional<InArray>, int64_t, bool,
+                        std::optional<InArray>>;
+
+void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
+  if (!mods) return;
+  const auto& [wl, wr, softcap, alibi, table, max_distance, bidirectional, sinks] = *mods;
+  o.window_left = wl;
+  o.window_right = wr;
+  o.softcap = softcap;
+  o.alibi_slopes = opt_view(alibi, "alibi_slopes");
+  o.relative_attention_bias = opt_view(table, "relative_attention_bias");
+  o.relative_attention_max_distance = max_distance;
+  o.relative_attention_bidirectional = bidirectional;
+  o.sinks = opt_view(sinks, "sinks");
+}
+
+// The options every sdpa binding takes, as torch names them (plus the bottom-right causal alignment
+// and the modifiers).
 SdpaOptions sdpa_options(const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
-                         bool causal_lower_right, std::optional<double> scale, bool enable_gqa) {
+                         bool causal_lower_right, std::optional<double> scale, bool enable_gqa,
+                         const std::optional<Mods>& mods) {
   SdpaOptions o;
+  apply_mods(mods, o);
   o.attn_mask = opt_view(attn_mask, "attn_mask");
   o.dropout_p = dropout_p;
   o.is_causal = is_causal;
@@ -38,12 +61,13 @@ SdpaOptions sdpa_options(const std::optional<InArray>& attn_mask, double dropout
 nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
                 const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
                 std::optional<double> scale, bool enable_gqa, bool need_weights,
-                std::optional<uint64_t> seed, bool torch_out, bool causal_lower_right) {
+                std::optional<uint64_t> seed, bool torch_out, bool causal_lower_right,
+                const std::optional<Mods>& mods) {
   const heads::Tensor q = view_of(query, "query"), k = view_of(key, "key"), v = view_of(value, "value");
   const int64_t rank = q.dim();
   HEADS_CHECK(k.dim() == rank && v.dim() == rank, "sdpa: query ", q.shape(), ", key ", k.shape(),
               " and value ", v.shape(), " must have the same rank");
-  heads::SdpaOptions o = sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa);
+  heads::SdpaOptions o = sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa, mods);
   o.dropout_seed = seed;
   o.need_weights = need_weights;
   heads::SdpaResult r;
@@ -65,9 +89,10 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
 void bind_sdpa_training(nb::module_& m) {
   m.def("sdpa_train_forward",
         [](const InArray& query, const InArray& key, const InArray& value, const std::optional<InArray>& attn_mask,
-           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool causal_lower_right) {
+           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool causal_lower_right,
+           const std::optional<Mods>& mods) {
           const heads::SdpaOptions o =
-              sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa);
+              sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa, mods);
           const heads::Tensor q = to_4d(view_of(query, "query"), "query");
           const heads::Tensor k = to_4d(view_of(key, "key"), "key");
           const heads::Tensor v = to_4d(view_of(value, "value"), "value");
@@ -79,14 +104,15 @@ void bind_sdpa_training(nb::module_& m) {
           return nb::make_tuple(to_array(r.out, true), to_array(r.lse, true), r.dropout_seed);
         },
         "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
-        "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false, "causal_lower_right"_a = false);
+        "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false, "causal_lower_right"_a = false,
+        "mods"_a = nb::none());
   m.def("sdpa_train_backward",
         [](const InArray& dout, const InArray& query, const InArray& key, const InArray& value,
            const InArray& out, const InArray& lse, uint64_t seed, const std::optional<InArray>& attn_mask,
            double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad,
-           bool causal_lower_right) {
+           bool causal_lower_right, const std::optional<Mods>& mods) {
           const heads::SdpaOptions o =
-              sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa);
+              sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa, mods);
           heads::SdpaResult f;
           f.out = to_4d(view_of(out, "out"), "out");
           f.lse = view_of(lse, "lse");
@@ -101,11 +127,12 @@ void bind_sdpa_training(nb::module_& m) {
             r = heads::sdpa_backward(g, q, k, v, f, o, mask_grad);
           }
           return nb::make_tuple(to_array(r.dq, true), to_array(r.dk, true), to_array(r.dv, true),
-                                to_array(r.dmask, true));
+                                to_array(r.dmask, true), to_array(r.dsinks, true),
+                                to_array(r.drelative_attention_bias, true));
         },
         "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
-        "mask_grad"_a = false, "causal_lower_right"_a = false);
+        "mask_grad"_a = false, "causal_lower_right"_a = false, "mods"_a = nb::none());
 }
 
 // Backward passes of the functional ops (numpy in / numpy out), for training code and tests.
@@ -160,7 +187,10 @@ void bind_functional(nb::module_& m) {
   m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
         "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
-        "torch_out"_a = false, "causal_lower_right"_a = false);
+        "torch_out"_a = false, "causal_lower_right"_a = false, "mods"_a = nb::none());
+  m.def("alibi_slopes", [](int64_t num_heads) { return to_numpy(heads::alibi_slopes(num_heads)); }, "num_heads"_a);
+  m.def("t5_relative_bucket", &heads::t5_relative_bucket, "relative_position"_a, "bidirectional"_a, "num_buckets"_a,
+        "max_distance"_a);
   bind_sdpa_training(m);
   bind_op_backwards(m);
 }

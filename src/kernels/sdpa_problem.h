@@ -81,6 +81,7 @@ struct SdpaProblem {
 inline float mod_score_log2(const SdpaProblem& pb, int64_t b, int64_t h, int64_t i, int64_t j, float s2,
                             float* dcap = nullptr) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
+  if (dcap != nullptr) *dcap = 0.0f;  // a hidden key's (its dS is 0 and must stay 0)
   if (!pb.visible(i, j)) return -kInf;
   if (pb.softcap > 0.0) {
     const float cap2 = static_cast<float>(pb.softcap * 1.4426950408889634);
