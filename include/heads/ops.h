@@ -61,10 +61,40 @@ Tensor embedding_backward(const Tensor& dy, const Tensor& ids, int64_t num_embed
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                               double dloss = 1.0);
 
+// Decoder building blocks (ops_decoder.cc).
+
+// RMSNorm over the last dimension, as Llama / T5: x / sqrt(mean(x²) + eps) · w, or · (1 + w) with
+// unit_offset (Gemma). f32 out; weight [n].
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, bool unit_offset = false);
+
+// Gated activation of a fused [..., 2F] gate|up product: act(gate) · up -> [..., F], with act SiLU
+// (Llama, Mistral, Qwen2) or the tanh GELU (Gemma 2).
+enum class GatedAct { Silu, GeluTanh };
+Tensor gated_activation(const Tensor& gate_up, GatedAct act);
+
+// Rotary position embedding (RoFormer; transformers' rotate_half / GPT-J layouts).
+struct RopeOptions {
+  double theta = 10000.0;
+  bool interleaved = false;  // pairs (2i, 2i+1) as GPT-J; false: halves (i, i + dim/2) as Llama
+  int64_t rotary_dim = 0;    // leading dims rotated (0: all); even
+  enum class Scaling { None, Linear, Llama3 } scaling = Scaling::None;
+  double factor = 1.0;                   // linear and llama3
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
+  int64_t original_max_position = 8192;                  // llama3
+};
+// The rotation frequencies [rotary_dim / 2] f32, computed as transformers computes them.
+Tensor rope_inv_freq(int64_t rotary_dim, const RopeOptions& o);
+// Rotates x [B, H, L, D] (any strides with a unit inner one, f32 or bf16) in place: row l at
+// position position_offset + l is turned by angle position · inv_freq. inverse = true turns back
+// (the backward: the rotation is orthogonal, so dL/dx is dL/dy turned back).
+void rope_(const Tensor& x, int64_t position_offset, const RopeOptions& o, bool inverse = false);
+
 namespace ref {
 // float64 specifications (any floating input, f64 output).
 Tensor layer_norm_f64(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
 Tensor activation_f64(const Tensor& x, Activation act);
+// rope_ in float64 (angles from the same f32 frequencies), returning a new [B, H, L, D] tensor.
+Tensor rope_f64(const Tensor& x, int64_t position_offset, const RopeOptions& o);
 }  // namespace ref
 
 }  // namespace heads

@@ -1,0 +1,56 @@
+// kv_cache.h — the keys and values a decoder has seen, per layer, for incremental decoding.
+//
+// Per layer: K and V [B, Hkv, capacity, D] in f32 or bf16; the first length() positions are filled.
+// append() writes a step's new keys and values after them (growing the storage by doubling) and
+// returns views of everything seen, which heads::sdpa reads in place (bottom-right causal
+// alignment puts the new queries after the cached keys). truncate() drops the last positions
+// (speculative decoding, re-prompting); reorder() permutes the batch (beam search).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "heads/tensor.h"
+
+namespace heads {
+
+class KVCache {
+ public:
+  KVCache() = default;
+  // dtype f32 or bf16; capacity: positions reserved up front (0: grown on demand).
+  KVCache(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t head_dim, DType dtype = DType::F32,
+          int64_t capacity = 0, int64_t value_dim = 0);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t batch() const { return B_; }
+  int64_t kv_heads() const { return Hkv_; }
+  int64_t head_dim() const { return D_; }
+  int64_t value_dim() const { return Dv_; }
+  DType dtype() const { return dtype_; }
+  // Positions held by layer 0 (every layer holds as many once a step has gone through all of them).
+  int64_t length() const { return layers_.empty() ? 0 : layers_.front().len; }
+  int64_t length(int64_t layer) const;
+  int64_t capacity() const;
+
+  // Appends k [B, Hkv, n, D] and v [B, Hkv, n, Dv] (any float dtype, any strides) to `layer`;
+  // returns views of its keys and values [B, Hkv, length + n, D / Dv].
+  std::pair<Tensor, Tensor> append(int64_t layer, const Tensor& k, const Tensor& v);
+  Tensor keys(int64_t layer) const;    // [B, Hkv, length(layer), D] view
+  Tensor values(int64_t layer) const;  // [B, Hkv, length(layer), Dv] view
+  void truncate(int64_t length);       // keep the first `length` positions of every layer
+  // Batch entry b becomes the old entry index[b] (index has B entries in [0, B)).
+  void reorder(const std::vector<int64_t>& index);
+
+ private:
+  struct Layer {
+    Tensor k, v;  // [B, Hkv, cap, D]
+    int64_t len = 0;
+  };
+  void reserve(Layer& l, int64_t need);
+  int64_t B_ = 0, Hkv_ = 0, D_ = 0, Dv_ = 0;
+  DType dtype_ = DType::F32;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace heads

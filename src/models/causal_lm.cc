@@ -1,0 +1,511 @@
+// causal_lm.cc — decoder-only models from transformers checkpoints (include/heads/causal_lm.h).
+//
+// Every architecture is read into one layer shape: norm1 -> fused QKV projection -> RoPE (in place,
+// on the projection's output) -> KV cache -> fused SDPA (causal bottom-right, window, softcap,
+// ALiBi, GQA) -> output projection [-> post-attention norm] -> residual -> norm2 -> MLP
+// [-> post-MLP norm] -> residual. Weight names per model_type are those transformers saves.
+#include "heads/causal_lm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+
+#include "config_json.h"
+#include "heads/mha.h"
+#include "heads/ops.h"
+#include "heads/safetensors.h"
+#include "heads/sdpa.h"
+
+namespace heads {
+
+namespace fs = std::filesystem;
+using models::json_bool;
+using models::json_int;
+using models::json_real;
+using models::json_string;
+
+namespace {
+
+constexpr int64_t kMaxCount = int64_t{1} << 24;
+
+// The checkpoint's tensors, from one file or the shards of model.safetensors.index.json.
+class Checkpoint {
+ public:
+  explicit Checkpoint(const fs::path& dir) {
+    const fs::path one = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
+    if (fs::exists(one)) {
+      files_.push_back(std::make_unique<SafeTensors>(SafeTensors::open(one.string())));
+      for (const auto& n : files_.back()->names()) where_[n] = 0;
+      return;
+    }
+    HEADS_CHECK(fs::exists(index), dir.string(), ": neither model.safetensors nor model.safetensors.index.json found");
+    const nlohmann::json j = models::read_json(index, true);
+    HEADS_CHECK(j.contains("weight_map") && j.at("weight_map").is_object(), index.string(),
+                ": \"weight_map\" must be an object of tensor name -> shard file");
+    std::map<std::string, size_t> shard;
+    for (const auto& [name, file] : j.at("weight_map").items()) {
+      HEADS_CHECK(file.is_string(), index.string(), ": weight_map[\"", name, "\"] must be a file name");
+      const std::string f = file.get<std::string>();
+      HEADS_CHECK(f.find('/') == std::string::npos && f.find("..") == std::string::npos, index.string(),
+                  ": shard \"", f, "\" must be a file in the model directory");
+      if (!shard.count(f)) {
+        shard[f] = files_.size();
+        files_.push_back(std::make_unique<SafeTensors>(SafeTensors::open((dir / f).string())));
+      }
+      where_[name] = shard[f];
+    }
+  }
+  bool has(const std::string& n) const {
+    const auto it = where_.find(n);
+    return it != where_.end() && files_[it->second]->contains(n);
+  }
+  // The tensor as f32 of the given shape; errors name the tensor.
+  Tensor get(const std::string& n, const Shape& shape) const {
+    HEADS_CHECK(has(n), "checkpoint: tensor \"", n, "\" missing");
+    const SafeTensors& f = *files_[where_.at(n)];
+    const Tensor t = f.get(n);
+    HEADS_CHECK(t.shape() == shape, f.label(), ": tensor \"", n, "\": expected shape ", shape, ", got ", t.shape());
+    HEADS_CHECK(is_floating(t.dtype()), f.label(), ": tensor \"", n, "\": expected a floating dtype, got ",
+                dtype_name(t.dtype()));
+    return t.to(DType::F32).contiguous();
+  }
+  Tensor get_if(const std::string& n, const Shape& shape, bool want) const { return want ? get(n, shape) : Tensor(); }
+
+ private:
+  std::vector<std::unique_ptr<SafeTensors>> files_;
+  std::map<std::string, size_t> where_;
+};
+
+Tensor cat_rows(const std::vector<Tensor>& parts) {
+  std::vector<Tensor> live;
+  for (const Tensor& p : parts) {
+    if (p.defined()) live.push_back(p);
+  }
+  if (live.empty()) return Tensor();
+  int64_t rows = 0;
+  for (const auto& p : live) rows += p.size(0);
+  Shape s = live[0].shape();
+  s[0] = rows;
+  Tensor out = Tensor::empty(s, DType::F32);
+  int64_t at = 0;
+  for (const auto& p : live) {
+    out.slice(0, at, at + p.size(0)).copy_from(p);
+    at += p.size(0);
+  }
+  return out;
+}
+
+// config.json without its null fields (transformers writes absent options as null).
+nlohmann::json without_nulls(const nlohmann::json& j) {
+  nlohmann::json c = nlohmann::json::object();
+  for (const auto& [k, v] : j.items()) {
+    if (!v.is_null()) c[k] = v;
+  }
+  return c;
+}
+
+// RoPE settings from rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x).
+RopeOptions read_rope(const nlohmann::json& j, const fs::path& file) {
+  RopeOptions r;
+  nlohmann::json p = j.contains("rope_parameters") ? without_nulls(j.at("rope_parameters"))
+                     : j.contains("rope_scaling")  ? without_nulls(j.at("rope_scaling"))
+                                                   : nlohmann::json::object();
+  const char* where = j.contains("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  HEADS_CHECK(p.is_object(), file.string(), ": \"", where, "\" must be an object");
+  r.theta = json_real(p, "rope_theta", json_real(j, "rope_theta", 10000.0, file, 1e-6, 1e30), file, 1e-6, 1e30);
+  std::string type = json_string(p, "rope_type", json_string(p, "type", "default", file), file);
+  if (type == "default") {
+    r.scaling = RopeOptions::Scaling::None;
+  } else if (type == "linear") {
+    r.scaling = RopeOptions::Scaling::Linear;
+    r.factor = json_real(p, "factor", 1.0, file, 1e-6, 1e6);
+  } else if (type == "llama3") {
+    r.scaling = RopeOptions::Scaling::Llama3;
+    r.factor = json_real(p, "factor", 8.0, file, 1e-6, 1e6);
+    r.low_freq_factor = json_real(p, "low_freq_factor", 1.0, file, 1e-6, 1e6);
+    r.high_freq_factor = json_real(p, "high_freq_factor", 4.0, file, 1e-6, 1e6);
+    r.original_max_position = json_int(p, "original_max_position_embeddings", 8192, file, 1, kMaxCount);
+  } else {
+    fail(file.string(), ": \"", where, "\": rope_type \"", type,
+         "\" is not supported (default, linear, llama3)");
+  }
+  const double partial = json_real(p, "partial_rotary_factor", json_real(j, "partial_rotary_factor", 1.0, file, 0, 1),
+                                   file, 0, 1);
+  HEADS_CHECK(partial == 1.0, file.string(), ": \"partial_rotary_factor\" ", partial, " is not supported (1.0)");
+  return r;
+}
+
+void reject_true(const nlohmann::json& j, const char* key, const fs::path& file) {
+  HEADS_CHECK(!json_bool(j, key, false, file), file.string(), ": \"", key, "\": true is not supported");
+}
+
+}  // namespace
+
+CausalLM CausalLM::load(const std::string& dir) {
+  const fs::path d(dir);
+  HEADS_CHECK(fs::is_directory(d), dir, ": model directory not found");
+  const fs::path cp = d / "config.json";
+  const nlohmann::json j = without_nulls(models::read_json(cp, true));
+  CausalLM m;
+  CausalLMConfig& c = m.cfg_;
+  c.model_type = json_string(j, "model_type", "", cp);
+  const std::string& t = c.model_type;
+  const bool llama_like = t == "llama" || t == "mistral" || t == "qwen2" || t == "gemma2";
+  HEADS_CHECK(llama_like || t == "gpt2" || t == "bloom", cp.string(), ": model_type \"", t,
+              "\" is not supported (llama, mistral, qwen2, gemma2, gpt2, bloom)");
+  const Checkpoint w(d);
+  c.vocab_size = json_int(j, "vocab_size", 0, cp, 1, kMaxCount);
+
+  if (llama_like) {
+    c.hidden_size = json_int(j, "hidden_size", 0, cp, 1, kMaxWidth);
+    c.num_layers = json_int(j, "num_hidden_layers", 0, cp, 1, kMaxCount);
+    c.num_heads = json_int(j, "num_attention_heads", 0, cp, 1, kMaxWidth);
+    c.num_kv_heads = json_int(j, "num_key_value_heads", c.num_heads, cp, 1, c.num_heads);
+    HEADS_CHECK(c.num_heads % c.num_kv_heads == 0, cp.string(), ": num_attention_heads ", c.num_heads,
+                " is not a multiple of num_key_value_heads ", c.num_kv_heads);
+    HEADS_CHECK(j.contains("head_dim") || c.hidden_size % c.num_heads == 0, cp.string(), ": hidden_size ",
+                c.hidden_size, " is not divisible by num_attention_heads ", c.num_heads);
+    c.head_dim = json_int(j, "head_dim", c.hidden_size / c.num_heads, cp, 2, kMaxWidth);
+    c.intermediate_size = json_int(j, "intermediate_size", 0, cp, 1, kMaxWidth);
+    c.max_positions = json_int(j, "max_position_embeddings", 4096, cp, 1, kMaxCount);
+    c.norm_eps = json_real(j, "rms_norm_eps", 1e-6, cp, 0, 1);
+    c.tie_word_embeddings = json_bool(j, "tie_word_embeddings", t == "gemma2", cp);
+    c.rope = read_rope(j, cp);
+    c.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    reject_true(j, "use_bidirectional_attention", cp);
+    const int64_t tp = json_int(j, "pretraining_tp", 1, cp, 1, kMaxCount);
+    (void)tp;  // a training-time split of the same product: no effect on the result
+    const std::string act = json_string(j, t == "gemma2" ? "hidden_activation" : "hidden_act",
+                                        t == "gemma2" ? "gelu_pytorch_tanh" : "silu", cp);
+    if (act == "silu") {
+      m.mlp_ = Mlp::GatedSilu;
+    } else if (act == "gelu_pytorch_tanh" || act == "gelu_tanh" || act == "gelu_new") {
+      m.mlp_ = Mlp::GatedGeluTanh;
+    } else {
+      fail(cp.string(), ": activation \"", act, "\" is not supported (silu, gelu_pytorch_tanh)");
+    }
+    m.norm_ = t == "gemma2" ? Norm::RmsUnitOffset : Norm::Rms;
+    m.pos_ = Pos::Rope;
+    if (t == "gemma2") {
+      c.scale = 1.0 / std::sqrt(json_real(j, "query_pre_attn_scalar", static_cast<double>(c.head_dim), cp, 1e-9, 1e30));
+      c.attn_softcap = json_real(j, "attn_logit_softcapping", 0.0, cp, 0.0, 1e30);
+      c.final_softcap = json_real(j, "final_logit_softcapping", 0.0, cp, 0.0, 1e30);
+      m.embed_scale_ = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
+    }
+    // Sliding windows: layer_types when given, else mistral's window on every layer and gemma2's on
+    // every other layer (from the first).
+    const int64_t window = json_int(j, "sliding_window", 0, cp, 0, kMaxCount);
+    c.window_left.assign(static_cast<size_t>(c.num_layers), -1);
+    if (j.contains("layer_types")) {
+      const auto& lt = j.at("layer_types");
+      HEADS_CHECK(lt.is_array() && static_cast<int64_t>(lt.size()) == c.num_layers, cp.string(),
+                  ": \"layer_types\" must list one type per layer (", c.num_layers, ")");
+      for (int64_t i = 0; i < c.num_layers; ++i) {
+        const nlohmann::json& e = lt[static_cast<size_t>(i)];
+        HEADS_CHECK(e.is_string() && (e == "full_attention" || e == "sliding_attention"), cp.string(),
+                    ": layer_types[", i, "] ", e.dump(), " is not supported (full_attention, sliding_attention)");
+        if (e == "sliding_attention") {
+          HEADS_CHECK(window > 0, cp.string(), ": layer ", i, " is sliding_attention but \"sliding_window\" is not set");
+          c.window_left[static_cast<size_t>(i)] = window - 1;
+        }
+      }
+    } else if (window > 0 && (t == "mistral" || t == "gemma2" ||
+                              (t == "qwen2" && json_bool(j, "use_sliding_window", false, cp)))) {
+      HEADS_CHECK(t != "qwen2", cp.string(), ": qwen2 use_sliding_window without \"layer_types\" is not supported");
+      for (int64_t i = 0; i < c.num_layers; ++i) {
+        if (t == "mistral" || i % 2 == 0) c.window_left[static_cast<size_t>(i)] = window - 1;
+      }
+    }
+    const bool attn_bias = json_bool(j, "attention_bias", false, cp);
+    const bool qkv_bias = attn_bias || t == "qwen2";
+    const bool mlp_bias = json_bool(j, "mlp_bias", false, cp);
+    const int64_t E = c.hidden_size, Hd = c.num_heads * c.head_dim, Kd = c.num_kv_heads * c.head_dim,
+                  F = c.intermediate_size;
+    m.embed_ = w.get("model.embed_tokens.weight", {c.vocab_size, E});
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      Layer l;
+      l.norm1_w = w.get(p + "input_layernorm.weight", {E});
+      l.wqkv = cat_rows({w.get(p + "self_attn.q_proj.weight", {Hd, E}), w.get(p + "self_attn.k_proj.weight", {Kd, E}),
+                         w.get(p + "self_attn.v_proj.weight", {Kd, E})});
+      if (qkv_bias) {
+        l.bqkv = cat_rows({w.get(p + "self_attn.q_proj.bias", {Hd}), w.get(p + "self_attn.k_proj.bias", {Kd}),
+                           w.get(p + "self_attn.v_proj.bias", {Kd})});
+      }
+      l.wo = w.get(p + "self_attn.o_proj.weight", {E, Hd});
+      l.bo = w.get_if(p + "self_attn.o_proj.bias", {E}, attn_bias);
+      if (t == "gemma2") {
+        l.post_attn_w = w.get(p + "post_attention_layernorm.weight", {E});
+        l.norm2_w = w.get(p + "pre_feedforward_layernorm.weight", {E});
+        l.post_ffn_w = w.get(p + "post_feedforward_layernorm.weight", {E});
+      } else {
+        l.norm2_w = w.get(p + "post_attention_layernorm.weight", {E});
+      }
+      l.w_in = cat_rows({w.get(p + "mlp.gate_proj.weight", {F, E}), w.get(p + "mlp.up_proj.weight", {F, E})});
+      if (mlp_bias) l.b_in = cat_rows({w.get(p + "mlp.gate_proj.bias", {F}), w.get(p + "mlp.up_proj.bias", {F})});
+      l.w_out = w.get(p + "mlp.down_proj.weight", {E, F});
+      l.b_out = w.get_if(p + "mlp.down_proj.bias", {E}, mlp_bias);
+      m.layers_.push_back(std::move(l));
+    }
+    m.final_w_ = w.get("model.norm.weight", {E});
+    m.lm_head_ = c.tie_word_embeddings ? m.embed_ : w.get("lm_head.weight", {c.vocab_size, E});
+    return m;
+  }
+
+  if (t == "gpt2") {
+    c.hidden_size = json_int(j, "n_embd", 768, cp, 1, kMaxWidth);
+    c.num_layers = json_int(j, "n_layer", 12, cp, 1, kMaxCount);
+    c.num_heads = c.num_kv_heads = json_int(j, "n_head", 12, cp, 1, kMaxWidth);
+    HEADS_CHECK(c.hidden_size % c.num_heads == 0, cp.string(), ": n_embd ", c.hidden_size,
+                " is not divisible by n_head ", c.num_heads);
+    c.head_dim = c.hidden_size / c.num_heads;
+    c.intermediate_size = json_int(j, "n_inner", 4 * c.hidden_size, cp, 1, kMaxWidth);
+    c.max_positions = json_int(j, "n_positions", 1024, cp, 1, kMaxCount);
+    c.norm_eps = json_real(j, "layer_norm_epsilon", 1e-5, cp, 0, 1);
+    c.tie_word_embeddings = true;
+    c.scale = json_bool(j, "scale_attn_weights", true, cp) ? 1.0 / std::sqrt(static_cast<double>(c.head_dim)) : 1.0;
+    reject_true(j, "scale_attn_by_inverse_layer_idx", cp);
+    reject_true(j, "add_cross_attention", cp);
+    const std::string act = json_string(j, "activation_function", "gelu_new", cp);
+    HEADS_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", cp.string(), ": activation_function \"", act,
+                "\" is not supported (gelu_new)");
+    m.mlp_ = Mlp::GeluTanh;
+    m.norm_ = Norm::LayerNorm;
+    m.pos_ = Pos::Learned;
+    c.window_left.assign(static_cast<size_t>(c.num_layers), -1);
+    const int64_t E = c.hidden_size, F = c.intermediate_size;
+    const std::string pre = w.has("transformer.wte.weight") ? "transformer." : "";
+    // Conv1D stores [in, out]: transposed once to [out, in].
+    const auto conv = [&](const std::string& n, int64_t in, int64_t out) {
+      return w.get(n, {in, out}).transpose(0, 1).contiguous();
+    };
+    m.embed_ = w.get(pre + "wte.weight", {c.vocab_size, E});
+    m.positions_ = w.get(pre + "wpe.weight", {c.max_positions, E});
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = pre + "h." + std::to_string(i) + ".";
+      Layer l;
+      l.norm1_w = w.get(p + "ln_1.weight", {E});
+      l.norm1_b = w.get(p + "ln_1.bias", {E});
+      l.wqkv = conv(p + "attn.c_attn.weight", E, 3 * E);
+      l.bqkv = w.get(p + "attn.c_attn.bias", {3 * E});
+      l.wo = conv(p + "attn.c_proj.weight", E, E);
+      l.bo = w.get(p + "attn.c_proj.bias", {E});
+      l.norm2_w = w.get(p + "ln_2.weight", {E});
+      l.norm2_b = w.get(p + "ln_2.bias", {E});
+      l.w_in = conv(p + "mlp.c_fc.weight", E, F);
+      l.b_in = w.get(p + "mlp.c_fc.bias", {F});
+      l.w_out = conv(p + "mlp.c_proj.weight", F, E);
+      l.b_out = w.get(p + "mlp.c_proj.bias", {E});
+      m.layers_.push_back(std::move(l));
+    }
+    m.final_w_ = w.get(pre + "ln_f.weight", {E});
+    m.final_b_ = w.get(pre + "ln_f.bias", {E});
+    m.lm_head_ = w.has("lm_head.weight") ? w.get("lm_head.weight", {c.vocab_size, E}) : m.embed_;
+    return m;
+  }
+
+  // bloom
+  c.hidden_size = json_int(j, "hidden_size", json_int(j, "n_embed", 64, cp, 1, kMaxWidth), cp, 1, kMaxWidth);
+  c.num_layers = json_int(j, "n_layer", 2, cp, 1, kMaxCount);
+  c.num_heads = c.num_kv_heads = json_int(j, "n_head", 8, cp, 1, kMaxWidth);
+  HEADS_CHECK(c.hidden_size % c.num_heads == 0, cp.string(), ": hidden_size ", c.hidden_size,
+              " is not divisible by n_head ", c.num_heads);
+  c.head_dim = c.hidden_size / c.num_heads;
+  c.intermediate_size = 4 * c.hidden_size;
+  c.max_positions = kMaxCount;
+  c.norm_eps = json_real(j, "layer_norm_epsilon", 1e-5, cp, 0, 1);
+  c.tie_word_embeddings = true;
+  c.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  c.window_left.assign(static_cast<size_t>(c.num_layers), -1);
+  m.residual_from_norm_ = json_bool(j, "apply_residual_connection_post_layernorm", false, cp);
+  m.mlp_ = Mlp::GeluTanh;
+  m.norm_ = Norm::LayerNorm;
+  m.pos_ = Pos::Alibi;
+  m.alibi_ = alibi_slopes(c.num_heads);
+  const int64_t E = c.hidden_size, F = c.intermediate_size, H = c.num_heads, hd = c.head_dim;
+  const std::string pre = w.has("transformer.word_embeddings.weight") ? "transformer." : "";
+  m.embed_ = w.get(pre + "word_embeddings.weight", {c.vocab_size, E});
+  m.embed_norm_w_ = w.get(pre + "word_embeddings_layernorm.weight", {E});
+  m.embed_norm_b_ = w.get(pre + "word_embeddings_layernorm.bias", {E});
+  // query_key_value rows are [H][q, k, v][hd]: regrouped as all q rows, then k, then v.
+  const auto regroup = [&](const Tensor& x) {
+    Shape s = x.shape();
+    Tensor out = Tensor::empty(s, DType::F32);
+    const int64_t row = x.numel() / (3 * E);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t part = 0; part < 3; ++part) {
+        out.slice(0, (part * H + h) * hd, (part * H + h + 1) * hd)
+            .copy_from(x.slice(0, (h * 3 + part) * hd, (h * 3 + part + 1) * hd));
+      }
+    }
+    (void)row;
+    return out;
+  };
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = pre + "h." + std::to_string(i) + ".";
+    Layer l;
+    l.norm1_w = w.get(p + "input_layernorm.weight", {E});
+    l.norm1_b = w.get(p + "input_layernorm.bias", {E});
+    l.wqkv = regroup(w.get(p + "self_attention.query_key_value.weight", {3 * E, E}));
+    l.bqkv = regroup(w.get(p + "self_attention.query_key_value.bias", {3 * E}));
+    l.wo = w.get(p + "self_attention.dense.weight", {E, E});
+    l.bo = w.get(p + "self_attention.dense.bias", {E});
+    l.norm2_w = w.get(p + "post_attention_layernorm.weight", {E});
+    l.norm2_b = w.get(p + "post_attention_layernorm.bias", {E});
+    l.w_in = w.get(p + "mlp.dense_h_to_4h.weight", {F, E});
+    l.b_in = w.get(p + "mlp.dense_h_to_4h.bias", {F});
+    l.w_out = w.get(p + "mlp.dense_4h_to_h.weight", {E, F});
+    l.b_out = w.get(p + "mlp.dense_4h_to_h.bias", {E});
+    m.layers_.push_back(std::move(l));
+  }
+  m.final_w_ = w.get(pre + "ln_f.weight", {E});
+  m.final_b_ = w.get(pre + "ln_f.bias", {E});
+  m.lm_head_ = w.has("lm_head.weight") ? w.get("lm_head.weight", {c.vocab_size, E}) : m.embed_;
+  return m;
+}
+
+KVCache CausalLM::new_cache(int64_t batch, DType dtype, int64_t capacity) const {
+  return KVCache(cfg_.num_layers, batch, cfg_.num_kv_heads, cfg_.head_dim, dtype, capacity);
+}
+
+Tensor CausalLM::norm(const Tensor& x, const Tensor& w, const Tensor& b) const {
+  switch (norm_) {
+    case Norm::LayerNorm: return layer_norm(x, w, b, cfg_.norm_eps);
+    case Norm::Rms: return rms_norm(x, w, cfg_.norm_eps);
+    case Norm::RmsUnitOffset: return rms_norm(x, w, cfg_.norm_eps, true);
+  }
+  return x;
+}
+
+Tensor CausalLM::mlp(const Layer& l, const Tensor& h) const {
+  const Tensor up = linear(h, l.w_in, l.b_in);
+  const Tensor a = mlp_ == Mlp::GeluTanh ? activation(up, Activation::GeluTanh)
+                                         : gated_activation(up, mlp_ == Mlp::GatedSilu ? GatedAct::Silu : GatedAct::GeluTanh);
+  return linear(a, l.w_out, l.b_out);
+}
+
+namespace {
+
+// cap · tanh(x / cap), in place.
+void softcap_(Tensor& x, double cap) {
+  float* p = x.data<float>();
+  const float c = static_cast<float>(cap);
+#pragma omp parallel for schedule(static) if (x.numel() > 65536)
+  for (int64_t i = 0; i < x.numel(); ++i) p[i] = c * std::tanh(p[i] / c);
+}
+
+}  // namespace
+
+Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) const {
+  const char* op = "CausalLM::forward";
+  HEADS_CHECK(!layers_.empty(), op, ": no model loaded");
+  HEADS_CHECK(ids.defined() && ids.dim() == 2 && ids.dtype() == DType::I64 && ids.size(1) >= 1, op,
+              ": ids: expected i64 [B, L] with L >= 1, got ",
+              ids.defined() ? std::string(dtype_name(ids.dtype())) + " " + shape_str(ids.shape()) : std::string("none"));
+  const int64_t B = ids.size(0), L = ids.size(1);
+  const CausalLMConfig& c = cfg_;
+  KVCache local;
+  if (cache == nullptr) {
+    local = new_cache(B, DType::F32, L);
+    cache = &local;
+  }
+  HEADS_CHECK(cache->num_layers() == c.num_layers && cache->batch() == B && cache->kv_heads() == c.num_kv_heads &&
+                  cache->head_dim() == c.head_dim,
+              op, ": cache: expected ", c.num_layers, " layers, batch ", B, ", ", c.num_kv_heads, " kv heads of dim ",
+              c.head_dim, "; got ", cache->num_layers(), ", ", cache->batch(), ", ", cache->kv_heads(), ", ",
+              cache->head_dim());
+  const int64_t past = cache->length();
+  HEADS_CHECK(pos_ != Pos::Learned || past + L <= c.max_positions, op, ": positions ", past, " + ", L,
+              " exceed the model's ", c.max_positions, " learned positions");
+  const Tensor idc = ids.contiguous();
+  for (int64_t i = 0; i < idc.numel(); ++i) {
+    const int64_t id = idc.data<int64_t>()[i];
+    HEADS_CHECK(id >= 0 && id < c.vocab_size, op, ": ids: token id ", id, " outside the vocabulary [0, ",
+                c.vocab_size, ")");
+  }
+  // 1. embeddings
+  const int64_t E = c.hidden_size, H = c.num_heads, Hk = c.num_kv_heads, hd = c.head_dim;
+  Tensor x = embedding(embed_, idc);
+  if (embed_scale_ != 1.0f || positions_.defined()) {
+    float* xp = x.data<float>();
+    const float* pp = positions_.defined() ? positions_.data<float>() : nullptr;
+    for (int64_t r = 0; r < B * L; ++r) {
+      for (int64_t e = 0; e < E; ++e) {
+        float v = xp[r * E + e] * embed_scale_;
+        if (pp != nullptr) v += pp[(past + r % L) * E + e];
+        xp[r * E + e] = v;
+      }
+    }
+  }
+  if (embed_norm_w_.defined()) x = layer_norm(x, embed_norm_w_, embed_norm_b_, c.norm_eps);
+  // 2. layers
+  const int64_t W = (H + 2 * Hk) * hd;
+  Tensor attn = Tensor::empty({B, L, H, hd}, DType::F32);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    const Tensor h = norm(x, l.norm1_w, l.norm1_b);
+    const Tensor qkv = linear(h, l.wqkv, l.bqkv);  // [B, L, W]
+    const Tensor q = qkv.as_strided({B, H, L, hd}, {L * W, hd, W, 1}, 0);
+    const Tensor k = qkv.as_strided({B, Hk, L, hd}, {L * W, hd, W, 1}, H * hd);
+    const Tensor v = qkv.as_strided({B, Hk, L, hd}, {L * W, hd, W, 1}, (H + Hk) * hd);
+    if (pos_ == Pos::Rope) {
+      rope_(q, past, c.rope);
+      rope_(k, past, c.rope);
+    }
+    const auto [K, V] = cache->append(static_cast<int64_t>(i), k, v);
+    SdpaOptions o;
+    o.is_causal = true;
+    o.causal_align = CausalAlign::BottomRight;
+    o.scale = c.scale;
+    o.enable_gqa = H != Hk;
+    o.window_left = c.window_left[i];
+    o.softcap = c.attn_softcap;
+    if (pos_ == Pos::Alibi) o.alibi_slopes = alibi_;
+    const Tensor out = attn.permute({0, 2, 1, 3});
+    if (K.dtype() == DType::F32) {
+      sdpa_out(out, q, K, V, o);
+    } else {
+      Tensor(out).copy_from(sdpa(q.to(K.dtype()), K, V, o).out);
+    }
+    Tensor a = linear(attn.reshape({B, L, H * hd}), l.wo, l.bo);
+    if (l.post_attn_w.defined()) a = norm(a, l.post_attn_w, Tensor());
+    x = add(residual_from_norm_ ? h : x, a);
+    const Tensor h2 = norm(x, l.norm2_w, l.norm2_b);
+    Tensor f = mlp(l, h2);
+    if (l.post_ffn_w.defined()) f = norm(f, l.post_ffn_w, Tensor());
+    x = add(residual_from_norm_ ? h2 : x, f);
+  }
+  // 3. final norm and the head
+  if (last_only) x = x.slice(1, L - 1, L);
+  x = norm(x, final_w_, final_b_);
+  Tensor logits = linear(x, lm_head_);
+  if (c.final_softcap > 0) softcap_(logits, c.final_softcap);
+  return logits;
+}
+
+std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens,
+                                        int64_t eos_token_id, DType cache_dtype) const {
+  HEADS_CHECK(!prompt.empty(), "CausalLM::generate: the prompt is empty");
+  HEADS_CHECK(max_new_tokens >= 0, "CausalLM::generate: max_new_tokens must be >= 0, got ", max_new_tokens);
+  KVCache cache = new_cache(1, cache_dtype, static_cast<int64_t>(prompt.size()) + max_new_tokens);
+  std::vector<int64_t> out;
+  Tensor ids = Tensor::from_vector(prompt, {1, static_cast<int64_t>(prompt.size())});
+  for (int64_t n = 0; n < max_new_tokens; ++n) {
+    const Tensor logits = forward(ids, &cache, true);  // [1, 1, vocab]
+    const float* p = logits.data<float>();
+    int64_t best = 0;
+    for (int64_t v = 1; v < cfg_.vocab_size; ++v) {
+      if (p[v] > p[best]) best = v;  // the first of equal maxima, as torch.argmax
+    }
+    out.push_back(best);
+    if (best == eos_token_id) break;
+    ids = Tensor::from_vector(std::vector<int64_t>{best}, {1, 1});
+  }
+  return out;
+}
+
+}  // namespace heads

@@ -1,0 +1,66 @@
+// cmd_generate.cc — `heads generate`: greedy decoding with a transformers decoder checkpoint and a
+// KV cache (llama, mistral, qwen2, gemma2, gpt2, bloom; include/heads/causal_lm.h).
+#include "commands.h"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "options.h"
+#include "heads/causal_lm.h"
+
+namespace heads::cli {
+
+namespace {
+
+struct GenerateArgs {
+  std::string model, input_ids, cache_dtype = "f32";
+  int64_t max_new_tokens = 16, eos = -1;
+  bool json = false;
+  int threads = 0;
+};
+
+void run(const GenerateArgs& a) {
+  apply_threads(a.threads);
+  HEADS_CHECK(a.cache_dtype == "f32" || a.cache_dtype == "bf16", "generate: --cache-dtype must be f32 or bf16, got ",
+              a.cache_dtype);
+  const std::vector<int64_t> prompt = int_list(a.input_ids);
+  const CausalLM lm = CausalLM::load(a.model);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<int64_t> ids =
+      lm.generate(prompt, a.max_new_tokens, a.eos, a.cache_dtype == "bf16" ? DType::BF16 : DType::F32);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::string list;
+  for (int64_t id : ids) list += (list.empty() ? "" : a.json ? "," : " ") + std::to_string(id);
+  if (a.json) {
+    std::printf("{\"ids\": [%s], \"model_type\": \"%s\", \"ms\": %.3f}\n", list.c_str(),
+                lm.config().model_type.c_str(), ms);
+  } else {
+    std::printf("%s\n", list.c_str());
+  }
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, Action* action) {
+  auto args = std::make_shared<GenerateArgs>();
+  CLI::App* c = app.add_subcommand(
+      "generate",
+      "Greedy decoding from token ids with a decoder checkpoint written by transformers' save_pretrained\n"
+      "(config.json + model.safetensors or its shards; model_type llama, mistral, qwen2, gemma2, gpt2, bloom),\n"
+      "using a KV cache. Prints the new ids (--json: {\"ids\": [...]}).");
+  c->add_option("--model", args->model, "model directory")->required();
+  c->add_option("--input-ids", args->input_ids, "prompt token ids, comma-separated")
+      ->required()
+      ->check(int_list_in(0, kMaxCount));
+  c->add_option("--max-new-tokens", args->max_new_tokens, "new tokens at most")
+      ->capture_default_str()
+      ->check(int_in(0, kMaxCount));
+  c->add_option("--eos-token-id", args->eos, "stop after this id (default: none)")->check(int_in(0, kMaxCount));
+  c->add_option("--cache-dtype", args->cache_dtype, "KV cache storage: f32 or bf16")->capture_default_str();
+  c->add_flag("--json", args->json, "one JSON line");
+  add_threads_option(c, &args->threads);
+  c->callback([args, action] { *action = [args] { run(*args); }; });
+}
+
+}  // namespace heads::cli
