@@ -39,6 +39,8 @@ _heads = _load_native()
 __all__ = [
     "sdpa",
     "alibi_slopes",
+    "CausalLM",
+    "KVCache",
     "MultiheadAttention",
     "TransformerEncoderLayer",
     "TransformerEncoder",
@@ -648,3 +650,60 @@ class Encoder:
         positions past a sequence's end computed as padding."""
         ids = [[int(t) for t in row] for row in input_ids]
         return self._s.hidden_states(ids)
+
+
+KVCache = _heads.KVCache
+KVCache.__doc__ = """Keys and values of a decoder, per layer, for incremental decoding:
+``KVCache(num_layers, batch, kv_heads, head_dim, dtype="f32"|"bf16", capacity=0)``; ``append(layer, k, v)``
+(``[B, Hkv, n, D]`` each) returns the layer's keys and values so far; ``keys(layer)``, ``values(layer)``,
+``truncate(length)``, ``reorder(batch_index)`` (beam search), ``len(cache)``."""
+
+
+class CausalLM:
+    """A decoder-only model from a transformers ``save_pretrained`` directory (``model_type`` llama, mistral,
+    qwen2, gemma2, gpt2 or bloom), run by heads with a KV cache.
+
+        lm = heads.CausalLM.from_pretrained(DIR)
+        logits = lm(input_ids)                       # [B, L, vocab], as model(ids).logits
+        cache = lm.new_cache(batch=1)
+        lm(prompt_ids, cache=cache); lm(next_ids, cache=cache)   # continues the sequences
+        new_ids = lm.generate(prompt, max_new_tokens=32)         # greedy, as generate(do_sample=False)
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._m = native
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "CausalLM":
+        return cls(_heads.CausalLM.load(os.fspath(model_dir)))
+
+    @property
+    def model_type(self) -> str:
+        return self._m.model_type
+
+    @property
+    def num_layers(self) -> int:
+        return self._m.num_layers
+
+    def new_cache(self, batch: int = 1, dtype: str = "f32", capacity: int = 0) -> KVCache:
+        return self._m.new_cache(_int(batch, "batch", 1, 1 << 24), dtype, _int(capacity, "capacity", 0, 1 << 40))
+
+    def __call__(self, input_ids: Any, cache: Optional[KVCache] = None, last_only: bool = False):
+        """Logits ``[B, L, vocab]`` (``[L, vocab]`` for 1-D ids; the last position only with ``last_only``);
+        with a ``cache``, the ids continue its sequences and their keys and values are appended to it."""
+        ids = _arg(input_ids, "input_ids", True)
+        if _is_torch(ids):
+            ids = ids.numpy()
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids: expected integer ids, got dtype {ids.dtype}")
+        return self._m.forward(ids.astype(np.int64), cache, bool(last_only), _is_torch(input_ids))
+
+    forward = __call__
+
+    def generate(self, prompt: Any, max_new_tokens: int, eos_token_id: Optional[int] = None,
+                 cache_dtype: str = "f32") -> list:
+        """Greedy decoding: the new token ids (at most ``max_new_tokens``, stopping after ``eos_token_id``)."""
+        ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        eos = -1 if eos_token_id is None else _int(eos_token_id, "eos_token_id", 0, 2**62)
+        return self._m.generate(ids, _int(max_new_tokens, "max_new_tokens", 0, 1 << 24), eos, cache_dtype)

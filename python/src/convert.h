@@ -37,5 +37,6 @@ StateDict from_items(const Items& items);
 void bind_functional(nb::module_& m);  // threads, seeds, sdpa, the functional ops and their backward
 void bind_modules(nb::module_& m);     // MultiheadAttention, the encoder modules, tapes, AdamW
 void bind_models(nb::module_& m);      // the tokenizer and the sentence encoder
+void bind_decoder(nb::module_& m);     // CausalLM, KVCache, RoPE, RMSNorm
 
 }  // namespace heads::py

@@ -1,5 +1,5 @@
 // heads_ext.cc — the nanobind extension `heads._heads`: its parts by what they bind
-// (bind_functional.cc, bind_modules.cc, bind_models.cc), arrays through convert.h.
+// (bind_functional.cc, bind_modules.cc, bind_models.cc, bind_decoder.cc), arrays through convert.h.
 //
 // Arrays arrive through DLPack (numpy, torch, ...) and become heads::Tensor views without a copy;
 // results leave as numpy arrays (or torch tensors) that own the result tensor's storage.
@@ -29,4 +29,5 @@ NB_MODULE(_heads, m) {
   heads::py::bind_functional(m);
   heads::py::bind_modules(m);
   heads::py::bind_models(m);
+  heads::py::bind_decoder(m);
 }

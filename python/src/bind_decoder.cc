@@ -1,0 +1,125 @@
+// bind_decoder.cc — decoder models (CausalLM), the KV cache and the decoder ops (RoPE, RMSNorm).
+#include "convert.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "heads/causal_lm.h"
+#include "heads/kv_cache.h"
+#include "heads/ops.h"
+
+namespace heads::py {
+
+using namespace nb::literals;
+
+namespace {
+
+DType cache_dtype(const std::string& s) {
+  HEADS_CHECK(s == "f32" || s == "float32" || s == "bf16" || s == "bfloat16",
+              "dtype: expected 'f32' or 'bf16', got '", s, "'");
+  return s == "f32" || s == "float32" ? DType::F32 : DType::BF16;
+}
+
+RopeOptions rope_options(double theta, bool interleaved, int64_t rotary_dim, const std::string& scaling, double factor,
+                         double low, double high, int64_t original) {
+  RopeOptions o;
+  o.theta = theta;
+  o.interleaved = interleaved;
+  o.rotary_dim = rotary_dim;
+  HEADS_CHECK(scaling == "default" || scaling == "linear" || scaling == "llama3",
+              "rope: scaling must be 'default', 'linear' or 'llama3', got '", scaling, "'");
+  o.scaling = scaling == "linear"   ? RopeOptions::Scaling::Linear
+              : scaling == "llama3" ? RopeOptions::Scaling::Llama3
+                                    : RopeOptions::Scaling::None;
+  o.factor = factor;
+  o.low_freq_factor = low;
+  o.high_freq_factor = high;
+  o.original_max_position = original;
+  return o;
+}
+
+}  // namespace
+
+void bind_decoder(nb::module_& m) {
+  nb::class_<heads::KVCache>(m, "KVCache")
+      .def("__init__",
+           [](heads::KVCache* self, int64_t layers, int64_t batch, int64_t kv_heads, int64_t head_dim,
+              const std::string& dtype, int64_t capacity) {
+             new (self) heads::KVCache(layers, batch, kv_heads, head_dim, cache_dtype(dtype), capacity);
+           },
+           "num_layers"_a, "batch"_a, "kv_heads"_a, "head_dim"_a, "dtype"_a = "f32", "capacity"_a = 0)
+      .def("__len__", [](const heads::KVCache& c) { return c.length(); })
+      .def_prop_ro("num_layers", &heads::KVCache::num_layers)
+      .def_prop_ro("batch", &heads::KVCache::batch)
+      .def_prop_ro("capacity", &heads::KVCache::capacity)
+      .def_prop_ro("dtype", [](const heads::KVCache& c) { return std::string(dtype_name(c.dtype())); })
+      .def("length", [](const heads::KVCache& c, int64_t layer) { return c.length(layer); }, "layer"_a)
+      .def("append",
+           [](heads::KVCache& c, int64_t layer, const InArray& k, const InArray& v, bool torch_out) {
+             const auto [K, V] = c.append(layer, view_of(k, "key"), view_of(v, "value"));
+             return nb::make_tuple(to_array(K, torch_out), to_array(V, torch_out));
+           },
+           "layer"_a, "key"_a, "value"_a, "torch_out"_a = false)
+      .def("keys", [](const heads::KVCache& c, int64_t layer, bool t) { return to_array(c.keys(layer), t); },
+           "layer"_a, "torch_out"_a = false)
+      .def("values", [](const heads::KVCache& c, int64_t layer, bool t) { return to_array(c.values(layer), t); },
+           "layer"_a, "torch_out"_a = false)
+      .def("truncate", &heads::KVCache::truncate, "length"_a)
+      .def("reorder", &heads::KVCache::reorder, "index"_a);
+
+  nb::class_<heads::CausalLM>(m, "CausalLM")
+      .def_static("load", &heads::CausalLM::load, "model_dir"_a)
+      .def_prop_ro("model_type", [](const heads::CausalLM& lm) { return lm.config().model_type; })
+      .def_prop_ro("num_layers", [](const heads::CausalLM& lm) { return lm.config().num_layers; })
+      .def_prop_ro("vocab_size", [](const heads::CausalLM& lm) { return lm.config().vocab_size; })
+      .def("new_cache",
+           [](const heads::CausalLM& lm, int64_t batch, const std::string& dtype, int64_t capacity) {
+             return lm.new_cache(batch, cache_dtype(dtype), capacity);
+           },
+           "batch"_a = 1, "dtype"_a = "f32", "capacity"_a = 0)
+      .def("forward",
+           [](const heads::CausalLM& lm, const InArray& ids, heads::KVCache* cache, bool last_only, bool torch_out) {
+             const heads::Tensor t = view_of(ids, "input_ids").to(DType::I64);
+             heads::Tensor out;
+             {
+               nb::gil_scoped_release release;
+               out = lm.forward(t.dim() == 1 ? t.unsqueeze(0) : t, cache, last_only);
+             }
+             return to_array(t.dim() == 1 ? out.squeeze(0) : out, torch_out);
+           },
+           "input_ids"_a, "cache"_a = nb::none(), "last_only"_a = false, "torch_out"_a = false)
+      .def("generate",
+           [](const heads::CausalLM& lm, const std::vector<int64_t>& prompt, int64_t max_new_tokens,
+              int64_t eos_token_id, const std::string& dtype) {
+             nb::gil_scoped_release release;
+             return lm.generate(prompt, max_new_tokens, eos_token_id, cache_dtype(dtype));
+           },
+           "prompt"_a, "max_new_tokens"_a, "eos_token_id"_a = -1, "cache_dtype"_a = "f32");
+
+  m.def("rope",
+        [](const InArray& x, int64_t offset, double theta, bool interleaved, int64_t rotary_dim,
+           const std::string& scaling, double factor, double low, double high, int64_t original, bool inverse,
+           bool torch_out) {
+          const heads::Tensor t = view_of(x, "x");
+          heads::Tensor y = t.dtype() == DType::BF16 ? t.clone() : t.to(DType::F32).clone();
+          rope_(y, offset, rope_options(theta, interleaved, rotary_dim, scaling, factor, low, high, original), inverse);
+          return to_array(y, torch_out);
+        },
+        "x"_a, "position_offset"_a = 0, "theta"_a = 10000.0, "interleaved"_a = false, "rotary_dim"_a = 0,
+        "scaling"_a = "default", "factor"_a = 1.0, "low_freq_factor"_a = 1.0, "high_freq_factor"_a = 4.0,
+        "original_max_position"_a = 8192, "inverse"_a = false, "torch_out"_a = false);
+  m.def("rms_norm",
+        [](const InArray& x, const InArray& w, double eps, bool unit_offset, bool torch_out) {
+          return to_array(rms_norm(view_of(x, "x"), view_of(w, "weight"), eps, unit_offset), torch_out);
+        },
+        "x"_a, "weight"_a, "eps"_a = 1e-6, "unit_offset"_a = false, "torch_out"_a = false);
+}
+
+}  // namespace heads::py

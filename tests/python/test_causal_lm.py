@@ -1,0 +1,219 @@
+"""Decoder models against transformers: random small configs of each supported model_type are built
+and saved here (nothing downloaded); heads' logits, cached decoding and greedy generation must match
+transformers' own."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import heads
+
+transformers = pytest.importorskip("transformers")
+
+V = 160
+
+
+def _init(model, seed):
+    """Weights large enough that the logits are far from uniform (greedy choices are not near-ties)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                base = 0.0 if model.config.model_type == "gemma2" else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+CONFIGS = {
+    "llama-gqa2": lambda: transformers.LlamaConfig(
+        vocab_size=V, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=3, max_position_embeddings=512),
+    "llama-mqa-bias-llama3": lambda: transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, attention_bias=True, mlp_bias=True, max_position_embeddings=512,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}),
+    "llama-linear-hd128": lambda: transformers.LlamaConfig(
+        vocab_size=V, hidden_size=256, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500000.0),
+    "mistral-window-short": lambda: transformers.MistralConfig(
+        vocab_size=V, hidden_size=80, intermediate_size=128, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=5, sliding_window=6),
+    "mistral-window-long": lambda: transformers.MistralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, sliding_window=4096),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=V, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2),
+    "gemma2": lambda: transformers.Gemma2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=5, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=4.0),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=3, n_positions=128,
+                                            bos_token_id=0, eos_token_id=0),
+    "bloom": lambda: transformers.BloomConfig(vocab_size=V, hidden_size=60, n_layer=2, n_head=5),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for i, (name, make) in enumerate(CONFIGS.items()):
+        torch.manual_seed(i)
+        m = _init(transformers.AutoModelForCausalLM.from_config(make()), 100 + i)
+        d = tmp_path_factory.mktemp(name)
+        m.save_pretrained(d, safe_serialization=True)
+        out[name] = (m, str(d))
+    return out
+
+
+def _hf_greedy(m, ids, n):
+    """transformers' greedy generate of n new tokens, no end-of-sequence token (heads is given none)."""
+    m.generation_config.eos_token_id = None
+    out = m.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == ids.shape[1] + n
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _prompt(n, seed):
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, V, size=(1, n)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(models, name):
+    m, d = models[name]
+    lm = heads.CausalLM.from_pretrained(d)
+    for n, seed in ((1, 1), (9, 2), (23, 3)):
+        ids = _prompt(n, seed)
+        with torch.no_grad():
+            want = m(ids).logits
+        got = lm(ids)
+        assert got.shape == want.shape
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        assert err <= 1e-4, f"{name} L={n}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_matches_transformers(models, name):
+    m, d = models[name]
+    lm = heads.CausalLM.from_pretrained(d)
+    ids = _prompt(7, 11)
+    with torch.no_grad():
+        want = _hf_greedy(m, ids, 32)
+    assert lm.generate(ids[0], max_new_tokens=32) == want
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2", "gemma2", "bloom", "gpt2"])
+def test_cached_steps_equal_one_pass(models, name):
+    _, d = models[name]
+    lm = heads.CausalLM.from_pretrained(d)
+    ids = _prompt(20, 5)
+    full = lm(ids)
+    for dtype, tol in (("f32", 1e-5), ("bf16", 3e-2)):
+        cache = lm.new_cache(1, dtype=dtype)
+        parts = [lm(ids[:, :8], cache=cache), lm(ids[:, 8:9], cache=cache), lm(ids[:, 9:], cache=cache)]
+        assert len(cache) == 20
+        step = torch.cat(parts, dim=1)
+        err = (step - full).abs().max().item() / full.abs().max().item()
+        assert err <= tol, f"{name} cache {dtype}: relative error {err:.2e}"
+    last = lm(ids, last_only=True)
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=0)
+
+
+def test_batched_sequences_and_sharded_checkpoint(models, tmp_path):
+    m, _ = models["qwen2"]
+    m.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    lm = heads.CausalLM.from_pretrained(tmp_path)
+    ids = torch.from_numpy(np.random.default_rng(9).integers(0, V, size=(3, 11)))
+    with torch.no_grad():
+        want = m(ids).logits
+    got = lm(ids)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_kv_cache_operations():
+    c = heads.KVCache(2, 3, 2, 4)
+    k = np.random.default_rng(0).standard_normal((3, 2, 5, 4)).astype(np.float32)
+    v = k * 2
+    K, Vv = c.append(0, k, v)
+    assert K.shape == (3, 2, 5, 4) and np.array_equal(K, k) and np.array_equal(Vv, v)
+    assert len(c) == 5 and c.length(1) == 0
+    K, _ = c.append(0, k[:, :, :2], v[:, :, :2])
+    assert K.shape == (3, 2, 7, 4) and np.array_equal(K[:, :, 5:], k[:, :, :2])
+    c.reorder([2, 0, 1])
+    assert np.array_equal(c.keys(0)[0], np.concatenate([k[2], k[2, :, :2]], axis=1))
+    c.truncate(3)
+    assert len(c) == 3 and np.array_equal(c.values(0)[1], v[0, :, :3])
+    b = heads.KVCache(1, 1, 1, 4, dtype="bf16")
+    Kb, _ = b.append(0, torch.from_numpy(k[:1, :1]), torch.from_numpy(v[:1, :1]), torch_out=True)
+    assert b.dtype == "bf16" and Kb.dtype == torch.bfloat16
+    torch.testing.assert_close(Kb, torch.from_numpy(k[:1, :1]).bfloat16())
+    with pytest.raises(ValueError, match=r"KVCache::append: key: expected \[B, Hkv, n, D\] = \[3, 2, n, 4\]"):
+        c.append(0, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match=r"KVCache::reorder: index 5 outside the batch \[0, 3\)"):
+        c.reorder([0, 1, 5])
+
+
+def test_rope_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
+                                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    rot = LlamaRotaryEmbedding(cfg)
+    x = torch.randn(2, 2, 13, 32)
+    pos = torch.arange(40, 53)[None]
+    cos, sin = rot(x, pos)
+    want, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    got = heads._heads.rope(x, 40, 10000.0, False, 0, "llama3", 4.0, 1.0, 4.0, 32, False, True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    back = heads._heads.rope(got, 40, 10000.0, False, 0, "llama3", 4.0, 1.0, 4.0, 32, True, True)
+    torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+    # interleaved pairs (GPT-J): complex multiplication by e^{i·pos·freq}
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 32, 2).float() / 32)
+    ang = torch.arange(13).float()[:, None] * inv[None]
+    z = torch.view_as_complex(x.reshape(2, 2, 13, 16, 2).contiguous()) * torch.polar(torch.ones_like(ang), ang)
+    want = torch.view_as_real(z).reshape(2, 2, 13, 32)
+    got = heads._heads.rope(x, 0, 10000.0, True, 0, "default", 1.0, 1.0, 4.0, 8192, False, True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_matches_torch():
+    x, w = torch.randn(5, 7, 33), torch.randn(33)
+    want = torch.nn.functional.rms_norm(x, (33,), w, eps=1e-6)
+    torch.testing.assert_close(heads._heads.rms_norm(x, w, 1e-6, False, True), want, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_configs_are_errors(models, tmp_path):
+    _, d = models["llama-gqa2"]
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    for change, msg in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+                         'rope_type "yarn" is not supported'),
+                        ({"model_type": "falcon"}, 'model_type "falcon" is not supported'),
+                        ({"num_key_value_heads": 4}, "num_attention_heads 6 is not a multiple of num_key_value_heads 4")):
+        bad = tmp_path / change.get("model_type", "x") / str(len(msg))
+        bad.mkdir(parents=True)
+        json.dump({**cfg, **change}, open(bad / "config.json", "w"))
+        os.symlink(os.path.join(d, "model.safetensors"), bad / "model.safetensors")
+        with pytest.raises(ValueError, match=msg):
+            heads.CausalLM.from_pretrained(bad)
+    with pytest.raises(ValueError, match="token id 999 outside the vocabulary"):
+        heads.CausalLM.from_pretrained(d)(np.array([[1, 999]]))
+
+
+def test_cli_generate(models):
+    m, d = models["mistral-window-short"]
+    ids = _prompt(6, 21)
+    with torch.no_grad():
+        want = _hf_greedy(m, ids, 10)
+    cli = os.environ.get("HEADS_CLI", "heads")
+    out = subprocess.run([cli, "generate", "--model", d, "--input-ids", ",".join(map(str, ids[0].tolist())),
+                          "--max-new-tokens", "10", "--json"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["ids"] == want
