@@ -1,0 +1,122 @@
+// decoder_ops_test.cc — RoPE, RMSNorm, gated activations and the KV cache against plain float64
+// formulas.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "common/testing.h"
+#include "heads/kv_cache.h"
+#include "heads/ops.h"
+
+namespace heads {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::error_of;
+using testing::randn;
+
+TEST(Rope, MatchesReferenceForEveryLayoutAndScaling) {
+  for (bool interleaved : {false, true}) {
+    for (int64_t D : {2, 8, 62, 128}) {
+      for (auto scaling : {RopeOptions::Scaling::None, RopeOptions::Scaling::Linear, RopeOptions::Scaling::Llama3}) {
+        RopeOptions o;
+        o.interleaved = interleaved;
+        o.scaling = scaling;
+        o.factor = 4.0;
+        o.original_max_position = 64;
+        o.theta = 5000.0;
+        o.rotary_dim = D >= 8 ? D - 2 * (D % 4 == 0) : 0;  // partial rotary where D allows
+        // q as a strided view of a [B, L, H, D + 3] projection buffer
+        const Tensor buf = randn({2, 7, 3, D + 3});
+        const Tensor x = buf.slice(3, 0, D).permute({0, 2, 1, 3});
+        const Tensor want = ref::rope_f64(x, 1000, o);
+        const Tensor orig = x.clone(), pad = buf.slice(3, D, D + 3).clone();
+        rope_(x, 1000, o);
+        const auto e = testing::compare(x, want);
+        EXPECT_TRUE(e.within(1e-5, 1e-5)) << "interleaved=" << interleaved << " D=" << D << " max err " << e.max_abs;
+        const Tensor back = x.clone();
+        rope_(back, 1000, o, /*inverse=*/true);  // the backward: turned back to the input
+        EXPECT_TRUE(testing::compare(back, orig.to(DType::F64)).within(1e-5, 1e-5));
+        // the buffer's other channels (past D) are not touched
+        EXPECT_TRUE(testing::bitwise_equal(buf.slice(3, D, D + 3).contiguous(), pad));
+      }
+    }
+  }
+}
+
+TEST(Rope, Bf16InPlaceAndErrors) {
+  const Tensor x = randn({1, 2, 5, 16});
+  const Tensor xb = x.to(DType::BF16);
+  RopeOptions o;
+  rope_(xb, 3, o);
+  const Tensor want = ref::rope_f64(x.to(DType::BF16), 3, o);
+  EXPECT_TRUE(testing::compare(xb, want).within(1e-2, 1e-2));
+  EXPECT_THAT(error_of([&] { rope_(randn({2, 5, 16}), 0, o); }), HasSubstr("rope: input: expected [B, H, L, D], got [2, 5, 16]"));
+  o.rotary_dim = 7;
+  EXPECT_THAT(error_of([&] { rope_(x, 0, o); }), HasSubstr("rotary_dim 7 must be even, at least 2 and at most D = 16"));
+  o.rotary_dim = 0;
+  EXPECT_THAT(error_of([&] { rope_(x, -1, o); }), HasSubstr("position_offset must be >= 0, got -1"));
+}
+
+TEST(RmsNorm, MatchesFormula) {
+  const Tensor x = randn({3, 5, 37}), w = randn({37});
+  for (bool unit : {false, true}) {
+    const Tensor y = rms_norm(x, w, 1e-6, unit);
+    for (int64_t r = 0; r < 15; ++r) {
+      double ss = 0;
+      for (int64_t i = 0; i < 37; ++i) ss += std::pow(x.data<float>()[r * 37 + i], 2);
+      const double inv = 1 / std::sqrt(ss / 37 + 1e-6);
+      for (int64_t i = 0; i < 37; ++i) {
+        const double want = x.data<float>()[r * 37 + i] * inv * (w.data<float>()[i] + (unit ? 1 : 0));
+        ASSERT_NEAR(y.data<float>()[r * 37 + i], want, 1e-5 * (1 + std::fabs(want)));
+      }
+    }
+  }
+  EXPECT_THAT(error_of([&] { rms_norm(x, randn({36}), 1e-6); }), HasSubstr("rms_norm: weight: expected [37]"));
+}
+
+TEST(GatedActivation, SiluAndTanhGelu) {
+  const Tensor gu = randn({4, 2 * 19}, 2.0);
+  for (GatedAct act : {GatedAct::Silu, GatedAct::GeluTanh}) {
+    const Tensor y = gated_activation(gu, act);
+    ASSERT_EQ(y.shape(), Shape({4, 19}));
+    for (int64_t r = 0; r < 4; ++r) {
+      for (int64_t i = 0; i < 19; ++i) {
+        const double g = gu.data<float>()[r * 38 + i], u = gu.data<float>()[r * 38 + 19 + i];
+        const double a = act == GatedAct::Silu ? g / (1 + std::exp(-g))
+                                               : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+        ASSERT_NEAR(y.data<float>()[r * 19 + i], a * u, 1e-5 * (1 + std::fabs(a * u)));
+      }
+    }
+  }
+  EXPECT_THAT(error_of([&] { gated_activation(randn({3, 5}), GatedAct::Silu); }), HasSubstr("expected [..., 2F]"));
+}
+
+TEST(KVCache, AppendGrowTruncateReorder) {
+  KVCache c(2, 2, 3, 8, DType::F32);
+  const Tensor k1 = randn({2, 3, 5, 8}), v1 = randn({2, 3, 5, 8});
+  auto [K, V] = c.append(0, k1, v1);
+  EXPECT_EQ(K.shape(), Shape({2, 3, 5, 8}));
+  EXPECT_TRUE(testing::bitwise_equal(K.contiguous(), k1));
+  // grow past the first capacity (16) in steps
+  for (int s = 0; s < 20; ++s) c.append(0, randn({2, 3, 1, 8}), randn({2, 3, 1, 8}));
+  EXPECT_EQ(c.length(), 25);
+  EXPECT_GE(c.capacity(), 25);
+  EXPECT_TRUE(testing::bitwise_equal(c.keys(0).slice(2, 0, 5).contiguous(), k1));  // kept across growth
+  c.reorder({1, 0});
+  EXPECT_TRUE(testing::bitwise_equal(c.values(0).slice(2, 0, 5).select(0, 0).contiguous(), v1.select(0, 1).contiguous()));
+  c.truncate(4);
+  EXPECT_EQ(c.length(), 4);
+  EXPECT_EQ(c.length(1), 0);
+  KVCache b(1, 1, 1, 4, DType::BF16);
+  const Tensor kb = randn({1, 1, 3, 4});
+  b.append(0, kb, kb);
+  EXPECT_TRUE(testing::compare(b.keys(0).to(DType::F32), kb.to(DType::BF16).to(DType::F32)).within(0, 0));
+  EXPECT_THAT(error_of([&] { c.append(2, k1, v1); }), HasSubstr("KVCache::append: layer 2 outside [0, 2)"));
+  EXPECT_THAT(error_of([&] { KVCache(1, 1, 1, 4, DType::I64); }), HasSubstr("KVCache: dtype must be f32 or bf16, got i64"));
+}
+
+}  // namespace
+}  // namespace heads
