@@ -41,6 +41,7 @@ __all__ = [
     "alibi_slopes",
     "CausalLM",
     "KVCache",
+    "T5Encoder",
     "MultiheadAttention",
     "TransformerEncoderLayer",
     "TransformerEncoder",
@@ -707,3 +708,24 @@ class CausalLM:
         ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
         eos = -1 if eos_token_id is None else _int(eos_token_id, "eos_token_id", 0, 2**62)
         return self._m.generate(ids, _int(max_new_tokens, "max_new_tokens", 0, 1 << 24), eos, cache_dtype)
+
+
+class T5Encoder:
+    """The encoder of a T5 checkpoint (transformers ``save_pretrained`` of T5EncoderModel / T5Model):
+    ``T5Encoder.from_pretrained(DIR)(input_ids, attention_mask=None)`` gives the last hidden state
+    ``[B, L, d_model]``; the relative position bias is computed inside the attention kernel."""
+
+    def __init__(self, native: Any) -> None:
+        self._m = native
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "T5Encoder":
+        return cls(_heads.T5Encoder.load(os.fspath(model_dir)))
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None):
+        ids = np.asarray(input_ids.numpy() if _is_torch(input_ids) else input_ids)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids: expected integer ids, got dtype {ids.dtype}")
+        mask = None if attention_mask is None else np.asarray(
+            attention_mask.numpy() if _is_torch(attention_mask) else attention_mask) != 0
+        return self._m.forward(ids.astype(np.int64), mask, _is_torch(input_ids))

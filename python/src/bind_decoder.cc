@@ -14,6 +14,7 @@
 #include "heads/causal_lm.h"
 #include "heads/kv_cache.h"
 #include "heads/ops.h"
+#include "heads/t5.h"
 
 namespace heads::py {
 
@@ -102,6 +103,21 @@ void bind_decoder(nb::module_& m) {
              return lm.generate(prompt, max_new_tokens, eos_token_id, cache_dtype(dtype));
            },
            "prompt"_a, "max_new_tokens"_a, "eos_token_id"_a = -1, "cache_dtype"_a = "f32");
+
+  nb::class_<heads::T5Encoder>(m, "T5Encoder")
+      .def_static("load", &heads::T5Encoder::load, "model_dir"_a)
+      .def("forward",
+           [](const heads::T5Encoder& e, const InArray& ids, const std::optional<InArray>& mask, bool torch_out) {
+             const heads::Tensor t = view_of(ids, "input_ids").to(DType::I64);
+             heads::Tensor mk = opt_view(mask, "attention_mask");
+             heads::Tensor out;
+             {
+               nb::gil_scoped_release release;
+               out = e.forward(t, mk);
+             }
+             return to_array(out, torch_out);
+           },
+           "input_ids"_a, "attention_mask"_a = nb::none(), "torch_out"_a = false);
 
   m.def("rope",
         [](const InArray& x, int64_t offset, double theta, bool interleaved, int64_t rotary_dim,

@@ -217,3 +217,22 @@ def test_cli_generate(models):
     out = subprocess.run([cli, "generate", "--model", d, "--input-ids", ",".join(map(str, ids[0].tolist())),
                           "--max-new-tokens", "10", "--json"], capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["ids"] == want
+
+
+@pytest.mark.parametrize("ff", ["relu", "gated-gelu"])
+def test_t5_encoder_matches_transformers(tmp_path, ff):
+    cfg = transformers.T5Config(vocab_size=V, d_model=48, d_kv=16, d_ff=80, num_layers=3, num_heads=5,
+                                relative_attention_num_buckets=16, relative_attention_max_distance=24,
+                                feed_forward_proj=ff)
+    torch.manual_seed(3)
+    m = _init(transformers.T5EncoderModel(cfg), 7)
+    m.save_pretrained(tmp_path, safe_serialization=True)
+    enc = heads.T5Encoder.from_pretrained(tmp_path)
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, V, size=(2, 41)))
+    mask = torch.ones(2, 41, dtype=torch.long)
+    mask[1, 30:] = 0
+    with torch.no_grad():
+        want = m(input_ids=ids, attention_mask=mask).last_hidden_state
+    got = enc(ids, mask)
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err <= 1e-4, err
