@@ -21,6 +21,7 @@
 
 #include "heads/kv_cache.h"
 #include "heads/ops.h"
+#include "heads/precision.h"
 #include "heads/tensor.h"
 
 namespace heads {
@@ -44,6 +45,11 @@ class CausalLM {
   static CausalLM load(const std::string& dir);
   const CausalLMConfig& config() const { return cfg_; }
 
+  // Weights of the projections, MLP and head in bf16 or int8 (heads/precision.h); embeddings, norms,
+  // RoPE, attention and the residual stream stay f32. F32 restores the loaded weights.
+  void set_precision(Precision p);
+  Precision precision() const { return precision_; }
+
   // An empty cache for `batch` sequences (f32 or bf16 storage).
   KVCache new_cache(int64_t batch = 1, DType dtype = DType::F32, int64_t capacity = 0) const;
 
@@ -64,7 +70,9 @@ class CausalLM {
   struct Layer {
     Tensor norm1_w, norm1_b, wqkv, bqkv, wo, bo, post_attn_w;  // post_attn_w: gemma2
     Tensor norm2_w, norm2_b, w_in, b_in, w_out, b_out, post_ffn_w;
+    PackedLinear pk_qkv, pk_o, pk_in, pk_out;  // reduced-precision copies (set_precision)
   };
+  Tensor proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b) const;
   Tensor norm(const Tensor& x, const Tensor& w, const Tensor& b) const;
   Tensor mlp(const Layer& l, const Tensor& h) const;
 
@@ -75,6 +83,8 @@ class CausalLM {
   bool residual_from_norm_ = false;  // bloom's apply_residual_connection_post_layernorm
   float embed_scale_ = 1.0f;
   Tensor embed_, positions_, embed_norm_w_, embed_norm_b_, final_w_, final_b_, lm_head_, alibi_;
+  PackedLinear pk_head_;
+  Precision precision_ = Precision::F32;
   std::vector<Layer> layers_;
 };
 

@@ -675,8 +675,16 @@ class CausalLM:
         self._m = native
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "CausalLM":
-        return cls(_heads.CausalLM.load(os.fspath(model_dir)))
+    def from_pretrained(cls, model_dir: str, dtype: str = "f32") -> "CausalLM":
+        """``dtype`` "bf16" or "int8": the projections', MLP's and head's weights in that precision
+        (embeddings, norms, attention and the residual stream stay float32)."""
+        m = _heads.CausalLM.load(os.fspath(model_dir))
+        m.set_precision(_precision(dtype))
+        return cls(m)
+
+    @property
+    def dtype(self) -> str:
+        return self._m.dtype
 
     @property
     def model_type(self) -> str:

@@ -14,6 +14,7 @@
 #include "heads/causal_lm.h"
 #include "heads/kv_cache.h"
 #include "heads/ops.h"
+#include "heads/precision.h"
 #include "heads/t5.h"
 
 namespace heads::py {
@@ -80,6 +81,10 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("model_type", [](const heads::CausalLM& lm) { return lm.config().model_type; })
       .def_prop_ro("num_layers", [](const heads::CausalLM& lm) { return lm.config().num_layers; })
       .def_prop_ro("vocab_size", [](const heads::CausalLM& lm) { return lm.config().vocab_size; })
+      .def_prop_ro("dtype", [](const heads::CausalLM& lm) { return heads::precision_name(lm.precision()); })
+      .def("set_precision",
+           [](heads::CausalLM& lm, const std::string& p) { lm.set_precision(heads::precision_from_name(p)); },
+           "dtype"_a)
       .def("new_cache",
            [](const heads::CausalLM& lm, int64_t batch, const std::string& dtype, int64_t capacity) {
              return lm.new_cache(batch, cache_dtype(dtype), capacity);

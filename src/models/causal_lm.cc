@@ -381,11 +381,27 @@ Tensor CausalLM::norm(const Tensor& x, const Tensor& w, const Tensor& b) const {
   return x;
 }
 
+void CausalLM::set_precision(Precision p) {
+  precision_ = p;
+  const auto pack = [&](const Tensor& w) { return p == Precision::F32 ? PackedLinear() : PackedLinear(w, p); };
+  for (Layer& l : layers_) {
+    l.pk_qkv = pack(l.wqkv);
+    l.pk_o = pack(l.wo);
+    l.pk_in = pack(l.w_in);
+    l.pk_out = pack(l.w_out);
+  }
+  pk_head_ = pack(lm_head_);
+}
+
+Tensor CausalLM::proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b) const {
+  return pk.defined() ? linear(x, pk, b) : linear(x, w, b);
+}
+
 Tensor CausalLM::mlp(const Layer& l, const Tensor& h) const {
-  const Tensor up = linear(h, l.w_in, l.b_in);
+  const Tensor up = proj(h, l.w_in, l.pk_in, l.b_in);
   const Tensor a = mlp_ == Mlp::GeluTanh ? activation(up, Activation::GeluTanh)
                                          : gated_activation(up, mlp_ == Mlp::GatedSilu ? GatedAct::Silu : GatedAct::GeluTanh);
-  return linear(a, l.w_out, l.b_out);
+  return proj(a, l.w_out, l.pk_out, l.b_out);
 }
 
 namespace {
@@ -448,7 +464,7 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     const Tensor h = norm(x, l.norm1_w, l.norm1_b);
-    const Tensor qkv = linear(h, l.wqkv, l.bqkv);  // [B, L, W]
+    const Tensor qkv = proj(h, l.wqkv, l.pk_qkv, l.bqkv);  // [B, L, W]
     const Tensor q = qkv.as_strided({B, H, L, hd}, {L * W, hd, W, 1}, 0);
     const Tensor k = qkv.as_strided({B, Hk, L, hd}, {L * W, hd, W, 1}, H * hd);
     const Tensor v = qkv.as_strided({B, Hk, L, hd}, {L * W, hd, W, 1}, (H + Hk) * hd);
@@ -471,7 +487,7 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
     } else {
       Tensor(out).copy_from(sdpa(q.to(K.dtype()), K, V, o).out);
     }
-    Tensor a = linear(attn.reshape({B, L, H * hd}), l.wo, l.bo);
+    Tensor a = proj(attn.reshape({B, L, H * hd}), l.wo, l.pk_o, l.bo);
     if (l.post_attn_w.defined()) a = norm(a, l.post_attn_w, Tensor());
     x = add(residual_from_norm_ ? h : x, a);
     const Tensor h2 = norm(x, l.norm2_w, l.norm2_b);
@@ -482,7 +498,7 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   // 3. final norm and the head
   if (last_only) x = x.slice(1, L - 1, L);
   x = norm(x, final_w_, final_b_);
-  Tensor logits = linear(x, lm_head_);
+  Tensor logits = proj(x, lm_head_, pk_head_, Tensor());
   if (c.final_softcap > 0) softcap_(logits, c.final_softcap);
   return logits;
 }

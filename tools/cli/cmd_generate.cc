@@ -14,7 +14,7 @@ namespace heads::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string model, input_ids, cache_dtype = "f32";
+  std::string model, input_ids, cache_dtype = "f32", dtype = "f32";
   int64_t max_new_tokens = 16, eos = -1;
   bool json = false;
   int threads = 0;
@@ -25,7 +25,8 @@ void run(const GenerateArgs& a) {
   HEADS_CHECK(a.cache_dtype == "f32" || a.cache_dtype == "bf16", "generate: --cache-dtype must be f32 or bf16, got ",
               a.cache_dtype);
   const std::vector<int64_t> prompt = int_list(a.input_ids);
-  const CausalLM lm = CausalLM::load(a.model);
+  CausalLM lm = CausalLM::load(a.model);
+  lm.set_precision(precision_from_name(a.dtype));
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<int64_t> ids =
       lm.generate(prompt, a.max_new_tokens, a.eos, a.cache_dtype == "bf16" ? DType::BF16 : DType::F32);
@@ -33,8 +34,8 @@ void run(const GenerateArgs& a) {
   std::string list;
   for (int64_t id : ids) list += (list.empty() ? "" : a.json ? "," : " ") + std::to_string(id);
   if (a.json) {
-    std::printf("{\"ids\": [%s], \"model_type\": \"%s\", \"ms\": %.3f}\n", list.c_str(),
-                lm.config().model_type.c_str(), ms);
+    std::printf("{\"ids\": [%s], \"model_type\": \"%s\", \"dtype\": \"%s\", \"ms\": %.3f}\n", list.c_str(),
+                lm.config().model_type.c_str(), a.dtype.c_str(), ms);
   } else {
     std::printf("%s\n", list.c_str());
   }
@@ -57,6 +58,8 @@ void add_generate_command(CLI::App& app, Action* action) {
       ->capture_default_str()
       ->check(int_in(0, kMaxCount));
   c->add_option("--eos-token-id", args->eos, "stop after this id (default: none)")->check(int_in(0, kMaxCount));
+  c->add_option("--dtype", args->dtype, "weights of the projections, MLP and head: f32, bf16 or int8")
+      ->capture_default_str();
   c->add_option("--cache-dtype", args->cache_dtype, "KV cache storage: f32 or bf16")->capture_default_str();
   c->add_flag("--json", args->json, "one JSON line");
   add_threads_option(c, &args->threads);
