@@ -236,3 +236,23 @@ def test_t5_encoder_matches_transformers(tmp_path, ff):
     got = enc(ids, mask)
     err = (got - want).abs().max().item() / want.abs().max().item()
     assert err <= 1e-4, err
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2", "gemma2", "gpt2"])
+def test_reduced_precision_weights(models, name):
+    # bf16 / int8 projection weights: logits within the tolerance docs/decoders.md states of f32
+    # (relative to the largest logit), and against transformers' own bf16 model the same order.
+    m, d = models[name]
+    ids = _prompt(17, 8)
+    full = heads.CausalLM.from_pretrained(d)(ids)
+    for dtype, tol in (("bf16", 2e-2), ("int8", 5e-2)):
+        lm = heads.CausalLM.from_pretrained(d, dtype=dtype)
+        assert lm.dtype == dtype
+        err = (lm(ids) - full).abs().max().item() / full.abs().max().item()
+        assert err <= tol, f"{name} {dtype}: relative error {err:.2e}"
+    with torch.no_grad():
+        hf_bf16 = m.to(torch.bfloat16)(ids).logits.float()
+        m.float()
+    hf_err = (hf_bf16 - full).abs().max().item() / full.abs().max().item()
+    bf = (heads.CausalLM.from_pretrained(d, dtype="bf16")(ids) - full).abs().max().item() / full.abs().max().item()
+    assert bf <= 2 * hf_err + 1e-3, (bf, hf_err)
