@@ -3,6 +3,7 @@
 
     python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--only NAME ...]
     python3 bench/compare.py --backward [--only NAME ...]     # training: forward + backward
+    python3 bench/compare.py --variants                        # sliding window, ALiBi vs explicit masks
 
 Prints one markdown table: GFLOP/s (ms for decode shapes, Lq = 1), the ratio of heads to the best
 peer, heads' share of the FMA peak measured here (`heads bench peak`), and the peak extra memory
@@ -106,6 +107,55 @@ def torch_sdpa(s, args, torch):
         ms = median_ms(fn, args.min_time)
     del out
     return ms, meter.extra_mb()
+
+
+# Position variants (--variants): heads' fused options against PyTorch's SDPA with the explicit
+# [Lq, Lk] mask or bias a PyTorch user builds for them.
+VARIANTS = [
+    {"name": "window256-8k", "B": 1, "H": 8, "Lq": 8192, "Lk": 8192, "D": 64, "causal": True, "window": 255},
+    {"name": "full-8k", "B": 1, "H": 8, "Lq": 8192, "Lk": 8192, "D": 64, "causal": True},
+    {"name": "alibi-2k", "B": 1, "H": 16, "Lq": 2048, "Lk": 2048, "D": 64, "causal": True, "alibi": True},
+]
+
+
+def torch_variant(s, args, torch):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s["B"], s["H"], s["Lq"], s["D"], generator=g)
+    k = torch.randn(s["B"], s["H"], s["Lk"], s["D"], generator=g)
+    v = torch.randn(s["B"], s["H"], s["Lk"], s["D"], generator=g)
+    i = torch.arange(s["Lq"])[:, None]
+    j = torch.arange(s["Lk"])[None, :]
+    meter = Meter()
+    if "window" in s:  # the band as a bool mask
+        mask = (j <= i) & (j >= i - s["window"])
+    elif s.get("alibi"):  # BLOOM's bias (slope · key position) plus the causal -inf, [H, Lq, Lk]
+        import heads
+
+        slopes = torch.from_numpy(heads.alibi_slopes(s["H"]))
+        mask = slopes[:, None, None] * j.float() + torch.where(j <= i, 0.0, float("-inf"))
+    else:
+        mask = None
+    causal = mask is None and s["causal"]
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    with torch.inference_mode():
+        ms = median_ms(fn, args.min_time)
+    return ms, meter.extra_mb()
+
+
+def variants_table(args):
+    print("| variant | heads ms | PyTorch ms (explicit mask) | heads ÷ PyTorch |\n|---|---|---|---|")
+    for s in VARIANTS:
+        if args.only and s["name"] not in args.only:
+            continue
+        cmd = ["sdpa", "--batch", s["B"], "--heads", s["H"], "--q-len", s["Lq"], "--kv-len", s["Lk"],
+               "--head-dim", s["D"]] + (["--causal"] if s["causal"] else [])
+        cmd += (["--window", f"{s['window']},-1"] if "window" in s else []) + (["--alibi"] if s.get("alibi") else [])
+        h = run_heads(args, *map(str, cmd))
+        t_ms, _ = in_subprocess("torch-variant", s, args) or (None, None)
+        ratio = f"{t_ms / h['ms']:.2f}×" if t_ms else "—"
+        print(f"| {s['name']} | {h['ms']:.2f} | {fmt(t_ms, 'ms')} | {ratio} |")
 
 
 def torch_sdpa_backward(s, args, torch):
@@ -265,6 +315,11 @@ def worker(kind, spec, args):
 
         torch.set_num_threads(args.threads)
         return torch_sdpa(spec, args, torch)
+    if kind == "torch-variant":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return torch_variant(spec, args, torch)
     if kind == "torch-sdpa-backward":
         import torch
 
@@ -311,6 +366,8 @@ def main():
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--backward", action="store_true",
                     help="forward + backward (training) of heads and PyTorch autograd, f32")
+    ap.add_argument("--variants", action="store_true",
+                    help="sliding window and ALiBi in heads' kernel against PyTorch with the explicit mask, f32")
     ap.add_argument("--memory-only", action="store_true",
                     help="only heads' extra memory per shape, plus L = 32768 (B 1, H 8, D 128)")
     args = ap.parse_args()
@@ -330,6 +387,9 @@ def main():
         return
     if args.backward:
         backward_table(shapes, args)
+        return
+    if args.variants:
+        variants_table(args)
         return
     pk = run_heads(args, "peak")
     # bf16: the best bf16 unit the path has (AMX tiles, else vdpbf16ps), else the f32 FMA peak.
