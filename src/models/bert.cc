@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "checkpoint.h"
 #include "config_json.h"
 #include "heads/ops.h"
 #include "heads/safetensors.h"
@@ -22,6 +23,7 @@ namespace fs = std::filesystem;
 using models::json_int;
 using models::json_real;
 using models::json_string;
+using models::cat_rows;
 using models::read_json;
 
 namespace {
@@ -54,20 +56,6 @@ struct Weights {
     return t.to(DType::F32);
   }
 };
-
-Tensor cat_rows(const std::vector<Tensor>& parts) {
-  int64_t rows = 0;
-  for (const auto& p : parts) rows += p.size(0);
-  Shape s = parts[0].shape();
-  s[0] = rows;
-  Tensor out = Tensor::empty(s, DType::F32);
-  int64_t at = 0;
-  for (const auto& p : parts) {
-    out.slice(0, at, at + p.size(0)).copy_from(p);
-    at += p.size(0);
-  }
-  return out;
-}
 
 }  // namespace
 

@@ -11,9 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <map>
-#include <memory>
 
+#include "checkpoint.h"
 #include "config_json.h"
 #include "heads/mha.h"
 #include "heads/ops.h"
@@ -27,86 +26,13 @@ using models::json_bool;
 using models::json_int;
 using models::json_real;
 using models::json_string;
+using models::Checkpoint;
+using models::cat_rows;
+using models::without_nulls;
 
 namespace {
 
 constexpr int64_t kMaxCount = int64_t{1} << 24;
-
-// The checkpoint's tensors, from one file or the shards of model.safetensors.index.json.
-class Checkpoint {
- public:
-  explicit Checkpoint(const fs::path& dir) {
-    const fs::path one = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
-    if (fs::exists(one)) {
-      files_.push_back(std::make_unique<SafeTensors>(SafeTensors::open(one.string())));
-      for (const auto& n : files_.back()->names()) where_[n] = 0;
-      return;
-    }
-    HEADS_CHECK(fs::exists(index), dir.string(), ": neither model.safetensors nor model.safetensors.index.json found");
-    const nlohmann::json j = models::read_json(index, true);
-    HEADS_CHECK(j.contains("weight_map") && j.at("weight_map").is_object(), index.string(),
-                ": \"weight_map\" must be an object of tensor name -> shard file");
-    std::map<std::string, size_t> shard;
-    for (const auto& [name, file] : j.at("weight_map").items()) {
-      HEADS_CHECK(file.is_string(), index.string(), ": weight_map[\"", name, "\"] must be a file name");
-      const std::string f = file.get<std::string>();
-      HEADS_CHECK(f.find('/') == std::string::npos && f.find("..") == std::string::npos, index.string(),
-                  ": shard \"", f, "\" must be a file in the model directory");
-      if (!shard.count(f)) {
-        shard[f] = files_.size();
-        files_.push_back(std::make_unique<SafeTensors>(SafeTensors::open((dir / f).string())));
-      }
-      where_[name] = shard[f];
-    }
-  }
-  bool has(const std::string& n) const {
-    const auto it = where_.find(n);
-    return it != where_.end() && files_[it->second]->contains(n);
-  }
-  // The tensor as f32 of the given shape; errors name the tensor.
-  Tensor get(const std::string& n, const Shape& shape) const {
-    HEADS_CHECK(has(n), "checkpoint: tensor \"", n, "\" missing");
-    const SafeTensors& f = *files_[where_.at(n)];
-    const Tensor t = f.get(n);
-    HEADS_CHECK(t.shape() == shape, f.label(), ": tensor \"", n, "\": expected shape ", shape, ", got ", t.shape());
-    HEADS_CHECK(is_floating(t.dtype()), f.label(), ": tensor \"", n, "\": expected a floating dtype, got ",
-                dtype_name(t.dtype()));
-    return t.to(DType::F32).contiguous();
-  }
-  Tensor get_if(const std::string& n, const Shape& shape, bool want) const { return want ? get(n, shape) : Tensor(); }
-
- private:
-  std::vector<std::unique_ptr<SafeTensors>> files_;
-  std::map<std::string, size_t> where_;
-};
-
-Tensor cat_rows(const std::vector<Tensor>& parts) {
-  std::vector<Tensor> live;
-  for (const Tensor& p : parts) {
-    if (p.defined()) live.push_back(p);
-  }
-  if (live.empty()) return Tensor();
-  int64_t rows = 0;
-  for (const auto& p : live) rows += p.size(0);
-  Shape s = live[0].shape();
-  s[0] = rows;
-  Tensor out = Tensor::empty(s, DType::F32);
-  int64_t at = 0;
-  for (const auto& p : live) {
-    out.slice(0, at, at + p.size(0)).copy_from(p);
-    at += p.size(0);
-  }
-  return out;
-}
-
-// config.json without its null fields (transformers writes absent options as null).
-nlohmann::json without_nulls(const nlohmann::json& j) {
-  nlohmann::json c = nlohmann::json::object();
-  for (const auto& [k, v] : j.items()) {
-    if (!v.is_null()) c[k] = v;
-  }
-  return c;
-}
 
 // RoPE settings from rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x).
 RopeOptions read_rope(const nlohmann::json& j, const fs::path& file) {

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 
+#include "checkpoint.h"
 #include "config_json.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
@@ -22,34 +23,12 @@ namespace {
 
 constexpr int64_t kMax = int64_t{1} << 24;
 
-Tensor get(const SafeTensors& f, const std::string& n, const Shape& shape) {
-  HEADS_CHECK(f.contains(n), f.label(), ": tensor \"", n, "\" missing");
-  const Tensor t = f.get(n);
-  HEADS_CHECK(t.shape() == shape, f.label(), ": tensor \"", n, "\": expected shape ", shape, ", got ", t.shape());
-  HEADS_CHECK(is_floating(t.dtype()), f.label(), ": tensor \"", n, "\": expected a floating dtype, got ",
-              dtype_name(t.dtype()));
-  return t.to(DType::F32).contiguous();
-}
-
-Tensor rows(const std::vector<Tensor>& parts) {
-  int64_t n = 0;
-  for (const auto& p : parts) n += p.size(0);
-  Tensor out = Tensor::empty({n, parts[0].size(1)}, DType::F32);
-  int64_t at = 0;
-  for (const auto& p : parts) {
-    out.slice(0, at, at + p.size(0)).copy_from(p);
-    at += p.size(0);
-  }
-  return out;
-}
-
 }  // namespace
 
 T5Encoder T5Encoder::load(const std::string& dir) {
   const fs::path d(dir), cp = d / "config.json";
   HEADS_CHECK(fs::is_directory(d), dir, ": model directory not found");
-  nlohmann::json j = models::read_json(cp, true);
-  for (auto it = j.begin(); it != j.end();) it = it->is_null() ? j.erase(it) : std::next(it);
+  const nlohmann::json j = models::without_nulls(models::read_json(cp, true));
   const std::string type = json_string(j, "model_type", "", cp);
   HEADS_CHECK(type == "t5", cp.string(), ": model_type \"", type, "\" is not supported (t5)");
   T5Encoder m;
@@ -72,27 +51,27 @@ T5Encoder T5Encoder::load(const std::string& dir) {
   } else {
     fail(cp.string(), ": feed_forward_proj \"", ff, "\" is not supported (relu, gated-gelu, gated-silu)");
   }
-  const fs::path wp = d / "model.safetensors";
-  HEADS_CHECK(fs::exists(wp), wp.string(), ": not found");
-  const SafeTensors f = SafeTensors::open(wp.string());
+  const models::Checkpoint w(d);
+  const auto get = [&](const std::string& n, const Shape& s) { return w.get(n, s); };
+  const auto& rows = models::cat_rows;
   const int64_t E = m.d_model_, I = m.heads_ * m.d_kv_, F = m.d_ff_;
-  m.embed_ = get(f, f.contains("shared.weight") ? "shared.weight" : "encoder.embed_tokens.weight", {m.vocab_, E});
-  m.rel_bias_ = get(f, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", {buckets, m.heads_});
+  m.embed_ = get(w.has("shared.weight") ? "shared.weight" : "encoder.embed_tokens.weight", {m.vocab_, E});
+  m.rel_bias_ = get("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", {buckets, m.heads_});
   for (int64_t i = 0; i < layers; ++i) {
     const std::string p = "encoder.block." + std::to_string(i) + ".layer.";
     Block b;
-    b.ln1 = get(f, p + "0.layer_norm.weight", {E});
-    b.wqkv = rows({get(f, p + "0.SelfAttention.q.weight", {I, E}), get(f, p + "0.SelfAttention.k.weight", {I, E}),
-                   get(f, p + "0.SelfAttention.v.weight", {I, E})});
-    b.wo = get(f, p + "0.SelfAttention.o.weight", {E, I});
-    b.ln2 = get(f, p + "1.layer_norm.weight", {E});
-    b.wi = m.gated_ ? rows({get(f, p + "1.DenseReluDense.wi_0.weight", {F, E}),
-                            get(f, p + "1.DenseReluDense.wi_1.weight", {F, E})})
-                    : get(f, p + "1.DenseReluDense.wi.weight", {F, E});
-    b.wo_ff = get(f, p + "1.DenseReluDense.wo.weight", {E, F});
+    b.ln1 = get(p + "0.layer_norm.weight", {E});
+    b.wqkv = rows({get(p + "0.SelfAttention.q.weight", {I, E}), get(p + "0.SelfAttention.k.weight", {I, E}),
+                   get(p + "0.SelfAttention.v.weight", {I, E})});
+    b.wo = get(p + "0.SelfAttention.o.weight", {E, I});
+    b.ln2 = get(p + "1.layer_norm.weight", {E});
+    b.wi = m.gated_ ? rows({get(p + "1.DenseReluDense.wi_0.weight", {F, E}),
+                            get(p + "1.DenseReluDense.wi_1.weight", {F, E})})
+                    : get(p + "1.DenseReluDense.wi.weight", {F, E});
+    b.wo_ff = get(p + "1.DenseReluDense.wo.weight", {E, F});
     m.blocks_.push_back(std::move(b));
   }
-  m.final_ln_ = get(f, "encoder.final_layer_norm.weight", {E});
+  m.final_ln_ = get("encoder.final_layer_norm.weight", {E});
   return m;
 }
 
