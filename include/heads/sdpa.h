@@ -28,6 +28,10 @@
 //   relative_attention_bias [num_buckets, H]: adds table[bucket(j - i - a), h], T5's bucketing
 //     (bidirectional or causal, relative_attention_max_distance), as transformers' T5Attention.
 //     T5 does not scale its scores: pass scale = 1.
+//   block_mask [nQB, nKB] or [H, nQB, nKB] bool, with block_size: query i may see key j only if
+//     block (i / block_size, j / block_size) is true (block-sparse attention, as FlexAttention's
+//     BlockMask); nQB = ceil(Lq / block_size), nKB = ceil(Lk / block_size). Key blocks a query
+//     tile cannot see are skipped.
 //   sinks [H]: a learned logit per head (in the units of the scaled scores) that joins every
 //     row's softmax denominator with no value (gpt-oss): rows sum to less than 1, lse includes it,
 //     and a row that sees no key gives zeros with lse = sink.
@@ -59,6 +63,8 @@ struct SdpaOptions {
   int64_t relative_attention_max_distance = 128;
   bool relative_attention_bidirectional = true;  // false: T5 decoder (causal) bucketing
   Tensor sinks;                          // [H] floating: attention-sink logits
+  Tensor block_mask;                     // [nQB, nKB] or [H, nQB, nKB] bool: block-sparse layout
+  int64_t block_size = 128;              // queries and keys per block of block_mask
 };
 
 // The ALiBi slopes of an H-head model (Press et al.; BLOOM's build_alibi_tensor, also for H not a

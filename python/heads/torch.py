@@ -30,7 +30,7 @@ class SDPAFunction(_torch.autograd.Function):
                 mods=None, sinks=None, relative_attention_bias=None):
         # mods: heads._mods's tuple without its sinks and table, which come as tensors (they have gradients).
         full = None if mods is None else mods[:4] + (_arg(relative_attention_bias, "relative_attention_bias"),) + \
-            mods[5:7] + (_arg(sinks, "sinks"),)
+            mods[5:7] + (_arg(sinks, "sinks"),) + mods[8:]
         out, lse, seed = _heads.sdpa_train_forward(
             _arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
             _arg(attn_mask, "attn_mask"), float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
@@ -61,7 +61,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  scale=None, enable_gqa=False, *, causal_variant="upper_left", window_size=None,
                                  sliding_window=None, softcap=None, alibi_slopes=None, sinks=None,
                                  relative_attention_bias=None, relative_attention_max_distance=128,
-                                 relative_attention_bidirectional=True):
+                                 relative_attention_bidirectional=True, block_mask=None, block_size=128):
     """As torch.nn.functional.scaled_dot_product_attention, computed by heads (forward and backward).
 
     The keyword-only modifiers are those of ``heads.sdpa``; ``sinks`` and ``relative_attention_bias``
@@ -70,7 +70,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
     mods = _mods(window_size, sliding_window, softcap, alibi_slopes, sinks, relative_attention_bias,
                  relative_attention_max_distance, relative_attention_bidirectional,
-                 query.shape[-3] if query.dim() >= 3 else 1)
+                 query.shape[-3] if query.dim() >= 3 else 1, block_mask, block_size)
     return SDPAFunction.apply(query, key, value, mask, dropout_p, causal, scale, enable_gqa, lower_right, mods,
                               sinks, relative_attention_bias)
 

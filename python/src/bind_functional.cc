@@ -25,13 +25,13 @@ namespace {
 
 // The position and score modifiers, as heads/__init__.py packs them: (window_left, window_right,
 // softcap, alibi_slopes, relative_attention_bias, relative_attention_max_distance,
-// relative_attention_bidirectional, sinks).
+// relative_attention_bidirectional, sinks, block_mask, block_size).
 using Mods = std::tuple<int64_t, int64_t, double, std::optional<InArray>, std::optional<InArray>, int64_t, bool,
-                        std::optional<InArray>>;
+                        std::optional<InArray>, std::optional<InArray>, int64_t>;
 
 void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   if (!mods) return;
-  const auto& [wl, wr, softcap, alibi, table, max_distance, bidirectional, sinks] = *mods;
+  const auto& [wl, wr, softcap, alibi, table, max_distance, bidirectional, sinks, block_mask, block_size] = *mods;
   o.window_left = wl;
   o.window_right = wr;
   o.softcap = softcap;
@@ -40,6 +40,8 @@ void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   o.relative_attention_max_distance = max_distance;
   o.relative_attention_bidirectional = bidirectional;
   o.sinks = opt_view(sinks, "sinks");
+  o.block_mask = opt_view(block_mask, "block_mask");
+  o.block_size = block_size;
 }
 
 // The options every sdpa binding takes, as torch names them (plus the bottom-right causal alignment

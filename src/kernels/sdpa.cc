@@ -119,6 +119,19 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
               opts.softcap);
   pb.softcap = opts.softcap;
   set_position_terms(op, opts, pb);
+  if (opts.block_mask.defined()) {
+    const Tensor& bm = opts.block_mask;
+    HEADS_CHECK(opts.block_size >= 1, op, ": block_size must be at least 1, got ", opts.block_size);
+    const int64_t bs = opts.block_size, nqb = (pb.Lq + bs - 1) / bs, nkb = (pb.Lk + bs - 1) / bs;
+    HEADS_CHECK(bm.dtype() == DType::Bool && (bm.dim() == 2 || bm.dim() == 3) &&
+                    (bm.dim() == 2 || bm.size(0) == 1 || bm.size(0) == pb.H) && bm.size(-2) == nqb &&
+                    bm.size(-1) == nkb,
+                op, ": block_mask: expected bool [nQB, nKB] or [H, nQB, nKB] = [", pb.H, ", ", nqb, ", ", nkb,
+                "] for Lq ", pb.Lq, ", Lk ", pb.Lk, " and block_size ", bs, ", got ", dtype_name(bm.dtype()), " ",
+                bm.shape());
+    pb.block_mask = (bm.dim() == 2 ? bm.unsqueeze(0) : bm).contiguous();
+    pb.block_size = bs;
+  }
   HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
               ": dropout_p must be in [0, 1], got ", opts.dropout_p);
   pb.dropout_p = opts.dropout_p;

@@ -87,7 +87,7 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
     const int64_t i = t.i0 + l;
     float* sl = s + l * kTK;
     float* dl = dp + l * kTK;
-    if (has_mask || pb.causal || pb.has_left || pb.softcap > 0.0 || pb.rel.defined()) {
+    if (has_mask || pb.causal || pb.has_left || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined()) {
       for (int64_t r = 0; r < nk; ++r) sl[r] = mod_score_log2(pb, t.b, t.h, i, j0 + r, sl[r], tg + l * kTK + r);
     }
     const VR l2 = Vec::set1(lse2[l]);
@@ -284,8 +284,8 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
   float* s = scr.s + u * kTQ;
   float* dp = scr.dp + u * kTQ;
   float* pd = scr.pd + u * kTQ;
-  if ((pb.causal && j0 > i0 + nq - 1 + pb.causal_offset) ||
-      (pb.has_left && j0 + nk - 1 < i0 + pb.left_offset)) {  // the tile sees none of these keys
+  if ((pb.causal && j0 > i0 + nq - 1 + pb.causal_offset) || (pb.has_left && j0 + nk - 1 < i0 + pb.left_offset) ||
+      !pb.blocks_any(st.h, i0, i0 + nq, j0, j0 + nk)) {  // the tile sees none of these keys
     for (int64_t r = 0; r < nk; ++r) {
       std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
       std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
@@ -349,9 +349,10 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
   st.few = st.nqs <= kSmallQ;
   st.first_group = jg == 0;
   st.dq0 = C.dqp + b * C.dqs[0] + h * C.dqs[1] + I0 * C.dqs[2];
-  // With a left limit, a step may see no block of the first group: its dQ rows start at zero.
-  st.dq_unset = st.first_group && !pb.has_left;
-  if (st.first_group && pb.has_left) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
+  // With a left limit or a block layout, a step may see no block of the first group: its dQ rows
+  // start at zero.
+  st.dq_unset = st.first_group && !pb.may_skip_left();
+  if (st.first_group && pb.may_skip_left()) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
   st.q0 = C.qp + b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2];
   st.g0 = C.gp + b * C.gs[0] + h * C.gs[1] + I0 * C.gs[2];
   st.kh = C.kp + b * C.ks[0] + hk * C.ks[1];
@@ -383,6 +384,7 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
     const int64_t nk = std::min(jg + ng - j0, kTK);
     if (pb.causal && j0 > I0 + st.nqs - 1 + pb.causal_offset) break;  // this and later keys hidden
     if (pb.has_left && j0 + nk - 1 < I0 + pb.left_offset) continue;  // left of every row's window
+    if (!pb.blocks_any(h, I0, I0 + st.nqs, j0, j0 + nk)) continue;  // no block of the layout
     for (int64_t u = 0; u < st.n_sub; ++u) tile_ds(C, st, j0, nk, u, scr);
     block_products(C, st, jg, j0, nk, written[(j0 - jg) / kTK], scr);
   }

@@ -83,7 +83,7 @@ inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, 
     for (int64_t u = g; u < std::min(nb, g + kW); ++u) sr[u] = -kInf;  // before nb
     for (int64_t u = std::max(g, nv); u < g + kW; ++u) sr[u] = -kInf;  // past nv
   }
-  if (pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined()) {
+  if (pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined()) {
     for (int64_t u = nb; u < nv; ++u) sr[u] = mod_score_log2(pb, b, h, i, j0 + u, sr[u]);
   }
 }
@@ -174,6 +174,13 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
   for (int64_t b0 = j0; b0 < j1; b0 += kBlock) {
     const int64_t nk = std::min(kBlock, j1 - b0);
     if (b0 + nk <= pb.key_begin(0) || b0 >= pb.key_end(pb.Lq - 1)) continue;  // outside every row's band
+    if (pb.block_mask.defined()) {  // no row's block of the layout reaches these keys
+      bool any = false;
+      for (int64_t h = hk * pb.group(); h < (hk + 1) * pb.group() && !any; ++h) {
+        any = pb.blocks_any(h, 0, pb.Lq, b0, b0 + nk);
+      }
+      if (!any) continue;
+    }
     // 1. S = q K_j^T (+ mask), one row per query
     for (int64_t r = 0; r < S.rows; ++r) {
       const int64_t h = hk * pb.group() + S.head(r);

@@ -204,6 +204,10 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   const bool has_mask = pb.mask_kind != MaskKind::None;
   const bool bool_mask = pb.mask_kind == MaskKind::Bool;
   const bool row_bcast = has_mask && pb.mask.stride(2) == 0;  // same value for every query
+  // Block-sparse layout: per lane, 0 where the lane's query block sees key block kb, else -inf
+  // (rebuilt when the key block changes).
+  VR blk[kNQ] = {Vec::zero(), Vec::zero()};
+  int64_t blk_kb = -1;
   const int64_t ms3 = has_mask ? pb.mask.stride(3) : 0;
   const int64_t mrow0 = has_mask ? pb.mask_offset(t.b, t.h, t.i0) : 0;
   const int64_t ms2 = has_mask ? pb.mask.stride(2) : 0;
@@ -219,6 +223,15 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       add[1] = Vec::load(t.tmp + kW);
     }
     const VR jv = Vec::set1(static_cast<float>(j));
+    if (pb.block_mask.defined() && j / pb.block_size != blk_kb) {
+      blk_kb = j / pb.block_size;
+      alignas(64) float lanes[kTQ];
+      for (int64_t l = 0; l < kTQ; ++l) {
+        lanes[l] = l >= t.nq || pb.block_visible(t.h, (t.i0 + l) / pb.block_size, blk_kb) ? 0.0f : -kInf;
+      }
+      blk[0] = Vec::load(lanes);
+      blk[1] = Vec::load(lanes + kW);
+    }
     for (int v = 0; v < kNQ; ++v) {
       VR x = Vec::load(s + r * lds + v * kW);
       if (cap) {
@@ -234,6 +247,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       }
       if (causal_here) x = Vec::fill_if_gt(x, jv, qlim[v], -kInf);
       if (left_here) x = Vec::fill_if_gt(x, qlo[v], jv, -kInf);
+      if (pb.block_mask.defined()) x = Vec::fill_if_gt(x, Vec::zero(), blk[v], -kInf);
       mx[v] = Vec::max(mx[v], x);
       Vec::store(s + r * lds + v * kW, x);
     }
@@ -244,7 +258,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
 HEADS_INLINE bool needs_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here) {
   const SdpaProblem& pb = t.pb;
   return causal_here || pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined() ||
-         (pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset);
+         pb.block_mask.defined() || (pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset);
 }
 
 inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
@@ -344,7 +358,8 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
   for (int64_t j0 = 0; j0 < pb.Lk; j0 += kTK) {
     const int64_t nk = std::min(pb.Lk - j0, kTK);
     // visible under the band: before the upper limit jend, not wholly left of the first row's window
-    const int64_t nv = j0 + nk <= pb.key_begin(t.i0) ? 0 : std::max<int64_t>(0, std::min(nk, jend - j0));
+    int64_t nv = j0 + nk <= pb.key_begin(t.i0) ? 0 : std::max<int64_t>(0, std::min(nk, jend - j0));
+    if (nv > 0 && !pb.blocks_any(t.h, t.i0, t.i0 + t.nq, j0, j0 + nv)) nv = 0;  // no block of the layout
     if (nv > 0) {
       const bool causal_here = pb.causal && j0 + nv - 1 > t.i0 + pb.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
@@ -391,6 +406,7 @@ inline void forward_tile(const SdpaProblem& pb, const typename Pol::In* q, const
   for (int64_t j0 = jbeg; j0 < jend; j0 += kTK) {
     const int64_t nk = std::min(jend - j0, kTK);
     const bool causal_here = pb.causal && j0 + nk - 1 > i0 + pb.causal_offset;
+    if (!pb.blocks_any(h, i0, i0 + nq, j0, j0 + nk)) continue;  // block-sparse: nothing to see here
     const bool masked = needs_masks(t, j0, nk, causal_here);
     // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
     VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};

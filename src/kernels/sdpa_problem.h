@@ -43,6 +43,8 @@ struct SdpaProblem {
   int64_t rel_max_distance = 128;
   bool rel_bidirectional = true;
   Tensor sinks;  // f32 [H] contiguous, natural-log units
+  Tensor block_mask;       // u8 [Hb, nQB, nKB] contiguous (Hb = 1 or H), undefined: dense
+  int64_t block_size = 0;  // queries and keys per block of block_mask
 
   int64_t group() const { return H / Hkv; }
   bool visible(int64_t i, int64_t j) const {
@@ -61,7 +63,27 @@ struct SdpaProblem {
   }
   // Modifiers only the f32 tiled and decode kernels (and the backward) apply; the bf16 tile kernels
   // hand such problems to the widening path.
-  bool score_mods() const { return has_left || softcap > 0.0 || rel.defined() || sinks.defined(); }
+  bool score_mods() const {
+    return has_left || softcap > 0.0 || rel.defined() || sinks.defined() || block_mask.defined();
+  }
+  // Block (qb, kb) of head h may be attended (block-sparse layout; true without one).
+  bool block_visible(int64_t h, int64_t qb, int64_t kb) const {
+    if (!block_mask.defined()) return true;
+    const int64_t nq = block_mask.size(1), nk = block_mask.size(2);
+    return static_cast<const uint8_t*>(block_mask.raw_data())[((block_mask.size(0) == 1 ? 0 : h) * nq + qb) * nk + kb] != 0;
+  }
+  // Some block of queries [i0, i1) x keys [j0, j1) (non-empty ranges) may be attended.
+  bool blocks_any(int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    if (!block_mask.defined()) return true;
+    for (int64_t qb = i0 / block_size; qb <= (i1 - 1) / block_size; ++qb) {
+      for (int64_t kb = j0 / block_size; kb <= (j1 - 1) / block_size; ++kb) {
+        if (block_visible(h, qb, kb)) return true;
+      }
+    }
+    return false;
+  }
+  // Keys may be skipped by whole blocks (a left limit or a block layout), not only at the right end.
+  bool may_skip_left() const { return has_left || block_mask.defined(); }
   const float* rel_row(int64_t h) const { return rel.data<float>() + h * rel_len; }
   float rel_log2(int64_t h, int64_t i, int64_t j) const { return rel_row(h)[i - j + Lk - 1]; }
   // The sink of head h in log2 units (-inf: none, an empty term of the denominator).
@@ -82,7 +104,10 @@ inline float mod_score_log2(const SdpaProblem& pb, int64_t b, int64_t h, int64_t
                             float* dcap = nullptr) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   if (dcap != nullptr) *dcap = 0.0f;  // a hidden key's (its dS is 0 and must stay 0)
-  if (!pb.visible(i, j)) return -kInf;
+  if (!pb.visible(i, j) || !pb.block_visible(h, i / (pb.block_size > 0 ? pb.block_size : 1),
+                                              j / (pb.block_size > 0 ? pb.block_size : 1))) {
+    return -kInf;
+  }
   if (pb.softcap > 0.0) {
     const float cap2 = static_cast<float>(pb.softcap * 1.4426950408889634);
     const float t = std::tanh(s2 / cap2);

@@ -76,6 +76,9 @@ double score(const kernels::SdpaProblem& pb, const Terms& tm, const double* q, c
     x += tm.table[static_cast<size_t>(bk * pb.H + h)];
   }
   if (!pb.visible(i, j)) x = -std::numeric_limits<double>::infinity();
+  if (pb.block_mask.defined() && !pb.block_visible(h, i / pb.block_size, j / pb.block_size)) {
+    x = -std::numeric_limits<double>::infinity();
+  }
   if (pb.mask_kind != kernels::MaskKind::None) {
     const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
     if (pb.mask_kind == kernels::MaskKind::Bool) {

@@ -322,6 +322,70 @@ TEST(SdpaVariants, SinkAloneGivesZerosAndItsLse) {
   }
 }
 
+// Block-sparse layouts of several block sizes (smaller and larger than the kernels' tiles), per
+// head and shared, alone and with causal / windows / sinks: forward (with weights) and backward on
+// every path against the reference, and equal to the same layout written as a bool mask.
+TEST(SdpaVariants, BlockSparseLayouts) {
+  IsaGuard guard;
+  for (auto [Lq, Lk, bs] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {129, 129, 16}, {200, 300, 64}, {3, 700, 32}, {70, 50, 128}, {33, 33, 1}, {260, 260, 128}}) {
+    const int64_t H = 3, nqb = (Lq + bs - 1) / bs, nkb = (Lk + bs - 1) / bs;
+    const Tensor q = randn({2, H, Lq, 24}), k = randn({2, H, Lk, 24}), v = randn({2, H, Lk, 20}),
+                 dout = randn({2, H, Lq, 20});
+    for (int variant = 0; variant < 4; ++variant) {
+      SdpaOptions o;
+      const bool per_head = variant % 2 == 0;
+      o.block_mask = testing::rand_bool(per_head ? Shape{H, nqb, nkb} : Shape{nqb, nkb}, 0.5);
+      o.block_size = bs;
+      if (variant == 1) o.is_causal = true, o.causal_align = CausalAlign::BottomRight;
+      if (variant == 2) o.window_left = 40, o.sinks = randn({H});
+      if (variant == 3) o.softcap = 3.0, o.alibi_slopes = alibi_slopes(H);
+      const std::string what = "Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) + " bs=" + std::to_string(bs) +
+                               " variant=" + std::to_string(variant);
+      o.need_weights = true;
+      const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
+      o.need_weights = false;
+      const SdpaGrads gref = ref::sdpa_bwd_f64(dout, q, k, v, o);
+      // the layout as an elementwise bool mask gives the same result
+      Tensor dense = Tensor::empty({per_head ? H : 1, Lq, Lk}, DType::Bool);
+      for (int64_t h = 0; h < dense.size(0); ++h) {
+        for (int64_t i = 0; i < Lq; ++i) {
+          for (int64_t j = 0; j < Lk; ++j) {
+            const int64_t at = ((per_head ? h : 0) * nqb + i / bs) * nkb + j / bs;
+            static_cast<uint8_t*>(dense.raw_data())[(h * Lq + i) * Lk + j] =
+                static_cast<const uint8_t*>(o.block_mask.raw_data())[at];
+          }
+        }
+      }
+      SdpaOptions m = o;
+      m.block_mask = Tensor();
+      m.attn_mask = dense;
+      EXPECT_TRUE(testing::compare(sdpa(q, k, v, m).out, ref.out).within(1e-5, 1e-6)) << what << " as a bool mask";
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        const std::string where = what + " isa=" + isa_name(isa);
+        o.need_weights = true;
+        const SdpaResult r = sdpa(q, k, v, o);
+        ASSERT_TRUE(testing::compare(r.out, ref.out).within(1e-5, 1e-6)) << where;
+        ASSERT_TRUE(testing::compare(r.weights, ref.weights).within(1e-5, 1e-6)) << where << " weights";
+        o.need_weights = false;
+        const SdpaResult f = sdpa(q, k, v, o);
+        ASSERT_TRUE(testing::bitwise_equal(f.out, r.out)) << where;
+        const SdpaGrads gr =
+            sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()), dout, q, k, v, f, o);
+        for (const auto& [got, want, name] : {std::tuple{&gr.dq, &gref.dq, "dq"}, {&gr.dk, &gref.dk, "dk"},
+                                              {&gr.dv, &gref.dv, "dv"}}) {
+          const auto e = testing::compare(*got, *want);
+          ASSERT_TRUE(e.within(1e-5, 1e-5)) << where << ": " << name << " max err " << e.max_abs;
+        }
+        const Tensor qb = q.to(DType::BF16), kb = k.to(DType::BF16), vb = v.to(DType::BF16);
+        const auto eb = testing::compare(sdpa(qb, kb, vb, o).out, ref::sdpa_fwd_f64(qb, kb, vb, o).out);
+        ASSERT_TRUE(eb.within(8e-3, 4e-3)) << where << " bf16 max err " << eb.max_abs;
+      }
+    }
+  }
+}
+
 TEST(SdpaVariants, BadOptionsAreClearErrors) {
   const Tensor q = randn({1, 4, 5, 8}), k = randn({1, 4, 6, 8}), v = randn({1, 4, 6, 8});
   auto err = [&](const std::function<void(SdpaOptions&)>& set) {
@@ -344,6 +408,12 @@ TEST(SdpaVariants, BadOptionsAreClearErrors) {
               }),
               HasSubstr("relative_attention_max_distance (8) above them"));
   EXPECT_THAT(error_of([] { alibi_slopes(0); }), HasSubstr("alibi_slopes: num_heads must be at least 1, got 0"));
+  EXPECT_THAT(err([](SdpaOptions& o) {
+                o.block_mask = testing::rand_bool({2, 2}, 0.5);
+                o.block_size = 2;
+              }),
+              HasSubstr("block_mask: expected bool [nQB, nKB] or [H, nQB, nKB] = [4, 3, 3] for Lq 5, Lk 6 and "
+                        "block_size 2, got bool [2, 2]"));
 }
 
 }  // namespace

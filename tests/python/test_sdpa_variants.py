@@ -191,3 +191,25 @@ def test_errors_name_the_argument():
         heads.sdpa(q, k, v, softcap=-2.0)
     with pytest.raises(ValueError, match=r"relative_attention_bias: expected a floating table"):
         heads.sdpa(q, k, v, relative_attention_bias=torch.ones(32, 3))
+
+
+@pytest.mark.parametrize("bs", [1, 16, 64, 128])
+def test_block_sparse_equals_block_expanded_mask(bs):
+    H, Lq, Lk = 3, 150, 200
+    q, k, v = _qkv(2, H, H, Lq, Lk, 32, 32)
+    nqb, nkb = -(-Lq // bs), -(-Lk // bs)
+    layout = torch.from_numpy(rng.random((H, nqb, nkb)) < 0.5)
+    dense = layout.repeat_interleave(bs, 1).repeat_interleave(bs, 2)[:, :Lq, :Lk]
+    got = heads.sdpa(q, k, v, block_mask=layout, block_size=bs)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    want = torch.where(dense.any(-1)[..., None], want, torch.zeros_like(want))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    # and the gradients, through heads.torch
+    qf, kf, vf = [t.clone().requires_grad_() for t in (q, k, v)]
+    ht.scaled_dot_product_attention(qf, kf, vf, block_mask=layout, block_size=bs).sum().backward()
+    q2, k2, v2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    _eager(q2, k2, v2, visible=dense).sum().backward()
+    for a, b in ((qf, q2), (kf, k2), (vf, v2)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"block_mask: expected bool \[nQB, nKB\] or \[H, nQB, nKB\]"):
+        heads.sdpa(q, k, v, block_mask=layout[:, :1], block_size=bs)

@@ -35,6 +35,7 @@ struct BenchArgs {
   std::string dtype = "f32", mask = "none", window;
   double dropout = 0.0, softcap = 0.0;
   bool alibi = false, sinks = false;
+  std::string block_sparse;  // DENSITY,BLOCK
   uint64_t seed = 1;
   int threads = 0;
   double min_time = 1.0;
@@ -151,6 +152,26 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
   o.softcap = a.softcap;
   if (a.alibi) o.alibi_slopes = alibi_slopes(c.H);
   if (a.sinks) o.sinks = random_tensor({c.H}, a.seed + 1);
+  double density = 1.0;
+  if (!a.block_sparse.empty()) {  // a random per-head layout of that density
+    const size_t comma = a.block_sparse.find(',');
+    int64_t bs = 0;
+    try {
+      density = std::stod(a.block_sparse.substr(0, comma));
+      bs = comma == std::string::npos ? 128 : std::stoll(a.block_sparse.substr(comma + 1));
+    } catch (const std::exception&) {
+      density = -1;
+    }
+    HEADS_CHECK(density > 0 && density <= 1 && bs >= 1, "bench sdpa: --block-sparse: expected DENSITY[,BLOCK] with ",
+                "0 < DENSITY <= 1 and BLOCK >= 1, got '", a.block_sparse, "'");
+    const int64_t nqb = (c.Lq + bs - 1) / bs, nkb = (c.key_len() + bs - 1) / bs;
+    Tensor layout = Tensor::empty({c.H, nqb, nkb}, DType::Bool);
+    std::mt19937_64 gen(a.seed + 2);
+    std::bernoulli_distribution keep(density);
+    for (int64_t x = 0; x < layout.numel(); ++x) static_cast<uint8_t*>(layout.raw_data())[x] = keep(gen);
+    o.block_mask = layout;
+    o.block_size = bs;
+  }
   const bool windowed = left >= 0 || right >= 0;
   std::string mods;  // the modifiers, as the case string shows them
   if (windowed) mods += " window=" + std::to_string(left) + "," + std::to_string(right);
@@ -161,6 +182,7 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
   }
   if (a.alibi) mods += " alibi";
   if (a.sinks) mods += " sinks";
+  if (!a.block_sparse.empty()) mods += " block_sparse=" + a.block_sparse;
   Tensor out = Tensor::empty({c.B, c.H, c.Lq, c.value_dim()}, c.dtype);
   double ms = 0, bwd_ms = 0, bwd_call_ms = 0;
   if (!a.backward) {
@@ -189,9 +211,11 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
     bwd_call_ms = median(calls);
   }
   // The backward's five products are 2.5x the forward's two. A window counts only the pairs it lets through.
-  const double fwd_flops = windowed ? 2.0 * c.B * c.H * static_cast<double>(c.D + c.value_dim()) *
-                                          visible_pairs(c, left, right)
-                                    : c.forward_flops();
+  // A block layout counts its density of the pairs (the expected share of blocks kept).
+  const double fwd_flops = (windowed ? 2.0 * c.B * c.H * static_cast<double>(c.D + c.value_dim()) *
+                                           visible_pairs(c, left, right)
+                                     : c.forward_flops()) *
+                           density;
   const double gflops = fwd_flops * (a.backward ? 3.5 : 1.0) / ms / 1e6;
   const std::string case_str = c.str() + mods;
   const std::string isa = isa_name(active_isa());
@@ -355,6 +379,9 @@ void add_bench_command(CLI::App& app, Action* action) {
   s->add_option("--softcap", args->softcap, "logit softcap (0 = none)")->check(real_in(0.0, 1e30));
   s->add_flag("--alibi", args->alibi, "ALiBi bias with the standard slopes of --heads");
   s->add_flag("--sinks", args->sinks, "a random attention-sink logit per head");
+  s->add_option("--block-sparse", args->block_sparse,
+                "DENSITY[,BLOCK]: a random per-head block layout keeping that share of BLOCK x BLOCK blocks "
+                "(default 128; flops count that share)");
   s->add_option("--mask", args->mask, "attn_mask [B, 1, Lq, Lk]: none, bool (80% visible) or float")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "bool", "float"}));
