@@ -18,12 +18,14 @@
 // Position and score modifiers, computed inside the fused kernels (never an Lq x Lk tensor). With
 // a = 0 (top-left) or Lk - Lq (bottom-right, causal_align), query i sits at key position i + a:
 //   window_left / window_right (-1 = unbounded): key j is visible iff i + a - window_left <= j <=
-//     i + a + window_right (flash-attn's window_size); is_causal is window_right = 0. A sliding
+//     i + a + window_right (flash-attn's window_size, which always aligns bottom-right: use
+//     CausalAlign::BottomRight for its meaning when Lq != Lk); is_causal is window_right = 0. A sliding
 //     window of W keys as Mistral / Gemma 2 / transformers' sliding_window is window_left = W - 1
 //     with is_causal. Blocks of keys outside every row's window are skipped, not computed.
 //   softcap > 0: the scaled score t becomes softcap · tanh(t / softcap) (Gemma 2), before masks
 //     and biases are added.
-//   alibi_slopes [H]: adds -slope_h · |i + a - j| (ALiBi; flash-attn's alibi_slopes; for causal
+//   alibi_slopes [H]: adds -slope_h · |i + a - j| (ALiBi; flash-attn's alibi_slopes with bottom-right
+//     alignment; for causal
 //     rows the same softmax as BLOOM's slope · j). heads::alibi_slopes(H) gives the standard ones.
 //   relative_attention_bias [num_buckets, H]: adds table[bucket(j - i - a), h], T5's bucketing
 //     (bidirectional or causal, relative_attention_max_distance), as transformers' T5Attention.

@@ -719,7 +719,15 @@ class CausalLM:
     def generate(self, prompt: Any, max_new_tokens: int, eos_token_id: Optional[int] = None,
                  cache_dtype: str = "f32") -> list:
         """Greedy decoding: the new token ids (at most ``max_new_tokens``, stopping after ``eos_token_id``)."""
-        ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        rows = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if rows and isinstance(rows[0], (list, tuple)):  # [1, L] as transformers takes it
+            if len(rows) != 1:
+                raise ValueError(f"prompt: expected one sequence of ids (or [1, L]), got {len(rows)} sequences")
+            rows = list(rows[0])
+        try:
+            ids = [operator.index(t) for t in rows]
+        except TypeError:
+            raise ValueError(f"prompt: expected integer token ids, got {rows[:4]!r}...") from None
         eos = -1 if eos_token_id is None else _int(eos_token_id, "eos_token_id", 0, 2**62)
         return self._m.generate(ids, _int(max_new_tokens, "max_new_tokens", 0, 1 << 24), eos, cache_dtype)
 

@@ -23,9 +23,9 @@ using namespace nb::literals;
 
 namespace {
 
-DType cache_dtype(const std::string& s) {
+DType cache_dtype(const std::string& s, const char* name = "dtype") {
   HEADS_CHECK(s == "f32" || s == "float32" || s == "bf16" || s == "bfloat16",
-              "dtype: expected 'f32' or 'bf16', got '", s, "'");
+              name, ": expected 'f32' or 'bf16', got '", s, "'");
   return s == "f32" || s == "float32" ? DType::F32 : DType::BF16;
 }
 
@@ -105,7 +105,7 @@ void bind_decoder(nb::module_& m) {
            [](const heads::CausalLM& lm, const std::vector<int64_t>& prompt, int64_t max_new_tokens,
               int64_t eos_token_id, const std::string& dtype) {
              nb::gil_scoped_release release;
-             return lm.generate(prompt, max_new_tokens, eos_token_id, cache_dtype(dtype));
+             return lm.generate(prompt, max_new_tokens, eos_token_id, cache_dtype(dtype, "cache_dtype"));
            },
            "prompt"_a, "max_new_tokens"_a, "eos_token_id"_a = -1, "cache_dtype"_a = "f32");
 

@@ -111,10 +111,13 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
               ": window_left and window_right must be -1 (unbounded) or >= 0, got (", opts.window_left, ", ",
               opts.window_right, ")");
   pb.align_offset = opts.causal_align == CausalAlign::BottomRight ? pb.Lk - pb.Lq : 0;
-  pb.causal = opts.is_causal || opts.window_right >= 0;
-  pb.causal_offset = pb.align_offset + (opts.is_causal ? 0 : opts.window_right);
-  pb.has_left = opts.window_left >= 0;
-  pb.left_offset = pb.align_offset - (pb.has_left ? opts.window_left : 0);
+  // Extents past Lq + Lk reach every key: clamped there, so the offsets cannot overflow.
+  const int64_t reach = pb.Lq + pb.Lk;
+  const int64_t wl = std::min(opts.window_left, reach), wr = std::min(opts.window_right, reach);
+  pb.causal = opts.is_causal || wr >= 0;
+  pb.causal_offset = pb.align_offset + (opts.is_causal ? 0 : wr);
+  pb.has_left = wl >= 0;
+  pb.left_offset = pb.align_offset - (pb.has_left ? wl : 0);
   HEADS_CHECK(opts.softcap >= 0.0 && std::isfinite(opts.softcap), op, ": softcap must be finite and >= 0, got ",
               opts.softcap);
   pb.softcap = opts.softcap;
@@ -187,9 +190,10 @@ Tensor alibi_slopes(int64_t num_heads) {
   Tensor s = Tensor::empty({num_heads}, DType::F32);
   float* sp = s.data<float>();
   const auto base = [](int64_t n) { return std::exp2(-std::exp2(-(std::log2(static_cast<double>(n)) - 3.0))); };
-  const double b0 = base(p2), b1 = base(2 * p2);
-  for (int64_t h = 0; h < p2; ++h) sp[h] = static_cast<float>(std::pow(b0, static_cast<double>(h + 1)));
-  for (int64_t e = 0; p2 + e < num_heads; ++e) sp[p2 + e] = static_cast<float>(std::pow(b1, static_cast<double>(2 * e + 1)));
+  // float32 powers of the float32 bases, as BLOOM's build_alibi_tensor computes them in torch
+  const float b0 = static_cast<float>(base(p2)), b1 = static_cast<float>(base(2 * p2));
+  for (int64_t h = 0; h < p2; ++h) sp[h] = std::pow(b0, static_cast<float>(h + 1));
+  for (int64_t e = 0; p2 + e < num_heads; ++e) sp[p2 + e] = std::pow(b1, static_cast<float>(2 * e + 1));
   return s;
 }
 
@@ -238,6 +242,9 @@ SdpaResult run(const kernels::SdpaProblem& pb, const Tensor& out, const Tensor& 
     r.out.copy_from(Tensor::zeros(r.out.shape(), DType::F32));
     float* lp = r.lse.data<float>();
     std::fill(lp, lp + r.lse.numel(), -std::numeric_limits<float>::infinity());
+    if (pb.sinks.defined()) {  // the sink alone: lse = sink
+      for (int64_t bh = 0; bh < pb.B * pb.H; ++bh) std::fill(lp + bh * pb.Lq, lp + (bh + 1) * pb.Lq, pb.sinks.data<float>()[bh % pb.H]);
+    }
     return r;
   }
   const auto fwd = q.dtype() == DType::BF16 ? active().sdpa_fwd_bf16 : active().sdpa_fwd_f32;

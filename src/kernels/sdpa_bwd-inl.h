@@ -298,12 +298,14 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
   for (int64_t l = 0; mrow != nullptr && l < nq; ++l) {
     for (int64_t r = 0; r < nk; ++r) mrow[l * pb.Lk + r] = dp[r * kLd + l];
   }
-  if (scr.drel != nullptr) {  // dS of (i0 + lane, j0 + r) into drel[lane - r + i0 - j0 + Lk - 1]
+  if (scr.drel != nullptr) {  // dS of (i0 + lane, j0 + r) into drel[lane - r + i0 - j0 + Lk - 1], lanes < nq
     float* dr = scr.drel + st.h * pb.rel_len + (i0 - j0 + pb.Lk - 1);
     for (int64_t r = 0; r < nk; ++r) {
       for (int vv = 0; vv < kNQ; ++vv) {
+        const int64_t n = std::min<int64_t>(kW, nq - vv * kW);
+        if (n <= 0) break;
         float* x = dr - r + vv * kW;
-        Vec::storeu(x, Vec::add(Vec::loadu(x), Vec::load(dp + r * kLd + vv * kW)));
+        Vec::store_partial(x, Vec::add(Vec::load_partial(x, n), Vec::load_partial(dp + r * kLd + vv * kW, n)), n);
       }
     }
   }

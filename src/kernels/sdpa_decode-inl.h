@@ -270,7 +270,7 @@ inline void merge_chunks(const Setup& S, int64_t b, int64_t hk, const Partials& 
     float m = sink2;
     for (int64_t c = 0; c < S.n_chunks; ++c) m = std::max(m, part.m[c * S.rows + r]);
     for (int64_t d = 0; d < pb.Dv; ++d) acc[d] = 0.0f;
-    float l = pb.sinks.defined() ? std::exp2(sink2 - m) : 0.0f;
+    float l = sink2 != -kInf ? std::exp2(sink2 - m) : 0.0f;  // (a -inf sink is no term at all)
     for (int64_t c = 0; c < S.n_chunks; ++c) {
       if (part.l[c * S.rows + r] == 0.0f) continue;
       const float f = std::exp2(part.m[c * S.rows + r] - m);

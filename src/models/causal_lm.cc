@@ -361,6 +361,10 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
               c.head_dim, "; got ", cache->num_layers(), ", ", cache->batch(), ", ", cache->kv_heads(), ", ",
               cache->head_dim());
   const int64_t past = cache->length();
+  for (int64_t i = 1; i < c.num_layers; ++i) {
+    HEADS_CHECK(cache->length(i) == past, op, ": cache: layer ", i, " holds ", cache->length(i),
+                " positions but layer 0 holds ", past, " (a step that did not reach every layer; truncate it)");
+  }
   HEADS_CHECK(pos_ != Pos::Learned || past + L <= c.max_positions, op, ": positions ", past, " + ", L,
               " exceed the model's ", c.max_positions, " learned positions");
   const Tensor idc = ids.contiguous();

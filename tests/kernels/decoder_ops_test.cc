@@ -46,6 +46,27 @@ TEST(Rope, MatchesReferenceForEveryLayoutAndScaling) {
   }
 }
 
+TEST(Rope, FrequenciesAsTransformers) {
+  // 1 / theta^(2i / d), and linear scaling divides by the factor (independent of rope_inv_freq's code)
+  RopeOptions o;
+  o.theta = 500000.0;
+  const Tensor f = rope_inv_freq(64, o);
+  for (int64_t i = 0; i < 32; ++i) {
+    const double want = 1.0 / std::pow(500000.0, 2.0 * i / 64.0);
+    EXPECT_NEAR(f.data<float>()[i], want, 2e-7 * want) << i;
+  }
+  o.scaling = RopeOptions::Scaling::Linear;
+  o.factor = 4.0;
+  EXPECT_NEAR(rope_inv_freq(64, o).data<float>()[3], 1.0 / std::pow(500000.0, 6.0 / 64.0) / 4.0, 1e-7);
+  // llama3: high frequencies (wavelength below original / high_freq_factor) kept, low ones divided
+  o.scaling = RopeOptions::Scaling::Llama3;
+  o.factor = 8.0, o.low_freq_factor = 1.0, o.high_freq_factor = 4.0, o.original_max_position = 8192;
+  const Tensor l3 = rope_inv_freq(64, o);
+  EXPECT_FLOAT_EQ(l3.data<float>()[0], 1.0f);
+  const double low = 1.0 / std::pow(500000.0, 62.0 / 64.0);  // wavelength 2π/low far above 8192
+  EXPECT_NEAR(l3.data<float>()[31], low / 8.0, 1e-6 * low);
+}
+
 TEST(Rope, Bf16InPlaceAndErrors) {
   const Tensor x = randn({1, 2, 5, 16});
   const Tensor xb = x.to(DType::BF16);

@@ -26,49 +26,59 @@ using testing::randn;
 // One variant: the options it sets on top of a plain call (H query heads).
 struct Variant {
   std::string name;
-  std::function<void(SdpaOptions&, int64_t H)> set;
+  std::function<void(SdpaOptions&, int64_t H, int64_t Lq, int64_t Lk)> set;
 };
 
 std::vector<Variant> variants() {
   return {
-      {"window(3,-1)", [](SdpaOptions& o, int64_t) { o.window_left = 3; }},
-      {"window(-1,2)", [](SdpaOptions& o, int64_t) { o.window_right = 2; }},
-      {"window(5,0)", [](SdpaOptions& o, int64_t) { o.window_left = 5, o.window_right = 0; }},
-      {"sliding 4 + causal", [](SdpaOptions& o, int64_t) { o.window_left = 3, o.is_causal = true; }},
+      {"window(3,-1)", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.window_left = 3; }},
+      {"window(-1,2)", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.window_right = 2; }},
+      {"window(5,0)", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.window_left = 5, o.window_right = 0; }},
+      {"sliding 4 + causal", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.window_left = 3, o.is_causal = true; }},
       {"sliding 40 + causal-br",
-       [](SdpaOptions& o, int64_t) {
+       [](SdpaOptions& o, int64_t, int64_t, int64_t) {
          o.window_left = 39, o.is_causal = true, o.causal_align = CausalAlign::BottomRight;
        }},
-      {"window(0,0)", [](SdpaOptions& o, int64_t) { o.window_left = 0, o.window_right = 0; }},
-      {"softcap 2", [](SdpaOptions& o, int64_t) { o.softcap = 2.0; }},
-      {"softcap 30 + causal", [](SdpaOptions& o, int64_t) { o.softcap = 30.0, o.is_causal = true; }},
-      {"alibi", [](SdpaOptions& o, int64_t H) { o.alibi_slopes = alibi_slopes(H); }},
+      {"window(0,0)", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.window_left = 0, o.window_right = 0; }},
+      {"softcap 2", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.softcap = 2.0; }},
+      {"softcap 30 + causal", [](SdpaOptions& o, int64_t, int64_t, int64_t) { o.softcap = 30.0, o.is_causal = true; }},
+      {"alibi", [](SdpaOptions& o, int64_t H, int64_t, int64_t) { o.alibi_slopes = alibi_slopes(H); }},
       {"alibi random + causal-br",
-       [](SdpaOptions& o, int64_t H) {
+       [](SdpaOptions& o, int64_t H, int64_t, int64_t) {
          o.alibi_slopes = randn({H}, 0.05), o.is_causal = true, o.causal_align = CausalAlign::BottomRight;
        }},
       {"t5 bidirectional",
-       [](SdpaOptions& o, int64_t H) {
+       [](SdpaOptions& o, int64_t H, int64_t, int64_t) {
          o.relative_attention_bias = randn({32, H}), o.relative_attention_max_distance = 20, o.scale = 1.0;
        }},
       {"t5 causal",
-       [](SdpaOptions& o, int64_t H) {
+       [](SdpaOptions& o, int64_t H, int64_t, int64_t) {
          o.relative_attention_bias = randn({16, H}), o.relative_attention_bidirectional = false;
          o.relative_attention_max_distance = 40, o.is_causal = true;
        }},
-      {"sinks", [](SdpaOptions& o, int64_t H) { o.sinks = randn({H}, 2.0); }},
+      {"sinks", [](SdpaOptions& o, int64_t H, int64_t, int64_t) { o.sinks = randn({H}, 2.0); }},
       {"sinks + window(2,0)",
-       [](SdpaOptions& o, int64_t H) { o.sinks = randn({H}, 2.0), o.window_left = 2, o.window_right = 0; }},
+       [](SdpaOptions& o, int64_t H, int64_t, int64_t) { o.sinks = randn({H}, 2.0), o.window_left = 2, o.window_right = 0; }},
       {"everything",
-       [](SdpaOptions& o, int64_t H) {
+       [](SdpaOptions& o, int64_t H, int64_t, int64_t) {
          o.window_left = 9, o.window_right = 4, o.softcap = 5.0, o.alibi_slopes = alibi_slopes(H);
          o.relative_attention_bias = randn({8, H}), o.sinks = randn({H});
          o.attn_mask = testing::rand_bool({1, 1, 1, 1}, 1.0);
        }},
       {"everything + float mask + dropout",
-       [](SdpaOptions& o, int64_t H) {
+       [](SdpaOptions& o, int64_t H, int64_t Lq, int64_t Lk) {
          o.window_left = 6, o.is_causal = true, o.softcap = 3.0, o.relative_attention_bias = randn({8, H});
          o.sinks = randn({H}), o.dropout_p = 0.25, o.dropout_seed = 77;
+         o.attn_mask = randn({1, H, Lq, Lk});
+       }},
+      {"per-row bool mask + softcap + t5 + sinks",
+       [](SdpaOptions& o, int64_t H, int64_t Lq, int64_t Lk) {
+         o.attn_mask = testing::rand_bool({Lq, Lk}, 0.7), o.softcap = 4.0, o.relative_attention_bias = randn({16, H});
+         o.sinks = randn({H});
+       }},
+      {"float mask [Lq, Lk] + alibi + window",
+       [](SdpaOptions& o, int64_t H, int64_t Lq, int64_t Lk) {
+         o.attn_mask = randn({Lq, Lk}), o.alibi_slopes = alibi_slopes(H), o.window_left = 20, o.window_right = 5;
        }},
   };
 }
@@ -91,7 +101,7 @@ TEST(SdpaVariants, ForwardMatchesReferenceOnEveryPath) {
     for (const Variant& var : variants()) {
       SdpaOptions o;
       o.enable_gqa = s.H != s.Hkv;
-      var.set(o, s.H);
+      var.set(o, s.H, s.Lq, s.Lk);
       o.need_weights = true;
       const std::string what = var.name + " B=" + std::to_string(s.B) + " H=" + std::to_string(s.H) + "/" +
                                std::to_string(s.Hkv) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
@@ -221,7 +231,7 @@ TEST(SdpaVariants, ReferenceBackwardMatchesFiniteDifferences) {
   const Tensor G = randn({1, H, 4, 2}).to(DType::F64);
   for (const Variant& var : variants()) {
     SdpaOptions o;
-    var.set(o, H);
+    var.set(o, H, 4, 6);
     if (o.sinks.defined()) o.sinks = o.sinks.to(DType::F64).clone();
     if (o.relative_attention_bias.defined()) o.relative_attention_bias = o.relative_attention_bias.to(DType::F64).clone();
     if (o.alibi_slopes.defined()) o.alibi_slopes = o.alibi_slopes.to(DType::F64).clone();
@@ -263,8 +273,9 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
     for (const Variant& var : variants()) {
       SdpaOptions o;
       o.enable_gqa = s.H != s.Hkv;
-      var.set(o, s.H);
-      const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o);
+      var.set(o, s.H, s.Lq, s.Lk);
+      const bool mask_grad = o.attn_mask.defined() && is_floating(o.attn_mask.dtype());
+      const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
       for (Isa isa : supported_isas()) {
         set_isa(isa);
         const std::string where = var.name + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
@@ -272,9 +283,11 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
                                   std::to_string(s.D) + " isa=" + isa_name(isa);
         const SdpaResult f = sdpa(q, k, v, o);
         const SdpaGrads g =
-            sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()), dout, q, k, v, f, o);
+            sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()), dout, q, k, v, f, o,
+                              mask_grad);
         for (const auto& [got, want, name] :
              {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"}, {&g.dv, &ref.dv, "dv"},
+              {&g.dmask, &ref.dmask, "dmask"},
               {&g.dsinks, &ref.dsinks, "dsinks"}, {&g.drelative_attention_bias, &ref.drelative_attention_bias, "dtable"}}) {
           ASSERT_EQ(got->defined(), want->defined()) << where << ": " << name;
           if (!want->defined()) continue;
@@ -382,6 +395,36 @@ TEST(SdpaVariants, BlockSparseLayouts) {
         const auto eb = testing::compare(sdpa(qb, kb, vb, o).out, ref::sdpa_fwd_f64(qb, kb, vb, o).out);
         ASSERT_TRUE(eb.within(8e-3, 4e-3)) << where << " bf16 max err " << eb.max_abs;
       }
+    }
+  }
+}
+
+TEST(SdpaVariants, EdgeCases) {
+  IsaGuard guard;
+  const Tensor q = randn({1, 2, 3, 8}), k = randn({1, 2, 5, 8}), v = randn({1, 2, 5, 8});
+  // windows as wide as int64 allows are unbounded (no overflow in the offsets)
+  SdpaOptions wide;
+  wide.window_left = std::numeric_limits<int64_t>::max(), wide.window_right = std::numeric_limits<int64_t>::max();
+  EXPECT_TRUE(testing::compare(sdpa(q, k, v, wide).out, ref::sdpa_fwd_f64(q, k, v, {}).out).within(1e-5, 1e-6));
+  // no key at all with sinks: zeros, lse = sink
+  SdpaOptions s;
+  s.sinks = randn({2});
+  const SdpaResult r0 = sdpa(q, randn({1, 2, 0, 8}), randn({1, 2, 0, 8}), s);
+  EXPECT_FLOAT_EQ(r0.lse.data<float>()[0], s.sinks.data<float>()[0]);
+  EXPECT_FLOAT_EQ(r0.lse.data<float>()[5], s.sinks.data<float>()[1]);
+  // a -inf sink is no term: a row that sees nothing gives zeros and lse = -inf on every path
+  s.sinks.data<float>()[0] = -std::numeric_limits<float>::infinity();
+  s.attn_mask = Tensor::zeros({3, 5}, DType::Bool);
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int64_t Lq : {1, 9}) {  // decode and tiled kernels
+      const SdpaResult r = sdpa(randn({1, 2, Lq, 8}), k, v, [&] {
+        SdpaOptions o = s;
+        o.attn_mask = Tensor::zeros({Lq, 5}, DType::Bool);
+        return o;
+      }());
+      EXPECT_EQ(r.out.data<float>()[0], 0.0f) << isa_name(isa) << " Lq=" << Lq;
+      EXPECT_EQ(r.lse.data<float>()[0], -std::numeric_limits<float>::infinity()) << isa_name(isa) << " Lq=" << Lq;
     }
   }
 }

@@ -107,6 +107,7 @@ def test_greedy_generation_matches_transformers(models, name):
     with torch.no_grad():
         want = _hf_greedy(m, ids, 32)
     assert lm.generate(ids[0], max_new_tokens=32) == want
+    assert lm.generate(ids, max_new_tokens=2) == want[:2]  # [1, L] as transformers takes it
 
 
 @pytest.mark.parametrize("name", ["llama-gqa2", "gemma2", "bloom", "gpt2"])
@@ -204,8 +205,17 @@ def test_unsupported_configs_are_errors(models, tmp_path):
         os.symlink(os.path.join(d, "model.safetensors"), bad / "model.safetensors")
         with pytest.raises(ValueError, match=msg):
             heads.CausalLM.from_pretrained(bad)
+    lm = heads.CausalLM.from_pretrained(d)
     with pytest.raises(ValueError, match="token id 999 outside the vocabulary"):
-        heads.CausalLM.from_pretrained(d)(np.array([[1, 999]]))
+        lm(np.array([[1, 999]]))
+    with pytest.raises(ValueError, match="cache_dtype: expected 'f32' or 'bf16', got 'f16'"):
+        lm.generate([1, 2], 3, cache_dtype="f16")
+    with pytest.raises(ValueError, match="prompt: expected one sequence"):
+        lm.generate([[1, 2], [3, 4]], 3)
+    cache = lm.new_cache()
+    cache.append(0, np.zeros((1, 3, 2, 16), np.float32), np.zeros((1, 3, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="cache: layer 1 holds 0 positions but layer 0 holds 2"):
+        lm(np.array([[1, 2]]), cache=cache)
 
 
 def test_cli_generate(models):
@@ -250,9 +260,10 @@ def test_reduced_precision_weights(models, name):
         assert lm.dtype == dtype
         err = (lm(ids) - full).abs().max().item() / full.abs().max().item()
         assert err <= tol, f"{name} {dtype}: relative error {err:.2e}"
+    import copy
+
     with torch.no_grad():
-        hf_bf16 = m.to(torch.bfloat16)(ids).logits.float()
-        m.float()
+        hf_bf16 = copy.deepcopy(m).to(torch.bfloat16)(ids).logits.float()
     hf_err = (hf_bf16 - full).abs().max().item() / full.abs().max().item()
     bf = (heads.CausalLM.from_pretrained(d, dtype="bf16")(ids) - full).abs().max().item() / full.abs().max().item()
     assert bf <= 2 * hf_err + 1e-3, (bf, hf_err)
