@@ -208,6 +208,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   // (rebuilt when the key block changes).
   VR blk[kNQ] = {Vec::zero(), Vec::zero()};
   int64_t blk_kb = -1;
+  const bool blocks = pb.block_mask.defined();
   const int64_t ms3 = has_mask ? pb.mask.stride(3) : 0;
   const int64_t mrow0 = has_mask ? pb.mask_offset(t.b, t.h, t.i0) : 0;
   const int64_t ms2 = has_mask ? pb.mask.stride(2) : 0;
@@ -223,7 +224,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       add[1] = Vec::load(t.tmp + kW);
     }
     const VR jv = Vec::set1(static_cast<float>(j));
-    if (pb.block_mask.defined() && j / pb.block_size != blk_kb) {
+    if (blocks && j / pb.block_size != blk_kb) {
       blk_kb = j / pb.block_size;
       alignas(64) float lanes[kTQ];
       for (int64_t l = 0; l < kTQ; ++l) {
@@ -247,7 +248,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       }
       if (causal_here) x = Vec::fill_if_gt(x, jv, qlim[v], -kInf);
       if (left_here) x = Vec::fill_if_gt(x, qlo[v], jv, -kInf);
-      if (pb.block_mask.defined()) x = Vec::fill_if_gt(x, Vec::zero(), blk[v], -kInf);
+      if (blocks) x = Vec::fill_if_gt(x, Vec::zero(), blk[v], -kInf);
       mx[v] = Vec::max(mx[v], x);
       Vec::store(s + r * lds + v * kW, x);
     }

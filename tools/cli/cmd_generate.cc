@@ -33,12 +33,9 @@ void run(const GenerateArgs& a) {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::string list;
   for (int64_t id : ids) list += (list.empty() ? "" : a.json ? "," : " ") + std::to_string(id);
-  if (a.json) {
-    std::printf("{\"ids\": [%s], \"model_type\": \"%s\", \"dtype\": \"%s\", \"ms\": %.3f}\n", list.c_str(),
-                lm.config().model_type.c_str(), a.dtype.c_str(), ms);
-  } else {
-    std::printf("%s\n", list.c_str());
-  }
+  std::printf(a.json ? "{\"ids\": [%s]}\n" : "%s\n", list.c_str());
+  std::fprintf(stderr, "generate: %zu tokens in %.1f ms (%s, %s weights, %s cache)\n", ids.size(), ms,
+               lm.config().model_type.c_str(), a.dtype.c_str(), a.cache_dtype.c_str());
 }
 
 }  // namespace
