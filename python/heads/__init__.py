@@ -38,6 +38,7 @@ _heads = _load_native()
 
 __all__ = [
     "sdpa",
+    "linear_attention",
     "alibi_slopes",
     "CausalLM",
     "KVCache",
@@ -131,6 +132,19 @@ def _causal_bias(attn_mask: Any, is_causal: bool, causal_variant: str, query: An
                                  f"does not match query Lq={lq} and key Lk={lk}")
             return None, True, attn_mask.variant == CausalVariant.LOWER_RIGHT
     return attn_mask, bool(is_causal), lower_right
+
+
+def linear_attention(query: Any, key: Any, value: Any, feature_map: str = "elu", causal: bool = False,
+                     eps: float = 1e-6):
+    """Linear attention (Katharopoulos et al. 2020): ``φ(q_i)ᵀ S / (φ(q_i)ᵀ z + eps)`` with
+    ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)`` over all keys, or keys ``j <= i`` with ``causal`` —
+    O(L·D·Dv) time, no ``[L, L]`` matrix. ``feature_map``: "elu" (elu + 1), "relu" or "identity".
+    Shapes as ``sdpa`` (``[..., L, D]``, up to two leading dims); float32 (other floats are converted)."""
+    if not isinstance(feature_map, str):
+        raise ValueError(f"feature_map: expected a string, got {type(feature_map).__name__}")
+    return _heads.linear_attention(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
+                                   feature_map, bool(causal), float(eps), _is_torch(query)).reshape(
+        np.shape(query)[:-1] + (np.shape(value)[-1],))
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

@@ -21,7 +21,8 @@ import torch as _torch
 
 from . import _arg, _causal_bias, _heads, _mods
 
-__all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention"]
+__all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention", "linear_attention",
+           "LinearAttentionFunction"]
 
 
 class SDPAFunction(_torch.autograd.Function):
@@ -55,6 +56,28 @@ class SDPAFunction(_torch.autograd.Function):
                 dm if mask_grad else None, None, None, None, None, None, None,
                 dsinks if has_sinks and ctx.needs_input_grad[10] else None,
                 dtable if has_table and ctx.needs_input_grad[11] else None)
+
+
+class LinearAttentionFunction(_torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, feature_map, causal, eps):
+        out = _heads.linear_attention(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
+                                      feature_map, bool(causal), float(eps), True)
+        ctx.save_for_backward(query, key, value)
+        ctx.args = (feature_map, bool(causal), float(eps))
+        return out.reshape(query.shape[:-1] + (value.shape[-1],))
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value = ctx.saved_tensors
+        dq, dk, dv = _heads.linear_attention_backward(dout.contiguous(), query.detach(), key.detach(), value.detach(),
+                                                      *ctx.args)
+        return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape), None, None, None
+
+
+def linear_attention(query, key, value, feature_map="elu", causal=False, eps=1e-6):
+    """heads.linear_attention as a torch.autograd.Function: forward and backward in heads."""
+    return LinearAttentionFunction.apply(query, key, value, feature_map, causal, eps)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

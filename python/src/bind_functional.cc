@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "heads/linear_attention.h"
 #include "heads/ops.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
@@ -190,6 +191,41 @@ void bind_functional(nb::module_& m) {
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),
         "enable_gqa"_a = false, "need_weights"_a = false, "seed"_a = nb::none(),
         "torch_out"_a = false, "causal_lower_right"_a = false, "mods"_a = nb::none());
+  m.def("linear_attention",
+        [](const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal, double eps,
+           bool torch_out) {
+          heads::LinearAttentionOptions o;
+          o.feature_map = heads::feature_map_from_name(fm);
+          o.causal = causal;
+          o.eps = eps;
+          const heads::Tensor qt = to_4d(view_of(q, "query"), "query"), kt = to_4d(view_of(k, "key"), "key"),
+                             vt = to_4d(view_of(v, "value"), "value");
+          heads::Tensor out;
+          {
+            nb::gil_scoped_release release;
+            out = heads::linear_attention(qt, kt, vt, o);
+          }
+          return to_array(out, torch_out);
+        },
+        "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "causal"_a = false, "eps"_a = 1e-6,
+        "torch_out"_a = false);
+  m.def("linear_attention_backward",
+        [](const InArray& g, const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal,
+           double eps) {
+          heads::LinearAttentionOptions o;
+          o.feature_map = heads::feature_map_from_name(fm);
+          o.causal = causal;
+          o.eps = eps;
+          const heads::Tensor gt = to_4d(view_of(g, "dout"), "dout"), qt = to_4d(view_of(q, "query"), "query"),
+                             kt = to_4d(view_of(k, "key"), "key"), vt = to_4d(view_of(v, "value"), "value");
+          heads::LinearAttentionGrads r;
+          {
+            nb::gil_scoped_release release;
+            r = heads::linear_attention_backward(gt, qt, kt, vt, o);
+          }
+          return nb::make_tuple(to_array(r.dq, true), to_array(r.dk, true), to_array(r.dv, true));
+        },
+        "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "causal"_a = false, "eps"_a = 1e-6);
   m.def("alibi_slopes", [](int64_t num_heads) { return to_numpy(heads::alibi_slopes(num_heads)); }, "num_heads"_a);
   m.def("t5_relative_bucket", &heads::t5_relative_bucket, "relative_position"_a, "bidirectional"_a, "num_buckets"_a,
         "max_distance"_a);

@@ -1,0 +1,139 @@
+// linear_attention_test.cc — linear attention against its float64 definition (the full matrix),
+// its backward against finite differences of that definition, and the recurrent state against the
+// causal call.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/testing.h"
+#include "heads/linear_attention.h"
+#include "heads/runtime.h"
+
+namespace heads {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::error_of;
+using testing::randn;
+
+// Positive inputs (|x| + 0.1), which keep the denominators of the relu and identity maps away from 0.
+Tensor shifted(const Shape& s) {
+  Tensor t = randn(s);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::fabs(t.data<float>()[i]) + 0.1f;
+  return t;
+}
+
+std::string name(FeatureMap fm) {
+  return fm == FeatureMap::EluPlusOne ? "elu" : fm == FeatureMap::Relu ? "relu" : "identity";
+}
+
+TEST(LinearAttention, MatchesDefinition) {
+  for (auto [B, H, Lq, Lk, D, Dv] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>{
+           {1, 1, 1, 1, 1, 1}, {2, 3, 7, 7, 5, 9}, {1, 2, 129, 129, 63, 17}, {2, 1, 40, 200, 16, 16}, {1, 2, 7, 1, 8, 8}}) {
+    for (FeatureMap fm : {FeatureMap::EluPlusOne, FeatureMap::Relu, FeatureMap::Identity}) {
+      for (bool causal : {false, true}) {
+        if (causal && Lq != Lk) continue;
+        LinearAttentionOptions o;
+        o.feature_map = fm;
+        o.causal = causal;
+        const bool pos = fm != FeatureMap::EluPlusOne;
+        // q as a strided view (a projection's layout), k and v contiguous
+        const Tensor qbuf = pos ? shifted({B, Lq, H, D + 3}) : randn({B, Lq, H, D + 3});
+        const Tensor q = qbuf.slice(3, 0, D).permute({0, 2, 1, 3});
+        const Tensor k = pos ? shifted({B, H, Lk, D}) : randn({B, H, Lk, D}), v = randn({B, H, Lk, Dv});
+        const Tensor want = ref::linear_attention_f64(q, k, v, o);
+        const auto e = testing::compare(linear_attention(q, k, v, o), want);
+        EXPECT_TRUE(e.within(1e-5, 1e-6)) << name(fm) << (causal ? " causal" : "") << " Lq=" << Lq << " Lk=" << Lk
+                                          << " D=" << D << ": max err " << e.max_abs << " (ref max " << e.max_ref << ")";
+      }
+    }
+  }
+}
+
+double loss(const Tensor& q, const Tensor& k, const Tensor& v, const LinearAttentionOptions& o, const Tensor& G) {
+  const Tensor out = ref::linear_attention_f64(q, k, v, o);
+  double s = 0;
+  for (int64_t i = 0; i < out.numel(); ++i) s += out.data<double>()[i] * G.data<double>()[i];
+  return s;
+}
+
+TEST(LinearAttention, BackwardMatchesFiniteDifferences) {
+  for (FeatureMap fm : {FeatureMap::EluPlusOne, FeatureMap::Relu, FeatureMap::Identity}) {
+    for (bool causal : {false, true}) {
+      LinearAttentionOptions o;
+      o.feature_map = fm;
+      o.causal = causal;
+      const int64_t Lq = 5, Lk = causal ? 5 : 6;
+      const bool pos = fm != FeatureMap::EluPlusOne;
+      const Tensor q = (pos ? shifted({2, 2, Lq, 4}) : randn({2, 2, Lq, 4})).to(DType::F64).clone();
+      const Tensor k = (pos ? shifted({2, 2, Lk, 4}) : randn({2, 2, Lk, 4})).to(DType::F64).clone();
+      const Tensor v = randn({2, 2, Lk, 3}).to(DType::F64).clone();
+      const Tensor G = randn({2, 2, Lq, 3}).to(DType::F64);
+      const LinearAttentionGrads g = linear_attention_backward(G.to(DType::F32), q, k, v, o);
+      for (const auto& [x, grad, what] : {std::tuple{&q, &g.dq, "dq"}, {&k, &g.dk, "dk"}, {&v, &g.dv, "dv"}}) {
+        for (int64_t i = 0; i < x->numel(); ++i) {
+          double* p = const_cast<Tensor*>(x)->data<double>() + i;
+          const double save = *p, eps = 1e-6;
+          *p = save + eps;
+          const double up = loss(q, k, v, o, G);
+          *p = save - eps;
+          const double down = loss(q, k, v, o, G);
+          *p = save;
+          const double fd = (up - down) / (2 * eps);
+          ASSERT_NEAR(grad->data<float>()[i], fd, 2e-4 * (1 + std::fabs(fd)))
+              << name(fm) << (causal ? " causal " : " ") << what << "[" << i << "]";
+        }
+      }
+    }
+  }
+}
+
+TEST(LinearAttention, RecurrentStateEqualsCausalRows) {
+  const int64_t B = 2, H = 3, L = 9, D = 6, Dv = 5;
+  const Tensor q = randn({B, H, L, D}), k = randn({B, H, L, D}), v = randn({B, H, L, Dv});
+  LinearAttentionOptions o;
+  o.causal = true;
+  const Tensor full = linear_attention(q, k, v, o);
+  LinearAttentionState st(B, H, D, Dv, FeatureMap::EluPlusOne);
+  for (int64_t t = 0; t < L; ++t) {
+    const Tensor out = st.step(q.select(2, t), k.select(2, t), v.select(2, t));
+    EXPECT_TRUE(testing::compare(out, full.select(2, t).to(DType::F64)).within(1e-6, 1e-7)) << "step " << t;
+  }
+  EXPECT_EQ(st.length(), L);
+}
+
+TEST(LinearAttention, IndependentOfThreadCount) {
+  const Tensor q = randn({3, 4, 50, 16}), k = randn({3, 4, 50, 16}), v = randn({3, 4, 50, 16}), g = randn({3, 4, 50, 16});
+  LinearAttentionOptions o;
+  o.causal = true;
+  const int saved = get_num_threads();
+  set_num_threads(1);
+  const Tensor a = linear_attention(q, k, v, o);
+  const LinearAttentionGrads ga = linear_attention_backward(g, q, k, v, o);
+  set_num_threads(2);
+  EXPECT_TRUE(testing::bitwise_equal(a, linear_attention(q, k, v, o)));
+  EXPECT_TRUE(testing::bitwise_equal(ga.dk, linear_attention_backward(g, q, k, v, o).dk));
+  set_num_threads(saved);
+}
+
+TEST(LinearAttention, Errors) {
+  const Tensor q = randn({1, 2, 5, 8}), k = randn({1, 2, 6, 8}), v = randn({1, 2, 6, 4});
+  LinearAttentionOptions o;
+  o.causal = true;
+  EXPECT_THAT(error_of([&] { linear_attention(q, k, v, o); }),
+              HasSubstr("linear_attention: causal needs as many queries as keys, got Lq 5 and Lk 6"));
+  EXPECT_THAT(error_of([&] { linear_attention(q, randn({1, 2, 6, 7}), v); }),
+              HasSubstr("linear_attention: key: expected [B, H, Lk, D] = [1, 2, Lk, 8]"));
+  EXPECT_THAT(error_of([] { feature_map_from_name("softmax"); }),
+              HasSubstr("feature_map must be \"elu\", \"relu\" or \"identity\", got \"softmax\""));
+  LinearAttentionState st(1, 2, 8, 4, FeatureMap::Relu);
+  EXPECT_THAT(error_of([&] { st.step(randn({1, 2, 7}), randn({1, 2, 8}), randn({1, 2, 4})); }),
+              HasSubstr("LinearAttentionState::step: query: expected [B, H, D] = [1, 2, 8], got [1, 2, 7]"));
+}
+
+}  // namespace
+}  // namespace heads
