@@ -38,6 +38,8 @@ struct KernelTable {
   void (*gelu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
                    bool tanh_form);
   void (*relu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys);
+  // elu(x) + 1 (linear attention's feature map)
+  void (*elu_plus_one_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys);
   void (*layer_norm_f32)(const float* x, const float* res, float* y, int64_t rows, int64_t n,
                          int64_t xs, int64_t ys, const float* w, const float* b, float eps);
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);

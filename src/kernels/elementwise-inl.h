@@ -86,6 +86,12 @@ inline void relu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t 
   ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::relu(v); });
 }
 
+// x + 1 for x >= 0, e^x below (NaN stays NaN).
+inline void elu_plus_one_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys) {
+  ew::map_rows(x, y, rows, n, xs, ys,
+               [](ew::VR v) { return Vec::select_neg(v, ew::exp(v), Vec::add(v, Vec::set1(1.0f))); });
+}
+
 // y = LN(x [+ res]): (v - mean) / sqrt(var + eps) · w + b per row, v = x + res (the residual
 // connection fused in; res may be null), biased variance, two passes in f32. w and b may be null
 // (elementwise_affine=False / bias=False). res has the row stride of x.

@@ -20,6 +20,7 @@ const KernelTable kTable{
     .matmul_f32 = kIsa == Isa::Scalar ? &matmul_f32_plain : &matmul_f32_onednn,
     .gelu_f32 = &gelu_f32,
     .relu_f32 = &relu_f32,
+    .elu_plus_one_f32 = &elu_plus_one_f32,
     .layer_norm_f32 = &layer_norm_f32,
     .add_f32 = &add_f32,
     .activation_bwd_f32 = &activation_bwd_f32,

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "heads/runtime.h"
+#include "kernels/dispatch.h"
+#include "kernels/linear.h"
 #include "kernels/ops_common.h"
 
 namespace heads {
@@ -92,42 +94,90 @@ inline void add_key(const float* f, const float* v, int64_t D, int64_t Dv, float
 
 }  // namespace
 
+// Rows per chunk of the forward: its products are GEMMs (heads' matmul: oneDNN on the SIMD paths)
+// of a chunk against the running state, plus the chunk's own causal [C, C] block.
+constexpr int64_t kChunk = 128;
+
 Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const LinearAttentionOptions& o) {
   const char* op = "linear_attention";
   const Dims d = check(op, q_in, k_in, v_in, o);
   const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key"), v = f32(v_in, op, "value");
   Tensor out = Tensor::empty({d.B, d.H, d.Lq, d.Dv}, DType::F32);
   const float eps = static_cast<float>(o.eps);
+  const FeatureMap fm = o.feature_map;
   const int n_threads = threads_for_tasks(d.B * d.H, 2.0 * static_cast<double>(d.B * d.H) *
                                                          static_cast<double>(d.Lq + d.Lk) * d.D * d.Dv);
+  const int64_t C = kChunk, D = d.D, Dv = d.Dv;
 #pragma omp parallel num_threads(n_threads)
   {
-    std::vector<float> S(static_cast<size_t>(d.D * d.Dv)), z(static_cast<size_t>(d.D)), f(static_cast<size_t>(d.D)),
-        num(static_cast<size_t>(d.Dv));
+    std::vector<float> S(static_cast<size_t>(D * Dv)), z(static_cast<size_t>(D)), fq(static_cast<size_t>(C * D)),
+        fk(static_cast<size_t>(C * D)), num(static_cast<size_t>(C * Dv)), tmp(static_cast<size_t>(std::max(C * Dv, D * Dv))),
+        A(static_cast<size_t>(C * C)), den(static_cast<size_t>(C));
+    const auto features = [&](const float* x, int64_t n, float* f) {
+      if (fm == FeatureMap::EluPlusOne) {
+        kernels::active().elu_plus_one_f32(x, f, 1, n * D, n * D, n * D);  // the active ISA's vector exp
+      } else {
+        for (int64_t e = 0; e < n * D; ++e) f[e] = phi(fm, x[e]);
+      }
+    };
+    // Keys [j0, j0 + n) into the state: S += φ(K)ᵀ V, z += Σ φ(K) rows.
+    const auto absorb = [&](const float* kh, const float* vh, int64_t j0, int64_t n) {
+      features(kh + j0 * D, n, fk.data());
+      kernels::matmul_f32(D, Dv, n, fk.data(), 1, D, vh + j0 * Dv, Dv, 1, tmp.data(), Dv);
+      for (int64_t e = 0; e < D * Dv; ++e) S[static_cast<size_t>(e)] += tmp[static_cast<size_t>(e)];
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t x = 0; x < D; ++x) z[static_cast<size_t>(x)] += fk[static_cast<size_t>(r * D + x)];
+      }
+    };
+    // Queries [i0, i0 + n) against the state: num = φ(Q) S, den = φ(Q) z + eps.
+    const auto read = [&](const float* qh, int64_t i0, int64_t n) {
+      features(qh + i0 * D, n, fq.data());
+      kernels::matmul_f32(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
+      for (int64_t r = 0; r < n; ++r) {
+        float s = eps;
+        for (int64_t x = 0; x < D; ++x) s += fq[static_cast<size_t>(r * D + x)] * z[static_cast<size_t>(x)];
+        den[static_cast<size_t>(r)] = s;
+      }
+    };
+    const auto write = [&](float* oh, int64_t i0, int64_t n) {
+      for (int64_t r = 0; r < n; ++r) {
+        const float inv = 1.0f / den[static_cast<size_t>(r)];
+        for (int64_t c = 0; c < Dv; ++c) oh[(i0 + r) * Dv + c] = num[static_cast<size_t>(r * Dv + c)] * inv;
+      }
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
-      const float* qh = q.data<float>() + bh * d.Lq * d.D;
-      const float* kh = k.data<float>() + bh * d.Lk * d.D;
-      const float* vh = v.data<float>() + bh * d.Lk * d.Dv;
-      float* oh = out.data<float>() + bh * d.Lq * d.Dv;
+      const float* qh = q.data<float>() + bh * d.Lq * D;
+      const float* kh = k.data<float>() + bh * d.Lk * D;
+      const float* vh = v.data<float>() + bh * d.Lk * Dv;
+      float* oh = out.data<float>() + bh * d.Lq * Dv;
       std::fill(S.begin(), S.end(), 0.0f);
       std::fill(z.begin(), z.end(), 0.0f);
-      const auto key = [&](int64_t j) {
-        for (int64_t x = 0; x < d.D; ++x) f[static_cast<size_t>(x)] = phi(o.feature_map, kh[j * d.D + x]);
-        add_key(f.data(), vh + j * d.Dv, d.D, d.Dv, S.data(), z.data());
-      };
-      const auto query = [&](int64_t i) {
-        for (int64_t x = 0; x < d.D; ++x) f[static_cast<size_t>(x)] = phi(o.feature_map, qh[i * d.D + x]);
-        read_row(f.data(), S.data(), z.data(), d.D, d.Dv, eps, num.data(), oh + i * d.Dv);
-      };
-      if (o.causal) {
-        for (int64_t i = 0; i < d.Lq; ++i) {
-          key(i);
-          query(i);
+      if (!o.causal) {
+        for (int64_t j0 = 0; j0 < d.Lk; j0 += C) absorb(kh, vh, j0, std::min(C, d.Lk - j0));
+        for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
+          const int64_t n = std::min(C, d.Lq - i0);
+          read(qh, i0, n);
+          write(oh, i0, n);
         }
-      } else {
-        for (int64_t j = 0; j < d.Lk; ++j) key(j);
-        for (int64_t i = 0; i < d.Lq; ++i) query(i);
+        continue;
+      }
+      for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {  // chunk: the state of the keys before it, then its own block
+        const int64_t n = std::min(C, d.Lq - i0);
+        read(qh, i0, n);
+        features(kh + i0 * D, n, fk.data());
+        kernels::matmul_f32(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);  // φ(Q_c) φ(K_c)ᵀ
+        for (int64_t r = 0; r < n; ++r) {
+          float* ar = A.data() + r * n;
+          std::fill(ar + r + 1, ar + n, 0.0f);  // keys after the row
+          float s = 0.0f;
+          for (int64_t c = 0; c <= r; ++c) s += ar[c];
+          den[static_cast<size_t>(r)] += s;
+        }
+        kernels::matmul_f32(n, Dv, n, A.data(), n, 1, vh + i0 * Dv, Dv, 1, tmp.data(), Dv);
+        for (int64_t e = 0; e < n * Dv; ++e) num[static_cast<size_t>(e)] += tmp[static_cast<size_t>(e)];
+        write(oh, i0, n);
+        absorb(kh, vh, i0, n);
       }
     }
   }

@@ -11,6 +11,7 @@
 
 #include "common/testing.h"
 #include "heads/linear_attention.h"
+#include "heads/isa.h"
 #include "heads/runtime.h"
 
 namespace heads {
@@ -32,6 +33,7 @@ std::string name(FeatureMap fm) {
 }
 
 TEST(LinearAttention, MatchesDefinition) {
+  testing::IsaGuard guard;
   for (auto [B, H, Lq, Lk, D, Dv] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>{
            {1, 1, 1, 1, 1, 1}, {2, 3, 7, 7, 5, 9}, {1, 2, 129, 129, 63, 17}, {2, 1, 40, 200, 16, 16}, {1, 2, 7, 1, 8, 8}}) {
     for (FeatureMap fm : {FeatureMap::EluPlusOne, FeatureMap::Relu, FeatureMap::Identity}) {
@@ -46,9 +48,13 @@ TEST(LinearAttention, MatchesDefinition) {
         const Tensor q = qbuf.slice(3, 0, D).permute({0, 2, 1, 3});
         const Tensor k = pos ? shifted({B, H, Lk, D}) : randn({B, H, Lk, D}), v = randn({B, H, Lk, Dv});
         const Tensor want = ref::linear_attention_f64(q, k, v, o);
-        const auto e = testing::compare(linear_attention(q, k, v, o), want);
-        EXPECT_TRUE(e.within(1e-5, 1e-6)) << name(fm) << (causal ? " causal" : "") << " Lq=" << Lq << " Lk=" << Lk
-                                          << " D=" << D << ": max err " << e.max_abs << " (ref max " << e.max_ref << ")";
+        for (Isa isa : supported_isas()) {  // the chunks' products: oneDNN, or the plain loops on scalar
+          set_isa(isa);
+          const auto e = testing::compare(linear_attention(q, k, v, o), want);
+          EXPECT_TRUE(e.within(1e-5, 1e-6)) << name(fm) << (causal ? " causal" : "") << " Lq=" << Lq << " Lk=" << Lk
+                                            << " D=" << D << " isa=" << isa_name(isa) << ": max err " << e.max_abs
+                                            << " (ref max " << e.max_ref << ")";
+        }
       }
     }
   }
