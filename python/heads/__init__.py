@@ -39,6 +39,7 @@ _heads = _load_native()
 __all__ = [
     "sdpa",
     "linear_attention",
+    "LinearAttentionState",
     "alibi_slopes",
     "CausalLM",
     "KVCache",
@@ -145,6 +146,13 @@ def linear_attention(query: Any, key: Any, value: Any, feature_map: str = "elu",
     return _heads.linear_attention(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
                                    feature_map, bool(causal), float(eps), _is_torch(query)).reshape(
         np.shape(query)[:-1] + (np.shape(value)[-1],))
+
+
+LinearAttentionState = _heads.LinearAttentionState
+LinearAttentionState.__doc__ = """The recurrent form of causal linear attention, for decoding:
+``LinearAttentionState(batch, heads, head_dim, value_dim, feature_map="elu")``; ``step(q, k, v)`` with
+``q, k [B, H, D]``, ``v [B, H, Dv]`` adds the key and value to the state (S, z) and returns ``[B, H, Dv]``,
+equal to the causal call's row at that position; ``len(state)`` is the positions seen."""
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

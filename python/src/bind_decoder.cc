@@ -13,6 +13,7 @@
 
 #include "heads/causal_lm.h"
 #include "heads/kv_cache.h"
+#include "heads/linear_attention.h"
 #include "heads/ops.h"
 #include "heads/precision.h"
 #include "heads/t5.h"
@@ -123,6 +124,21 @@ void bind_decoder(nb::module_& m) {
              return to_array(out, torch_out);
            },
            "input_ids"_a, "attention_mask"_a = nb::none(), "torch_out"_a = false);
+
+  nb::class_<heads::LinearAttentionState>(m, "LinearAttentionState")
+      .def("__init__",
+           [](heads::LinearAttentionState* self, int64_t batch, int64_t heads_, int64_t head_dim, int64_t value_dim,
+              const std::string& fm, double eps) {
+             new (self) heads::LinearAttentionState(batch, heads_, head_dim, value_dim, heads::feature_map_from_name(fm),
+                                                    eps);
+           },
+           "batch"_a, "heads"_a, "head_dim"_a, "value_dim"_a, "feature_map"_a = "elu", "eps"_a = 1e-6)
+      .def("step",
+           [](heads::LinearAttentionState& st, const InArray& q, const InArray& k, const InArray& v, bool torch_out) {
+             return to_array(st.step(view_of(q, "query"), view_of(k, "key"), view_of(v, "value")), torch_out);
+           },
+           "query"_a, "key"_a, "value"_a, "torch_out"_a = false)
+      .def("__len__", &heads::LinearAttentionState::length);
 
   m.def("rope",
         [](const InArray& x, int64_t offset, double theta, bool interleaved, int64_t rotary_dim,

@@ -53,3 +53,14 @@ def test_numpy_and_errors():
         heads.linear_attention(q, q, q, feature_map="softmax")
     with pytest.raises(ValueError, match="causal needs as many queries as keys"):
         heads.linear_attention(q[:, :3], q, q, causal=True)
+
+
+def test_recurrent_state_equals_causal_rows():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 11, 8, generator=g) for _ in range(3))
+    full = heads.linear_attention(q, k, v, causal=True)
+    st = heads.LinearAttentionState(2, 3, 8, 8)
+    for t in range(11):
+        torch.testing.assert_close(st.step(q[:, :, t], k[:, :, t], v[:, :, t], torch_out=True), full[:, :, t],
+                                   rtol=1e-5, atol=1e-6)
+    assert len(st) == 11
