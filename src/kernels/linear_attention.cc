@@ -36,14 +36,16 @@ inline float phi(FeatureMap fm, float x) {
   return x;
 }
 
-inline float dphi(FeatureMap fm, float x) {
+// φ'(x) from φ(x) itself: elu + 1 has φ' = min(φ, 1); relu 1 where φ > 0; identity 1.
+inline float dphi_of_phi(FeatureMap fm, float f) {
   switch (fm) {
-    case FeatureMap::EluPlusOne: return x > 0.0f ? 1.0f : std::exp(x);
-    case FeatureMap::Relu: return x > 0.0f ? 1.0f : 0.0f;
+    case FeatureMap::EluPlusOne: return f < 1.0f ? f : (f >= 1.0f ? 1.0f : f);  // NaN stays NaN
+    case FeatureMap::Relu: return f > 0.0f ? 1.0f : 0.0f;
     case FeatureMap::Identity: return 1.0f;
   }
   return 1.0f;
 }
+
 
 struct Dims {
   int64_t B, H, Lq, Lk, D, Dv;
@@ -196,93 +198,173 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
                          Tensor::empty(v.shape(), DType::F32)};
   const float eps = static_cast<float>(o.eps);
   const FeatureMap fm = o.feature_map;
+  const int64_t C = kChunk, D = d.D, Dv = d.Dv;
   const int n_threads = threads_for_tasks(d.B * d.H, 6.0 * static_cast<double>(d.B * d.H) *
-                                                         static_cast<double>(d.Lq + d.Lk) * d.D * d.Dv);
+                                                         static_cast<double>(d.Lq + d.Lk) * D * Dv);
+  const auto mm = kernels::matmul_f32;
 #pragma omp parallel num_threads(n_threads)
   {
-    const size_t DD = static_cast<size_t>(d.D * d.Dv);
-    std::vector<float> S(DD), z(static_cast<size_t>(d.D)), dS(DD), dz(static_cast<size_t>(d.D)),
-        f(static_cast<size_t>(d.D)), num(static_cast<size_t>(d.Dv)), out(static_cast<size_t>(d.Dv)),
-        dA(static_cast<size_t>(d.Lq * d.Dv)), dn(static_cast<size_t>(d.Lq));
+    const auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(std::max<int64_t>(n, 1))); };
+    std::vector<float> S = buf(D * Dv), z = buf(D), dS = buf(D * Dv), dz = buf(D), fq = buf(C * D), fk = buf(C * D),
+                       num = buf(C * Dv), den = buf(C), A = buf(C * C), M = buf(C * C),
+                       tmp = buf(std::max({C * D, C * Dv, D * Dv})), t2 = buf(std::max(C * D, C * Dv)),
+                       dA = buf((o.causal ? d.Lq : C) * Dv),
+                       dn = buf(o.causal ? d.Lq : C);
+    const auto features = [&](const float* x, int64_t n, float* f) {
+      if (fm == FeatureMap::EluPlusOne) {
+        kernels::active().elu_plus_one_f32(x, f, 1, n * D, n * D, n * D);
+      } else {
+        for (int64_t e = 0; e < n * D; ++e) f[e] = phi(fm, x[e]);
+      }
+    };
+    const auto add_to = [](float* y, const float* x, int64_t n) {
+      for (int64_t e = 0; e < n; ++e) y[e] += x[e];
+    };
+    // S += φ(K_c)ᵀ V_c, z += Σ φ(K_c) rows (fk holds φ(K_c)).
+    const auto absorb = [&](const float* vc, int64_t n) {
+      mm(D, Dv, n, fk.data(), 1, D, vc, Dv, 1, tmp.data(), Dv);
+      add_to(S.data(), tmp.data(), D * Dv);
+      for (int64_t rr = 0; rr < n; ++rr) add_to(z.data(), fk.data() + rr * D, D);
+    };
+    // dS += φ(Q_c)ᵀ dA_c, dz += Σ φ(Q_c) dn (fq holds φ(Q_c)).
+    const auto absorb_grad = [&](const float* dAc, const float* dnc, int64_t n) {
+      mm(D, Dv, n, fq.data(), 1, D, dAc, Dv, 1, tmp.data(), Dv);
+      add_to(dS.data(), tmp.data(), D * Dv);
+      for (int64_t rr = 0; rr < n; ++rr) {
+        for (int64_t x = 0; x < D; ++x) dz[static_cast<size_t>(x)] += fq[static_cast<size_t>(rr * D + x)] * dnc[rr];
+      }
+    };
+    // From num, den of rows [i0, i0 + n): dA = dO / den, dn = -(dO · out) / den.
+    const auto row_grads = [&](const float* gh, int64_t i0, int64_t n, float* dAc, float* dnc) {
+      for (int64_t rr = 0; rr < n; ++rr) {
+        const float inv = 1.0f / den[static_cast<size_t>(rr)];
+        float go = 0.0f;
+        for (int64_t c = 0; c < Dv; ++c) {
+          const float gc = gh[(i0 + rr) * Dv + c];
+          dAc[rr * Dv + c] = gc * inv;
+          go += gc * num[static_cast<size_t>(rr * Dv + c)] * inv;
+        }
+        dnc[rr] = -go * inv;
+      }
+    };
+    // dx = (dφ + bias) ∘ φ'(x) for rows of D, dφ in tmp, φ(x) in f.
+    const auto through_phi = [&](const float* f, int64_t n, const float* bias_rows, const float* bias_vec, float* dx) {
+      for (int64_t rr = 0; rr < n; ++rr) {
+        for (int64_t e = 0; e < D; ++e) {
+          float t = tmp[static_cast<size_t>(rr * D + e)];
+          if (bias_rows != nullptr) t += bias_rows[rr] * bias_vec[e];
+          else if (bias_vec != nullptr) t += bias_vec[e];
+          dx[rr * D + e] = t * dphi_of_phi(fm, f[rr * D + e]);
+        }
+      }
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
-      const float* qh = q.data<float>() + bh * d.Lq * d.D;
-      const float* kh = k.data<float>() + bh * d.Lk * d.D;
-      const float* vh = v.data<float>() + bh * d.Lk * d.Dv;
-      const float* gh = g.data<float>() + bh * d.Lq * d.Dv;
-      float* dqh = r.dq.data<float>() + bh * d.Lq * d.D;
-      float* dkh = r.dk.data<float>() + bh * d.Lk * d.D;
-      float* dvh = r.dv.data<float>() + bh * d.Lk * d.Dv;
-      std::fill(S.begin(), S.end(), 0.0f);
-      std::fill(z.begin(), z.end(), 0.0f);
-      const auto key = [&](int64_t j) {
-        for (int64_t x = 0; x < d.D; ++x) f[static_cast<size_t>(x)] = phi(fm, kh[j * d.D + x]);
-        add_key(f.data(), vh + j * d.Dv, d.D, d.Dv, S.data(), z.data());
-      };
-      // Query row i against the current (S, z): dA_i = dO_i / n, dn_i = -(dO_i · out_i) / n, and
-      // dq_i = (S dA_i + z dn_i) ∘ φ'(q_i).
-      const auto query = [&](int64_t i) {
-        for (int64_t x = 0; x < d.D; ++x) f[static_cast<size_t>(x)] = phi(fm, qh[i * d.D + x]);
-        read_row(f.data(), S.data(), z.data(), d.D, d.Dv, eps, num.data(), out.data());
-        float den = eps;
-        for (int64_t x = 0; x < d.D; ++x) den += f[static_cast<size_t>(x)] * z[static_cast<size_t>(x)];
-        const float inv = 1.0f / den;
-        float go = 0.0f;
-        float* dAi = dA.data() + i * d.Dv;
-        for (int64_t c = 0; c < d.Dv; ++c) {
-          dAi[c] = gh[i * d.Dv + c] * inv;
-          go += gh[i * d.Dv + c] * out[static_cast<size_t>(c)];
+      const float* qh = q.data<float>() + bh * d.Lq * D;
+      const float* kh = k.data<float>() + bh * d.Lk * D;
+      const float* vh = v.data<float>() + bh * d.Lk * Dv;
+      const float* gh = g.data<float>() + bh * d.Lq * Dv;
+      float* dqh = r.dq.data<float>() + bh * d.Lq * D;
+      float* dkh = r.dk.data<float>() + bh * d.Lk * D;
+      float* dvh = r.dv.data<float>() + bh * d.Lk * Dv;
+      for (auto* x : {&S, &z, &dS, &dz}) std::fill(x->begin(), x->end(), 0.0f);
+      if (!o.causal) {
+        for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
+          const int64_t n = std::min(C, d.Lk - j0);
+          features(kh + j0 * D, n, fk.data());
+          absorb(vh + j0 * Dv, n);
         }
-        dn[static_cast<size_t>(i)] = -go * inv;
-        for (int64_t x = 0; x < d.D; ++x) {
-          const float* Sx = S.data() + x * d.Dv;
-          float acc = z[static_cast<size_t>(x)] * dn[static_cast<size_t>(i)];
-          for (int64_t c = 0; c < d.Dv; ++c) acc += Sx[c] * dAi[c];
-          dqh[i * d.D + x] = acc * dphi(fm, qh[i * d.D + x]);
-        }
-      };
-      // Query row i's share of dS and dz: dS += φ(q_i) ⊗ dA_i, dz += φ(q_i) dn_i.
-      const auto add_query_grad = [&](int64_t i) {
-        const float* dAi = dA.data() + i * d.Dv;
-        for (int64_t x = 0; x < d.D; ++x) {
-          const float fx = phi(fm, qh[i * d.D + x]);
-          dz[static_cast<size_t>(x)] += fx * dn[static_cast<size_t>(i)];
-          float* dSx = dS.data() + x * d.Dv;
-          for (int64_t c = 0; c < d.Dv; ++c) dSx[c] += fx * dAi[c];
-        }
-      };
-      // Key j from dS, dz: dk_j = (dS v_j + dz) ∘ φ'(k_j), dv_j = dSᵀ φ(k_j).
-      const auto key_grad = [&](int64_t j) {
-        std::fill(dvh + j * d.Dv, dvh + (j + 1) * d.Dv, 0.0f);
-        for (int64_t x = 0; x < d.D; ++x) {
-          const float* dSx = dS.data() + x * d.Dv;
-          const float fx = phi(fm, kh[j * d.D + x]);
-          float acc = dz[static_cast<size_t>(x)];
-          for (int64_t c = 0; c < d.Dv; ++c) {
-            acc += dSx[c] * vh[j * d.Dv + c];
-            dvh[j * d.Dv + c] += dSx[c] * fx;
+        for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
+          const int64_t n = std::min(C, d.Lq - i0);
+          features(qh + i0 * D, n, fq.data());
+          mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
+          for (int64_t rr = 0; rr < n; ++rr) {
+            float sden = eps;
+            for (int64_t x = 0; x < D; ++x) sden += fq[static_cast<size_t>(rr * D + x)] * z[static_cast<size_t>(x)];
+            den[static_cast<size_t>(rr)] = sden;
           }
-          dkh[j * d.D + x] = acc * dphi(fm, kh[j * d.D + x]);
+          row_grads(gh, i0, n, dA.data(), dn.data());
+          mm(n, D, Dv, dA.data(), Dv, 1, S.data(), 1, Dv, tmp.data(), D);  // dA Sᵀ
+          through_phi(fq.data(), n, dn.data(), z.data(), dqh + i0 * D);
+          absorb_grad(dA.data(), dn.data(), n);
         }
-      };
-      std::fill(dS.begin(), dS.end(), 0.0f);
-      std::fill(dz.begin(), dz.end(), 0.0f);
-      if (o.causal) {
-        for (int64_t i = 0; i < d.Lq; ++i) {
-          key(i);
-          query(i);
+        for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
+          const int64_t n = std::min(C, d.Lk - j0);
+          features(kh + j0 * D, n, fk.data());
+          mm(n, D, Dv, vh + j0 * Dv, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);  // V dSᵀ
+          through_phi(fk.data(), n, nullptr, dz.data(), dkh + j0 * D);
+          mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + j0 * Dv, Dv);  // φ(K) dS
         }
-        for (int64_t i = d.Lq - 1; i >= 0; --i) {  // suffix sums: key i gets the queries i' >= i
-          add_query_grad(i);
-          key_grad(i);
+        continue;
+      }
+      // Causal, forward in chunks: out's pieces, dA and dn of every row, and dq from the state of the
+      // keys before the chunk plus the chunk's own lower triangle.
+      for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
+        const int64_t n = std::min(C, d.Lq - i0);
+        const float* vc = vh + i0 * Dv;
+        features(qh + i0 * D, n, fq.data());
+        features(kh + i0 * D, n, fk.data());
+        mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
+        mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
+        for (int64_t rr = 0; rr < n; ++rr) {
+          float* ar = A.data() + rr * n;
+          std::fill(ar + rr + 1, ar + n, 0.0f);
+          float sden = eps;
+          for (int64_t x = 0; x < D; ++x) sden += fq[static_cast<size_t>(rr * D + x)] * z[static_cast<size_t>(x)];
+          for (int64_t c = 0; c <= rr; ++c) sden += ar[c];
+          den[static_cast<size_t>(rr)] = sden;
         }
-      } else {
-        for (int64_t j = 0; j < d.Lk; ++j) key(j);
-        for (int64_t i = 0; i < d.Lq; ++i) {
-          query(i);
-          add_query_grad(i);
+        mm(n, Dv, n, A.data(), n, 1, vc, Dv, 1, tmp.data(), Dv);
+        add_to(num.data(), tmp.data(), n * Dv);
+        float* dAc = dA.data() + i0 * Dv;
+        float* dnc = dn.data() + i0;
+        row_grads(gh, i0, n, dAc, dnc);
+        // M = dA V_cᵀ + dn (keys j <= i), dφQ = dA Sᵀ + dn zᵀ + M φ(K_c)
+        mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
+        for (int64_t rr = 0; rr < n; ++rr) {
+          float* mr = M.data() + rr * n;
+          for (int64_t c = 0; c <= rr; ++c) mr[c] += dnc[rr];
+          std::fill(mr + rr + 1, mr + n, 0.0f);
         }
-        for (int64_t j = 0; j < d.Lk; ++j) key_grad(j);
+        mm(n, D, Dv, dAc, Dv, 1, S.data(), 1, Dv, tmp.data(), D);
+        for (int64_t rr = 0; rr < n; ++rr) {
+          for (int64_t x = 0; x < D; ++x) tmp[static_cast<size_t>(rr * D + x)] += dnc[rr] * z[static_cast<size_t>(x)];
+        }
+        mm(n, D, n, M.data(), n, 1, fk.data(), D, 1, t2.data(), D);
+        add_to(tmp.data(), t2.data(), n * D);
+        through_phi(fq.data(), n, nullptr, nullptr, dqh + i0 * D);
+        absorb(vc, n);
+      }
+      // Causal, keys in reverse chunks: the suffix sums dS, dz of the queries after the chunk plus
+      // the chunk's own upper triangle (queries i >= j).
+      const int64_t last = (d.Lq - 1) / C * C;
+      for (int64_t i0 = last; i0 >= 0; i0 -= C) {
+        const int64_t n = std::min(C, d.Lq - i0);
+        const float* vc = vh + i0 * Dv;
+        const float* dAc = dA.data() + i0 * Dv;
+        const float* dnc = dn.data() + i0;
+        features(qh + i0 * D, n, fq.data());
+        features(kh + i0 * D, n, fk.data());
+        // M[i][j] = dA_i · v_j + dn_i for i >= j
+        mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
+        mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
+        for (int64_t rr = 0; rr < n; ++rr) {
+          float* mr = M.data() + rr * n;
+          float* ar = A.data() + rr * n;
+          for (int64_t c = 0; c <= rr; ++c) mr[c] += dnc[rr];
+          std::fill(mr + rr + 1, mr + n, 0.0f);
+          std::fill(ar + rr + 1, ar + n, 0.0f);
+        }
+        // dφK = V dSᵀ + dz + Mᵀ φ(Q_c)
+        mm(n, D, Dv, vc, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);
+        mm(n, D, n, M.data(), 1, n, fq.data(), D, 1, t2.data(), D);
+        add_to(tmp.data(), t2.data(), n * D);
+        through_phi(fk.data(), n, nullptr, dz.data(), dkh + i0 * D);
+        // dV = φ(K_c) dS + Aᵀ dA_c
+        mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + i0 * Dv, Dv);
+        mm(n, Dv, n, A.data(), 1, n, dAc, Dv, 1, t2.data(), Dv);
+        add_to(dvh + i0 * Dv, t2.data(), n * Dv);
+        absorb_grad(dAc, dnc, n);
       }
     }
   }

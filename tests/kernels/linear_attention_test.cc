@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -93,6 +94,34 @@ TEST(LinearAttention, BackwardMatchesFiniteDifferences) {
           ASSERT_NEAR(grad->data<float>()[i], fd, 2e-4 * (1 + std::fabs(fd)))
               << name(fm) << (causal ? " causal " : " ") << what << "[" << i << "]";
         }
+      }
+    }
+  }
+}
+
+TEST(LinearAttention, ChunkedBackwardOnLongSequences) {
+  // Several chunks of 128 rows (and a ragged last one): random elements of each gradient against
+  // central differences of the definition.
+  std::mt19937_64 pick(7);
+  for (bool causal : {false, true}) {
+    LinearAttentionOptions o;
+    o.causal = causal;
+    const int64_t L = 300;
+    const Tensor q = randn({1, 2, L, 8}).to(DType::F64).clone(), k = randn({1, 2, L, 8}).to(DType::F64).clone(),
+                 v = randn({1, 2, L, 6}).to(DType::F64).clone(), G = randn({1, 2, L, 6}).to(DType::F64);
+    const LinearAttentionGrads g = linear_attention_backward(G.to(DType::F32), q, k, v, o);
+    for (const auto& [x, grad, what] : {std::tuple{&q, &g.dq, "dq"}, {&k, &g.dk, "dk"}, {&v, &g.dv, "dv"}}) {
+      for (int probe = 0; probe < 12; ++probe) {
+        const int64_t i = static_cast<int64_t>(pick() % static_cast<uint64_t>(x->numel()));
+        double* p = const_cast<Tensor*>(x)->data<double>() + i;
+        const double save = *p, eps = 1e-5;
+        *p = save + eps;
+        const double up = loss(q, k, v, o, G);
+        *p = save - eps;
+        const double down = loss(q, k, v, o, G);
+        *p = save;
+        const double fd = (up - down) / (2 * eps);
+        ASSERT_NEAR(grad->data<float>()[i], fd, 2e-4 * (1 + std::fabs(fd))) << (causal ? "causal " : "") << what << "[" << i << "]";
       }
     }
   }
