@@ -45,6 +45,14 @@ void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   o.block_size = block_size;
 }
 
+heads::LinearAttentionOptions linear_options(const std::string& fm, bool causal, double eps) {
+  heads::LinearAttentionOptions o;
+  o.feature_map = heads::feature_map_from_name(fm);
+  o.causal = causal;
+  o.eps = eps;
+  return o;
+}
+
 // The options every sdpa binding takes, as torch names them (plus the bottom-right causal alignment
 // and the modifiers).
 SdpaOptions sdpa_options(const std::optional<InArray>& attn_mask, double dropout_p, bool is_causal,
@@ -194,10 +202,7 @@ void bind_functional(nb::module_& m) {
   m.def("linear_attention",
         [](const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal, double eps,
            bool torch_out) {
-          heads::LinearAttentionOptions o;
-          o.feature_map = heads::feature_map_from_name(fm);
-          o.causal = causal;
-          o.eps = eps;
+          const heads::LinearAttentionOptions o = linear_options(fm, causal, eps);
           const heads::Tensor qt = to_4d(view_of(q, "query"), "query"), kt = to_4d(view_of(k, "key"), "key"),
                              vt = to_4d(view_of(v, "value"), "value");
           heads::Tensor out;
@@ -212,10 +217,7 @@ void bind_functional(nb::module_& m) {
   m.def("linear_attention_backward",
         [](const InArray& g, const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal,
            double eps) {
-          heads::LinearAttentionOptions o;
-          o.feature_map = heads::feature_map_from_name(fm);
-          o.causal = causal;
-          o.eps = eps;
+          const heads::LinearAttentionOptions o = linear_options(fm, causal, eps);
           const heads::Tensor gt = to_4d(view_of(g, "dout"), "dout"), qt = to_4d(view_of(q, "query"), "query"),
                              kt = to_4d(view_of(k, "key"), "key"), vt = to_4d(view_of(v, "value"), "value");
           heads::LinearAttentionGrads r;
