@@ -148,11 +148,25 @@ def linear_attention(query: Any, key: Any, value: Any, feature_map: str = "elu",
         np.shape(query)[:-1] + (np.shape(value)[-1],))
 
 
-LinearAttentionState = _heads.LinearAttentionState
-LinearAttentionState.__doc__ = """The recurrent form of causal linear attention, for decoding:
-``LinearAttentionState(batch, heads, head_dim, value_dim, feature_map="elu")``; ``step(q, k, v)`` with
-``q, k [B, H, D]``, ``v [B, H, Dv]`` adds the key and value to the state (S, z) and returns ``[B, H, Dv]``,
-equal to the causal call's row at that position; ``len(state)`` is the positions seen."""
+class LinearAttentionState:
+    """The recurrent form of causal linear attention, for decoding:
+    ``LinearAttentionState(batch, heads, head_dim, value_dim, feature_map="elu", eps=1e-6)``;
+    ``step(q, k, v)`` with ``q, k [B, H, D]``, ``v [B, H, Dv]`` adds the key and value to the state (S, z)
+    and returns ``[B, H, Dv]`` (numpy or torch, as q), equal to the causal call's row at that position;
+    ``len(state)`` is the positions seen."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, feature_map: str = "elu",
+                 eps: float = 1e-6) -> None:
+        self._s = _heads.LinearAttentionState(_int(batch, "batch", 1, 1 << 24), _int(heads, "heads", 1, 1 << 24),
+                                              _int(head_dim, "head_dim", 1, 1 << 24),
+                                              _int(value_dim, "value_dim", 1, 1 << 24), str(feature_map), float(eps))
+
+    def step(self, query: Any, key: Any, value: Any):
+        return self._s.step(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
+                            _is_torch(query))
+
+    def __len__(self) -> int:
+        return len(self._s)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

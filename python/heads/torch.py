@@ -18,6 +18,7 @@ mask. Rows that can attend to nothing give zeros and zero gradients. ``attn_mask
 """
 
 import torch as _torch
+from torch.autograd.function import once_differentiable as _once_differentiable
 
 from . import _arg, _causal_bias, _heads, _mods
 
@@ -43,6 +44,7 @@ class SDPAFunction(_torch.autograd.Function):
         return out
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, dout):
         query, key, value, out, lse, mask = ctx.saved_tensors
         seed, has_mask, dropout_p, is_causal, scale, enable_gqa, lower_right, full, has_sinks, has_table = ctx.args
@@ -68,6 +70,7 @@ class LinearAttentionFunction(_torch.autograd.Function):
         return out.reshape(query.shape[:-1] + (value.shape[-1],))
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, dout):
         query, key, value = ctx.saved_tensors
         dq, dk, dv = _heads.linear_attention_backward(dout.contiguous(), query.detach(), key.detach(), value.detach(),

@@ -203,8 +203,9 @@ void bind_functional(nb::module_& m) {
         [](const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal, double eps,
            bool torch_out) {
           const heads::LinearAttentionOptions o = linear_options(fm, causal, eps);
-          const heads::Tensor qt = to_4d(view_of(q, "query"), "query"), kt = to_4d(view_of(k, "key"), "key"),
-                             vt = to_4d(view_of(v, "value"), "value");
+          const char* op = "linear_attention";
+          const heads::Tensor qt = to_4d(view_of(q, "query"), "query", op), kt = to_4d(view_of(k, "key"), "key", op),
+                             vt = to_4d(view_of(v, "value"), "value", op);
           heads::Tensor out;
           {
             nb::gil_scoped_release release;
@@ -218,8 +219,9 @@ void bind_functional(nb::module_& m) {
         [](const InArray& g, const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal,
            double eps) {
           const heads::LinearAttentionOptions o = linear_options(fm, causal, eps);
-          const heads::Tensor gt = to_4d(view_of(g, "dout"), "dout"), qt = to_4d(view_of(q, "query"), "query"),
-                             kt = to_4d(view_of(k, "key"), "key"), vt = to_4d(view_of(v, "value"), "value");
+          const char* op = "linear_attention_backward";
+          const heads::Tensor gt = to_4d(view_of(g, "dout"), "dout", op), qt = to_4d(view_of(q, "query"), "query", op),
+                             kt = to_4d(view_of(k, "key"), "key", op), vt = to_4d(view_of(v, "value"), "value", op);
           heads::LinearAttentionGrads r;
           {
             nb::gil_scoped_release release;

@@ -72,8 +72,8 @@ nb::object to_array(const Tensor& t, bool torch) {
       .cast();
 }
 
-Tensor to_4d(Tensor t, const char* name) {
-  HEADS_CHECK(t.dim() >= 2 && t.dim() <= 4, "sdpa: ", name, ": expected 2-D to 4-D [..., L, E], got ",
+Tensor to_4d(Tensor t, const char* name, const char* op) {
+  HEADS_CHECK(t.dim() >= 2 && t.dim() <= 4, op, ": ", name, ": expected 2-D to 4-D [..., L, E], got ",
               t.shape());
   while (t.dim() < 4) t = t.unsqueeze(0);
   return t;

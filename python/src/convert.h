@@ -28,7 +28,7 @@ Tensor opt_view(const std::optional<InArray>& a, const char* name);
 nb::object to_array(const Tensor& t, bool torch);
 inline nb::object to_numpy(const Tensor& t) { return to_array(t, false); }
 // torch-style leading batch dims: [L, D] -> [1, 1, L, D], [X, L, D] -> [1, X, L, D].
-Tensor to_4d(Tensor t, const char* name);
+Tensor to_4d(Tensor t, const char* name, const char* op = "sdpa");
 // State dicts both ways.
 nb::dict to_dict(const StateDict& sd, bool torch = false);
 StateDict from_items(const Items& items);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <vector>
 
 #include "heads/runtime.h"
@@ -30,7 +31,7 @@ namespace {
 inline float phi(FeatureMap fm, float x) {
   switch (fm) {
     case FeatureMap::EluPlusOne: return x > 0.0f ? x + 1.0f : std::exp(x);
-    case FeatureMap::Relu: return x > 0.0f ? x : 0.0f;
+    case FeatureMap::Relu: return x <= 0.0f ? 0.0f : x;  // NaN stays NaN, as torch's relu
     case FeatureMap::Identity: return x;
   }
   return x;
@@ -40,7 +41,7 @@ inline float phi(FeatureMap fm, float x) {
 inline float dphi_of_phi(FeatureMap fm, float f) {
   switch (fm) {
     case FeatureMap::EluPlusOne: return f < 1.0f ? f : (f >= 1.0f ? 1.0f : f);  // NaN stays NaN
-    case FeatureMap::Relu: return f > 0.0f ? 1.0f : 0.0f;
+    case FeatureMap::Relu: return f > 0.0f ? 1.0f : (f <= 0.0f ? 0.0f : f);
     case FeatureMap::Identity: return 1.0f;
   }
   return 1.0f;
@@ -94,6 +95,59 @@ inline void add_key(const float* f, const float* v, int64_t D, int64_t Dv, float
   }
 }
 
+// Products with a chunk's causal triangle, which never read a row past the diagonal (a NaN or inf
+// there must not reach earlier rows through 0 · inf): tiles of kTile rows; below the diagonal tile
+// a GEMM, the diagonal tile in loops. A [n, n] row stride n (only its lower triangle is read); B
+// rows of w values, stride ldb; out rows of w, accumulated into; tmp [kTile · w].
+constexpr int64_t kTile = 16;
+
+// out_i += Σ_{j <= i} A_ij B_j
+void add_lower_times(int64_t n, int64_t w, const float* A, const float* B, int64_t ldb, float* out, float* tmp) {
+  for (int64_t r0 = 0; r0 < n; r0 += kTile) {
+    const int64_t r1 = std::min(n, r0 + kTile);
+    if (r0 > 0) {
+      kernels::matmul_f32(r1 - r0, w, r0, A + r0 * n, n, 1, B, ldb, 1, tmp, w);
+      for (int64_t e = 0; e < (r1 - r0) * w; ++e) out[r0 * w + e] += tmp[e];
+    }
+    for (int64_t i = r0; i < r1; ++i) {
+      for (int64_t j = r0; j <= i; ++j) {
+        const float a = A[i * n + j];
+        for (int64_t c = 0; c < w; ++c) out[i * w + c] += a * B[j * ldb + c];
+      }
+    }
+  }
+}
+
+// out_j += Σ_{i >= j} A_ij B_i
+void add_lower_t_times(int64_t n, int64_t w, const float* A, const float* B, int64_t ldb, float* out, float* tmp) {
+  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const int64_t j1 = std::min(n, j0 + kTile);
+    if (j1 < n) {
+      kernels::matmul_f32(j1 - j0, w, n - j1, A + j1 * n + j0, 1, n, B + j1 * ldb, ldb, 1, tmp, w);
+      for (int64_t e = 0; e < (j1 - j0) * w; ++e) out[j0 * w + e] += tmp[e];
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t i = j; i < j1; ++i) {
+        const float a = A[i * n + j];
+        for (int64_t c = 0; c < w; ++c) out[j * w + c] += a * B[i * ldb + c];
+      }
+    }
+  }
+}
+
+// The first exception thrown by any thread of a parallel region, rethrown after it (an exception
+// must not leave an OpenMP region; a thread that fails keeps taking part in the worksharing loop).
+struct FirstError {
+  std::exception_ptr e;
+  void capture() {
+#pragma omp critical(heads_linear_attention_error)
+    if (!e) e = std::current_exception();
+  }
+  void rethrow() const {
+    if (e) std::rethrow_exception(e);
+  }
+};
+
 }  // namespace
 
 // Rows per chunk of the forward: its products are GEMMs (heads' matmul: oneDNN on the SIMD paths)
@@ -110,11 +164,19 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const int n_threads = threads_for_tasks(d.B * d.H, 2.0 * static_cast<double>(d.B * d.H) *
                                                          static_cast<double>(d.Lq + d.Lk) * d.D * d.Dv);
   const int64_t C = kChunk, D = d.D, Dv = d.Dv;
+  FirstError error;
 #pragma omp parallel num_threads(n_threads)
   {
-    std::vector<float> S(static_cast<size_t>(D * Dv)), z(static_cast<size_t>(D)), fq(static_cast<size_t>(C * D)),
-        fk(static_cast<size_t>(C * D)), num(static_cast<size_t>(C * Dv)), tmp(static_cast<size_t>(std::max(C * Dv, D * Dv))),
-        A(static_cast<size_t>(C * C)), den(static_cast<size_t>(C));
+    std::vector<float> S, z, fq, fk, num, tmp, t2, A, den;
+    bool ready = false;
+    try {
+      const auto size = [](std::vector<float>& x, int64_t n) { x.assign(static_cast<size_t>(std::max<int64_t>(n, 1)), 0.0f); };
+      size(S, D * Dv), size(z, D), size(fq, C * D), size(fk, C * D), size(num, C * Dv), size(tmp, std::max(C * Dv, D * Dv));
+      size(t2, kTile * Dv), size(A, C * C), size(den, C);
+      ready = true;
+    } catch (...) {
+      error.capture();
+    }
     const auto features = [&](const float* x, int64_t n, float* f) {
       if (fm == FeatureMap::EluPlusOne) {
         kernels::active().elu_plus_one_f32(x, f, 1, n * D, n * D, n * D);  // the active ISA's vector exp
@@ -149,40 +211,45 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
-      const float* qh = q.data<float>() + bh * d.Lq * D;
-      const float* kh = k.data<float>() + bh * d.Lk * D;
-      const float* vh = v.data<float>() + bh * d.Lk * Dv;
-      float* oh = out.data<float>() + bh * d.Lq * Dv;
-      std::fill(S.begin(), S.end(), 0.0f);
-      std::fill(z.begin(), z.end(), 0.0f);
-      if (!o.causal) {
-        for (int64_t j0 = 0; j0 < d.Lk; j0 += C) absorb(kh, vh, j0, std::min(C, d.Lk - j0));
-        for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
-          const int64_t n = std::min(C, d.Lq - i0);
-          read(qh, i0, n);
-          write(oh, i0, n);
+      if (!ready) continue;
+      try {
+        const float* qh = q.data<float>() + bh * d.Lq * D;
+        const float* kh = k.data<float>() + bh * d.Lk * D;
+        const float* vh = v.data<float>() + bh * d.Lk * Dv;
+        float* oh = out.data<float>() + bh * d.Lq * Dv;
+        std::fill(S.begin(), S.end(), 0.0f);
+        std::fill(z.begin(), z.end(), 0.0f);
+        if (!o.causal) {
+          for (int64_t j0 = 0; j0 < d.Lk; j0 += C) absorb(kh, vh, j0, std::min(C, d.Lk - j0));
+          for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
+            const int64_t n = std::min(C, d.Lq - i0);
+            read(qh, i0, n);
+            write(oh, i0, n);
+          }
+        } else {
+          for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {  // chunk: the state of the keys before it, then its own block
+            const int64_t n = std::min(C, d.Lq - i0);
+            read(qh, i0, n);
+            features(kh + i0 * D, n, fk.data());
+            kernels::matmul_f32(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);  // φ(Q_c) φ(K_c)ᵀ
+            for (int64_t r = 0; r < n; ++r) {
+              float* ar = A.data() + r * n;
+              std::fill(ar + r + 1, ar + n, 0.0f);  // keys after the row
+              float s = 0.0f;
+              for (int64_t c = 0; c <= r; ++c) s += ar[c];
+              den[static_cast<size_t>(r)] += s;
+            }
+            add_lower_times(n, Dv, A.data(), vh + i0 * Dv, Dv, num.data(), t2.data());
+            write(oh, i0, n);
+            absorb(kh, vh, i0, n);
+          }
         }
-        continue;
-      }
-      for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {  // chunk: the state of the keys before it, then its own block
-        const int64_t n = std::min(C, d.Lq - i0);
-        read(qh, i0, n);
-        features(kh + i0 * D, n, fk.data());
-        kernels::matmul_f32(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);  // φ(Q_c) φ(K_c)ᵀ
-        for (int64_t r = 0; r < n; ++r) {
-          float* ar = A.data() + r * n;
-          std::fill(ar + r + 1, ar + n, 0.0f);  // keys after the row
-          float s = 0.0f;
-          for (int64_t c = 0; c <= r; ++c) s += ar[c];
-          den[static_cast<size_t>(r)] += s;
-        }
-        kernels::matmul_f32(n, Dv, n, A.data(), n, 1, vh + i0 * Dv, Dv, 1, tmp.data(), Dv);
-        for (int64_t e = 0; e < n * Dv; ++e) num[static_cast<size_t>(e)] += tmp[static_cast<size_t>(e)];
-        write(oh, i0, n);
-        absorb(kh, vh, i0, n);
+      } catch (...) {
+        error.capture();
       }
     }
   }
+  error.rethrow();
   return out;
 }
 
@@ -202,14 +269,20 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
   const int n_threads = threads_for_tasks(d.B * d.H, 6.0 * static_cast<double>(d.B * d.H) *
                                                          static_cast<double>(d.Lq + d.Lk) * D * Dv);
   const auto mm = kernels::matmul_f32;
+  FirstError error;
 #pragma omp parallel num_threads(n_threads)
   {
-    const auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(std::max<int64_t>(n, 1))); };
-    std::vector<float> S = buf(D * Dv), z = buf(D), dS = buf(D * Dv), dz = buf(D), fq = buf(C * D), fk = buf(C * D),
-                       num = buf(C * Dv), den = buf(C), A = buf(C * C), M = buf(C * C),
-                       tmp = buf(std::max({C * D, C * Dv, D * Dv})), t2 = buf(std::max(C * D, C * Dv)),
-                       dA = buf((o.causal ? d.Lq : C) * Dv),
-                       dn = buf(o.causal ? d.Lq : C);
+    std::vector<float> S, z, dS, dz, fq, fk, num, den, A, M, tmp, t2, dA, dn;
+    bool ready = false;
+    try {
+      const auto size = [](std::vector<float>& x, int64_t n) { x.assign(static_cast<size_t>(std::max<int64_t>(n, 1)), 0.0f); };
+      size(S, D * Dv), size(z, D), size(dS, D * Dv), size(dz, D), size(fq, C * D), size(fk, C * D), size(num, C * Dv);
+      size(den, C), size(A, C * C), size(M, C * C), size(tmp, std::max({C * D, C * Dv, D * Dv}));
+      size(t2, std::max(C * D, C * Dv)), size(dA, (o.causal ? d.Lq : C) * Dv), size(dn, o.causal ? d.Lq : C);
+      ready = true;
+    } catch (...) {
+      error.capture();
+    }
     const auto features = [&](const float* x, int64_t n, float* f) {
       if (fm == FeatureMap::EluPlusOne) {
         kernels::active().elu_plus_one_f32(x, f, 1, n * D, n * D, n * D);
@@ -260,114 +333,116 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
     };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
-      const float* qh = q.data<float>() + bh * d.Lq * D;
-      const float* kh = k.data<float>() + bh * d.Lk * D;
-      const float* vh = v.data<float>() + bh * d.Lk * Dv;
-      const float* gh = g.data<float>() + bh * d.Lq * Dv;
-      float* dqh = r.dq.data<float>() + bh * d.Lq * D;
-      float* dkh = r.dk.data<float>() + bh * d.Lk * D;
-      float* dvh = r.dv.data<float>() + bh * d.Lk * Dv;
-      for (auto* x : {&S, &z, &dS, &dz}) std::fill(x->begin(), x->end(), 0.0f);
-      if (!o.causal) {
-        for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
-          const int64_t n = std::min(C, d.Lk - j0);
-          features(kh + j0 * D, n, fk.data());
-          absorb(vh + j0 * Dv, n);
-        }
-        for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
-          const int64_t n = std::min(C, d.Lq - i0);
-          features(qh + i0 * D, n, fq.data());
-          mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
-          for (int64_t rr = 0; rr < n; ++rr) {
-            float sden = eps;
-            for (int64_t x = 0; x < D; ++x) sden += fq[static_cast<size_t>(rr * D + x)] * z[static_cast<size_t>(x)];
-            den[static_cast<size_t>(rr)] = sden;
+      if (!ready) continue;
+      try {
+        const float* qh = q.data<float>() + bh * d.Lq * D;
+        const float* kh = k.data<float>() + bh * d.Lk * D;
+        const float* vh = v.data<float>() + bh * d.Lk * Dv;
+        const float* gh = g.data<float>() + bh * d.Lq * Dv;
+        float* dqh = r.dq.data<float>() + bh * d.Lq * D;
+        float* dkh = r.dk.data<float>() + bh * d.Lk * D;
+        float* dvh = r.dv.data<float>() + bh * d.Lk * Dv;
+        for (auto* x : {&S, &z, &dS, &dz}) std::fill(x->begin(), x->end(), 0.0f);
+        if (!o.causal) {
+          for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
+            const int64_t n = std::min(C, d.Lk - j0);
+            features(kh + j0 * D, n, fk.data());
+            absorb(vh + j0 * Dv, n);
           }
-          row_grads(gh, i0, n, dA.data(), dn.data());
-          mm(n, D, Dv, dA.data(), Dv, 1, S.data(), 1, Dv, tmp.data(), D);  // dA Sᵀ
-          through_phi(fq.data(), n, dn.data(), z.data(), dqh + i0 * D);
-          absorb_grad(dA.data(), dn.data(), n);
+          for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
+            const int64_t n = std::min(C, d.Lq - i0);
+            features(qh + i0 * D, n, fq.data());
+            mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
+            for (int64_t rr = 0; rr < n; ++rr) {
+              float sden = eps;
+              for (int64_t x = 0; x < D; ++x) sden += fq[static_cast<size_t>(rr * D + x)] * z[static_cast<size_t>(x)];
+              den[static_cast<size_t>(rr)] = sden;
+            }
+            row_grads(gh, i0, n, dA.data(), dn.data());
+            mm(n, D, Dv, dA.data(), Dv, 1, S.data(), 1, Dv, tmp.data(), D);  // dA Sᵀ
+            through_phi(fq.data(), n, dn.data(), z.data(), dqh + i0 * D);
+            absorb_grad(dA.data(), dn.data(), n);
+          }
+          for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
+            const int64_t n = std::min(C, d.Lk - j0);
+            features(kh + j0 * D, n, fk.data());
+            mm(n, D, Dv, vh + j0 * Dv, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);  // V dSᵀ
+            through_phi(fk.data(), n, nullptr, dz.data(), dkh + j0 * D);
+            mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + j0 * Dv, Dv);  // φ(K) dS
+          }
+        } else {
+          // Causal, forward in chunks: out's pieces, dA and dn of every row, and dq from the state of the
+          // keys before the chunk plus the chunk's own lower triangle.
+          for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
+            const int64_t n = std::min(C, d.Lq - i0);
+            const float* vc = vh + i0 * Dv;
+            features(qh + i0 * D, n, fq.data());
+            features(kh + i0 * D, n, fk.data());
+            mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
+            mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
+            for (int64_t rr = 0; rr < n; ++rr) {
+              float* ar = A.data() + rr * n;
+              std::fill(ar + rr + 1, ar + n, 0.0f);
+              float sden = eps;
+              for (int64_t x = 0; x < D; ++x) sden += fq[static_cast<size_t>(rr * D + x)] * z[static_cast<size_t>(x)];
+              for (int64_t c = 0; c <= rr; ++c) sden += ar[c];
+              den[static_cast<size_t>(rr)] = sden;
+            }
+            add_lower_times(n, Dv, A.data(), vc, Dv, num.data(), t2.data());
+            float* dAc = dA.data() + i0 * Dv;
+            float* dnc = dn.data() + i0;
+            row_grads(gh, i0, n, dAc, dnc);
+            // M = dA V_cᵀ + dn (keys j <= i), dφQ = dA Sᵀ + dn zᵀ + M φ(K_c)
+            mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
+            for (int64_t rr = 0; rr < n; ++rr) {
+              float* mr = M.data() + rr * n;
+              for (int64_t c = 0; c <= rr; ++c) mr[c] += dnc[rr];
+              std::fill(mr + rr + 1, mr + n, 0.0f);
+            }
+            mm(n, D, Dv, dAc, Dv, 1, S.data(), 1, Dv, tmp.data(), D);
+            for (int64_t rr = 0; rr < n; ++rr) {
+              for (int64_t x = 0; x < D; ++x) tmp[static_cast<size_t>(rr * D + x)] += dnc[rr] * z[static_cast<size_t>(x)];
+            }
+            add_lower_times(n, D, M.data(), fk.data(), D, tmp.data(), t2.data());
+            through_phi(fq.data(), n, nullptr, nullptr, dqh + i0 * D);
+            absorb(vc, n);
+          }
+          // Causal, keys in reverse chunks: the suffix sums dS, dz of the queries after the chunk plus
+          // the chunk's own upper triangle (queries i >= j).
+          const int64_t last = (d.Lq - 1) / C * C;
+          for (int64_t i0 = last; i0 >= 0; i0 -= C) {
+            const int64_t n = std::min(C, d.Lq - i0);
+            const float* vc = vh + i0 * Dv;
+            const float* dAc = dA.data() + i0 * Dv;
+            const float* dnc = dn.data() + i0;
+            features(qh + i0 * D, n, fq.data());
+            features(kh + i0 * D, n, fk.data());
+            // M[i][j] = dA_i · v_j + dn_i for i >= j
+            mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
+            mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
+            for (int64_t rr = 0; rr < n; ++rr) {
+              float* mr = M.data() + rr * n;
+              float* ar = A.data() + rr * n;
+              for (int64_t c = 0; c <= rr; ++c) mr[c] += dnc[rr];
+              std::fill(mr + rr + 1, mr + n, 0.0f);
+              std::fill(ar + rr + 1, ar + n, 0.0f);
+            }
+            // dφK = V dSᵀ + dz + Mᵀ φ(Q_c)
+            mm(n, D, Dv, vc, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);
+            add_lower_t_times(n, D, M.data(), fq.data(), D, tmp.data(), t2.data());
+            through_phi(fk.data(), n, nullptr, dz.data(), dkh + i0 * D);
+            // dV = φ(K_c) dS + Aᵀ dA_c
+            mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + i0 * Dv, Dv);
+            add_lower_t_times(n, Dv, A.data(), dAc, Dv, dvh + i0 * Dv, t2.data());
+            absorb_grad(dAc, dnc, n);
+          }
         }
-        for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
-          const int64_t n = std::min(C, d.Lk - j0);
-          features(kh + j0 * D, n, fk.data());
-          mm(n, D, Dv, vh + j0 * Dv, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);  // V dSᵀ
-          through_phi(fk.data(), n, nullptr, dz.data(), dkh + j0 * D);
-          mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + j0 * Dv, Dv);  // φ(K) dS
-        }
-        continue;
-      }
-      // Causal, forward in chunks: out's pieces, dA and dn of every row, and dq from the state of the
-      // keys before the chunk plus the chunk's own lower triangle.
-      for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
-        const int64_t n = std::min(C, d.Lq - i0);
-        const float* vc = vh + i0 * Dv;
-        features(qh + i0 * D, n, fq.data());
-        features(kh + i0 * D, n, fk.data());
-        mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
-        mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
-        for (int64_t rr = 0; rr < n; ++rr) {
-          float* ar = A.data() + rr * n;
-          std::fill(ar + rr + 1, ar + n, 0.0f);
-          float sden = eps;
-          for (int64_t x = 0; x < D; ++x) sden += fq[static_cast<size_t>(rr * D + x)] * z[static_cast<size_t>(x)];
-          for (int64_t c = 0; c <= rr; ++c) sden += ar[c];
-          den[static_cast<size_t>(rr)] = sden;
-        }
-        mm(n, Dv, n, A.data(), n, 1, vc, Dv, 1, tmp.data(), Dv);
-        add_to(num.data(), tmp.data(), n * Dv);
-        float* dAc = dA.data() + i0 * Dv;
-        float* dnc = dn.data() + i0;
-        row_grads(gh, i0, n, dAc, dnc);
-        // M = dA V_cᵀ + dn (keys j <= i), dφQ = dA Sᵀ + dn zᵀ + M φ(K_c)
-        mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
-        for (int64_t rr = 0; rr < n; ++rr) {
-          float* mr = M.data() + rr * n;
-          for (int64_t c = 0; c <= rr; ++c) mr[c] += dnc[rr];
-          std::fill(mr + rr + 1, mr + n, 0.0f);
-        }
-        mm(n, D, Dv, dAc, Dv, 1, S.data(), 1, Dv, tmp.data(), D);
-        for (int64_t rr = 0; rr < n; ++rr) {
-          for (int64_t x = 0; x < D; ++x) tmp[static_cast<size_t>(rr * D + x)] += dnc[rr] * z[static_cast<size_t>(x)];
-        }
-        mm(n, D, n, M.data(), n, 1, fk.data(), D, 1, t2.data(), D);
-        add_to(tmp.data(), t2.data(), n * D);
-        through_phi(fq.data(), n, nullptr, nullptr, dqh + i0 * D);
-        absorb(vc, n);
-      }
-      // Causal, keys in reverse chunks: the suffix sums dS, dz of the queries after the chunk plus
-      // the chunk's own upper triangle (queries i >= j).
-      const int64_t last = (d.Lq - 1) / C * C;
-      for (int64_t i0 = last; i0 >= 0; i0 -= C) {
-        const int64_t n = std::min(C, d.Lq - i0);
-        const float* vc = vh + i0 * Dv;
-        const float* dAc = dA.data() + i0 * Dv;
-        const float* dnc = dn.data() + i0;
-        features(qh + i0 * D, n, fq.data());
-        features(kh + i0 * D, n, fk.data());
-        // M[i][j] = dA_i · v_j + dn_i for i >= j
-        mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
-        mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
-        for (int64_t rr = 0; rr < n; ++rr) {
-          float* mr = M.data() + rr * n;
-          float* ar = A.data() + rr * n;
-          for (int64_t c = 0; c <= rr; ++c) mr[c] += dnc[rr];
-          std::fill(mr + rr + 1, mr + n, 0.0f);
-          std::fill(ar + rr + 1, ar + n, 0.0f);
-        }
-        // dφK = V dSᵀ + dz + Mᵀ φ(Q_c)
-        mm(n, D, Dv, vc, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);
-        mm(n, D, n, M.data(), 1, n, fq.data(), D, 1, t2.data(), D);
-        add_to(tmp.data(), t2.data(), n * D);
-        through_phi(fk.data(), n, nullptr, dz.data(), dkh + i0 * D);
-        // dV = φ(K_c) dS + Aᵀ dA_c
-        mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + i0 * Dv, Dv);
-        mm(n, Dv, n, A.data(), 1, n, dAc, Dv, 1, t2.data(), Dv);
-        add_to(dvh + i0 * Dv, t2.data(), n * Dv);
-        absorb_grad(dAc, dnc, n);
+      } catch (...) {
+        error.capture();
       }
     }
   }
+  error.rethrow();
   return r;
 }
 
@@ -412,7 +487,7 @@ Tensor ref::linear_attention_f64(const Tensor& q_in, const Tensor& k_in, const T
   const auto ph = [&](double x) {
     switch (o.feature_map) {
       case FeatureMap::EluPlusOne: return x > 0 ? x + 1 : std::exp(x);
-      case FeatureMap::Relu: return x > 0 ? x : 0.0;
+      case FeatureMap::Relu: return x <= 0 ? 0.0 : x;
       case FeatureMap::Identity: return x;
     }
     return x;

@@ -61,6 +61,37 @@ def test_recurrent_state_equals_causal_rows():
     full = heads.linear_attention(q, k, v, causal=True)
     st = heads.LinearAttentionState(2, 3, 8, 8)
     for t in range(11):
-        torch.testing.assert_close(st.step(q[:, :, t], k[:, :, t], v[:, :, t], torch_out=True), full[:, :, t],
+        torch.testing.assert_close(st.step(q[:, :, t], k[:, :, t], v[:, :, t]), full[:, :, t],
                                    rtol=1e-5, atol=1e-6)
     assert len(st) == 11
+
+
+def test_multi_chunk_lq_ne_lk_gradients():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 150, 24, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 300, 24, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 300, 40, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, 2, 150, 40, generator=g, dtype=torch.float64)
+    qf, kf, vf = [t.float().requires_grad_() for t in (q, k, v)]
+    ht.linear_attention(qf, kf, vf).backward(dout.float())
+    q6, k6, v6 = [t.clone().requires_grad_() for t in (q, k, v)]
+    _direct(q6, k6, v6, "elu", False).backward(dout)
+    for a, b in ((qf, q6), (kf, k6), (vf, v6)):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_non_finite_values_respect_causality():
+    # An inf in value row t (or a NaN in a relu feature) reaches rows >= t only, as the definition says.
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 200, 8, generator=g) for _ in range(3))
+    v[0, 0, 150, 3] = float("inf")
+    out = heads.linear_attention(q, k, v, causal=True)
+    assert torch.isfinite(out[0, 0, :150]).all() and not torch.isfinite(out[0, 0, 150:]).all()
+    k2 = k.clone()
+    k2[0, 0, 170, 0] = float("nan")
+    out = heads.linear_attention(q, k2, v.nan_to_num(posinf=1.0), feature_map="relu", causal=True)
+    assert torch.isfinite(out[0, 0, :170]).all() and torch.isnan(out[0, 0, 170:]).all()
+    with pytest.raises(RuntimeError):  # second derivatives are not implemented: an error, not silent zeros
+        qf = q.clone().requires_grad_()
+        (gq,) = torch.autograd.grad(ht.linear_attention(qf, k, v.nan_to_num(posinf=1.0)).sum(), qf, create_graph=True)
+        gq.sum().backward()
