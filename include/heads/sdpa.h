@@ -37,6 +37,9 @@
 //   sinks [H]: a learned logit per head (in the units of the scaled scores) that joins every
 //     row's softmax denominator with no value (gpt-oss): rows sum to less than 1, lse includes it,
 //     and a row that sees no key gives zeros with lse = sink.
+// head_mask [B, H] or [H] bool (true = computed): a head that is off is not computed at all (no
+//   work in any kernel); its output and weights are exactly zero and its lse is -inf. Its backward
+//   gives zero dq and adds nothing to dk, dv (dynamic head gating / pruning at inference).
 #pragma once
 
 #include <cstdint>
@@ -67,6 +70,7 @@ struct SdpaOptions {
   Tensor sinks;                          // [H] floating: attention-sink logits
   Tensor block_mask;                     // [nQB, nKB] or [H, nQB, nKB] bool: block-sparse layout
   int64_t block_size = 128;              // queries and keys per block of block_mask
+  Tensor head_mask;                      // [B, H] or [H] bool: heads computed (false: skipped, zero)
 };
 
 // The ALiBi slopes of an H-head model (Press et al.; BLOOM's build_alibi_tensor, also for H not a

@@ -135,6 +135,13 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
     pb.block_mask = (bm.dim() == 2 ? bm.unsqueeze(0) : bm).contiguous();
     pb.block_size = bs;
   }
+  if (opts.head_mask.defined()) {
+    const Tensor& hm = opts.head_mask;
+    HEADS_CHECK(hm.dtype() == DType::Bool && (hm.shape() == Shape{pb.H} || hm.shape() == Shape{pb.B, pb.H}), op,
+                ": head_mask: expected bool [H] = [", pb.H, "] or [B, H] = [", pb.B, ", ", pb.H, "], got ",
+                dtype_name(hm.dtype()), " ", hm.shape());
+    pb.head_mask = hm.expand({pb.B, pb.H}).contiguous();
+  }
   HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
               ": dropout_p must be in [0, 1], got ", opts.dropout_p);
   pb.dropout_p = opts.dropout_p;
@@ -220,6 +227,22 @@ int64_t t5_relative_bucket(int64_t relative_position, bool bidirectional, int64_
 
 namespace {
 
+// The heads head_mask turns off, which the kernels skipped: zero output and weights, lse = -inf.
+void clear_off_heads(const kernels::SdpaProblem& pb, const SdpaResult& r) {
+  if (!pb.head_mask.defined()) return;
+  const Tensor zero_out = Tensor::zeros({pb.Lq, pb.Dv}, r.out.dtype());
+  const Tensor zero_w = pb.need_weights ? Tensor::zeros({pb.Lq, pb.Lk}, DType::F32) : Tensor();
+  for (int64_t b = 0; b < pb.B; ++b) {
+    for (int64_t h = 0; h < pb.H; ++h) {
+      if (pb.head_on(b, h)) continue;
+      r.out.select(0, b).select(0, h).copy_from(zero_out);
+      float* lp = r.lse.data<float>() + (b * pb.H + h) * pb.Lq;
+      std::fill(lp, lp + pb.Lq, -std::numeric_limits<float>::infinity());
+      if (pb.need_weights) r.weights.select(0, b).select(0, h).copy_from(zero_w);
+    }
+  }
+}
+
 SdpaResult run(const kernels::SdpaProblem& pb, const Tensor& out, const Tensor& q, const Tensor& k,
                const Tensor& v) {
   using namespace kernels;
@@ -245,10 +268,12 @@ SdpaResult run(const kernels::SdpaProblem& pb, const Tensor& out, const Tensor& 
     if (pb.sinks.defined()) {  // the sink alone: lse = sink
       for (int64_t bh = 0; bh < pb.B * pb.H; ++bh) std::fill(lp + bh * pb.Lq, lp + (bh + 1) * pb.Lq, pb.sinks.data<float>()[bh % pb.H]);
     }
+    clear_off_heads(pb, r);
     return r;
   }
   const auto fwd = q.dtype() == DType::BF16 ? active().sdpa_fwd_bf16 : active().sdpa_fwd_f32;
   fwd(pb, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
+  clear_off_heads(pb, r);
   return r;
 }
 
@@ -327,6 +352,7 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
       double acc = 0.0;
       const double sink = pb.sinks.data<float>()[h];
       for (int64_t b = 0; b < pb.B; ++b) {
+        if (!pb.head_on(b, h)) continue;  // skipped: no sink term
         for (int64_t i = 0; i < pb.Lq; ++i) {
           const float* o = out_f.data<float>() + b * out_f.stride(0) + h * out_f.stride(1) + i * out_f.stride(2);
           const float* go = dout.data<float>() + b * dout.stride(0) + h * dout.stride(1) + i * dout.stride(2);

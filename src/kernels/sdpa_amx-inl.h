@@ -487,6 +487,7 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
 #pragma omp for schedule(dynamic, run)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t bh = task / n_qb, b = bh / pb.H, h = bh % pb.H;
+      if (!pb.head_on(b, h)) continue;  // a head turned off: cleared by the caller
       const int64_t qb = pb.causal ? n_qb - 1 - task % n_qb : task % n_qb;  // heaviest first
       const int64_t i0 = qb * kBQ, hk = h / pb.group();
       const Task t{pb, lay, b, h, hk, i0, std::min(pb.Lq - i0, kBQ),

@@ -400,6 +400,10 @@ inline void key_group(const Call& C, int64_t b, int64_t hk, int64_t jg, const Sc
   const int64_t ng = std::min(pb.Lk - jg, C.span);
   bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
   for (int64_t h = hk * C.G; h < (hk + 1) * C.G; ++h) {
+    if (!pb.head_on(b, h)) {  // a head turned off: zero dq, nothing into dk, dv
+      if (jg == 0) zero_rows(C.dqp + b * C.dqs[0] + h * C.dqs[1], C.dqs[2], pb.Lq, pb.D);
+      continue;
+    }
     for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, b, hk, h, I0, jg, ng, written, scr);
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {

@@ -329,6 +329,7 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
+      if (!pb.group_on(bh / pb.Hkv, bh % pb.Hkv)) continue;  // every head of the group off
       const int64_t j0 = c * S.chunk, j1 = std::min(pb.Lk, j0 + S.chunk);
       chunk<T>(S, bh / pb.Hkv, bh % pb.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
             pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp);
@@ -336,6 +337,7 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
     // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < heads; ++bh) {
+      if (!pb.group_on(bh / pb.Hkv, bh % pb.Hkv)) continue;
       const Partials part{pm.data() + bh * S.n_chunks * S.rows, pl.data() + bh * S.n_chunks * S.rows,
                           po_base + bh * S.n_chunks * S.rows * S.Dvp};
       merge_chunks<T>(S, bh / pb.Hkv, bh % pb.Hkv, part, sc + S.rows * kBlock, out_p, os, lse_p);
@@ -346,6 +348,7 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
       for (int64_t t = 0; t < n_tasks; ++t) {
         const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
         const int64_t b = bh / pb.Hkv, hk = bh % pb.Hkv;
+        if (!pb.group_on(b, hk)) continue;
         float* lse2 = sc;  // [rows] in log2 units; +inf -> weight 0
         for (int64_t r = 0; r < S.rows; ++r) {
           const float x = lse_p[(b * pb.H + hk * pb.group() + S.head(r)) * pb.Lq + S.pos(r)];

@@ -501,6 +501,7 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t bh = task / n_qt;
       const int64_t qt = pb.causal ? n_qt - 1 - task % n_qt : task % n_qt;
+      if (!pb.head_on(bh / pb.H, bh % pb.H)) continue;  // a head turned off: cleared by the caller
       forward_tile<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, qt, scr);
     }
   }

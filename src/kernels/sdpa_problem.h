@@ -45,8 +45,20 @@ struct SdpaProblem {
   Tensor sinks;  // f32 [H] contiguous, natural-log units
   Tensor block_mask;       // u8 [Hb, nQB, nKB] contiguous (Hb = 1 or H), undefined: dense
   int64_t block_size = 0;  // queries and keys per block of block_mask
+  Tensor head_mask;        // u8 [B, H] contiguous (1 = computed), undefined: every head
 
   int64_t group() const { return H / Hkv; }
+  // Head (b, h) is computed (head_mask); a head that is off is skipped by every kernel.
+  bool head_on(int64_t b, int64_t h) const {
+    return !head_mask.defined() || static_cast<const uint8_t*>(head_mask.raw_data())[b * H + h] != 0;
+  }
+  // Some query head of key/value head hk in batch entry b is computed.
+  bool group_on(int64_t b, int64_t hk) const {
+    for (int64_t h = hk * group(); h < (hk + 1) * group(); ++h) {
+      if (head_on(b, h)) return true;
+    }
+    return false;
+  }
   bool visible(int64_t i, int64_t j) const {
     return (!causal || j <= i + causal_offset) && (!has_left || j >= i + left_offset);
   }

@@ -7,6 +7,7 @@
 // row NaN (softmax needs exp(inf - inf)).
 #include "heads/sdpa.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -118,6 +119,10 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   for (int64_t b = 0; b < pb.B; ++b) {
     for (int64_t h = 0; h < pb.H; ++h) {
       const int64_t hk = h / pb.group();
+      if (!pb.head_on(b, h)) {  // turned off: zero output and weights, lse = -inf
+        std::fill(lp + (b * pb.H + h) * pb.Lq, lp + (b * pb.H + h + 1) * pb.Lq, ninf);
+        continue;
+      }
       for (int64_t i = 0; i < pb.Lq; ++i) {
         double mx = ninf;
         bool any_visible = false;

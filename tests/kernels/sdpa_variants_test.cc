@@ -76,6 +76,11 @@ std::vector<Variant> variants() {
          o.attn_mask = testing::rand_bool({Lq, Lk}, 0.7), o.softcap = 4.0, o.relative_attention_bias = randn({16, H});
          o.sinks = randn({H});
        }},
+      {"head_mask [H]", [](SdpaOptions& o, int64_t H, int64_t, int64_t) { o.head_mask = testing::rand_bool({H}, 0.5); }},
+      {"head_mask [H] + sinks + causal",
+       [](SdpaOptions& o, int64_t H, int64_t, int64_t) {
+         o.head_mask = testing::rand_bool({H}, 0.6), o.sinks = randn({H}), o.is_causal = true;
+       }},
       {"float mask [Lq, Lk] + alibi + window",
        [](SdpaOptions& o, int64_t H, int64_t Lq, int64_t Lk) {
          o.attn_mask = randn({Lq, Lk}), o.alibi_slopes = alibi_slopes(H), o.window_left = 20, o.window_right = 5;
@@ -429,6 +434,68 @@ TEST(SdpaVariants, EdgeCases) {
   }
 }
 
+// A head that head_mask turns off: zero output, weights and dq, lse -inf, nothing into dk / dv; the
+// other heads are bitwise those of the call without the mask (per batch entry, GQA groups whole or
+// partly off, decode and tiled kernels, f32 and bf16).
+TEST(SdpaVariants, HeadMaskSkipsHeads) {
+  IsaGuard guard;
+  for (const Shape4& s : {Shape4{3, 4, 2, 1, 300, 16, 16}, Shape4{3, 4, 2, 37, 70, 17, 9}, Shape4{2, 6, 6, 129, 129, 64, 64}}) {
+    const Tensor q = randn({s.B, s.H, s.Lq, s.D}), k = randn({s.B, s.Hkv, s.Lk, s.D}),
+                 v = randn({s.B, s.Hkv, s.Lk, s.Dv}), dout = randn({s.B, s.H, s.Lq, s.Dv});
+    Tensor hm = Tensor::zeros({s.B, s.H}, DType::Bool);
+    auto* on = static_cast<uint8_t*>(hm.raw_data());
+    for (int64_t h = 0; h < s.H; ++h) on[h] = 1;               // batch 0: every head
+    for (int64_t h = 0; h < s.H; h += 2) on[s.H + h] = 1;      // batch 1: every other head
+    on[2 * s.H + s.H - 1] = s.B > 2 ? 1 : on[2 * s.H + s.H - 1];  // batch 2: the last head only
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      for (DType dt : {DType::F32, DType::BF16}) {
+        const std::string where = std::string("isa=") + isa_name(isa) + " " + std::string(dtype_name(dt)) + " Lq=" +
+                                  std::to_string(s.Lq) + " H=" + std::to_string(s.H) + "/" + std::to_string(s.Hkv);
+        SdpaOptions o;
+        o.enable_gqa = s.H != s.Hkv;
+        o.need_weights = true;
+        const SdpaResult all = sdpa(q.to(dt), k.to(dt), v.to(dt), o);
+        o.head_mask = hm;
+        const SdpaResult r = sdpa(q.to(dt), k.to(dt), v.to(dt), o);
+        for (int64_t b = 0; b < s.B; ++b) {
+          for (int64_t h = 0; h < s.H; ++h) {
+            const Tensor out = r.out.select(0, b).select(0, h), w = r.weights.select(0, b).select(0, h);
+            if (on[b * s.H + h]) {
+              ASSERT_TRUE(testing::bitwise_equal(out, all.out.select(0, b).select(0, h))) << where << " b=" << b << " h=" << h;
+              ASSERT_TRUE(testing::bitwise_equal(w, all.weights.select(0, b).select(0, h))) << where;
+            } else {
+              ASSERT_TRUE(testing::bitwise_equal(out, Tensor::zeros(out.shape(), dt))) << where << " b=" << b << " h=" << h;
+              ASSERT_TRUE(testing::bitwise_equal(w, Tensor::zeros(w.shape(), DType::F32))) << where;
+              for (int64_t i = 0; i < s.Lq; ++i) {
+                ASSERT_EQ(r.lse.data<float>()[(b * s.H + h) * s.Lq + i], -std::numeric_limits<float>::infinity());
+              }
+            }
+          }
+        }
+        if (dt != DType::F32) continue;
+        // Backward: the reference with the mask, and the off heads' dq exactly zero.
+        o.need_weights = false;
+        const SdpaResult f = sdpa(q, k, v, o);
+        const SdpaGrads g = sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()),
+                                              dout, q, k, v, f, o);
+        const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o);
+        for (const auto& [got, want, name] : {std::tuple{&g.dq, &ref.dq, "dq"}, {&g.dk, &ref.dk, "dk"}, {&g.dv, &ref.dv, "dv"}}) {
+          const auto e = testing::compare(*got, *want);
+          ASSERT_TRUE(e.within(1e-5, 1e-5)) << where << ": " << name << " max err " << e.max_abs;
+        }
+        for (int64_t b = 0; b < s.B; ++b) {
+          for (int64_t h = 0; h < s.H; ++h) {
+            if (on[b * s.H + h]) continue;
+            const Tensor dq = g.dq.select(0, b).select(0, h);
+            ASSERT_TRUE(testing::bitwise_equal(dq, Tensor::zeros(dq.shape(), DType::F32))) << where;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(SdpaVariants, BadOptionsAreClearErrors) {
   const Tensor q = randn({1, 4, 5, 8}), k = randn({1, 4, 6, 8}), v = randn({1, 4, 6, 8});
   auto err = [&](const std::function<void(SdpaOptions&)>& set) {
@@ -457,6 +524,10 @@ TEST(SdpaVariants, BadOptionsAreClearErrors) {
               }),
               HasSubstr("block_mask: expected bool [nQB, nKB] or [H, nQB, nKB] = [4, 3, 3] for Lq 5, Lk 6 and "
                         "block_size 2, got bool [2, 2]"));
+  EXPECT_THAT(err([](SdpaOptions& o) { o.head_mask = testing::rand_bool({1, 3}, 0.5); }),
+              HasSubstr("head_mask: expected bool [H] = [4] or [B, H] = [1, 4], got bool [1, 3]"));
+  EXPECT_THAT(err([](SdpaOptions& o) { o.head_mask = randn({4}); }),
+              HasSubstr("head_mask: expected bool [H] = [4] or [B, H] = [1, 4], got f32 [4]"));
 }
 
 }  // namespace
