@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -32,6 +33,9 @@ struct TransformerEncoderLayerOptions {
   bool batch_first = false;
   bool norm_first = false;
   bool bias = true;
+  // The self-attention's mechanism (heads/mha.h: softmax, linear, local window, block-sparse, head
+  // gates); the default is torch's layer.
+  AttentionVariant attention;
 };
 
 // What TransformerEncoderLayer::forward keeps for backward (EncoderForwardArgs::tape): the
@@ -83,6 +87,9 @@ class TransformerEncoderLayer {
   void eval() { train(false); }
   bool training() const { return training_; }
   const TransformerEncoderLayerOptions& options() const { return opt_; }
+  const MultiheadAttention& self_attn() const { return self_attn_; }
+  // MultiheadAttention::prune_heads on the self-attention (self_attn.* weights shrink).
+  void prune_heads(const std::vector<int64_t>& heads) { self_attn_.prune_heads(heads); }
 
   StateDict state_dict() const;
   void load_state_dict(const StateDict& sd, bool strict = true);
@@ -125,6 +132,8 @@ class TransformerEncoder {
   void eval() { train(false); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   const TransformerEncoderLayer& layer(int64_t i) const { return layers_.at(static_cast<size_t>(i)); }
+  // Hugging Face's prune_heads: {layer index: heads to remove from its self-attention}.
+  void prune_heads(const std::map<int64_t, std::vector<int64_t>>& heads_by_layer);
 
   StateDict state_dict() const;
   void load_state_dict(const StateDict& sd, bool strict = true);

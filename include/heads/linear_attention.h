@@ -36,6 +36,11 @@ struct LinearAttentionGrads {
 LinearAttentionGrads linear_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const LinearAttentionOptions& o = {});
 
+// The weights linear attention gives each key, A_ij = φ(q_i)·φ(k_j) / (Σ_j' φ(q_i)·φ(k_j') + eps)
+// (j, j' <= i when causal): [B, H, Lq, Lk] f32, so that out = A V. For inspection (attention maps):
+// this is the L×L matrix the kernel never forms.
+Tensor linear_attention_weights(const Tensor& q, const Tensor& k, const LinearAttentionOptions& o = {});
+
 // The recurrent form for decoding: the state after t keys; step() takes one new (q, k, v) per
 // (b, h) — q, k [B, H, D], v [B, H, Dv] — adds k, v to the state and returns out [B, H, Dv],
 // equal to the causal call's row t.

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "heads/linear_attention.h"
 #include "heads/precision.h"
 #include "heads/sdpa.h"
 #include "heads/tensor.h"
@@ -39,7 +40,12 @@ struct MhaTape {
   Tensor q4, k4, v4;      // SDPA operands [N, H, L | S + extra, head_dim]
   SdpaOptions sdpa;       // merged mask, causal flag, dropout (seed fixed to the forward's)
   SdpaResult attention;   // output, lse and dropout seed of the SDPA call
-  Tensor attn3;           // attention output [d0, d1, E], the out-projection's input
+  Tensor attn3;           // attention output [d0, d1, H·head_dim] (before any head gates)
+  // Head gates (HeadGate != None): the pooled query [N, E], the gates [N, H] and the out-projection's
+  // input attn3 · gates.
+  Tensor gate_in, gates, gated;
+  bool linear = false;               // linear attention ran (its options are in `linear_options`)
+  LinearAttentionOptions linear_options;
   bool defined() const { return attn3.defined(); }
 };
 
@@ -56,6 +62,34 @@ struct MhaGrads {
 // shape and size product then fits int64 with room to spare.
 constexpr int64_t kMaxWidth = int64_t{1} << 24;
 
+// What a MultiheadAttention computes between its projections: extensions of torch's module, whose
+// behaviour the defaults give exactly.
+enum class AttentionKind { Softmax, Linear };
+// Per-head gates g = sigmoid(head_gate.weight · pool(query) + head_gate.bias) scale each head's
+// output before the out-projection; pool is the query's first token or its mean over the sequence.
+enum class HeadGate { None, FirstToken, MeanPool };
+
+struct AttentionVariant {
+  AttentionKind kind = AttentionKind::Softmax;
+  FeatureMap feature_map = FeatureMap::EluPlusOne;  // linear attention's φ (heads/linear_attention.h)
+  // Local attention: query i sees keys j with |i - j| <= window (with is_causal: i - window <= j <= i);
+  // -1 = every key. Blocks outside the band are never computed.
+  int64_t window = -1;
+  // > 0: block-sparse attention in blocks of sparse_block queries and keys with Sparse Transformer's
+  // "fixed" pattern (Child et al. 2019): a query block sees its own key block and every summary block
+  // (key block kb with kb % sparse_stride == sparse_stride - 1). Key blocks not in the pattern are skipped.
+  int64_t sparse_block = 0;
+  int64_t sparse_stride = 4;
+  HeadGate head_gate = HeadGate::None;
+  // In eval mode without a tape, heads whose gate is below this are skipped by the kernel (their output
+  // is exactly zero); 0 keeps every head. Training (a tape) always uses the soft gates.
+  double gate_threshold = 0.0;
+};
+
+// Parses "softmax" / "linear" and "none" / "first" / "mean" (CLI and Python).
+AttentionKind attention_kind_from_name(const std::string& name);
+HeadGate head_gate_from_name(const std::string& name);
+
 struct MultiheadAttentionOptions {
   int64_t embed_dim = 0;
   int64_t num_heads = 1;
@@ -66,6 +100,11 @@ struct MultiheadAttentionOptions {
   int64_t kdim = 0;  // 0 = embed_dim
   int64_t vdim = 0;  // 0 = embed_dim
   bool batch_first = false;
+  // Width of each head; 0 = embed_dim / num_heads (torch). Otherwise the heads' total width
+  // num_heads · head_dim may differ from embed_dim (as after prune_heads): in_proj_weight is then
+  // [3 · num_heads · head_dim, E] and out_proj.weight [E, num_heads · head_dim].
+  int64_t head_dim = 0;
+  AttentionVariant variant;
 };
 
 struct MhaForwardArgs {
@@ -101,6 +140,14 @@ class MultiheadAttention {
   // Gradients for dL/d(output) `dout` (the shape of the forward's output), from the tape of that
   // forward. The module's parameters must not have changed in between.
   MhaGrads backward(const MhaTape& tape, const Tensor& dout) const;
+
+  // Removes the given heads (indices into the current heads; duplicates ignored) from every weight,
+  // as Hugging Face's prune_heads: num_heads shrinks, head_dim stays. The packed precision is re-made.
+  void prune_heads(const std::vector<int64_t>& heads);
+
+  // The per-head gates [N, H] (unbatched: [H]) the forward would use for `query`; undefined without
+  // head gates.
+  Tensor head_gates(const Tensor& query) const;
 
   void train(bool on = true) { training_ = on; }
   void eval() { training_ = false; }

@@ -176,7 +176,8 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 def _mods(window_size: Any, sliding_window: Any, softcap: Any, alibi_slopes: Any, sinks: Any,
           relative_attention_bias: Any, relative_attention_max_distance: Any,
-          relative_attention_bidirectional: Any, num_heads: int, block_mask: Any = None, block_size: Any = 128):
+          relative_attention_bidirectional: Any, num_heads: int, block_mask: Any = None, block_size: Any = 128,
+          head_mask: Any = None):
     """The modifier tuple of the native sdpa calls, or None when no modifier is set."""
     left = right = -1
     if window_size is not None:
@@ -194,12 +195,12 @@ def _mods(window_size: Any, sliding_window: Any, softcap: Any, alibi_slopes: Any
     if isinstance(alibi_slopes, bool):
         alibi_slopes = _heads.alibi_slopes(num_heads) if alibi_slopes else None
     if ((left, right, cap) == (-1, -1, 0.0) and alibi_slopes is None and sinks is None and
-            relative_attention_bias is None and block_mask is None):
+            relative_attention_bias is None and block_mask is None and head_mask is None):
         return None
     return (left, right, cap, _arg(alibi_slopes, "alibi_slopes"), _arg(relative_attention_bias, "relative_attention_bias"),
             _int(relative_attention_max_distance, "relative_attention_max_distance", 1, 2**62),
             bool(relative_attention_bidirectional), _arg(sinks, "sinks"), _arg(block_mask, "block_mask"),
-            _int(block_size, "block_size", 1, 2**62))
+            _int(block_size, "block_size", 1, 2**62), _arg(head_mask, "head_mask"))
 
 
 def sdpa(
@@ -225,6 +226,7 @@ def sdpa(
     relative_attention_bidirectional: bool = True,
     block_mask: Any = None,
     block_size: int = 128,
+    head_mask: Any = None,
 ):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -250,11 +252,13 @@ def sdpa(
     in the softmax denominator with no value (gpt-oss); ``block_mask`` bool ``[nQB, nKB]`` or
     ``[H, nQB, nKB]`` with ``block_size`` — block-sparse attention: query i sees key j only where block
     ``(i // block_size, j // block_size)`` is True; key blocks a query tile cannot see are skipped.
+    ``head_mask`` bool ``[B, H]`` or ``[H]`` (True = computed): heads that are off are not computed at
+    all; their output (and weights) are zeros.
     """
     mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
     mods = _mods(window_size, sliding_window, softcap, alibi_slopes, sinks, relative_attention_bias,
                  relative_attention_max_distance, relative_attention_bidirectional, np.shape(query)[-3]
-                 if len(np.shape(query)) >= 3 else 1, block_mask, block_size)
+                 if len(np.shape(query)) >= 3 else 1, block_mask, block_size, head_mask)
     r = _heads.sdpa(
         _arg(query, "query", True),
         _arg(key, "key", True),

@@ -87,7 +87,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  scale=None, enable_gqa=False, *, causal_variant="upper_left", window_size=None,
                                  sliding_window=None, softcap=None, alibi_slopes=None, sinks=None,
                                  relative_attention_bias=None, relative_attention_max_distance=128,
-                                 relative_attention_bidirectional=True, block_mask=None, block_size=128):
+                                 relative_attention_bidirectional=True, block_mask=None, block_size=128,
+                                 head_mask=None):
     """As torch.nn.functional.scaled_dot_product_attention, computed by heads (forward and backward).
 
     The keyword-only modifiers are those of ``heads.sdpa``; ``sinks`` and ``relative_attention_bias``
@@ -96,7 +97,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
     mods = _mods(window_size, sliding_window, softcap, alibi_slopes, sinks, relative_attention_bias,
                  relative_attention_max_distance, relative_attention_bidirectional,
-                 query.shape[-3] if query.dim() >= 3 else 1, block_mask, block_size)
+                 query.shape[-3] if query.dim() >= 3 else 1, block_mask, block_size, head_mask)
     return SDPAFunction.apply(query, key, value, mask, dropout_p, causal, scale, enable_gqa, lower_right, mods,
                               sinks, relative_attention_bias)
 

@@ -26,13 +26,14 @@ namespace {
 
 // The position and score modifiers, as heads/__init__.py packs them: (window_left, window_right,
 // softcap, alibi_slopes, relative_attention_bias, relative_attention_max_distance,
-// relative_attention_bidirectional, sinks, block_mask, block_size).
+// relative_attention_bidirectional, sinks, block_mask, block_size, head_mask).
 using Mods = std::tuple<int64_t, int64_t, double, std::optional<InArray>, std::optional<InArray>, int64_t, bool,
-                        std::optional<InArray>, std::optional<InArray>, int64_t>;
+                        std::optional<InArray>, std::optional<InArray>, int64_t, std::optional<InArray>>;
 
 void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   if (!mods) return;
-  const auto& [wl, wr, softcap, alibi, table, max_distance, bidirectional, sinks, block_mask, block_size] = *mods;
+  const auto& [wl, wr, softcap, alibi, table, max_distance, bidirectional, sinks, block_mask, block_size, head_mask] =
+      *mods;
   o.window_left = wl;
   o.window_right = wr;
   o.softcap = softcap;
@@ -43,6 +44,7 @@ void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   o.sinks = opt_view(sinks, "sinks");
   o.block_mask = opt_view(block_mask, "block_mask");
   o.block_size = block_size;
+  o.head_mask = opt_view(head_mask, "head_mask");
 }
 
 heads::LinearAttentionOptions linear_options(const std::string& fm, bool causal, double eps) {

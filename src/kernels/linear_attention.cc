@@ -479,6 +479,38 @@ Tensor LinearAttentionState::step(const Tensor& q_in, const Tensor& k_in, const 
   return out;
 }
 
+Tensor linear_attention_weights(const Tensor& q_in, const Tensor& k_in, const LinearAttentionOptions& o) {
+  const char* op = "linear_attention_weights";
+  const Dims d = check(op, q_in, k_in, k_in, o);
+  const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key");
+  Tensor w = Tensor::zeros({d.B, d.H, d.Lq, d.Lk}, DType::F32);
+  const int n_threads = threads_for_tasks(d.B * d.H, static_cast<double>(d.B * d.H) * d.Lq * d.Lk * d.D);
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+  for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
+    const int64_t b = bh / d.H, h = bh % d.H;
+    std::vector<float> fq(static_cast<size_t>(d.D)), fk(static_cast<size_t>(d.Lk * d.D));
+    for (int64_t j = 0; j < d.Lk; ++j) {
+      const float* kr = k.data<float>() + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
+      for (int64_t x = 0; x < d.D; ++x) fk[static_cast<size_t>(j * d.D + x)] = phi(o.feature_map, kr[x]);
+    }
+    for (int64_t i = 0; i < d.Lq; ++i) {
+      const float* qr = q.data<float>() + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      for (int64_t x = 0; x < d.D; ++x) fq[static_cast<size_t>(x)] = phi(o.feature_map, qr[x]);
+      float* row = w.data<float>() + (bh * d.Lq + i) * d.Lk;
+      const int64_t n = o.causal ? std::min(i + 1, d.Lk) : d.Lk;
+      double den = o.eps;
+      for (int64_t j = 0; j < n; ++j) {
+        double a = 0.0;
+        for (int64_t x = 0; x < d.D; ++x) a += static_cast<double>(fq[static_cast<size_t>(x)]) * fk[static_cast<size_t>(j * d.D + x)];
+        row[j] = static_cast<float>(a);
+        den += a;
+      }
+      for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(row[j] / den);
+    }
+  }
+  return w;
+}
+
 Tensor ref::linear_attention_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                  const LinearAttentionOptions& o) {
   const Dims d = check("ref::linear_attention_f64", q_in, k_in, v_in, o);

@@ -48,9 +48,11 @@ TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOp
         MultiheadAttentionOptions m;
         m.embed_dim = o.d_model;
         m.num_heads = o.nhead;
-        m.dropout = o.dropout;
+        // Linear attention has no weights to drop: the layer's dropout stays on its residual branches.
+        m.dropout = o.attention.kind == AttentionKind::Linear ? 0.0 : o.dropout;
         m.bias = o.bias;
         m.batch_first = o.batch_first;
+        m.variant = o.attention;
         return m;
       }(), seed) {
   std::mt19937_64 gen(seed ? *seed + 1 : next_seed());
@@ -368,6 +370,26 @@ void TransformerEncoder::load(const std::string& path, bool strict) {
 
 void TransformerEncoder::save(const std::string& path) const {
   save_safetensors(path, state_dict(), {{"format", "pt"}});
+}
+
+void TransformerEncoder::prune_heads(const std::map<int64_t, std::vector<int64_t>>& heads_by_layer) {
+  for (const auto& [i, heads] : heads_by_layer) {
+    HEADS_CHECK(i >= 0 && i < num_layers(), "TransformerEncoder::prune_heads: layer ", i, " is out of range for ",
+                num_layers(), " layers");
+    // Check every layer's list before the first one changes.
+    const int64_t H = layers_[static_cast<size_t>(i)].self_attn().options().num_heads;
+    std::vector<bool> seen(static_cast<size_t>(H), false);
+    int64_t n = 0;
+    for (int64_t h : heads) {
+      HEADS_CHECK(h >= 0 && h < H, "TransformerEncoder::prune_heads: layer ", i, ": head ", h,
+                  " is out of range for ", H, " heads");
+      n += seen[static_cast<size_t>(h)] ? 0 : 1;
+      seen[static_cast<size_t>(h)] = true;
+    }
+    HEADS_CHECK(n < H, "TransformerEncoder::prune_heads: layer ", i, ": removing all ", H,
+                " heads would leave no attention");
+  }
+  for (const auto& [i, heads] : heads_by_layer) layers_[static_cast<size_t>(i)].prune_heads(heads);
 }
 
 }  // namespace heads

@@ -52,16 +52,54 @@ Tensor additive_mask(const Tensor& m, const char* name) {
   return f;
 }
 
+void check_variant(const MultiheadAttentionOptions& o) {
+  const AttentionVariant& v = o.variant;
+  HEADS_CHECK(v.window >= -1, kOp, ": window must be -1 (every key) or >= 0, got ", v.window);
+  HEADS_CHECK(v.sparse_block >= 0, kOp, ": sparse_block must be >= 0 (0: dense), got ", v.sparse_block);
+  HEADS_CHECK(v.sparse_stride >= 1, kOp, ": sparse_stride must be at least 1, got ", v.sparse_stride);
+  HEADS_CHECK(v.gate_threshold >= 0.0 && v.gate_threshold <= 1.0, kOp, ": gate_threshold must be in [0, 1], got ",
+              v.gate_threshold);
+  if (v.kind == AttentionKind::Linear) {
+    HEADS_CHECK(v.window == -1 && v.sparse_block == 0, kOp,
+                ": window and sparse_block select softmax attention's keys; linear attention takes neither");
+    HEADS_CHECK(o.dropout == 0.0, kOp, ": dropout (", o.dropout,
+                ") drops softmax attention weights; linear attention has none to drop: use 0");
+  }
+}
+
 }  // namespace
+
+AttentionKind attention_kind_from_name(const std::string& name) {
+  if (name == "softmax") return AttentionKind::Softmax;
+  if (name == "linear") return AttentionKind::Linear;
+  fail("attention must be \"softmax\" or \"linear\", got \"", name, "\"");
+}
+
+HeadGate head_gate_from_name(const std::string& name) {
+  if (name == "none") return HeadGate::None;
+  if (name == "first") return HeadGate::FirstToken;
+  if (name == "mean") return HeadGate::MeanPool;
+  fail("head_gate must be \"none\", \"first\" or \"mean\", got \"", name, "\"");
+}
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
                                        std::optional<uint64_t> seed)
     : opt_(options) {
   const int64_t E = opt_.embed_dim;
   HEADS_CHECK(E >= 1 && E <= kMaxWidth, kOp, ": embed_dim must be in [1, ", kMaxWidth, "], got ", E);
-  HEADS_CHECK(opt_.num_heads >= 1, kOp, ": num_heads must be positive, got ", opt_.num_heads);
-  HEADS_CHECK(E % opt_.num_heads == 0, kOp, ": embed_dim ", E, " is not divisible by num_heads ",
-              opt_.num_heads);
+  HEADS_CHECK(opt_.num_heads >= 1 && opt_.num_heads <= kMaxWidth, kOp, ": num_heads must be in [1, ", kMaxWidth,
+              "], got ", opt_.num_heads);
+  HEADS_CHECK(opt_.head_dim >= 0 && opt_.head_dim <= kMaxWidth, kOp, ": head_dim must be in [1, ", kMaxWidth,
+              "] (0: embed_dim / num_heads), got ", opt_.head_dim);
+  if (opt_.head_dim == 0) {
+    HEADS_CHECK(E % opt_.num_heads == 0, kOp, ": embed_dim ", E, " is not divisible by num_heads ",
+                opt_.num_heads);
+    opt_.head_dim = E / opt_.num_heads;
+  }
+  HEADS_CHECK(opt_.num_heads * opt_.head_dim <= kMaxWidth, kOp, ": num_heads ", opt_.num_heads, " x head_dim ",
+              opt_.head_dim, " exceeds ", kMaxWidth);
+  check_variant(opt_);
+  const int64_t Ei = opt_.num_heads * opt_.head_dim;  // the heads' total width (E unless pruned)
   HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
               opt_.dropout);
   HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0 && opt_.kdim <= kMaxWidth && opt_.vdim <= kMaxWidth, kOp,
@@ -71,20 +109,25 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
   std::mt19937_64 gen(seed ? *seed : next_seed());
   // Registration order of torch's state_dict.
   if (opt_.kdim == E && opt_.vdim == E) {
-    params_.push_back({"in_proj_weight", xavier_uniform(3 * E, E, gen)});
+    params_.push_back({"in_proj_weight", xavier_uniform(3 * Ei, E, gen)});
   } else {
-    params_.push_back({"q_proj_weight", xavier_uniform(E, E, gen)});
-    params_.push_back({"k_proj_weight", xavier_uniform(E, opt_.kdim, gen)});
-    params_.push_back({"v_proj_weight", xavier_uniform(E, opt_.vdim, gen)});
+    params_.push_back({"q_proj_weight", xavier_uniform(Ei, E, gen)});
+    params_.push_back({"k_proj_weight", xavier_uniform(Ei, opt_.kdim, gen)});
+    params_.push_back({"v_proj_weight", xavier_uniform(Ei, opt_.vdim, gen)});
   }
-  if (opt_.bias) params_.push_back({"in_proj_bias", Tensor::zeros({3 * E}, DType::F32)});
-  if (opt_.add_bias_kv) {  // xavier_normal_ on [1, 1, E]: fan_in = fan_out = E
-    params_.push_back({"bias_k", normal({1, 1, E}, std::sqrt(1.0 / static_cast<double>(E)), gen)});
-    params_.push_back({"bias_v", normal({1, 1, E}, std::sqrt(1.0 / static_cast<double>(E)), gen)});
+  if (opt_.bias) params_.push_back({"in_proj_bias", Tensor::zeros({3 * Ei}, DType::F32)});
+  if (opt_.add_bias_kv) {  // xavier_normal_ on [1, 1, Ei]: fan_in = fan_out = Ei
+    params_.push_back({"bias_k", normal({1, 1, Ei}, std::sqrt(1.0 / static_cast<double>(Ei)), gen)});
+    params_.push_back({"bias_v", normal({1, 1, Ei}, std::sqrt(1.0 / static_cast<double>(Ei)), gen)});
   }
   // nn.Linear's kaiming_uniform_(a=sqrt(5)): bound 1/sqrt(fan_in); torch then zeroes the bias.
-  params_.push_back({"out_proj.weight", uniform({E, E}, 1.0 / std::sqrt(static_cast<double>(E)), gen)});
+  params_.push_back({"out_proj.weight", uniform({E, Ei}, 1.0 / std::sqrt(static_cast<double>(Ei)), gen)});
   if (opt_.bias) params_.push_back({"out_proj.bias", Tensor::zeros({E}, DType::F32)});
+  if (opt_.variant.head_gate != HeadGate::None) {  // an nn.Linear(E, H): weight and bias U(±1/√E)
+    const double bound = 1.0 / std::sqrt(static_cast<double>(E));
+    params_.push_back({"head_gate.weight", uniform({opt_.num_heads, E}, bound, gen)});
+    params_.push_back({"head_gate.bias", uniform({opt_.num_heads}, bound, gen)});
+  }
 }
 
 Tensor* MultiheadAttention::param(const std::string& name) {
@@ -162,11 +205,15 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
                                                        bool batch_first, bool add_zero_attn) {
   const Tensor* wo = find(sd, "out_proj.weight");
   HEADS_CHECK(wo != nullptr, kOp, ": tensor \"out_proj.weight\" missing (have: ", names_of(sd), ")");
-  HEADS_CHECK(wo->dim() == 2 && wo->size(0) == wo->size(1), kOp,
-              ": out_proj.weight: expected [E, E], got ", wo->shape());
+  HEADS_CHECK(wo->dim() == 2, kOp, ": out_proj.weight: expected [E, num_heads * head_dim], got ", wo->shape());
   MultiheadAttentionOptions o;
   o.embed_dim = wo->size(0);
   o.num_heads = num_heads;
+  HEADS_CHECK(num_heads >= 1 && wo->size(1) % num_heads == 0, kOp, ": out_proj.weight ", wo->shape(),
+              ": its ", wo->size(1), " input features do not split into ", num_heads, " heads");
+  o.head_dim = wo->size(1) / num_heads;
+  // Gates: the pooling is not in the state dict; the first token is the usual form.
+  if (find(sd, "head_gate.weight") != nullptr) o.variant.head_gate = HeadGate::FirstToken;
   o.batch_first = batch_first;
   o.add_zero_attn = add_zero_attn;
   o.bias = find(sd, "in_proj_bias") != nullptr;
@@ -311,21 +358,21 @@ Tensor average_heads(const Tensor& weights) {
 // _in_projection_packed / _in_projection: q = x Wqᵀ + bq, ... as [N, T, E] views; one GEMM for
 // self-attention with the packed weight w_in [3E, E] (else w[0..2] are q/k/v_proj_weight).
 // With `packed` (reduced precision), the weights come from there, and q, k, v are in `act`.
-std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t E, const Tensor* w_in, const Tensor* b_in,
+std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t Ei, const Tensor* w_in, const Tensor* b_in,
                                     const std::array<const Tensor*, 3>& w, const PackedWeights* packed, DType act) {
   static const char* const kParts[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
   const PackedLinear* p_in = packed && w_in ? packed->find("in_proj_weight") : nullptr;
-  auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * E, part * E + E) : *w[part]; };
-  auto bias = [&](int64_t part) { return b_in ? b_in->slice(0, part * E, part * E + E) : Tensor(); };
+  auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * Ei, part * Ei + Ei) : *w[part]; };
+  auto bias = [&](int64_t part) { return b_in ? b_in->slice(0, part * Ei, part * Ei + Ei) : Tensor(); };
   auto proj = [&](const Tensor& x, int64_t part) {
     PackedLinear pw;
-    if (p_in) pw = p_in->rows(part * E, part * E + E);
+    if (p_in) pw = p_in->rows(part * Ei, part * Ei + Ei);
     const PackedLinear* pp = p_in ? &pw : packed ? packed->find(kParts[part]) : nullptr;
     return in.nle(as3(project(rows(x), weight(part), bias(part), pp, act), x));
   };
   if (in.self_attn && w_in) {
     const Tensor y = in.nle(as3(project(rows(in.xq), *w_in, b_in ? *b_in : Tensor(), p_in, act), in.xq));
-    return {y.slice(2, 0, E), y.slice(2, E, 2 * E), y.slice(2, 2 * E, 3 * E)};
+    return {y.slice(2, 0, Ei), y.slice(2, Ei, 2 * Ei), y.slice(2, 2 * Ei, 3 * Ei)};
   }
   return {proj(in.xq, 0), proj(in.xk, 1), proj(in.xv, 2)};
 }
@@ -347,13 +394,83 @@ void append_keys(Tensor& k4, Tensor& v4, const Tensor* bias_k, const Tensor* bia
   v4 = v2;
 }
 
+// Sparse Transformer's fixed pattern [nQB, nKB]: a query block sees its own key block and the
+// summary blocks (kb % stride == stride - 1).
+Tensor fixed_sparse_layout(int64_t L, int64_t S, int64_t block, int64_t stride) {
+  const int64_t nq = (L + block - 1) / block, nk = (S + block - 1) / block;
+  Tensor m = Tensor::zeros({nq, nk}, DType::Bool);
+  auto* p = static_cast<uint8_t*>(m.raw_data());
+  for (int64_t qb = 0; qb < nq; ++qb) {
+    for (int64_t kb = 0; kb < nk; ++kb) p[qb * nk + kb] = kb == qb || kb % stride == stride - 1;
+  }
+  return m;
+}
+
+// The gates' input: each batch entry's first query token, or the mean of its tokens: [N, E] f32.
+Tensor gate_input(const MhaInputs& in, HeadGate kind) {
+  const Tensor x = in.nle(in.xq);  // [N, L, E]
+  const int64_t N = x.size(0), L = x.size(1), E = x.size(2);
+  Tensor p = Tensor::zeros({N, E}, DType::F32);
+  float* pp = p.data<float>();
+  const float* xp = x.data<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t n_rows = kind == HeadGate::FirstToken ? std::min<int64_t>(L, 1) : L;
+    for (int64_t l = 0; l < n_rows; ++l) {
+      const float* row = xp + n * x.stride(0) + l * x.stride(1);
+      for (int64_t c = 0; c < E; ++c) pp[n * E + c] += row[c * x.stride(2)];
+    }
+    if (kind == HeadGate::MeanPool && L > 0) {
+      for (int64_t c = 0; c < E; ++c) pp[n * E + c] /= static_cast<float>(L);
+    }
+  }
+  return p;
+}
+
+// attn3 ([d0, d1, H·hd], rows in the input's order) times each (batch entry, head)'s gate, in f32.
+Tensor apply_gates(const Tensor& attn3, const Tensor& gates, bool batch_first) {
+  Tensor y = attn3.to(DType::F32).clone();
+  const int64_t d0 = y.size(0), d1 = y.size(1), W = y.size(2), H = gates.size(1), hd = W / H;
+  float* yp = y.data<float>();
+  const float* g = gates.data<float>();
+  for (int64_t a = 0; a < d0; ++a) {
+    for (int64_t b = 0; b < d1; ++b) {
+      const int64_t n = batch_first ? a : b;
+      float* row = yp + (a * d1 + b) * W;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t c = 0; c < hd; ++c) row[h * hd + c] *= g[n * H + h];
+      }
+    }
+  }
+  return y;
+}
+
 }  // namespace
+
+Tensor MultiheadAttention::head_gates(const Tensor& query) const {
+  if (opt_.variant.head_gate == HeadGate::None) return Tensor();
+  HEADS_CHECK(query.defined() && (query.dim() == 2 || query.dim() == 3) && query.size(-1) == opt_.embed_dim &&
+                  is_floating(query.dtype()),
+              kOp, "::head_gates: query: expected a floating [L, N, E] ([N, L, E] with batch_first) or [L, E] with E = ",
+              opt_.embed_dim, ", got ", query.defined() ? query.shape() : Shape{});
+  MhaInputs in{};
+  in.batched = query.dim() == 3;
+  in.batch_first = in.batched && opt_.batch_first;
+  in.xq = in.batched ? query.to(DType::F32) : query.to(DType::F32).unsqueeze(1);
+  Tensor g = linear(gate_input(in, opt_.variant.head_gate), *param("head_gate.weight"), *param("head_gate.bias"));
+  float* gp = g.data<float>();
+  for (int64_t x = 0; x < g.numel(); ++x) gp[x] = 1.0f / (1.0f + std::exp(-gp[x]));
+  return in.batched ? g : g.squeeze(0);
+}
 
 std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const Tensor& key,
                                                       const Tensor& value,
                                                       const MhaForwardArgs& args) const {
-  const int64_t E = opt_.embed_dim, H = opt_.num_heads;
+  const int64_t H = opt_.num_heads, Ei = H * opt_.head_dim;
+  const AttentionVariant& var = opt_.variant;
+  const bool linear_attn = var.kind == AttentionKind::Linear;
   const MhaInputs in = check_inputs(opt_, query, key, value, args);
+  HEADS_CHECK(!linear_attn || (!args.attn_mask.defined() && !args.key_padding_mask.defined()), kOp,
+              ": linear attention takes no attn_mask or key_padding_mask (is_causal selects its causal form)");
 
   // Causal hint, as torch: is_causal with no key_padding_mask and no weights runs causal SDPA
   // and ignores attn_mask; otherwise attn_mask is used as given. Without attn_mask it means
@@ -371,30 +488,74 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
 
   const PackedWeights* packed = args.tape == nullptr ? packed_.get() : nullptr;  // training runs in f32
   // A bf16 model keeps q, k, v and the attention output in bf16 (the projections round their f32 sums
-  // once; attention runs its bf16 kernel: AMX tiles where present); other precisions in f32.
-  const DType act = packed != nullptr && packed->precision == Precision::BF16 ? DType::BF16 : DType::F32;
+  // once; attention runs its bf16 kernel: AMX tiles where present); other precisions in f32. Linear
+  // attention runs in f32.
+  const DType act =
+      packed != nullptr && packed->precision == Precision::BF16 && !linear_attn ? DType::BF16 : DType::F32;
   const auto [q3, k3, v3] =
-      in_projection(in, E, param("in_proj_weight"), param("in_proj_bias"),
+      in_projection(in, Ei, param("in_proj_weight"), param("in_proj_bias"),
                     {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed, act);
   const Tensor q4 = split_heads(q3, H);
   Tensor k4 = split_heads(k3, H), v4 = split_heads(v3, H);
   append_keys(k4, v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
-  const Tensor mask = merge_masks(in, am, H, k4.size(2));
+  const int64_t S2 = k4.size(2);
 
-  // Attention, written into the [rows, E] buffer in the query's memory order.
-  Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), E}, act);
+  // Head gates; in eval mode without a tape, heads below the threshold are skipped (gate 0).
+  Tensor gate_in, gates, gates_used;
+  Tensor head_mask;
+  if (var.head_gate != HeadGate::None) {
+    gate_in = gate_input(in, var.head_gate);
+    gates = linear(gate_in, *param("head_gate.weight"), *param("head_gate.bias"));
+    float* gp = gates.data<float>();
+    for (int64_t x = 0; x < gates.numel(); ++x) gp[x] = 1.0f / (1.0f + std::exp(-gp[x]));
+    gates_used = gates;
+    if (!training_ && args.tape == nullptr && var.gate_threshold > 0.0) {
+      gates_used = gates.clone();
+      head_mask = Tensor::empty(gates.shape(), DType::Bool);
+      auto* on = static_cast<uint8_t*>(head_mask.raw_data());
+      float* gu = gates_used.data<float>();
+      for (int64_t x = 0; x < gates.numel(); ++x) {
+        on[x] = gu[x] >= var.gate_threshold;
+        if (!on[x]) gu[x] = 0.0f;
+      }
+    }
+  }
+
+  // Attention, written into the [rows, H·hd] buffer in the query's memory order.
+  Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), Ei}, act);
+  Tensor out4 = split_heads(in.nle(attn3), H);
   SdpaOptions so;
-  so.attn_mask = mask;
-  so.is_causal = causal;
-  so.dropout_p = training_ ? opt_.dropout : 0.0;
-  so.need_weights = args.need_weights;
-  const SdpaResult r = sdpa_out(split_heads(in.nle(attn3), H), q4, k4, v4, so);
+  SdpaResult r;
+  LinearAttentionOptions lo;
+  if (linear_attn) {
+    lo.feature_map = var.feature_map;
+    lo.causal = args.is_causal;
+    out4.copy_from(heads::linear_attention(q4, k4, v4, lo));
+    if (args.need_weights) r.weights = linear_attention_weights(q4, k4, lo);
+  } else {
+    so.attn_mask = merge_masks(in, am, H, S2);
+    so.is_causal = causal;
+    so.dropout_p = training_ ? opt_.dropout : 0.0;
+    so.need_weights = args.need_weights;
+    if (var.window >= 0) {
+      so.window_left = var.window;
+      if (!causal) so.window_right = var.window;
+    }
+    if (var.sparse_block > 0) {
+      so.block_mask = fixed_sparse_layout(in.L, S2, var.sparse_block, var.sparse_stride);
+      so.block_size = var.sparse_block;
+    }
+    so.head_mask = head_mask;
+    r = sdpa_out(out4, q4, k4, v4, so);
+  }
 
-  // Out-projection.
+  // Out-projection (of the gated heads, with gates).
+  const Tensor gated = gates.defined() ? apply_gates(attn3, gates_used, in.batch_first) : Tensor();
   const Tensor* b_out = param("out_proj.bias");
-  Tensor out = as3(project(rows(attn3), *param("out_proj.weight"), b_out ? *b_out : Tensor(),
+  const Tensor& proj_in = gated.defined() ? gated : attn3;
+  Tensor out = as3(project(rows(proj_in), *param("out_proj.weight"), b_out ? *b_out : Tensor(),
                            packed ? packed->find("out_proj.weight") : nullptr),
-                   attn3);
+                   proj_in);
   if (!in.batched) out = out.squeeze(1);
 
   if (args.tape != nullptr) {
@@ -414,7 +575,13 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     t.sdpa.need_weights = false;
     t.sdpa.dropout_seed = r.dropout_seed;
     t.attention = r;
+    t.attention.weights = Tensor();
     t.attn3 = attn3;
+    t.gate_in = gate_in;
+    t.gates = gates;
+    t.gated = gated;
+    t.linear = linear_attn;
+    t.linear_options = lo;
     t.out_shape = out.shape();
   }
 
@@ -424,6 +591,60 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     if (!in.batched) weights = weights.squeeze(0);
   }
   return {out, weights};
+}
+
+void MultiheadAttention::prune_heads(const std::vector<int64_t>& heads) {
+  const int64_t H = opt_.num_heads, hd = opt_.head_dim, Ei = H * hd;
+  std::vector<bool> drop(static_cast<size_t>(H), false);
+  for (int64_t h : heads) {
+    HEADS_CHECK(h >= 0 && h < H, kOp, "::prune_heads: head ", h, " is out of range for ", H, " heads");
+    drop[static_cast<size_t>(h)] = true;
+  }
+  std::vector<int64_t> keep;
+  for (int64_t h = 0; h < H; ++h) {
+    if (!drop[static_cast<size_t>(h)]) keep.push_back(h);
+  }
+  HEADS_CHECK(!keep.empty(), kOp, "::prune_heads: removing all ", H, " heads would leave no attention");
+  if (static_cast<int64_t>(keep.size()) == H) return;
+  const int64_t K = static_cast<int64_t>(keep.size());
+  // Rows (dim 0) or columns (dim 1) of the kept heads, for each of `parts` consecutive H·hd blocks
+  // (hd = 1 for the gates).
+  auto gather = [&](const Tensor& t, int64_t dim, int64_t parts, int64_t width) {
+    Shape shape = t.shape();
+    shape[static_cast<size_t>(dim)] = parts * K * width;
+    Tensor y = Tensor::empty(shape, DType::F32);
+    for (int64_t p = 0; p < parts; ++p) {
+      for (int64_t x = 0; x < K; ++x) {
+        const int64_t src = p * H * width + keep[static_cast<size_t>(x)] * width, dst = (p * K + x) * width;
+        y.slice(dim, dst, dst + width).copy_from(t.slice(dim, src, src + width));
+      }
+    }
+    return y;
+  };
+  std::vector<Param> next;
+  for (const Param& p : params_) {
+    Tensor v = p.value;
+    if (p.name == "in_proj_weight" || p.name == "in_proj_bias") {
+      v = gather(v, 0, 3, hd);
+    } else if (p.name == "q_proj_weight" || p.name == "k_proj_weight" || p.name == "v_proj_weight") {
+      v = gather(v, 0, 1, hd);
+    } else if (p.name == "bias_k" || p.name == "bias_v") {
+      v = gather(v, 2, 1, hd);
+    } else if (p.name == "out_proj.weight") {
+      v = gather(v, 1, 1, hd);
+    } else if (p.name == "head_gate.weight" || p.name == "head_gate.bias") {
+      v = gather(v, 0, 1, 1);
+    }
+    next.push_back({p.name, v});
+  }
+  (void)Ei;
+  // Re-pack the new weights in the precision in force (can fail: then nothing has changed).
+  StateDict sd;
+  for (const Param& p : next) sd.emplace_back(p.name, p.value);
+  auto packed = PackedWeights::make(precision(), sd, {}, kPackedNames);
+  params_ = std::move(next);
+  opt_.num_heads = K;
+  packed_ = std::move(packed);
 }
 
 }  // namespace heads
