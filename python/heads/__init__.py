@@ -348,12 +348,36 @@ class _Picklable:
         self.to(state.get("dtype", "f32"))
 
 
+def _variant(attention: Any = "softmax", feature_map: Any = "elu", window: Any = None, sparse_block: Any = None,
+             sparse_stride: Any = 4, head_gate: Any = None, gate_threshold: Any = 0.0):
+    """The attention-variant tuple of the native modules, or None for torch's plain softmax attention."""
+    v = (str(attention), str(feature_map), -1 if window is None else _int(window, "window", 0, 2**62),
+         0 if sparse_block is None else _int(sparse_block, "sparse_block", 1, 2**62),
+         _int(sparse_stride, "sparse_stride", 1, 2**62), "none" if head_gate is None else str(head_gate),
+         float(gate_threshold))
+    return None if v == ("softmax", "elu", -1, 0, 4, "none", 0.0) else v
+
+
+_VARIANT_DOC = """
+    Attention variants (keyword-only extensions; the defaults are torch's module): ``attention`` —
+    "softmax" or "linear" (kernelized, ``feature_map`` "elu" | "relu" | "identity", no L×L matrix;
+    ``is_causal`` selects its causal form; no masks); ``window`` — local attention, query i sees keys
+    with ``|i - j| <= window`` (``i - window <= j <= i`` with ``is_causal``); ``sparse_block`` /
+    ``sparse_stride`` — block-sparse attention with Sparse Transformer's fixed pattern (a query block
+    sees its own key block and every key block ``kb`` with ``kb % stride == stride - 1``); ``head_gate``
+    — "first" or "mean": per-head gates ``sigmoid(head_gate.weight @ pool(query) + head_gate.bias)``
+    scale each head's output (trainable); in eval mode heads whose gate is below ``gate_threshold``
+    are skipped by the kernel (their output is exactly zero).
+"""
+
+
 class MultiheadAttention(_Picklable):
     """``torch.nn.MultiheadAttention`` in heads: same constructor, state-dict names and call.
 
     ``seed`` (an extension) fixes the initial parameters; they are drawn as torch draws them
     (Xavier-uniform in-projection, zero biases) from heads' generator (``heads.manual_seed``); the
     torch-facing ``heads.torch.MultiheadAttention`` draws them from torch's generator instead.
+    ``head_dim`` (extension) sets each head's width when ``num_heads * head_dim != embed_dim``.
     """
 
     def __init__(
@@ -368,6 +392,14 @@ class MultiheadAttention(_Picklable):
         vdim: Optional[int] = None,
         batch_first: bool = False,
         *,
+        head_dim: Optional[int] = None,
+        attention: str = "softmax",
+        feature_map: str = "elu",
+        window: Optional[int] = None,
+        sparse_block: Optional[int] = None,
+        sparse_stride: int = 4,
+        head_gate: Optional[str] = None,
+        gate_threshold: float = 0.0,
         seed: Optional[int] = None,
     ) -> None:
         width = 1 << 24  # kMaxWidth of the C++ modules
@@ -381,6 +413,8 @@ class MultiheadAttention(_Picklable):
             kdim=None if kdim is None else _int(kdim, "MultiheadAttention: kdim", 1, width),
             vdim=None if vdim is None else _int(vdim, "MultiheadAttention: vdim", 1, width),
             batch_first=bool(batch_first),
+            head_dim=None if head_dim is None else _int(head_dim, "MultiheadAttention: head_dim", 1, width),
+            variant=_variant(attention, feature_map, window, sparse_block, sparse_stride, head_gate, gate_threshold),
         )
         self._m = _heads.MultiheadAttention(**self._args, seed=_seed(seed))
 
@@ -395,9 +429,19 @@ class MultiheadAttention(_Picklable):
     batch_first = property(lambda self: self._m.batch_first)
     training = property(lambda self: self._m.training)
 
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
+    head_dim = property(lambda self: self._m.head_dim)
+
+    def prune_heads(self, heads: Any) -> None:
+        """Removes these heads (indices into the current ones) from every weight, as Hugging Face's
+        ``prune_heads``: ``num_heads`` shrinks, ``head_dim`` stays."""
+        self._m.prune_heads([int(h) for h in heads])
+        self._args.update(num_heads=self._m.num_heads, head_dim=self._m.head_dim)
+
+    def head_gates(self, query: Any):
+        """The per-head gates ``[N, H]`` (unbatched ``[H]``) the forward computes for ``query``; None
+        without ``head_gate``."""
+        g = self._m.head_gates(_arg(query, "query", True), _is_torch(query))
+        return None if g is None else g
 
     def train(self, mode: bool = True) -> "MultiheadAttention":
         self._m._set_training(bool(mode))
@@ -477,6 +521,9 @@ class MultiheadAttention(_Picklable):
         )
 
 
+MultiheadAttention.__doc__ = (MultiheadAttention.__doc__ or "") + _VARIANT_DOC
+
+
 class _Module(_Picklable):
     """Shared state-dict and train/eval plumbing of the wrapped native modules."""
 
@@ -511,12 +558,15 @@ class TransformerEncoderLayer(_Module):
     """``torch.nn.TransformerEncoderLayer`` in heads: same constructor, names and call.
 
     ``activation`` is "relu", "gelu" (erf form) or "gelu_tanh". ``seed`` (an extension) fixes the
-    initial parameters.
+    initial parameters. The self-attention's variant is chosen by the keywords below (with linear
+    attention the layer's dropout stays on its residual branches only).
     """
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
                  activation: str = "relu", layer_norm_eps: float = 1e-5, batch_first: bool = False,
-                 norm_first: bool = False, bias: bool = True, *, seed: Optional[int] = None) -> None:
+                 norm_first: bool = False, bias: bool = True, *, attention: str = "softmax", feature_map: str = "elu",
+                 window: Optional[int] = None, sparse_block: Optional[int] = None, sparse_stride: int = 4,
+                 head_gate: Optional[str] = None, gate_threshold: float = 0.0, seed: Optional[int] = None) -> None:
         if callable(activation):
             activation = getattr(activation, "__name__", str(activation))
         width = 1 << 24  # kMaxWidth of the C++ modules
@@ -525,12 +575,30 @@ class TransformerEncoderLayer(_Module):
                           dim_feedforward=_int(dim_feedforward, "TransformerEncoderLayer: dim_feedforward", 1, width),
                           dropout=float(dropout), activation=str(activation),
                           layer_norm_eps=float(layer_norm_eps), batch_first=bool(batch_first),
-                          norm_first=bool(norm_first), bias=bool(bias))
+                          norm_first=bool(norm_first), bias=bool(bias),
+                          attention=_variant(attention, feature_map, window, sparse_block, sparse_stride, head_gate,
+                                             gate_threshold))
         self._m = _heads.TransformerEncoderLayer(**self._args, seed=_seed(seed))
         self._training = True
+        self._prunes: list = []
 
     def _rebuild(self) -> None:
         self._m = _heads.TransformerEncoderLayer(**self._args)
+        for heads in getattr(self, "_prunes", []):
+            self._m.prune_heads(heads)
+
+    def __getstate__(self) -> dict:
+        return dict(super().__getstate__(), prunes=list(self._prunes))
+
+    def __setstate__(self, state: dict) -> None:
+        self._prunes = list(state.get("prunes", []))
+        super().__setstate__(state)
+
+    def prune_heads(self, heads: Any) -> None:
+        """Removes these heads from the self-attention (``MultiheadAttention.prune_heads``)."""
+        heads = [int(h) for h in heads]
+        self._m.prune_heads(heads)
+        self._prunes.append(heads)
 
     def forward(self, src: Any, src_mask: Any = None, src_key_padding_mask: Any = None,
                 is_causal: bool = False, *, tape: Optional[Tape] = None):
@@ -543,6 +611,9 @@ class TransformerEncoderLayer(_Module):
     __call__ = forward
 
 
+TransformerEncoderLayer.__doc__ = (TransformerEncoderLayer.__doc__ or "") + _VARIANT_DOC
+
+
 class TransformerEncoder(_Module):
     """``torch.nn.TransformerEncoder(encoder_layer, num_layers, norm)``: num_layers copies of
     ``encoder_layer`` (a heads.TransformerEncoderLayer, its parameters copied as torch deep-copies),
@@ -551,9 +622,13 @@ class TransformerEncoder(_Module):
     def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: Any = None) -> None:
         if not isinstance(encoder_layer, TransformerEncoderLayer):
             raise ValueError("TransformerEncoder: encoder_layer must be a heads.TransformerEncoderLayer")
+        if encoder_layer._prunes:
+            raise ValueError("TransformerEncoder: encoder_layer has pruned heads; build the encoder from an unpruned "
+                             "layer and call its prune_heads({layer: heads})")
         self._args = dict(encoder_layer._args, num_layers=_int(num_layers, "TransformerEncoder: num_layers", 1, 1 << 24),
                           final_norm=norm is not None and norm is not False)
         self._m = _heads.TransformerEncoder(**self._args)
+        self._prunes: list = []
         layer_sd = encoder_layer.state_dict()
         self.load_state_dict({f"layers.{i}.{k}": v for i in range(int(num_layers)) for k, v in layer_sd.items()},
                              strict=False)
@@ -561,6 +636,21 @@ class TransformerEncoder(_Module):
 
     def _rebuild(self) -> None:
         self._m = _heads.TransformerEncoder(**self._args)
+        for heads in getattr(self, "_prunes", []):
+            self._m.prune_heads(heads)
+
+    def __getstate__(self) -> dict:
+        return dict(super().__getstate__(), prunes=list(self._prunes))
+
+    def __setstate__(self, state: dict) -> None:
+        self._prunes = [{int(k): v for k, v in p.items()} for p in state.get("prunes", [])]
+        super().__setstate__(state)
+
+    def prune_heads(self, heads_to_prune: Mapping[int, Any]) -> None:
+        """Hugging Face's ``prune_heads``: ``{layer index: heads to remove from its self-attention}``."""
+        p = {int(k): [int(h) for h in v] for k, v in heads_to_prune.items()}
+        self._m.prune_heads(p)
+        self._prunes.append(p)
 
     def forward(self, src: Any, mask: Any = None, src_key_padding_mask: Any = None, is_causal: bool = False,
                 *, tape: Optional[Tape] = None):

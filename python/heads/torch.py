@@ -136,15 +136,20 @@ class MultiheadAttention(_torch.nn.Module):
     ``in_proj_bias``, ``bias_k``, ``bias_v``, ``out_proj.weight``, ``out_proj.bias``), so state dicts
     load both ways and any torch optimizer trains it. Gradients flow from ``attn_output`` (the
     returned weights are constants). Dropout masks come from heads' generator (``heads.manual_seed``).
+    The keyword-only attention variants are heads.MultiheadAttention's (linear, local window,
+    block-sparse, head gates with ``head_gate.weight`` / ``head_gate.bias`` parameters).
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=False):
+                 kdim=None, vdim=None, batch_first=False, *, attention="softmax", feature_map="elu", window=None,
+                 sparse_block=None, sparse_stride=4, head_gate=None, gate_threshold=0.0):
         super().__init__()
         from . import MultiheadAttention as _Native
 
         self._native = _Native(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
-                               add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first)
+                               add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                               attention=attention, feature_map=feature_map, window=window, sparse_block=sparse_block,
+                               sparse_stride=sparse_stride, head_gate=head_gate, gate_threshold=gate_threshold)
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
         self._names = list(self._native.state_dict())
         # The initial parameters come from torch's generator, drawn exactly as nn.MultiheadAttention
@@ -152,9 +157,14 @@ class MultiheadAttention(_torch.nn.Module):
         init = _torch.nn.MultiheadAttention(embed_dim, num_heads, dropout=dropout, bias=bias,
                                             add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
                                             vdim=vdim, batch_first=batch_first).state_dict()
+        if head_gate is not None:  # the gates are an nn.Linear(embed_dim, num_heads)
+            gate = _torch.nn.Linear(embed_dim, num_heads)
+            init["head_gate.weight"], init["head_gate.bias"] = gate.weight, gate.bias
+        self.head_gate = _torch.nn.Module() if head_gate is not None else None
         self.out_proj = _torch.nn.Module()
         for name in self._names:
-            owner, attr = (self.out_proj, name.split(".", 1)[1]) if name.startswith("out_proj.") else (self, name)
+            prefix, _, rest = name.partition(".")
+            owner, attr = (getattr(self, prefix), rest) if rest else (self, name)
             owner.register_parameter(attr, _torch.nn.Parameter(init[name].detach().clone()))
 
     def _params(self):
@@ -165,5 +175,14 @@ class MultiheadAttention(_torch.nn.Module):
         self._native.train(self.training)
         call = dict(key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
                     average_attn_weights=average_attn_weights, is_causal=is_causal)
-        out, weights = _MhaFunction.apply(self._native, self._names, call, query, key, value, *self._params())
+        params = self._params()
+        if not _torch.is_grad_enabled() or not any(t.requires_grad for t in (query, key, value, *params)):
+            # Inference: no tape, so the module runs as heads.MultiheadAttention does (gated-off heads skipped).
+            self._native.load_state_dict({n: p.detach() for n, p in zip(self._names, params)})
+            q = query.detach()
+            k = q if key is query else key.detach()
+            v = k if value is key else value.detach()
+            out, weights = self._native(q, k, v, **call)
+            return out, (weights if need_weights else None)
+        out, weights = _MhaFunction.apply(self._native, self._names, call, query, key, value, *params)
         return out, (weights if need_weights else None)

@@ -4,7 +4,9 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -24,11 +26,30 @@ using namespace nb::literals;
 
 namespace {
 
+// The attention variant as heads/__init__.py packs it: (attention, feature_map, window, sparse_block,
+// sparse_stride, head_gate, gate_threshold).
+using Variant = std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, double>;
+
+heads::AttentionVariant variant_of(const std::optional<Variant>& v) {
+  heads::AttentionVariant a;
+  if (!v) return a;
+  const auto& [kind, fm, window, block, stride, gate, threshold] = *v;
+  a.kind = heads::attention_kind_from_name(kind);
+  a.feature_map = heads::feature_map_from_name(fm);
+  a.window = window;
+  a.sparse_block = block;
+  a.sparse_stride = stride;
+  a.head_gate = heads::head_gate_from_name(gate);
+  a.gate_threshold = threshold;
+  return a;
+}
+
 heads::TransformerEncoderLayerOptions layer_options(int64_t d_model, int64_t nhead, int64_t dim_feedforward,
                                                     double dropout, const std::string& activation,
                                                     double layer_norm_eps, bool batch_first,
-                                                    bool norm_first, bool bias) {
+                                                    bool norm_first, bool bias, const std::optional<Variant>& attention) {
   heads::TransformerEncoderLayerOptions o;
+  o.attention = variant_of(attention);
   o.d_model = d_model;
   o.nhead = nhead;
   o.dim_feedforward = dim_feedforward;
@@ -103,8 +124,12 @@ void bind_mha(nb::module_& m) {
       .def("__init__",
            [](heads::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads, double dropout,
               bool bias, bool add_bias_kv, bool add_zero_attn, std::optional<int64_t> kdim,
-              std::optional<int64_t> vdim, bool batch_first, std::optional<uint64_t> seed) {
+              std::optional<int64_t> vdim, bool batch_first, std::optional<int64_t> head_dim,
+              const std::optional<Variant>& variant, std::optional<uint64_t> seed) {
              heads::MultiheadAttentionOptions o;
+             HEADS_CHECK(!head_dim || *head_dim > 0, "MultiheadAttention: head_dim must be positive, got ", *head_dim);
+             o.head_dim = head_dim.value_or(0);
+             o.variant = variant_of(variant);
              o.embed_dim = embed_dim;
              o.num_heads = num_heads;
              o.dropout = dropout;
@@ -120,7 +145,21 @@ void bind_mha(nb::module_& m) {
            },
            "embed_dim"_a, "num_heads"_a, "dropout"_a = 0.0, "bias"_a = true,
            "add_bias_kv"_a = false, "add_zero_attn"_a = false, "kdim"_a = nb::none(),
-           "vdim"_a = nb::none(), "batch_first"_a = false, "seed"_a = nb::none())
+           "vdim"_a = nb::none(), "batch_first"_a = false, "head_dim"_a = nb::none(), "variant"_a = nb::none(),
+           "seed"_a = nb::none())
+      .def_prop_ro("head_dim", [](const heads::MultiheadAttention& s) { return s.options().head_dim; })
+      .def("prune_heads", &heads::MultiheadAttention::prune_heads, "heads"_a)
+      .def("head_gates",
+           [](const heads::MultiheadAttention& s, const InArray& query, bool torch_out) {
+             const heads::Tensor q = view_of(query, "query");
+             heads::Tensor g;
+             {
+               nb::gil_scoped_release release;
+               g = s.head_gates(q);
+             }
+             return to_array(g, torch_out);
+           },
+           "query"_a, "torch_out"_a = false)
       .def_prop_ro("embed_dim", [](const heads::MultiheadAttention& s) { return s.options().embed_dim; })
       .def_prop_ro("num_heads", [](const heads::MultiheadAttention& s) { return s.options().num_heads; })
       .def_prop_ro("kdim", [](const heads::MultiheadAttention& s) { return s.options().kdim; })
@@ -176,15 +215,16 @@ void bind_encoders(nb::module_& m) {
       .def("__init__",
            [](heads::TransformerEncoderLayer* self, int64_t d_model, int64_t nhead, int64_t dim_feedforward,
               double dropout, const std::string& activation, double layer_norm_eps, bool batch_first,
-              bool norm_first, bool bias, std::optional<uint64_t> seed) {
+              bool norm_first, bool bias, const std::optional<Variant>& attention, std::optional<uint64_t> seed) {
              new (self) heads::TransformerEncoderLayer(
                  layer_options(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                               batch_first, norm_first, bias),
+                               batch_first, norm_first, bias, attention),
                  seed);
            },
            "d_model"_a, "nhead"_a, "dim_feedforward"_a = 2048, "dropout"_a = 0.1,
            "activation"_a = "relu", "layer_norm_eps"_a = 1e-5, "batch_first"_a = false,
-           "norm_first"_a = false, "bias"_a = true, "seed"_a = nb::none())
+           "norm_first"_a = false, "bias"_a = true, "attention"_a = nb::none(), "seed"_a = nb::none())
+      .def("prune_heads", &heads::TransformerEncoderLayer::prune_heads, "heads"_a)
       .def_prop_ro("training", &heads::TransformerEncoderLayer::training)
       .def("forward", &encoder_forward<heads::TransformerEncoderLayer, heads::EncoderLayerTape>, "src"_a,
            "src_mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(), "is_causal"_a = false,
@@ -198,15 +238,17 @@ void bind_encoders(nb::module_& m) {
       .def("__init__",
            [](heads::TransformerEncoder* self, int64_t d_model, int64_t nhead, int64_t dim_feedforward,
               double dropout, const std::string& activation, double layer_norm_eps, bool batch_first,
-              bool norm_first, bool bias, int64_t num_layers, bool final_norm, std::optional<uint64_t> seed) {
+              bool norm_first, bool bias, int64_t num_layers, bool final_norm, const std::optional<Variant>& attention,
+              std::optional<uint64_t> seed) {
              new (self) heads::TransformerEncoder(
                  layer_options(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                               batch_first, norm_first, bias),
+                               batch_first, norm_first, bias, attention),
                  num_layers, final_norm, seed);
            },
            "d_model"_a, "nhead"_a, "dim_feedforward"_a, "dropout"_a, "activation"_a,
            "layer_norm_eps"_a, "batch_first"_a, "norm_first"_a, "bias"_a, "num_layers"_a,
-           "final_norm"_a, "seed"_a = nb::none())
+           "final_norm"_a, "attention"_a = nb::none(), "seed"_a = nb::none())
+      .def("prune_heads", &heads::TransformerEncoder::prune_heads, "heads_by_layer"_a)
       .def("forward", &encoder_forward<heads::TransformerEncoder, heads::EncoderTape>, "src"_a,
            "mask"_a = nb::none(), "src_key_padding_mask"_a = nb::none(), "is_causal"_a = false,
            "torch_out"_a = false, "tape"_a = nb::none())
