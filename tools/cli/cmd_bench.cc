@@ -36,6 +36,7 @@ struct BenchArgs {
   double dropout = 0.0, softcap = 0.0;
   bool alibi = false, sinks = false;
   std::string block_sparse;  // DENSITY,BLOCK
+  int64_t heads_off = 0;     // heads per batch entry turned off by head_mask (gated off)
   uint64_t seed = 1;
   int threads = 0;
   double min_time = 1.0;
@@ -172,6 +173,20 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
     o.block_mask = layout;
     o.block_size = bs;
   }
+  if (a.heads_off > 0) {  // that many heads of each batch entry off, chosen at random (seeded)
+    HEADS_CHECK(a.heads_off < c.H, "bench sdpa: --heads-off: expected fewer than --heads (", c.H, "), got ", a.heads_off);
+    Tensor hm = Tensor::empty({c.B, c.H}, DType::Bool);
+    auto* on = static_cast<uint8_t*>(hm.raw_data());
+    std::mt19937_64 gen(a.seed + 3);
+    for (int64_t b = 0; b < c.B; ++b) {
+      std::vector<int64_t> order(static_cast<size_t>(c.H));
+      for (int64_t h = 0; h < c.H; ++h) order[static_cast<size_t>(h)] = h;
+      std::shuffle(order.begin(), order.end(), gen);
+      for (int64_t x = 0; x < c.H; ++x) on[b * c.H + order[static_cast<size_t>(x)]] = x >= a.heads_off;
+    }
+    o.head_mask = hm;
+    density *= static_cast<double>(c.H - a.heads_off) / static_cast<double>(c.H);
+  }
   const bool windowed = left >= 0 || right >= 0;
   std::string mods;  // the modifiers, as the case string shows them
   if (windowed) mods += " window=" + std::to_string(left) + "," + std::to_string(right);
@@ -183,6 +198,7 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
   if (a.alibi) mods += " alibi";
   if (a.sinks) mods += " sinks";
   if (!a.block_sparse.empty()) mods += " block_sparse=" + a.block_sparse;
+  if (a.heads_off > 0) mods += " heads_off=" + std::to_string(a.heads_off);
   Tensor out = Tensor::empty({c.B, c.H, c.Lq, c.value_dim()}, c.dtype);
   double ms = 0, bwd_ms = 0, bwd_call_ms = 0;
   if (!a.backward) {
@@ -382,6 +398,10 @@ void add_bench_command(CLI::App& app, Action* action) {
   s->add_option("--block-sparse", args->block_sparse,
                 "DENSITY[,BLOCK]: a random per-head block layout keeping that share of BLOCK x BLOCK blocks "
                 "(default 128; flops count that share)");
+  s->add_option("--heads-off", args->heads_off,
+                "N: head_mask turns N random heads of each batch entry off (gated-off heads are skipped; flops "
+                "count the heads computed)")
+      ->check(int_in(0, kMaxCount));
   s->add_option("--mask", args->mask, "attn_mask [B, 1, Lq, Lk]: none, bool (80% visible) or float")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "bool", "float"}));
