@@ -76,8 +76,10 @@ struct AttentionVariant {
   // -1 = every key. Blocks outside the band are never computed.
   int64_t window = -1;
   // > 0: block-sparse attention in blocks of sparse_block queries and keys with Sparse Transformer's
-  // "fixed" pattern (Child et al. 2019): a query block sees its own key block and every summary block
-  // (key block kb with kb % sparse_stride == sparse_stride - 1). Key blocks not in the pattern are skipped.
+  // "fixed" pattern (Child et al. 2019) at block granularity: a query block sees its own key block and
+  // every summary block (key block kb with kb % sparse_stride == sparse_stride - 1); a summary block also
+  // sees its group's blocks (kb / sparse_stride == qb / sparse_stride). Key blocks not in the pattern are
+  // skipped.
   int64_t sparse_block = 0;
   int64_t sparse_stride = 4;
   HeadGate head_gate = HeadGate::None;

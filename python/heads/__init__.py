@@ -364,7 +364,8 @@ _VARIANT_DOC = """
     ``is_causal`` selects its causal form; no masks); ``window`` — local attention, query i sees keys
     with ``|i - j| <= window`` (``i - window <= j <= i`` with ``is_causal``); ``sparse_block`` /
     ``sparse_stride`` — block-sparse attention with Sparse Transformer's fixed pattern (a query block
-    sees its own key block and every key block ``kb`` with ``kb % stride == stride - 1``); ``head_gate``
+    sees its own key block and every summary block ``kb % stride == stride - 1``; a summary block also sees the
+    blocks of its group ``kb // stride == qb // stride``); ``head_gate``
     — "first" or "mean": per-head gates ``sigmoid(head_gate.weight @ pool(query) + head_gate.bias)``
     scale each head's output (trainable); in eval mode heads whose gate is below ``gate_threshold``
     are skipped by the kernel (their output is exactly zero).

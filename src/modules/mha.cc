@@ -394,14 +394,16 @@ void append_keys(Tensor& k4, Tensor& v4, const Tensor* bias_k, const Tensor* bia
   v4 = v2;
 }
 
-// Sparse Transformer's fixed pattern [nQB, nKB]: a query block sees its own key block and the
-// summary blocks (kb % stride == stride - 1).
+// Sparse Transformer's fixed pattern [nQB, nKB] at block granularity: a query block sees its own key
+// block and every summary block (kb % stride == stride - 1), and a summary block also sees the blocks
+// of its group (kb / stride == qb / stride), so that what a group holds reaches every query in two layers.
 Tensor fixed_sparse_layout(int64_t L, int64_t S, int64_t block, int64_t stride) {
   const int64_t nq = (L + block - 1) / block, nk = (S + block - 1) / block;
   Tensor m = Tensor::zeros({nq, nk}, DType::Bool);
   auto* p = static_cast<uint8_t*>(m.raw_data());
   for (int64_t qb = 0; qb < nq; ++qb) {
-    for (int64_t kb = 0; kb < nk; ++kb) p[qb * nk + kb] = kb == qb || kb % stride == stride - 1;
+    for (int64_t kb = 0; kb < nk; ++kb) p[qb * nk + kb] = kb == qb || kb % stride == stride - 1 ||
+                                                                (qb % stride == stride - 1 && kb / stride == qb / stride);
   }
   return m;
 }

@@ -84,7 +84,8 @@ Tensor reference(const MultiheadAttention& m, const Tensor& xq, const Tensor& xk
       for (int64_t i = 0; i < L; ++i) {
         for (int64_t j = 0; j < S; ++j) {
           const int64_t qb = i / var.sparse_block, kb = j / var.sparse_block;
-          mp[i * S + j] = kb == qb || kb % var.sparse_stride == var.sparse_stride - 1;
+          const int64_t st = var.sparse_stride;
+          mp[i * S + j] = kb == qb || kb % st == st - 1 || (qb % st == st - 1 && kb / st == qb / st);
         }
       }
       so.attn_mask = mask;

@@ -45,7 +45,7 @@ def torch_mha(p, cfg, q, k, v, is_causal, threshold=0.0):
         if cfg.get("sparse_block"):
             bs, st = cfg["sparse_block"], cfg.get("sparse_stride", 4)
             qb, kb = i // bs, j // bs
-            visible &= (kb == qb) | (kb % st == st - 1)
+            visible &= (kb == qb) | (kb % st == st - 1) | ((qb % st == st - 1) & (kb // st == qb // st))
         att = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible)
     if cfg.get("head_gate"):
         pool = q[0] if cfg["head_gate"] == "first" else q.mean(0)  # [N, E]
@@ -62,6 +62,7 @@ VARIANTS = [
     dict(window=3),
     dict(window=0, head_gate="first"),
     dict(sparse_block=4, sparse_stride=2),
+    dict(sparse_block=2, sparse_stride=3, head_gate="first"),
     dict(sparse_block=3, sparse_stride=3, head_gate="mean", head_dim=5),
     dict(head_gate="first", head_dim=7),
     dict(attention="linear", head_dim=3),
