@@ -20,6 +20,7 @@ struct TinyLMOptions {
   int64_t vocab = 0, max_len = 0;  // token ids in [0, vocab); sequences of at most max_len
   int64_t d_model = 64, nhead = 4, dim_feedforward = 256, num_layers = 2;
   double dropout = 0.0;
+  AttentionVariant attention;  // the layers' self-attention (heads/mha.h); default: softmax
 };
 
 class TinyCausalLM {

@@ -21,4 +21,17 @@ void render_attention_matrix(const std::vector<std::string>& tokens, const Tenso
 // (residual), rows renormalised, multiplied from the first layer up. layers: [H, L, L] each.
 Tensor attention_rollout(const std::vector<Tensor>& layers);
 
+// Line charts (e.g. `heads study`): panels side by side, each with axes (linear or log), one
+// polyline with markers per series in a colour fixed by the series' name, and a legend per panel.
+struct ChartSeries {
+  std::string name;
+  std::vector<double> x, y;
+};
+struct ChartPanel {
+  std::string title, x_label, y_label;
+  bool log_x = false, log_y = false;
+  std::vector<ChartSeries> series;
+};
+void render_charts(const std::vector<ChartPanel>& panels, const std::string& title, const std::string& path);
+
 }  // namespace heads

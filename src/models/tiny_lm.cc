@@ -22,6 +22,7 @@ TransformerEncoderLayerOptions layer_options(const TinyLMOptions& o) {
   l.activation = Activation::Gelu;
   l.batch_first = true;
   l.norm_first = true;
+  l.attention = o.attention;
   return l;
 }
 

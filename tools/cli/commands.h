@@ -18,6 +18,7 @@ void add_embed_command(CLI::App& app, Action* action);
 void add_viz_command(CLI::App& app, Action* action);
 void add_train_demo_command(CLI::App& app, Action* action);
 void add_generate_command(CLI::App& app, Action* action);
+void add_study_command(CLI::App& app, Action* action);
 
 }  // namespace heads::cli
 
