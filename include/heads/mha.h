@@ -131,8 +131,11 @@ class MultiheadAttention {
   // Builds a module whose dimensions are read from a state dict (as `heads mha` does):
   // embed_dim from out_proj.weight, kdim/vdim from the projection weights, bias and
   // add_bias_kv from the presence of the bias tensors.
+  // head_dim comes from out_proj.weight [E, num_heads · head_dim]. The variant (not visible in a state
+  // dict) is the caller's; head gates must be named there when the state dict has them.
   static MultiheadAttention from_state_dict(const StateDict& sd, int64_t num_heads,
-                                            bool batch_first = false, bool add_zero_attn = false);
+                                            bool batch_first = false, bool add_zero_attn = false,
+                                            const AttentionVariant& variant = {});
 
   // Returns (output, weights). weights is undefined unless need_weights; it is [N, L, S]
   // averaged over heads, or [N, H, L, S] (unbatched: without N).

@@ -1,6 +1,7 @@
 // viz.h — attention heatmaps rendered with cairo to PNG or SVG (chosen by the file extension).
 #pragma once
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,7 @@ struct ChartPanel {
   std::string title, x_label, y_label;
   bool log_x = false, log_y = false;
   std::vector<ChartSeries> series;
+  double y_min = NAN, y_max = NAN;  // fixed ends of the y axis (NaN: from the data)
 };
 void render_charts(const std::vector<ChartPanel>& panels, const std::string& title, const std::string& path);
 

@@ -102,3 +102,22 @@ HEADS_INLINE VR row_dot(const float* a, const float* b, int64_t n) {
 }
 
 }  // namespace gemm
+
+// C [M, N] = A [M, K] · B [K, N] on the calling thread, for small products inside the kernels'
+// own parallel loops (linear attention's chunks), where a oneDNN call costs more than the work. B
+// with column stride 1 is read in place; otherwise it is first copied into rows (K·N floats).
+inline void small_matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
+                             const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(C + m * c_stride, C + m * c_stride + N, 0.0f);
+    return;
+  }
+  if (b_cs == 1) return gemm::gemm_acc(M, N, K, A, a_rs, a_cs, B, b_rs, C, c_stride, 1.0f, gemm::Out::Set);
+  thread_local std::vector<float> rows;
+  rows.resize(static_cast<size_t>(K * N));
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n) rows[static_cast<size_t>(k * N + n)] = B[k * b_rs + n * b_cs];
+  }
+  gemm::gemm_acc(M, N, K, A, a_rs, a_cs, rows.data(), N, C, c_stride, 1.0f, gemm::Out::Set);
+}

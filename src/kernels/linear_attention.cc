@@ -106,7 +106,7 @@ void add_lower_times(int64_t n, int64_t w, const float* A, const float* B, int64
   for (int64_t r0 = 0; r0 < n; r0 += kTile) {
     const int64_t r1 = std::min(n, r0 + kTile);
     if (r0 > 0) {
-      kernels::matmul_f32(r1 - r0, w, r0, A + r0 * n, n, 1, B, ldb, 1, tmp, w);
+      kernels::active().small_matmul_f32(r1 - r0, w, r0, A + r0 * n, n, 1, B, ldb, 1, tmp, w);
       for (int64_t e = 0; e < (r1 - r0) * w; ++e) out[r0 * w + e] += tmp[e];
     }
     for (int64_t i = r0; i < r1; ++i) {
@@ -123,7 +123,7 @@ void add_lower_t_times(int64_t n, int64_t w, const float* A, const float* B, int
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t j1 = std::min(n, j0 + kTile);
     if (j1 < n) {
-      kernels::matmul_f32(j1 - j0, w, n - j1, A + j1 * n + j0, 1, n, B + j1 * ldb, ldb, 1, tmp, w);
+      kernels::active().small_matmul_f32(j1 - j0, w, n - j1, A + j1 * n + j0, 1, n, B + j1 * ldb, ldb, 1, tmp, w);
       for (int64_t e = 0; e < (j1 - j0) * w; ++e) out[j0 * w + e] += tmp[e];
     }
     for (int64_t j = j0; j < j1; ++j) {
@@ -187,7 +187,7 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     // Keys [j0, j0 + n) into the state: S += φ(K)ᵀ V, z += Σ φ(K) rows.
     const auto absorb = [&](const float* kh, const float* vh, int64_t j0, int64_t n) {
       features(kh + j0 * D, n, fk.data());
-      kernels::matmul_f32(D, Dv, n, fk.data(), 1, D, vh + j0 * Dv, Dv, 1, tmp.data(), Dv);
+      kernels::active().small_matmul_f32(D, Dv, n, fk.data(), 1, D, vh + j0 * Dv, Dv, 1, tmp.data(), Dv);
       for (int64_t e = 0; e < D * Dv; ++e) S[static_cast<size_t>(e)] += tmp[static_cast<size_t>(e)];
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t x = 0; x < D; ++x) z[static_cast<size_t>(x)] += fk[static_cast<size_t>(r * D + x)];
@@ -196,7 +196,7 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     // Queries [i0, i0 + n) against the state: num = φ(Q) S, den = φ(Q) z + eps.
     const auto read = [&](const float* qh, int64_t i0, int64_t n) {
       features(qh + i0 * D, n, fq.data());
-      kernels::matmul_f32(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
+      kernels::active().small_matmul_f32(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
       for (int64_t r = 0; r < n; ++r) {
         float s = eps;
         for (int64_t x = 0; x < D; ++x) s += fq[static_cast<size_t>(r * D + x)] * z[static_cast<size_t>(x)];
@@ -231,7 +231,7 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
             const int64_t n = std::min(C, d.Lq - i0);
             read(qh, i0, n);
             features(kh + i0 * D, n, fk.data());
-            kernels::matmul_f32(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);  // φ(Q_c) φ(K_c)ᵀ
+            kernels::active().small_matmul_f32(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);  // φ(Q_c) φ(K_c)ᵀ
             for (int64_t r = 0; r < n; ++r) {
               float* ar = A.data() + r * n;
               std::fill(ar + r + 1, ar + n, 0.0f);  // keys after the row
@@ -268,7 +268,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
   const int64_t C = kChunk, D = d.D, Dv = d.Dv;
   const int n_threads = threads_for_tasks(d.B * d.H, 6.0 * static_cast<double>(d.B * d.H) *
                                                          static_cast<double>(d.Lq + d.Lk) * D * Dv);
-  const auto mm = kernels::matmul_f32;
+  const auto mm = kernels::active().small_matmul_f32;
   FirstError error;
 #pragma omp parallel num_threads(n_threads)
   {
@@ -485,10 +485,18 @@ Tensor linear_attention_weights(const Tensor& q_in, const Tensor& k_in, const Li
   const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key");
   Tensor w = Tensor::zeros({d.B, d.H, d.Lq, d.Lk}, DType::F32);
   const int n_threads = threads_for_tasks(d.B * d.H, static_cast<double>(d.B * d.H) * d.Lq * d.Lk * d.D);
+  FirstError error;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
   for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
     const int64_t b = bh / d.H, h = bh % d.H;
-    std::vector<float> fq(static_cast<size_t>(d.D)), fk(static_cast<size_t>(d.Lk * d.D));
+    std::vector<float> fq, fk;
+    try {
+      fq.resize(static_cast<size_t>(d.D));
+      fk.resize(static_cast<size_t>(d.Lk * d.D));
+    } catch (...) {
+      error.capture();
+      continue;
+    }
     for (int64_t j = 0; j < d.Lk; ++j) {
       const float* kr = k.data<float>() + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
       for (int64_t x = 0; x < d.D; ++x) fk[static_cast<size_t>(j * d.D + x)] = phi(o.feature_map, kr[x]);
@@ -508,6 +516,7 @@ Tensor linear_attention_weights(const Tensor& q_in, const Tensor& k_in, const Li
       for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(row[j] / den);
     }
   }
+  error.rethrow();
   return w;
 }
 

@@ -389,7 +389,11 @@ void TransformerEncoder::prune_heads(const std::map<int64_t, std::vector<int64_t
     HEADS_CHECK(n < H, "TransformerEncoder::prune_heads: layer ", i, ": removing all ", H,
                 " heads would leave no attention");
   }
-  for (const auto& [i, heads] : heads_by_layer) layers_[static_cast<size_t>(i)].prune_heads(heads);
+  // On copies (sharing the parameters, which pruning does not modify), committed together: a layer whose
+  // weights cannot be packed leaves the encoder as it was.
+  std::vector<TransformerEncoderLayer> next = layers_;
+  for (const auto& [i, heads] : heads_by_layer) next[static_cast<size_t>(i)].prune_heads(heads);
+  layers_ = std::move(next);
 }
 
 }  // namespace heads

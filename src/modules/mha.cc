@@ -59,6 +59,9 @@ void check_variant(const MultiheadAttentionOptions& o) {
   HEADS_CHECK(v.sparse_stride >= 1, kOp, ": sparse_stride must be at least 1, got ", v.sparse_stride);
   HEADS_CHECK(v.gate_threshold >= 0.0 && v.gate_threshold <= 1.0, kOp, ": gate_threshold must be in [0, 1], got ",
               v.gate_threshold);
+  HEADS_CHECK((v.window == -1 && v.sparse_block == 0) || (!o.add_bias_kv && !o.add_zero_attn), kOp,
+              ": window and sparse_block place keys by position; the keys add_bias_kv / add_zero_attn append have "
+              "none: use one or the other");
   if (v.kind == AttentionKind::Linear) {
     HEADS_CHECK(v.window == -1 && v.sparse_block == 0, kOp,
                 ": window and sparse_block select softmax attention's keys; linear attention takes neither");
@@ -202,7 +205,8 @@ void MultiheadAttention::save(const std::string& path) const {
 }
 
 MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int64_t num_heads,
-                                                       bool batch_first, bool add_zero_attn) {
+                                                       bool batch_first, bool add_zero_attn,
+                                                       const AttentionVariant& variant) {
   const Tensor* wo = find(sd, "out_proj.weight");
   HEADS_CHECK(wo != nullptr, kOp, ": tensor \"out_proj.weight\" missing (have: ", names_of(sd), ")");
   HEADS_CHECK(wo->dim() == 2, kOp, ": out_proj.weight: expected [E, num_heads * head_dim], got ", wo->shape());
@@ -212,8 +216,11 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
   HEADS_CHECK(num_heads >= 1 && wo->size(1) % num_heads == 0, kOp, ": out_proj.weight ", wo->shape(),
               ": its ", wo->size(1), " input features do not split into ", num_heads, " heads");
   o.head_dim = wo->size(1) / num_heads;
-  // Gates: the pooling is not in the state dict; the first token is the usual form.
-  if (find(sd, "head_gate.weight") != nullptr) o.variant.head_gate = HeadGate::FirstToken;
+  o.variant = variant;
+  HEADS_CHECK((find(sd, "head_gate.weight") != nullptr) == (variant.head_gate != HeadGate::None), kOp,
+              find(sd, "head_gate.weight") != nullptr
+                  ? ": the state dict has head gates (head_gate.weight): pass the variant's head_gate (first or mean)"
+                  : ": the variant has head gates, the state dict no head_gate.weight");
   o.batch_first = batch_first;
   o.add_zero_attn = add_zero_attn;
   o.bias = find(sd, "in_proj_bias") != nullptr;
@@ -473,6 +480,8 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   const MhaInputs in = check_inputs(opt_, query, key, value, args);
   HEADS_CHECK(!linear_attn || (!args.attn_mask.defined() && !args.key_padding_mask.defined()), kOp,
               ": linear attention takes no attn_mask or key_padding_mask (is_causal selects its causal form)");
+  HEADS_CHECK(!(args.is_causal && var.head_gate == HeadGate::MeanPool), kOp,
+              ": head_gate mean pools every query token, which a causal call must not see; use head_gate first");
 
   // Causal hint, as torch: is_causal with no key_padding_mask and no weights runs causal SDPA
   // and ignores attn_mask; otherwise attn_mask is used as given. Without attn_mask it means
@@ -501,6 +510,8 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   Tensor k4 = split_heads(k3, H), v4 = split_heads(v3, H);
   append_keys(k4, v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
   const int64_t S2 = k4.size(2);
+  HEADS_CHECK(!(linear_attn && args.is_causal && S2 != in.L), kOp, ": causal linear attention needs as many keys as ",
+              "queries, got ", in.L, " queries and ", S2, " keys", S2 != in.S ? " (with the appended bias_k / zero keys)" : "");
 
   // Head gates; in eval mode without a tape, heads below the threshold are skipped (gate 0).
   Tensor gate_in, gates, gates_used;
@@ -534,6 +545,15 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     lo.causal = args.is_causal;
     out4.copy_from(heads::linear_attention(q4, k4, v4, lo));
     if (args.need_weights) r.weights = linear_attention_weights(q4, k4, lo);
+    // Gated-off heads: computed (the linear kernel has no head mask), then zero like the softmax path's.
+    if (head_mask.defined() && args.need_weights) {
+      const auto* on = static_cast<const uint8_t*>(head_mask.raw_data());
+      for (int64_t n = 0; n < in.N; ++n) {
+        for (int64_t h = 0; h < H; ++h) {
+          if (!on[n * H + h]) r.weights.select(0, n).select(0, h).copy_from(Tensor::zeros({in.L, S2}, DType::F32));
+        }
+      }
+    }
   } else {
     so.attn_mask = merge_masks(in, am, H, S2);
     so.is_causal = causal;

@@ -50,36 +50,37 @@ struct Axis {
   double map(double v) const { return ((log ? std::log10(v) : v) - lo) / (hi - lo); }
 };
 
-Axis make_axis(std::vector<double> vals, bool log) {
+// An axis over `vals` (and `lo_fixed` / `hi_fixed` where finite): log axes span the data's decades
+// loosely with ticks at 1, 2 and 5 times powers of ten; linear axes round ticks of 1, 2 or 5 steps.
+Axis make_axis(std::vector<double> vals, bool log, double lo_fixed, double hi_fixed) {
   Axis a;
   a.log = log;
   vals.erase(std::remove_if(vals.begin(), vals.end(), [&](double v) { return !std::isfinite(v) || (log && v <= 0); }),
              vals.end());
   if (vals.empty()) vals = {log ? 1.0 : 0.0, log ? 10.0 : 1.0};
   double lo = *std::min_element(vals.begin(), vals.end()), hi = *std::max_element(vals.begin(), vals.end());
+  if (std::isfinite(lo_fixed) && (!log || lo_fixed > 0)) lo = lo_fixed;  // a log axis cannot start at <= 0
+  if (std::isfinite(hi_fixed) && (!log || hi_fixed > 0)) hi = hi_fixed;
   if (log) {
-    lo = std::floor(std::log10(lo) + 1e-9);
-    hi = std::ceil(std::log10(hi) - 1e-9);
-    if (hi <= lo) hi = lo + 1;
-    a.lo = lo, a.hi = hi;
-    for (double e = lo; e <= hi + 1e-9; ++e) a.ticks.push_back(std::pow(10.0, e));
-    if (a.ticks.size() <= 2) {  // a narrow range: also 2 and 5
-      std::vector<double> more;
-      for (double t : a.ticks) {
-        for (double m : {1.0, 2.0, 5.0}) {
-          if (std::log10(t * m) <= hi + 1e-9) more.push_back(t * m);
-        }
+    if (hi <= lo) hi = lo * 10;
+    const double span = std::log10(hi) - std::log10(lo);
+    a.lo = std::log10(lo) - 0.05 * span;
+    a.hi = std::log10(hi) + 0.05 * span;
+    for (double e = std::floor(a.lo); e <= std::ceil(a.hi); ++e) {
+      for (double m : {1.0, 2.0, 5.0}) {
+        const double t = m * std::pow(10.0, e);
+        const double lt = std::log10(t);
+        if (lt >= a.lo - 1e-9 && lt <= a.hi + 1e-9 && (span < 2.5 || m == 1.0)) a.ticks.push_back(t);
       }
-      a.ticks = more;
     }
     return a;
   }
-  if (lo > 0 && lo < 0.5 * hi) lo = 0;  // include 0 when it is near
+  if (!std::isfinite(lo_fixed) && lo > 0 && lo < 0.5 * hi) lo = 0;  // include 0 when it is near
   if (hi - lo < 1e-12) hi = lo + 1;
   const double raw = (hi - lo) / 5, mag = std::pow(10.0, std::floor(std::log10(raw)));
   const double step = raw / mag < 1.5 ? mag : raw / mag < 3.5 ? 2 * mag : raw / mag < 7.5 ? 5 * mag : 10 * mag;
-  a.lo = std::floor(lo / step) * step;
-  a.hi = std::ceil(hi / step) * step;
+  a.lo = std::floor(lo / step + 1e-9) * step;
+  a.hi = std::ceil(hi / step - 1e-9) * step;
   for (double t = a.lo; t <= a.hi + step * 1e-6; t += step) a.ticks.push_back(std::abs(t) < step * 1e-9 ? 0.0 : t);
   return a;
 }
@@ -92,7 +93,7 @@ void panel(cairo_t* cr, const ChartPanel& p, const std::vector<std::string>& nam
     xs.insert(xs.end(), s.x.begin(), s.x.end());
     ys.insert(ys.end(), s.y.begin(), s.y.end());
   }
-  const Axis ax = make_axis(xs, p.log_x), ay = make_axis(ys, p.log_y);
+  const Axis ax = make_axis(xs, p.log_x, NAN, NAN), ay = make_axis(ys, p.log_y, p.y_min, p.y_max);
   text(cr, p.title, px + w / 2, y0 + 22, 14, 0, false, true, true);
   cairo_set_line_width(cr, 1);
   for (double t : ax.ticks) {

@@ -168,6 +168,13 @@ TEST(MhaVariants, ForwardMatchesFloat64Composition) {
       MultiheadAttention m = make(o);
       m.eval();
       for (const bool causal : {false, true}) {
+        if (causal && o.variant.head_gate == HeadGate::MeanPool) {  // the mean would see later tokens
+          const Tensor x = randn({5, 2, 12});
+          MhaForwardArgs a;
+          a.is_causal = true;
+          EXPECT_THAT(error_of([&] { m.forward(x, x, x, a); }), HasSubstr("head_gate mean pools every query token"));
+          continue;
+        }
         for (const int64_t L : {1, 7, 13}) {
           const Tensor x = randn({L, 2, 12});
           const Tensor k = randn({L, 2, o.kdim ? o.kdim : 12}), v = randn({L, 2, o.vdim ? o.vdim : 12});
@@ -273,8 +280,6 @@ TEST(MhaVariants, GatesBelowTheThresholdSkipTheirHeads) {
     m1.load_state_dict(m.state_dict());
     m1.eval();
     const Tensor only_bias = m1.forward(x, x, x, a).first;
-    const Tensor bias = m.state_dict().back().second.defined() ? Tensor() : Tensor();
-    (void)bias;
     for (const auto& [n, t] : m.state_dict()) {
       if (n != "out_proj.bias") continue;
       for (int64_t r = 0; r < 8 * 5; ++r) {
@@ -320,9 +325,14 @@ TEST(MhaVariants, PruneHeadsRemovesExactlyThoseHeads) {
       if (n == "head_gate.weight") EXPECT_EQ(t.shape(), (Shape{2, 12}));
     }
     // A pruned state dict loads into a module built from it.
-    const MultiheadAttention back = MultiheadAttention::from_state_dict(pruned.state_dict(), 2);
+    const MultiheadAttention back =
+        MultiheadAttention::from_state_dict(pruned.state_dict(), 2, false, false, pruned.options().variant);
     EXPECT_EQ(back.options().head_dim, 3);
-    EXPECT_TRUE(testing::bitwise_equal(back.forward(x, x, x, a).first, got) || gates);
+    EXPECT_TRUE(testing::bitwise_equal(back.forward(x, x, x, a).first, got));
+    if (gates) {
+      EXPECT_THAT(error_of([&] { MultiheadAttention::from_state_dict(pruned.state_dict(), 2); }),
+                  HasSubstr("the state dict has head gates (head_gate.weight): pass the variant's head_gate"));
+    }
     EXPECT_THAT(error_of([&] { pruned.prune_heads({0, 1}); }), HasSubstr("removing all 2 heads would leave no attention"));
     EXPECT_THAT(error_of([&] { pruned.prune_heads({2}); }), HasSubstr("prune_heads: head 2 is out of range for 2 heads"));
   }
@@ -363,8 +373,14 @@ TEST(MhaVariants, BackwardIsTheForwardsDerivative) {
   all.push_back({"head_dim 5 + bias_kv + zero_attn + gates(first)", [](MultiheadAttentionOptions& o) {
                    o.head_dim = 5, o.add_bias_kv = true, o.add_zero_attn = true, o.variant.head_gate = HeadGate::FirstToken;
                  }});
-  all.push_back({"linear causal batch_first + gates(mean)", [](MultiheadAttentionOptions& o) {
+  all.push_back({"linear batch_first + gates(mean)", [](MultiheadAttentionOptions& o) {
                    o.variant.kind = AttentionKind::Linear, o.batch_first = true, o.variant.head_gate = HeadGate::MeanPool;
+                 }});
+  all.push_back({"linear causal + gates(first)", [](MultiheadAttentionOptions& o) {
+                   o.variant.kind = AttentionKind::Linear, o.variant.head_gate = HeadGate::FirstToken;
+                 }});
+  all.push_back({"cross kdim/vdim + gates(mean) + head_dim 5", [](MultiheadAttentionOptions& o) {
+                   o.kdim = 7, o.vdim = 9, o.head_dim = 5, o.variant.head_gate = HeadGate::MeanPool;
                  }});
   for (const Case& c : all) {
     MultiheadAttentionOptions o = base();
@@ -373,7 +389,8 @@ TEST(MhaVariants, BackwardIsTheForwardsDerivative) {
     // positive) defeats central differences; its backward is checked in linear_attention_test.
     o.variant.feature_map = FeatureMap::EluPlusOne;
     MultiheadAttention m = make(o, 5);
-    const bool causal = c.name.find("causal") != std::string::npos || c.name.find("window") != std::string::npos;
+    const bool causal = (c.name.find("causal") != std::string::npos || c.name.find("window") != std::string::npos) &&
+                        o.variant.head_gate != HeadGate::MeanPool;
     const Tensor q = randn({7, 2, 12});
     const Tensor k = o.kdim ? randn({7, 2, o.kdim}) : q, v = o.kdim ? randn({7, 2, o.vdim}) : q;
     MhaForwardArgs a;
@@ -410,6 +427,30 @@ TEST(MhaVariants, BackwardIsTheForwardsDerivative) {
   }
 }
 
+TEST(MhaVariants, GateBackwardOnUnbatchedInput) {
+  MultiheadAttentionOptions o = base();
+  o.variant.head_gate = HeadGate::MeanPool;
+  MultiheadAttention m = make(o, 8);
+  const Tensor x = randn({6, 12}), w = randn({6, 12});
+  MhaForwardArgs a;
+  a.need_weights = false;
+  auto loss = [&] { return dot(m.forward(x, x, x, a).first, w); };
+  MhaTape tape;
+  MhaForwardArgs at = a;
+  at.tape = &tape;
+  m.forward(x, x, x, at);
+  const MhaGrads g = m.backward(tape, w);
+  const Tensor d = randn(x.shape());
+  const double num = directional(x, d, 1e-2, loss);
+  EXPECT_NEAR(dot(g.dquery, d), num, 2e-3 * std::max(1.0, std::abs(num)));
+  const StateDict sd = m.state_dict();
+  for (size_t i = 0; i < sd.size(); ++i) {
+    const Tensor dp = randn(sd[i].second.shape());
+    const double n2 = directional(sd[i].second, dp, 1e-2, loss);
+    EXPECT_NEAR(dot(g.params[i].second, dp), n2, 2e-3 * std::max(1.0, std::abs(n2))) << sd[i].first;
+  }
+}
+
 TEST(MhaVariants, EncoderLayerWithEachVariantTrains) {
   // The layer passes its variant to the self-attention; its backward is the forward's derivative.
   for (const Case& c : cases()) {
@@ -431,7 +472,7 @@ TEST(MhaVariants, EncoderLayerWithEachVariantTrains) {
     }
     const Tensor x = randn({6, 2, 12}), w = randn({6, 2, 12});
     EncoderForwardArgs a;
-    a.is_causal = true;
+    a.is_causal = probe.variant.head_gate != HeadGate::MeanPool;
     auto loss = [&] { return dot(layer.forward(x, a), w); };
     EncoderLayerTape tape;
     EncoderForwardArgs at = a;
@@ -488,6 +529,20 @@ TEST(MhaVariants, BadOptionsAreClearErrors) {
   MhaForwardArgs a;
   a.key_padding_mask = Tensor::zeros({1, 4}, DType::Bool);
   EXPECT_THAT(error_of([&] { m.forward(x, x, x, a); }), HasSubstr("linear attention takes no attn_mask or key_padding_mask"));
+  EXPECT_THAT(err([](MultiheadAttentionOptions& o) {
+                o.variant.window = 3;
+                o.add_bias_kv = true;
+              }),
+              HasSubstr("window and sparse_block place keys by position"));
+  o = base();
+  o.variant.kind = AttentionKind::Linear;
+  o.add_zero_attn = true;
+  MultiheadAttention lz(o, 1);
+  MhaForwardArgs ac;
+  ac.is_causal = true;
+  EXPECT_THAT(error_of([&] { lz.forward(x, x, x, ac); }),
+              HasSubstr("causal linear attention needs as many keys as queries, got 4 queries and 5 keys (with the "
+                        "appended bias_k / zero keys)"));
   EXPECT_THAT(error_of([] { attention_kind_from_name("cosine"); }),
               HasSubstr("attention must be \"softmax\" or \"linear\", got \"cosine\""));
   EXPECT_THAT(error_of([] { head_gate_from_name("max"); }), HasSubstr("head_gate must be \"none\", \"first\" or \"mean\""));

@@ -76,6 +76,12 @@ std::string complexity(const std::string& name) {
   return "O(L²·d)";
 }
 
+// Starts the peak-RSS count (VmHWM) afresh from the current resident set (Linux >= 4.0).
+void reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+}
+
 // kB from a /proc/self/status line ("VmRSS:", "VmHWM:").
 double status_kb(const char* key) {
   std::ifstream f("/proc/self/status");
@@ -111,6 +117,7 @@ StudyConfig config_of(const StudyArgs& a, const std::string& mech, int64_t heads
 void run_one(const StudyArgs& a) {
   apply_threads(a.threads);
   const double base_kb = status_kb("VmRSS:");
+  reset_peak_rss();
   const StudyConfig c = config_of(a, a.mechanism, a.heads);
   const StudyResult r = run_study(c);
   const json j = {{"mechanism", a.mechanism},
@@ -150,6 +157,7 @@ void run_memory(const StudyArgs& a) {
   TransformerEncoder enc(lo, a.layers, true, a.seed);
   enc.eval();
   const double base_kb = status_kb("VmRSS:");
+  reset_peak_rss();
   Tensor x = Tensor::empty({1, a.mem_len, a.d_model}, DType::F32);
   std::mt19937_64 gen(a.seed);
   std::normal_distribution<float> nd;
@@ -191,8 +199,10 @@ json spawn_child(const std::vector<std::string>& args) {
   }
   close(fds[0]);
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  pid_t waited = 0;
+  while ((waited = waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
   }
+  HEADS_CHECK(waited == pid, "study: waiting for a measuring process failed: ", std::strerror(errno));
   std::string what;
   for (const auto& s : args) what += " " + s;
   HEADS_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "study: the run 'heads study", what, "' failed (",
@@ -206,17 +216,17 @@ json spawn_child(const std::vector<std::string>& args) {
   }
 }
 
-std::vector<std::string> common_args(const StudyArgs& a) {
-  return {"--task", a.task, "--len", std::to_string(a.len), "--vocab", std::to_string(a.vocab), "--d-model",
-          std::to_string(a.d_model), "--layers", std::to_string(a.layers), "--ff", std::to_string(a.ff), "--batch",
-          std::to_string(a.batch), "--steps", std::to_string(a.steps), "--eval-size", std::to_string(a.eval_size),
-          "--lr", std::to_string(a.lr), "--seed", std::to_string(a.seed), "--threads", std::to_string(a.threads)};
-}
-
 std::string fmt(const char* f, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, v);
   return buf;
+}
+
+std::vector<std::string> common_args(const StudyArgs& a) {
+  return {"--task", a.task, "--len", std::to_string(a.len), "--vocab", std::to_string(a.vocab), "--d-model",
+          std::to_string(a.d_model), "--layers", std::to_string(a.layers), "--ff", std::to_string(a.ff), "--batch",
+          std::to_string(a.batch), "--steps", std::to_string(a.steps), "--eval-size", std::to_string(a.eval_size),
+          "--lr", fmt("%.17g", a.lr), "--seed", std::to_string(a.seed), "--threads", std::to_string(a.threads)};
 }
 
 void print_table(const std::vector<json>& rows, bool by_heads, bool markdown) {
@@ -275,12 +285,20 @@ void run_study_command(const StudyArgs& a, bool by_heads) {
   std::vector<json> rows;
   const std::vector<int64_t> head_counts = by_heads ? int_list(a.heads_list) : std::vector<int64_t>{};
   const size_t n_runs = by_heads ? head_counts.size() : kMechanisms.size();
+  for (size_t i = 0; i < n_runs; ++i) {  // every run's settings checked before the first one starts
+    config_of(a, by_heads ? "multi-head" : kMechanisms[i], by_heads ? head_counts[i] : a.heads);
+  }
+  if (!by_heads) {
+    for (int64_t L : int_list(a.mem_lens)) {
+      HEADS_CHECK(L >= 1 && L <= (1 << 22), "study: --mem-lens: each length must be in [1, 4194304], got ", L);
+    }
+  }
   for (size_t i = 0; i < n_runs; ++i) {
     const std::string mech = by_heads ? "multi-head" : kMechanisms[i];
     const int64_t h = by_heads ? head_counts[i] : a.heads;
-    const StudyConfig cfg = config_of(a, mech, h);  // checks divisibility here too
+    const StudyConfig cfg = config_of(a, mech, h);
     if (!a.json_out) {
-      std::fprintf(stderr, "study: training %s (%lld heads)...\n", mech.c_str(), static_cast<long long>(cfg.nhead));
+      std::fprintf(stderr, "study: training %s, heads %lld...\n", mech.c_str(), static_cast<long long>(cfg.nhead));
     }
     std::vector<std::string> args = {"run", "--mechanism", mech, "--heads", std::to_string(h)};
     const auto common = common_args(a);
@@ -342,13 +360,13 @@ void run_study_command(const StudyArgs& a, bool by_heads) {
   if (!a.plot.empty()) {
     std::vector<ChartPanel> panels;
     if (!by_heads) {
-      ChartPanel acc{"held-out accuracy while training", "training time (s)", "token accuracy", false, false, {}};
+      ChartPanel acc{"held-out accuracy while training", "training time (s)", "token accuracy", false, false, {}, 0.0, 1.0};
       for (const json& r : rows) {
         acc.series.push_back({r["mechanism"], r["curve_s"].get<std::vector<double>>(), r["curve_accuracy"].get<std::vector<double>>()});
       }
       panels.push_back(acc);
       if (!mem.empty()) {
-        ChartPanel mp{"one forward's peak memory", "sequence length L", "MB", true, true, {}};
+        ChartPanel mp{"one forward's peak memory", "sequence length L", "MB", true, true, {}, NAN, NAN};
         const size_t nl = int_list(a.mem_lens).size();
         for (size_t m = 0; m < mem.size(); m += nl) {
           ChartSeries s{mem[m]["mechanism"], {}, {}};
@@ -361,8 +379,8 @@ void run_study_command(const StudyArgs& a, bool by_heads) {
         panels.push_back(mp);
       }
     } else {
-      ChartPanel acc{"held-out accuracy against heads", "heads", "token accuracy", true, false, {}};
-      ChartPanel speed{"inference against heads", "heads", "samples/s", true, false, {}};
+      ChartPanel acc{"held-out accuracy against heads", "heads", "token accuracy", true, false, {}, 0.0, 1.0};
+      ChartPanel speed{"inference against heads", "heads", "samples/s", true, false, {}, 0.0, NAN};
       ChartSeries sa{"accuracy", {}, {}}, ss{"inference", {}, {}};
       for (const json& r : rows) {
         sa.x.push_back(r["heads"].get<double>());
@@ -416,7 +434,9 @@ void add_study_command(CLI::App& app, Action* action) {
   mech->add_option("--heads", a->heads, "heads of the multi-head mechanisms")->capture_default_str()
       ->check(int_in(1, kMaxCount));
   mech->add_option("--mem-lens", a->mem_lens, "sequence lengths of the memory measurement ('' to skip)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& s) { return s.empty() ? std::string() : int_list_in(1, 1 << 22)(s); }, "INT[,INT...]"));
   mech->add_flag("--json", a->json_out, "one JSON line per model and per memory point");
   mech->add_flag("--markdown", a->markdown, "tables as Markdown");
   mech->add_option("--plot", a->plot, "draw accuracy against training time and memory against L (.png or .svg)");
