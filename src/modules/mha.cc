@@ -213,9 +213,11 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
   MultiheadAttentionOptions o;
   o.embed_dim = wo->size(0);
   o.num_heads = num_heads;
-  HEADS_CHECK(num_heads >= 1 && wo->size(1) % num_heads == 0, kOp, ": out_proj.weight ", wo->shape(),
-              ": its ", wo->size(1), " input features do not split into ", num_heads, " heads");
-  o.head_dim = wo->size(1) / num_heads;
+  if (wo->size(1) != wo->size(0)) {  // heads of their own width (e.g. pruned); square: torch's E / H
+    HEADS_CHECK(num_heads >= 1 && wo->size(1) % num_heads == 0, kOp, ": out_proj.weight ", wo->shape(),
+                ": its ", wo->size(1), " input features do not split into ", num_heads, " heads");
+    o.head_dim = wo->size(1) / num_heads;
+  }
   o.variant = variant;
   HEADS_CHECK((find(sd, "head_gate.weight") != nullptr) == (variant.head_gate != HeadGate::None), kOp,
               find(sd, "head_gate.weight") != nullptr
