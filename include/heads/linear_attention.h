@@ -24,6 +24,9 @@ struct LinearAttentionOptions {
   FeatureMap feature_map = FeatureMap::EluPlusOne;
   bool causal = false;
   double eps = 1e-6;
+  // [B, Lk] bool, true = ignore the key (padding, as torch's key_padding_mask): it adds nothing to
+  // any sum, and its gradients are zero. A row that sees no key gives zeros.
+  Tensor key_padding_mask;
 };
 
 Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, const LinearAttentionOptions& o = {});

@@ -136,15 +136,17 @@ def _causal_bias(attn_mask: Any, is_causal: bool, causal_variant: str, query: An
 
 
 def linear_attention(query: Any, key: Any, value: Any, feature_map: str = "elu", causal: bool = False,
-                     eps: float = 1e-6):
+                     eps: float = 1e-6, key_padding_mask: Any = None):
     """Linear attention (Katharopoulos et al. 2020): ``φ(q_i)ᵀ S / (φ(q_i)ᵀ z + eps)`` with
     ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)`` over all keys, or keys ``j <= i`` with ``causal`` —
     O(L·D·Dv) time, no ``[L, L]`` matrix. ``feature_map``: "elu" (elu + 1), "relu" or "identity".
-    Shapes as ``sdpa`` (``[..., L, D]``, up to two leading dims); float32 (other floats are converted)."""
+    Shapes as ``sdpa`` (``[..., L, D]``, up to two leading dims); float32 (other floats are converted).
+    ``key_padding_mask`` bool ``[B, Lk]`` (``[Lk]`` without a batch dim): True keys are ignored."""
     if not isinstance(feature_map, str):
         raise ValueError(f"feature_map: expected a string, got {type(feature_map).__name__}")
     return _heads.linear_attention(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
-                                   feature_map, bool(causal), float(eps), _is_torch(query)).reshape(
+                                   feature_map, bool(causal), float(eps), _is_torch(query),
+                                   _arg(key_padding_mask, "key_padding_mask")).reshape(
         np.shape(query)[:-1] + (np.shape(value)[-1],))
 
 

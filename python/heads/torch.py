@@ -62,11 +62,12 @@ class SDPAFunction(_torch.autograd.Function):
 
 class LinearAttentionFunction(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, feature_map, causal, eps):
+    def forward(ctx, query, key, value, feature_map, causal, eps, key_padding_mask=None):
+        mask = _arg(key_padding_mask, "key_padding_mask")
         out = _heads.linear_attention(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
-                                      feature_map, bool(causal), float(eps), True)
+                                      feature_map, bool(causal), float(eps), True, mask)
         ctx.save_for_backward(query, key, value)
-        ctx.args = (feature_map, bool(causal), float(eps))
+        ctx.args = (feature_map, bool(causal), float(eps), mask)
         return out.reshape(query.shape[:-1] + (value.shape[-1],))
 
     @staticmethod
@@ -75,12 +76,12 @@ class LinearAttentionFunction(_torch.autograd.Function):
         query, key, value = ctx.saved_tensors
         dq, dk, dv = _heads.linear_attention_backward(dout.contiguous(), query.detach(), key.detach(), value.detach(),
                                                       *ctx.args)
-        return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape), None, None, None
+        return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape), None, None, None, None
 
 
-def linear_attention(query, key, value, feature_map="elu", causal=False, eps=1e-6):
+def linear_attention(query, key, value, feature_map="elu", causal=False, eps=1e-6, key_padding_mask=None):
     """heads.linear_attention as a torch.autograd.Function: forward and backward in heads."""
-    return LinearAttentionFunction.apply(query, key, value, feature_map, causal, eps)
+    return LinearAttentionFunction.apply(query, key, value, feature_map, causal, eps, key_padding_mask)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

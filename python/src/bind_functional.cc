@@ -47,11 +47,14 @@ void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   o.head_mask = opt_view(head_mask, "head_mask");
 }
 
-heads::LinearAttentionOptions linear_options(const std::string& fm, bool causal, double eps) {
+heads::LinearAttentionOptions linear_options(const std::string& fm, bool causal, double eps,
+                                             const std::optional<InArray>& key_padding_mask) {
   heads::LinearAttentionOptions o;
   o.feature_map = heads::feature_map_from_name(fm);
   o.causal = causal;
   o.eps = eps;
+  o.key_padding_mask = opt_view(key_padding_mask, "key_padding_mask");
+  if (o.key_padding_mask.defined() && o.key_padding_mask.dim() == 1) o.key_padding_mask = o.key_padding_mask.unsqueeze(0);
   return o;
 }
 
@@ -203,8 +206,8 @@ void bind_functional(nb::module_& m) {
         "torch_out"_a = false, "causal_lower_right"_a = false, "mods"_a = nb::none());
   m.def("linear_attention",
         [](const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal, double eps,
-           bool torch_out) {
-          const heads::LinearAttentionOptions o = linear_options(fm, causal, eps);
+           bool torch_out, const std::optional<InArray>& key_padding_mask) {
+          const heads::LinearAttentionOptions o = linear_options(fm, causal, eps, key_padding_mask);
           const char* op = "linear_attention";
           const heads::Tensor qt = to_4d(view_of(q, "query"), "query", op), kt = to_4d(view_of(k, "key"), "key", op),
                              vt = to_4d(view_of(v, "value"), "value", op);
@@ -216,11 +219,11 @@ void bind_functional(nb::module_& m) {
           return to_array(out, torch_out);
         },
         "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "causal"_a = false, "eps"_a = 1e-6,
-        "torch_out"_a = false);
+        "torch_out"_a = false, "key_padding_mask"_a = nb::none());
   m.def("linear_attention_backward",
         [](const InArray& g, const InArray& q, const InArray& k, const InArray& v, const std::string& fm, bool causal,
-           double eps) {
-          const heads::LinearAttentionOptions o = linear_options(fm, causal, eps);
+           double eps, const std::optional<InArray>& key_padding_mask) {
+          const heads::LinearAttentionOptions o = linear_options(fm, causal, eps, key_padding_mask);
           const char* op = "linear_attention_backward";
           const heads::Tensor gt = to_4d(view_of(g, "dout"), "dout", op), qt = to_4d(view_of(q, "query"), "query", op),
                              kt = to_4d(view_of(k, "key"), "key", op), vt = to_4d(view_of(v, "value"), "value", op);
@@ -231,7 +234,8 @@ void bind_functional(nb::module_& m) {
           }
           return nb::make_tuple(to_array(r.dq, true), to_array(r.dk, true), to_array(r.dv, true));
         },
-        "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "causal"_a = false, "eps"_a = 1e-6);
+        "dout"_a, "query"_a, "key"_a, "value"_a, "feature_map"_a = "elu", "causal"_a = false, "eps"_a = 1e-6,
+        "key_padding_mask"_a = nb::none());
   m.def("alibi_slopes", [](int64_t num_heads) { return to_numpy(heads::alibi_slopes(num_heads)); }, "num_heads"_a);
   m.def("t5_relative_bucket", &heads::t5_relative_bucket, "relative_position"_a, "bidirectional"_a, "num_buckets"_a,
         "max_distance"_a);

@@ -63,6 +63,10 @@ Dims check(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, co
               d.B, ", ", d.H, ", ", d.Lk, ", Dv] to match key ", k.shape(), ", got ", v.shape());
   HEADS_CHECK(!o.causal || d.Lq == d.Lk, op, ": causal needs as many queries as keys, got Lq ", d.Lq, " and Lk ", d.Lk);
   HEADS_CHECK(o.eps >= 0.0 && std::isfinite(o.eps), op, ": eps must be finite and >= 0, got ", o.eps);
+  const Tensor& m = o.key_padding_mask;
+  HEADS_CHECK(!m.defined() || (m.dtype() == DType::Bool && m.shape() == Shape({d.B, d.Lk})), op,
+              ": key_padding_mask: expected bool [B, Lk] = [", d.B, ", ", d.Lk, "] (true = ignore the key), got ",
+              m.defined() ? std::string(dtype_name(m.dtype())) + " " + shape_str(m.shape()) : std::string());
   return d;
 }
 
@@ -158,6 +162,8 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const char* op = "linear_attention";
   const Dims d = check(op, q_in, k_in, v_in, o);
   const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key"), v = f32(v_in, op, "value");
+  const Tensor kpm = o.key_padding_mask.defined() ? o.key_padding_mask.contiguous() : Tensor();
+  const auto* mask = kpm.defined() ? static_cast<const uint8_t*>(kpm.raw_data()) : nullptr;
   Tensor out = Tensor::empty({d.B, d.H, d.Lq, d.Dv}, DType::F32);
   const float eps = static_cast<float>(o.eps);
   const FeatureMap fm = o.feature_map;
@@ -184,9 +190,23 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
         for (int64_t e = 0; e < n * D; ++e) f[e] = phi(fm, x[e]);
       }
     };
+    const uint8_t* km = nullptr;  // the task's key_padding_mask row (nonzero = ignored key), or null
+    // φ(K) rows [j0, j0 + n) into fk; ignored keys become zero rows, which add nothing anywhere.
+    const auto key_features = [&](const float* kh, int64_t j0, int64_t n) {
+      features(kh + j0 * D, n, fk.data());
+      for (int64_t r = 0; km != nullptr && r < n; ++r) {
+        if (km[j0 + r]) std::fill(fk.begin() + r * D, fk.begin() + (r + 1) * D, 0.0f);
+      }
+    };
+    // Rows of ignored keys set to zero (their gradients).
+    const auto zero_masked = [&](float* rows, int64_t j0, int64_t n, int64_t width) {
+      for (int64_t r = 0; km != nullptr && r < n; ++r) {
+        if (km[j0 + r]) std::fill(rows + r * width, rows + (r + 1) * width, 0.0f);
+      }
+    };
     // Keys [j0, j0 + n) into the state: S += φ(K)ᵀ V, z += Σ φ(K) rows.
     const auto absorb = [&](const float* kh, const float* vh, int64_t j0, int64_t n) {
-      features(kh + j0 * D, n, fk.data());
+      key_features(kh, j0, n);
       kernels::active().small_matmul_f32(D, Dv, n, fk.data(), 1, D, vh + j0 * Dv, Dv, 1, tmp.data(), Dv);
       for (int64_t e = 0; e < D * Dv; ++e) S[static_cast<size_t>(e)] += tmp[static_cast<size_t>(e)];
       for (int64_t r = 0; r < n; ++r) {
@@ -212,6 +232,7 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
       if (!ready) continue;
+      km = mask != nullptr ? mask + bh / d.H * d.Lk : nullptr;
       try {
         const float* qh = q.data<float>() + bh * d.Lq * D;
         const float* kh = k.data<float>() + bh * d.Lk * D;
@@ -230,7 +251,7 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
           for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {  // chunk: the state of the keys before it, then its own block
             const int64_t n = std::min(C, d.Lq - i0);
             read(qh, i0, n);
-            features(kh + i0 * D, n, fk.data());
+            key_features(kh, i0, n);
             kernels::active().small_matmul_f32(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);  // φ(Q_c) φ(K_c)ᵀ
             for (int64_t r = 0; r < n; ++r) {
               float* ar = A.data() + r * n;
@@ -260,6 +281,8 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
   HEADS_CHECK(dout_in.defined() && dout_in.shape() == Shape({d.B, d.H, d.Lq, d.Dv}), op, ": dout: expected ",
               Shape({d.B, d.H, d.Lq, d.Dv}), ", got ", dout_in.defined() ? dout_in.shape() : Shape{});
   const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key"), v = f32(v_in, op, "value");
+  const Tensor kpm = o.key_padding_mask.defined() ? o.key_padding_mask.contiguous() : Tensor();
+  const auto* mask = kpm.defined() ? static_cast<const uint8_t*>(kpm.raw_data()) : nullptr;
   const Tensor g = f32(dout_in, op, "dout");
   LinearAttentionGrads r{Tensor::empty(q.shape(), DType::F32), Tensor::empty(k.shape(), DType::F32),
                          Tensor::empty(v.shape(), DType::F32)};
@@ -288,6 +311,20 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
         kernels::active().elu_plus_one_f32(x, f, 1, n * D, n * D, n * D);
       } else {
         for (int64_t e = 0; e < n * D; ++e) f[e] = phi(fm, x[e]);
+      }
+    };
+    const uint8_t* km = nullptr;  // the task's key_padding_mask row (nonzero = ignored key), or null
+    // φ(K) rows [j0, j0 + n) into fk; ignored keys become zero rows, which add nothing anywhere.
+    const auto key_features = [&](const float* kh, int64_t j0, int64_t n) {
+      features(kh + j0 * D, n, fk.data());
+      for (int64_t r = 0; km != nullptr && r < n; ++r) {
+        if (km[j0 + r]) std::fill(fk.begin() + r * D, fk.begin() + (r + 1) * D, 0.0f);
+      }
+    };
+    // Rows of ignored keys set to zero (their gradients).
+    const auto zero_masked = [&](float* rows, int64_t j0, int64_t n, int64_t width) {
+      for (int64_t r = 0; km != nullptr && r < n; ++r) {
+        if (km[j0 + r]) std::fill(rows + r * width, rows + (r + 1) * width, 0.0f);
       }
     };
     const auto add_to = [](float* y, const float* x, int64_t n) {
@@ -334,6 +371,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < d.B * d.H; ++bh) {
       if (!ready) continue;
+      km = mask != nullptr ? mask + bh / d.H * d.Lk : nullptr;
       try {
         const float* qh = q.data<float>() + bh * d.Lq * D;
         const float* kh = k.data<float>() + bh * d.Lk * D;
@@ -346,7 +384,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
         if (!o.causal) {
           for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
             const int64_t n = std::min(C, d.Lk - j0);
-            features(kh + j0 * D, n, fk.data());
+            key_features(kh, j0, n);
             absorb(vh + j0 * Dv, n);
           }
           for (int64_t i0 = 0; i0 < d.Lq; i0 += C) {
@@ -365,9 +403,10 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
           }
           for (int64_t j0 = 0; j0 < d.Lk; j0 += C) {
             const int64_t n = std::min(C, d.Lk - j0);
-            features(kh + j0 * D, n, fk.data());
+            key_features(kh, j0, n);
             mm(n, D, Dv, vh + j0 * Dv, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);  // V dSᵀ
             through_phi(fk.data(), n, nullptr, dz.data(), dkh + j0 * D);
+            zero_masked(dkh + j0 * D, j0, n, D);
             mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + j0 * Dv, Dv);  // φ(K) dS
           }
         } else {
@@ -377,7 +416,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
             const int64_t n = std::min(C, d.Lq - i0);
             const float* vc = vh + i0 * Dv;
             features(qh + i0 * D, n, fq.data());
-            features(kh + i0 * D, n, fk.data());
+            key_features(kh, i0, n);
             mm(n, Dv, D, fq.data(), D, 1, S.data(), Dv, 1, num.data(), Dv);
             mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
             for (int64_t rr = 0; rr < n; ++rr) {
@@ -416,7 +455,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
             const float* dAc = dA.data() + i0 * Dv;
             const float* dnc = dn.data() + i0;
             features(qh + i0 * D, n, fq.data());
-            features(kh + i0 * D, n, fk.data());
+            key_features(kh, i0, n);
             // M[i][j] = dA_i · v_j + dn_i for i >= j
             mm(n, n, Dv, dAc, Dv, 1, vc, 1, Dv, M.data(), n);
             mm(n, n, D, fq.data(), D, 1, fk.data(), 1, D, A.data(), n);
@@ -431,6 +470,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
             mm(n, D, Dv, vc, Dv, 1, dS.data(), 1, Dv, tmp.data(), D);
             add_lower_t_times(n, D, M.data(), fq.data(), D, tmp.data(), t2.data());
             through_phi(fk.data(), n, nullptr, dz.data(), dkh + i0 * D);
+            zero_masked(dkh + i0 * D, i0, n, D);
             // dV = φ(K_c) dS + Aᵀ dA_c
             mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + i0 * Dv, Dv);
             add_lower_t_times(n, Dv, A.data(), dAc, Dv, dvh + i0 * Dv, t2.data());
@@ -483,6 +523,8 @@ Tensor linear_attention_weights(const Tensor& q_in, const Tensor& k_in, const Li
   const char* op = "linear_attention_weights";
   const Dims d = check(op, q_in, k_in, k_in, o);
   const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key");
+  const Tensor kpm = o.key_padding_mask.defined() ? o.key_padding_mask.contiguous() : Tensor();
+  const auto* mask = kpm.defined() ? static_cast<const uint8_t*>(kpm.raw_data()) : nullptr;
   Tensor w = Tensor::zeros({d.B, d.H, d.Lq, d.Lk}, DType::F32);
   const int n_threads = threads_for_tasks(d.B * d.H, static_cast<double>(d.B * d.H) * d.Lq * d.Lk * d.D);
   FirstError error;
@@ -499,7 +541,8 @@ Tensor linear_attention_weights(const Tensor& q_in, const Tensor& k_in, const Li
     }
     for (int64_t j = 0; j < d.Lk; ++j) {
       const float* kr = k.data<float>() + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
-      for (int64_t x = 0; x < d.D; ++x) fk[static_cast<size_t>(j * d.D + x)] = phi(o.feature_map, kr[x]);
+      const bool ignored = mask != nullptr && mask[b * d.Lk + j];
+      for (int64_t x = 0; x < d.D; ++x) fk[static_cast<size_t>(j * d.D + x)] = ignored ? 0.0f : phi(o.feature_map, kr[x]);
     }
     for (int64_t i = 0; i < d.Lq; ++i) {
       const float* qr = q.data<float>() + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
@@ -538,6 +581,7 @@ Tensor ref::linear_attention_f64(const Tensor& q_in, const Tensor& k_in, const T
       double den = o.eps;
       std::vector<double> num(static_cast<size_t>(d.Dv), 0.0);
       for (int64_t j = 0; j < (o.causal ? i + 1 : d.Lk); ++j) {
+        if (o.key_padding_mask.defined() && o.key_padding_mask.item_as_double({bh / d.H, j}) != 0) continue;
         double a = 0;  // A_ij = φ(q_i) · φ(k_j)
         for (int64_t x = 0; x < d.D; ++x) {
           a += ph(q.data<double>()[(bh * d.Lq + i) * d.D + x]) * ph(k.data<double>()[(bh * d.Lk + j) * d.D + x]);

@@ -480,8 +480,11 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   const AttentionVariant& var = opt_.variant;
   const bool linear_attn = var.kind == AttentionKind::Linear;
   const MhaInputs in = check_inputs(opt_, query, key, value, args);
-  HEADS_CHECK(!linear_attn || (!args.attn_mask.defined() && !args.key_padding_mask.defined()), kOp,
-              ": linear attention takes no attn_mask or key_padding_mask (is_causal selects its causal form)");
+  HEADS_CHECK(!linear_attn || !args.attn_mask.defined(), kOp,
+              ": linear attention takes no attn_mask (is_causal selects its causal form; key_padding_mask ignores keys)");
+  HEADS_CHECK(!linear_attn || !args.key_padding_mask.defined() || args.key_padding_mask.dtype() == DType::Bool, kOp,
+              ": key_padding_mask: linear attention takes a bool mask (true = ignore the key); a float mask adds to "
+              "softmax scores, which linear attention has none of");
   HEADS_CHECK(!(args.is_causal && var.head_gate == HeadGate::MeanPool), kOp,
               ": head_gate mean pools every query token, which a causal call must not see; use head_gate first");
 
@@ -545,6 +548,11 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   if (linear_attn) {
     lo.feature_map = var.feature_map;
     lo.causal = args.is_causal;
+    if (args.key_padding_mask.defined()) {  // [N, S], the appended keys kept
+      const Tensor kpm = in.batched ? args.key_padding_mask : args.key_padding_mask.unsqueeze(0);
+      lo.key_padding_mask = Tensor::zeros({in.N, S2}, DType::Bool);
+      lo.key_padding_mask.slice(1, 0, in.S).copy_from(kpm);
+    }
     out4.copy_from(heads::linear_attention(q4, k4, v4, lo));
     if (args.need_weights) r.weights = linear_attention_weights(q4, k4, lo);
     // Gated-off heads: computed (the linear kernel has no head mask), then zero like the softmax path's.

@@ -34,6 +34,71 @@ std::string name(FeatureMap fm) {
   return fm == FeatureMap::EluPlusOne ? "elu" : fm == FeatureMap::Relu ? "relu" : "identity";
 }
 
+// Padded keys (key_padding_mask) add nothing: forward against the definition on every path and across
+// chunks; non-causal, the call equals one on the kept keys alone, gradients included (zero for the
+// padded keys).
+TEST(LinearAttention, KeyPaddingMask) {
+  testing::IsaGuard guard;
+  for (auto [B, H, L, D, Dv] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>{
+           {2, 2, 7, 5, 9}, {2, 3, 300, 16, 8}, {1, 1, 1, 4, 4}}) {
+    Tensor mask = testing::rand_bool({B, L}, 0.3);
+    auto* mp = static_cast<uint8_t*>(mask.raw_data());
+    if (L > 1) mp[0] = 0, mp[L - 1] = 1;  // the first key kept, the last one padded
+    for (FeatureMap fm : {FeatureMap::EluPlusOne, FeatureMap::Relu}) {
+      for (bool causal : {false, true}) {
+        LinearAttentionOptions o;
+        o.feature_map = fm;
+        o.causal = causal;
+        o.key_padding_mask = mask;
+        const Tensor q = shifted({B, H, L, D}), k = shifted({B, H, L, D}), v = randn({B, H, L, Dv});
+        const Tensor want = ref::linear_attention_f64(q, k, v, o);
+        for (Isa isa : supported_isas()) {
+          set_isa(isa);
+          const std::string where = name(fm) + (causal ? " causal" : "") + " L=" + std::to_string(L) + " " + isa_name(isa);
+          const auto e = testing::compare(linear_attention(q, k, v, o), want);
+          EXPECT_TRUE(e.within(1e-5, 1e-6)) << where << ": max err " << e.max_abs;
+          if (causal) continue;
+          // Non-causal: the same as the kept keys alone, per batch entry.
+          const Tensor dout = randn({B, H, L, Dv});
+          const LinearAttentionGrads g = linear_attention_backward(dout, q, k, v, o);
+          for (int64_t b = 0; b < B; ++b) {
+            std::vector<int64_t> kept;
+            for (int64_t j = 0; j < L; ++j) {
+              if (!mp[b * L + j]) kept.push_back(j);
+            }
+            const int64_t n = static_cast<int64_t>(kept.size());
+            Tensor kb = Tensor::empty({1, H, n, D}, DType::F32), vb = Tensor::empty({1, H, n, Dv}, DType::F32);
+            for (int64_t x = 0; x < n; ++x) {
+              kb.slice(2, x, x + 1).copy_from(k.slice(0, b, b + 1).slice(2, kept[static_cast<size_t>(x)], kept[static_cast<size_t>(x)] + 1));
+              vb.slice(2, x, x + 1).copy_from(v.slice(0, b, b + 1).slice(2, kept[static_cast<size_t>(x)], kept[static_cast<size_t>(x)] + 1));
+            }
+            LinearAttentionOptions plain = o;
+            plain.key_padding_mask = Tensor();
+            const Tensor qb = q.slice(0, b, b + 1).contiguous(), gb = dout.slice(0, b, b + 1).contiguous();
+            const LinearAttentionGrads gk = linear_attention_backward(gb, qb, kb, vb, plain);
+            EXPECT_TRUE(testing::compare(g.dq.slice(0, b, b + 1), gk.dq.to(DType::F64)).within(1e-5, 1e-6)) << where;
+            for (int64_t j = 0, x = 0; j < L; ++j) {
+              const Tensor dk = g.dk.slice(0, b, b + 1).slice(2, j, j + 1), dv = g.dv.slice(0, b, b + 1).slice(2, j, j + 1);
+              if (mp[b * L + j]) {
+                EXPECT_TRUE(testing::bitwise_equal(dk, Tensor::zeros(dk.shape(), DType::F32))) << where << " j=" << j;
+                EXPECT_TRUE(testing::bitwise_equal(dv, Tensor::zeros(dv.shape(), DType::F32))) << where << " j=" << j;
+              } else {
+                EXPECT_TRUE(testing::compare(dk, gk.dk.slice(2, x, x + 1).to(DType::F64)).within(1e-5, 1e-6)) << where;
+                EXPECT_TRUE(testing::compare(dv, gk.dv.slice(2, x, x + 1).to(DType::F64)).within(1e-5, 1e-6)) << where;
+                ++x;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  LinearAttentionOptions o;
+  o.key_padding_mask = Tensor::zeros({2, 3}, DType::Bool);
+  EXPECT_THAT(error_of([&] { linear_attention(randn({1, 1, 3, 4}), randn({1, 1, 3, 4}), randn({1, 1, 3, 4}), o); }),
+              HasSubstr("key_padding_mask: expected bool [B, Lk] = [1, 3] (true = ignore the key), got bool [2, 3]"));
+}
+
 TEST(LinearAttention, MatchesDefinition) {
   testing::IsaGuard guard;
   for (auto [B, H, Lq, Lk, D, Dv] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>{
@@ -50,7 +115,7 @@ TEST(LinearAttention, MatchesDefinition) {
         const Tensor q = qbuf.slice(3, 0, D).permute({0, 2, 1, 3});
         const Tensor k = pos ? shifted({B, H, Lk, D}) : randn({B, H, Lk, D}), v = randn({B, H, Lk, Dv});
         const Tensor want = ref::linear_attention_f64(q, k, v, o);
-        for (Isa isa : supported_isas()) {  // the chunks' products: oneDNN, or the plain loops on scalar
+        for (Isa isa : supported_isas()) {  // the chunks' products: each path's micro-kernels
           set_isa(isa);
           const auto e = testing::compare(linear_attention(q, k, v, o), want);
           EXPECT_TRUE(e.within(1e-5, 1e-6)) << name(fm) << (causal ? " causal" : "") << " Lq=" << Lq << " Lk=" << Lk

@@ -527,8 +527,11 @@ TEST(MhaVariants, BadOptionsAreClearErrors) {
   MultiheadAttention m(o, 1);
   const Tensor x = randn({4, 1, 12});
   MhaForwardArgs a;
-  a.key_padding_mask = Tensor::zeros({1, 4}, DType::Bool);
-  EXPECT_THAT(error_of([&] { m.forward(x, x, x, a); }), HasSubstr("linear attention takes no attn_mask or key_padding_mask"));
+  a.attn_mask = Tensor::zeros({4, 4}, DType::Bool);
+  EXPECT_THAT(error_of([&] { m.forward(x, x, x, a); }), HasSubstr("linear attention takes no attn_mask"));
+  a = MhaForwardArgs{};
+  a.key_padding_mask = Tensor::zeros({1, 4}, DType::F32);
+  EXPECT_THAT(error_of([&] { m.forward(x, x, x, a); }), HasSubstr("linear attention takes a bool mask"));
   EXPECT_THAT(err([](MultiheadAttentionOptions& o) {
                 o.variant.window = 3;
                 o.add_bias_kv = true;

@@ -95,3 +95,39 @@ def test_non_finite_values_respect_causality():
         qf = q.clone().requires_grad_()
         (gq,) = torch.autograd.grad(ht.linear_attention(qf, k, v.nan_to_num(posinf=1.0)).sum(), qf, create_graph=True)
         gq.sum().backward()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L", [7, 300])
+def test_key_padding_mask_matches_direct_formula(causal, L):
+    """Padded keys (True in key_padding_mask) contribute nothing: forward and gradients against the formula
+    with their features zeroed, across chunks."""
+    B, H, D, Dv = 2, 3, 8, 5
+    g = torch.Generator().manual_seed(L)
+    q, k = [torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(2)]
+    v = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, L, generator=g) < 0.3
+    mask[:, 0] = False
+    keep = (~mask).double()[:, None, :, None]
+
+    def direct(q, k, v):
+        a = _phi(q, "elu") @ (_phi(k, "elu") * keep).transpose(-1, -2)
+        if causal:
+            a = a * torch.tril(torch.ones(a.shape[-2:], dtype=a.dtype))
+        return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+
+    qd, kd, vd = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = direct(qd, kd, vd)
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (want * dout).sum().backward()
+    qf, kf, vf = [t.float().requires_grad_() for t in (q, k, v)]
+    got = ht.linear_attention(qf, kf, vf, causal=causal, key_padding_mask=mask)
+    (got * dout.float()).sum().backward()
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    for mine, ref in ((qf, qd), (kf, kd), (vf, vd)):
+        torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+    assert torch.all(kf.grad[mask[:, None, :, None].expand_as(kf.grad)] == 0)
+    np_out = heads.linear_attention(q.float().numpy(), k.float().numpy(), v.float().numpy(), causal=causal,
+                                    key_padding_mask=mask.numpy())
+    np.testing.assert_allclose(np_out, got.detach().numpy(), rtol=0, atol=0)
+

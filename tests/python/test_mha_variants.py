@@ -15,7 +15,7 @@ import heads
 E = 24
 
 
-def torch_mha(p, cfg, q, k, v, is_causal, threshold=0.0):
+def torch_mha(p, cfg, q, k, v, is_causal, threshold=0.0, key_padding_mask=None):
     """The module's math in torch for [L, N, *] inputs; p maps parameter names to (float64) tensors."""
     H, hd = cfg["num_heads"], cfg.get("head_dim") or E // cfg["num_heads"]
     Ei = H * hd
@@ -31,7 +31,10 @@ def torch_mha(p, cfg, q, k, v, is_causal, threshold=0.0):
     i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
     if cfg.get("attention") == "linear":
         phi = (lambda x: F.elu(x) + 1) if cfg.get("feature_map", "elu") == "elu" else F.relu
-        a = phi(qh) @ phi(kh).transpose(-1, -2)
+        fk = phi(kh)
+        if key_padding_mask is not None:  # [N, S]: padded keys' features are zero
+            fk = fk * (~key_padding_mask)[:, None, :, None]
+        a = phi(qh) @ fk.transpose(-1, -2)
         if is_causal:
             a = a * (j <= i)
         att = (a @ vh) / (a.sum(-1, keepdim=True) + 1e-6)
@@ -133,6 +136,31 @@ def test_gradients_match_torch_autograd(vi, causal, check):
     assert list(grads) == list(p)
     for name, t in p.items():
         check("MHA variant grad parameter", grads[name], t.grad, f"{name}: {what}", tol=1e-4, floor=floor)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_mha_with_key_padding_mask(causal, check):
+    cfg = dict(num_heads=4, attention="linear")
+    m = build(cfg, seed=11)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 2, E, generator=g)
+    mask = torch.tensor([[False] * 6 + [True] * 3, [False, True] * 4 + [False]])
+    p = {n: torch.from_numpy(np.array(t)).double().requires_grad_() for n, t in m.state_dict().items()}
+    xt = x.double().requires_grad_()
+    want = torch_mha(p, cfg, xt, xt, xt, causal, key_padding_mask=mask)
+    dout = torch.randn(want.shape, generator=g)
+    (want * dout.double()).sum().backward()
+    tape = heads.Tape()
+    out, _ = m(x, x, x, key_padding_mask=mask, is_causal=causal, need_weights=False, tape=tape)
+    (dq, _, _), grads = m.backward(tape, dout)
+    check("linear MHA key_padding_mask", out, want, f"causal={causal}")
+    floor = 1e-3 * max(float(r.grad.norm()) for r in [xt, *p.values()])
+    check("linear MHA key_padding_mask grad", dq, xt.grad, f"causal={causal}", tol=1e-4, floor=floor)
+    for name, t in p.items():
+        check("linear MHA key_padding_mask grad", grads[name], t.grad, name, tol=1e-4, floor=floor)
+    # the weights put nothing on padded keys
+    _, w = m(x, x, x, key_padding_mask=mask, is_causal=causal, average_attn_weights=False)
+    assert torch.all(w.permute(0, 2, 1, 3)[mask[:, None, :].expand(2, 9, 9)[:, :, None, :].expand(2, 9, 4, 9)] == 0)
 
 
 def test_gates_below_threshold_skip_heads(check):
@@ -258,6 +286,8 @@ def test_bad_variant_arguments():
         heads.MultiheadAttention(E, 4, head_gate="first", gate_threshold=2.0)
     m = heads.MultiheadAttention(E, 4, attention="linear")
     x = np.zeros((3, 1, E), np.float32) + 0.5
-    with pytest.raises(ValueError, match="linear attention takes no attn_mask or key_padding_mask"):
-        m(x, x, x, key_padding_mask=np.zeros((1, 3), bool))
+    with pytest.raises(ValueError, match="linear attention takes no attn_mask"):
+        m(x, x, x, attn_mask=np.zeros((3, 3), bool))
+    with pytest.raises(ValueError, match="linear attention takes a bool mask"):
+        m(x, x, x, key_padding_mask=np.zeros((1, 3), np.float32))
     assert heads.MultiheadAttention(E, 4).head_gates(x) is None
