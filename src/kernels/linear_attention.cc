@@ -74,6 +74,13 @@ int threads_for_tasks(int64_t tasks, double work) {
   return work < 1e5 ? 1 : static_cast<int>(std::min<int64_t>(get_num_threads(), tasks));
 }
 
+// Rows [j0, j0 + n) (of `width` floats, from `rows`) of the keys km marks as ignored, set to zero.
+void zero_ignored(const uint8_t* km, float* rows, int64_t j0, int64_t n, int64_t width) {
+  for (int64_t r = 0; km != nullptr && r < n; ++r) {
+    if (km[j0 + r]) std::fill(rows + r * width, rows + (r + 1) * width, 0.0f);
+  }
+}
+
 // out row = f·S / (f·z + eps) for one query feature row f.
 inline void read_row(const float* f, const float* S, const float* z, int64_t D, int64_t Dv, float eps, float* num,
                      float* out) {
@@ -194,15 +201,7 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     // φ(K) rows [j0, j0 + n) into fk; ignored keys become zero rows, which add nothing anywhere.
     const auto key_features = [&](const float* kh, int64_t j0, int64_t n) {
       features(kh + j0 * D, n, fk.data());
-      for (int64_t r = 0; km != nullptr && r < n; ++r) {
-        if (km[j0 + r]) std::fill(fk.begin() + r * D, fk.begin() + (r + 1) * D, 0.0f);
-      }
-    };
-    // Rows of ignored keys set to zero (their gradients).
-    const auto zero_masked = [&](float* rows, int64_t j0, int64_t n, int64_t width) {
-      for (int64_t r = 0; km != nullptr && r < n; ++r) {
-        if (km[j0 + r]) std::fill(rows + r * width, rows + (r + 1) * width, 0.0f);
-      }
+      zero_ignored(km, fk.data(), j0, n, D);
     };
     // Keys [j0, j0 + n) into the state: S += φ(K)ᵀ V, z += Σ φ(K) rows.
     const auto absorb = [&](const float* kh, const float* vh, int64_t j0, int64_t n) {
@@ -317,16 +316,9 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
     // φ(K) rows [j0, j0 + n) into fk; ignored keys become zero rows, which add nothing anywhere.
     const auto key_features = [&](const float* kh, int64_t j0, int64_t n) {
       features(kh + j0 * D, n, fk.data());
-      for (int64_t r = 0; km != nullptr && r < n; ++r) {
-        if (km[j0 + r]) std::fill(fk.begin() + r * D, fk.begin() + (r + 1) * D, 0.0f);
-      }
+      zero_ignored(km, fk.data(), j0, n, D);
     };
-    // Rows of ignored keys set to zero (their gradients).
-    const auto zero_masked = [&](float* rows, int64_t j0, int64_t n, int64_t width) {
-      for (int64_t r = 0; km != nullptr && r < n; ++r) {
-        if (km[j0 + r]) std::fill(rows + r * width, rows + (r + 1) * width, 0.0f);
-      }
-    };
+    const auto zero_masked = [&](float* rows, int64_t j0, int64_t n, int64_t width) { zero_ignored(km, rows, j0, n, width); };
     const auto add_to = [](float* y, const float* x, int64_t n) {
       for (int64_t e = 0; e < n; ++e) y[e] += x[e];
     };

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 
@@ -101,6 +102,29 @@ inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
     if (!(x == y || (std::isnan(x) && std::isnan(y)))) eq = false;
   });
   return eq;
+}
+
+// Σ a·b in double over two tensors of the same size (read as f32).
+inline double dot(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(DType::F32), y = b.to(DType::F32);
+  double s = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(x.data<float>()[i]) * y.data<float>()[i];
+  return s;
+}
+
+// Derivative of loss() along `dir` applied to the f32 tensor `t` in place (restored afterwards):
+// central differences at h and h/2 combined by Richardson extrapolation (error O(h⁴)).
+inline double directional(Tensor t, const Tensor& dir, double h, const std::function<double()>& loss) {
+  const Tensor saved = t.clone();
+  auto at = [&](double s) {
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      t.data<float>()[i] = static_cast<float>(saved.data<float>()[i] + s * dir.data<float>()[i]);
+    }
+    return loss();
+  };
+  const double d1 = (at(h) - at(-h)) / (2 * h), d2 = (at(h / 2) - at(-h / 2)) / h;
+  t.copy_from(saved);
+  return (4 * d2 - d1) / 3;
 }
 
 }  // namespace heads::testing

@@ -22,6 +22,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::compare;
+using testing::directional;
+using testing::dot;
 using testing::error_of;
 using testing::randn;
 
@@ -348,24 +350,6 @@ TEST(MhaVariants, PruneHeadsRemovesExactlyThoseHeads) {
   EXPECT_EQ(enc.layer(1).self_attn().options().num_heads, 3);
   EXPECT_EQ(enc.forward(randn({5, 2, 8})).shape(), (Shape{5, 2, 8}));
   EXPECT_THAT(error_of([&] { enc.prune_heads({{2, {0}}}); }), HasSubstr("layer 2 is out of range for 2 layers"));
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(DType::F32), y = b.to(DType::F32);
-  double s = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(x.data<float>()[i]) * y.data<float>()[i];
-  return s;
-}
-
-double directional(Tensor t, const Tensor& dir, double h, const std::function<double()>& loss) {
-  const Tensor saved = t.clone();
-  auto at = [&](double s) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(saved.data<float>()[i] + s * dir.data<float>()[i]);
-    return loss();
-  };
-  const double d1 = (at(h) - at(-h)) / (2 * h), d2 = (at(h / 2) - at(-h / 2)) / h;
-  t.copy_from(saved);
-  return (4 * d2 - d1) / 3;
 }
 
 TEST(MhaVariants, BackwardIsTheForwardsDerivative) {

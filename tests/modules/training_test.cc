@@ -19,29 +19,9 @@
 namespace heads {
 namespace {
 
+using testing::directional;
+using testing::dot;
 using testing::randn;
-
-double dot(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(DType::F32), y = b.to(DType::F32);
-  double s = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(x.data<float>()[i]) * y.data<float>()[i];
-  return s;
-}
-
-// Derivative of loss() along `dir` applied to `t` in place (restored afterwards): central
-// differences at h and h/2 combined by Richardson extrapolation (error O(h⁴)).
-double directional(Tensor t, const Tensor& dir, double h, const std::function<double()>& loss) {
-  const Tensor saved = t.clone();
-  auto at = [&](double s) {
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      t.data<float>()[i] = static_cast<float>(saved.data<float>()[i] + s * dir.data<float>()[i]);
-    }
-    return loss();
-  };
-  const double d1 = (at(h) - at(-h)) / (2 * h), d2 = (at(h / 2) - at(-h / 2)) / h;
-  t.copy_from(saved);
-  return (4 * d2 - d1) / 3;
-}
 
 void expect_close(double analytic, double numeric, const std::string& what) {
   EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric))) << what;
