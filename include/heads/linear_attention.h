@@ -25,7 +25,8 @@ struct LinearAttentionOptions {
   bool causal = false;
   double eps = 1e-6;
   // [B, Lk] bool, true = ignore the key (padding, as torch's key_padding_mask): it adds nothing to
-  // any sum, and its gradients are zero. A row that sees no key gives zeros.
+  // any sum (whatever its key and value hold, inf and NaN included), and its dk and dv are zero. A
+  // row that sees no key gives zeros when eps > 0 (with eps = 0 it is 0 / 0).
   Tensor key_padding_mask;
 };
 

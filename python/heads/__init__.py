@@ -363,7 +363,7 @@ def _variant(attention: Any = "softmax", feature_map: Any = "elu", window: Any =
 _VARIANT_DOC = """
     Attention variants (keyword-only extensions; the defaults are torch's module): ``attention`` —
     "softmax" or "linear" (kernelized, ``feature_map`` "elu" | "relu" | "identity", no L×L matrix;
-    ``is_causal`` selects its causal form; no masks); ``window`` — local attention, query i sees keys
+    ``is_causal`` selects its causal form; a bool ``key_padding_mask``, no ``attn_mask``); ``window`` — local attention, query i sees keys
     with ``|i - j| <= window`` (``i - window <= j <= i`` with ``is_causal``); ``sparse_block`` /
     ``sparse_stride`` — block-sparse attention with Sparse Transformer's fixed pattern (a query block
     sees its own key block and every summary block ``kb % stride == stride - 1``; a summary block also sees the

@@ -63,6 +63,8 @@ class SDPAFunction(_torch.autograd.Function):
 class LinearAttentionFunction(_torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, feature_map, causal, eps, key_padding_mask=None):
+        if _torch.is_tensor(key_padding_mask):  # the backward must see the mask of the forward
+            key_padding_mask = key_padding_mask.detach().clone()
         mask = _arg(key_padding_mask, "key_padding_mask")
         out = _heads.linear_attention(_arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
                                       feature_map, bool(causal), float(eps), True, mask)

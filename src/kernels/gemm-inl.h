@@ -120,4 +120,5 @@ inline void small_matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, in
     for (int64_t n = 0; n < N; ++n) rows[static_cast<size_t>(k * N + n)] = B[k * b_rs + n * b_cs];
   }
   gemm::gemm_acc(M, N, K, A, a_rs, a_cs, rows.data(), N, C, c_stride, 1.0f, gemm::Out::Set);
+  if (rows.size() > (size_t{1} << 20)) std::vector<float>().swap(rows);  // a thread keeps at most 4 MB
 }

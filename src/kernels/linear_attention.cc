@@ -81,6 +81,17 @@ void zero_ignored(const uint8_t* km, float* rows, int64_t j0, int64_t n, int64_t
   }
 }
 
+// The values as contiguous f32 [B, H, Lk, Dv], padded keys' rows zero: a padded key's φ(k) is zero,
+// and 0 · (inf or NaN) in its value would still reach the sums.
+Tensor values_of(const Tensor& v_in, const char* op, const uint8_t* mask) {
+  Tensor v = f32(v_in, op, "value");
+  if (mask == nullptr) return v;
+  if (v.raw_data() == v_in.raw_data()) v = v.clone();  // never write into the caller's tensor
+  const int64_t B = v.size(0), H = v.size(1), Lk = v.size(2), Dv = v.size(3);
+  for (int64_t bh = 0; bh < B * H; ++bh) zero_ignored(mask + bh / H * Lk, v.data<float>() + bh * Lk * Dv, 0, Lk, Dv);
+  return v;
+}
+
 // out row = f·S / (f·z + eps) for one query feature row f.
 inline void read_row(const float* f, const float* S, const float* z, int64_t D, int64_t Dv, float eps, float* num,
                      float* out) {
@@ -168,9 +179,10 @@ constexpr int64_t kChunk = 128;
 Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const LinearAttentionOptions& o) {
   const char* op = "linear_attention";
   const Dims d = check(op, q_in, k_in, v_in, o);
-  const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key"), v = f32(v_in, op, "value");
+  const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key");
   const Tensor kpm = o.key_padding_mask.defined() ? o.key_padding_mask.contiguous() : Tensor();
   const auto* mask = kpm.defined() ? static_cast<const uint8_t*>(kpm.raw_data()) : nullptr;
+  const Tensor v = values_of(v_in, op, mask);
   Tensor out = Tensor::empty({d.B, d.H, d.Lq, d.Dv}, DType::F32);
   const float eps = static_cast<float>(o.eps);
   const FeatureMap fm = o.feature_map;
@@ -279,9 +291,10 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
   const Dims d = check(op, q_in, k_in, v_in, o);
   HEADS_CHECK(dout_in.defined() && dout_in.shape() == Shape({d.B, d.H, d.Lq, d.Dv}), op, ": dout: expected ",
               Shape({d.B, d.H, d.Lq, d.Dv}), ", got ", dout_in.defined() ? dout_in.shape() : Shape{});
-  const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key"), v = f32(v_in, op, "value");
+  const Tensor q = f32(q_in, op, "query"), k = f32(k_in, op, "key");
   const Tensor kpm = o.key_padding_mask.defined() ? o.key_padding_mask.contiguous() : Tensor();
   const auto* mask = kpm.defined() ? static_cast<const uint8_t*>(kpm.raw_data()) : nullptr;
+  const Tensor v = values_of(v_in, op, mask);
   const Tensor g = f32(dout_in, op, "dout");
   LinearAttentionGrads r{Tensor::empty(q.shape(), DType::F32), Tensor::empty(k.shape(), DType::F32),
                          Tensor::empty(v.shape(), DType::F32)};
@@ -400,6 +413,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
             through_phi(fk.data(), n, nullptr, dz.data(), dkh + j0 * D);
             zero_masked(dkh + j0 * D, j0, n, D);
             mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + j0 * Dv, Dv);  // φ(K) dS
+            zero_masked(dvh + j0 * Dv, j0, n, Dv);
           }
         } else {
           // Causal, forward in chunks: out's pieces, dA and dn of every row, and dq from the state of the
@@ -466,6 +480,7 @@ LinearAttentionGrads linear_attention_backward(const Tensor& dout_in, const Tens
             // dV = φ(K_c) dS + Aᵀ dA_c
             mm(n, Dv, D, fk.data(), D, 1, dS.data(), Dv, 1, dvh + i0 * Dv, Dv);
             add_lower_t_times(n, Dv, A.data(), dAc, Dv, dvh + i0 * Dv, t2.data());
+            zero_masked(dvh + i0 * Dv, i0, n, Dv);
             absorb_grad(dAc, dnc, n);
           }
         }

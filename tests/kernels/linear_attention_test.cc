@@ -93,6 +93,48 @@ TEST(LinearAttention, KeyPaddingMask) {
       }
     }
   }
+  // Padded keys holding inf and NaN (in k and v) change nothing: forward and backward equal the call
+  // on clean values, and their dk, dv are zero.
+  for (bool causal : {false, true}) {
+    const int64_t B = 2, H = 2, L = 150, D = 8, Dv = 6;
+    Tensor mask = testing::rand_bool({B, L}, 0.25);
+    auto* mp = static_cast<uint8_t*>(mask.raw_data());
+    mp[0] = 0, mp[L] = 0, mp[7] = 1, mp[L + 130] = 1;
+    LinearAttentionOptions o;
+    o.causal = causal;
+    o.key_padding_mask = mask;
+    const Tensor q = randn({B, H, L, D}), k = randn({B, H, L, D}), v = randn({B, H, L, Dv}), dout = randn({B, H, L, Dv});
+    Tensor k_bad = k.clone(), v_bad = v.clone();
+    const float bad[3] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN()};
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < L; ++j) {
+        if (!mp[b * L + j]) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          k_bad.data<float>()[((b * H + h) * L + j) * D + j % D] = bad[j % 3];
+          v_bad.data<float>()[((b * H + h) * L + j) * Dv + j % Dv] = bad[(j + 1) % 3];
+        }
+      }
+    }
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const std::string where = std::string(causal ? "causal " : "") + isa_name(isa);
+      EXPECT_TRUE(testing::bitwise_equal(linear_attention(q, k_bad, v_bad, o), linear_attention(q, k, v, o))) << where;
+      const LinearAttentionGrads g = linear_attention_backward(dout, q, k_bad, v_bad, o);
+      const LinearAttentionGrads clean = linear_attention_backward(dout, q, k, v, o);
+      EXPECT_TRUE(testing::bitwise_equal(g.dq, clean.dq)) << where;
+      EXPECT_TRUE(testing::bitwise_equal(g.dk, clean.dk)) << where;
+      EXPECT_TRUE(testing::bitwise_equal(g.dv, clean.dv)) << where;
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = 0; j < L; ++j) {
+          if (!mp[b * L + j]) continue;
+          const Tensor dk = g.dk.slice(0, b, b + 1).slice(2, j, j + 1), dv = g.dv.slice(0, b, b + 1).slice(2, j, j + 1);
+          ASSERT_TRUE(testing::bitwise_equal(dk, Tensor::zeros(dk.shape(), DType::F32))) << where;
+          ASSERT_TRUE(testing::bitwise_equal(dv, Tensor::zeros(dv.shape(), DType::F32))) << where;
+        }
+      }
+    }
+  }
   LinearAttentionOptions o;
   o.key_padding_mask = Tensor::zeros({2, 3}, DType::Bool);
   EXPECT_THAT(error_of([&] { linear_attention(randn({1, 1, 3, 4}), randn({1, 1, 3, 4}), randn({1, 1, 3, 4}), o); }),

@@ -127,6 +127,7 @@ def test_key_padding_mask_matches_direct_formula(causal, L):
     for mine, ref in ((qf, qd), (kf, kd), (vf, vd)):
         torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
     assert torch.all(kf.grad[mask[:, None, :, None].expand_as(kf.grad)] == 0)
+    assert torch.all(vf.grad[mask[:, None, :, None].expand_as(vf.grad)] == 0)
     np_out = heads.linear_attention(q.float().numpy(), k.float().numpy(), v.float().numpy(), causal=causal,
                                     key_padding_mask=mask.numpy())
     np.testing.assert_allclose(np_out, got.detach().numpy(), rtol=0, atol=0)

@@ -163,6 +163,20 @@ def test_linear_mha_with_key_padding_mask(causal, check):
     assert torch.all(w.permute(0, 2, 1, 3)[mask[:, None, :].expand(2, 9, 9)[:, :, None, :].expand(2, 9, 4, 9)] == 0)
 
 
+def test_linear_mha_mask_unbatched_and_appended_keys(check):
+    """Unbatched inputs take a [S] mask; keys appended by add_bias_kv / add_zero_attn stay visible."""
+    m = heads.MultiheadAttention(E, 4, attention="linear", add_bias_kv=True, add_zero_attn=True, seed=4).eval()
+    x = torch.randn(6, E, generator=torch.Generator().manual_seed(8))
+    mask = torch.tensor([False, False, True, False, True, True])
+    out, w = m(x, x, x, key_padding_mask=mask, average_attn_weights=False)
+    batched, wb = m(x[:, None], x[:, None], x[:, None], key_padding_mask=mask[None], average_attn_weights=False)
+    torch.testing.assert_close(out, batched[:, 0], rtol=0, atol=0)
+    assert w.shape == (4, 6, 8) and torch.equal(w, wb[0])
+    assert torch.all(w[:, :, :6][:, :, mask] == 0)
+    assert torch.all(w[:, :, 6] > 0)  # bias_k's key (zero_attn's is φ(0) = 1 > 0 too)
+    torch.testing.assert_close(w.sum(-1), torch.ones(4, 6), rtol=1e-5, atol=1e-5)
+
+
 def test_gates_below_threshold_skip_heads(check):
     cfg = dict(num_heads=6, head_gate="first", gate_threshold=0.5)
     m = build(cfg, seed=3)
