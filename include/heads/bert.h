@@ -25,11 +25,12 @@ struct BertConfig {
 // layers; returns the last hidden state.
 class BertModel {
  public:
-  // Loads config.json and model.safetensors (or `weights`) from `dir`; errors name the file
-  // and the tensor.
+  // Loads config.json and model.safetensors from `dir`; errors name the file and the tensor.
   BertModel() = default;
   static BertModel load(const std::string& dir);
   const BertConfig& config() const { return cfg_; }
+  // Linear weights stored in int8 (`heads quantize`: "<name>" I8 [out, in] with "<name>_scale" F32
+  // [out]) are loaded as they are and the model runs in int8; set_precision changes that.
   // Reduced precision for every layer's linear layers (heads/precision.h); embeddings, LayerNorm,
   // attention and the activations stay f32.
   void set_precision(Precision p);

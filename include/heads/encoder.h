@@ -92,6 +92,9 @@ class TransformerEncoderLayer {
   void prune_heads(const std::vector<int64_t>& heads) { self_attn_.prune_heads(heads); }
 
   StateDict state_dict() const;
+  // state_dict() with an int8 layer's linear weights as int8 + "<name>_scale" (MultiheadAttention::
+  // quantized_state_dict); load_state_dict reads them back as they are and switches the layer to int8.
+  StateDict quantized_state_dict() const;
   void load_state_dict(const StateDict& sd, bool strict = true);
 
   // Reduced precision for the linear layers of forward() (heads/precision.h): the weights are
@@ -136,15 +139,19 @@ class TransformerEncoder {
   void prune_heads(const std::map<int64_t, std::vector<int64_t>>& heads_by_layer);
 
   StateDict state_dict() const;
+  StateDict quantized_state_dict() const;  // the layers' quantized_state_dict()
+  // int8 weights (quantized_state_dict()) are used as stored; when any layer gets them, every
+  // layer runs in int8.
   void load_state_dict(const StateDict& sd, bool strict = true);
   void load(const std::string& safetensors_path, bool strict = true);
-  void save(const std::string& safetensors_path) const;
+  void save(const std::string& safetensors_path) const;  // quantized_state_dict()
 
   // Every layer's set_precision (the final norm stays f32).
   void set_precision(Precision p);
   Precision precision() const;
 
  private:
+  StateDict collect(bool quantized) const;
   std::vector<TransformerEncoderLayer> layers_;
   Tensor norm_w_, norm_b_;
   double eps_;

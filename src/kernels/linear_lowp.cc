@@ -246,6 +246,20 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
   return p;
 }
 
+Tensor dequantize(const PackedLinear& w) {
+  HEADS_CHECK(w.defined(), "dequantize: the packed weight is empty");
+  if (w.precision() != Precision::Int8) return w.data().to(DType::F32);
+  const int64_t N = w.out_features(), K = w.in_features();
+  Tensor out = Tensor::empty({N, K}, DType::F32);
+  const auto* q = static_cast<const int8_t*>(w.data().raw_data());
+  const float* s = w.scales().data<float>();
+  float* y = out.data<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) y[n * K + k] = static_cast<float>(q[n * K + k]) * s[n];
+  }
+  return out;
+}
+
 PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
   HEADS_CHECK(defined() && 0 <= n0 && n0 <= n1 && n1 <= out_features(), "PackedLinear::rows: [", n0, ", ", n1,
               ") is not a range of the ", defined() ? out_features() : 0, " output channels");

@@ -9,6 +9,7 @@
 #include "heads/bert.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 
@@ -55,7 +56,49 @@ struct Weights {
                 "\": expected a floating dtype, got ", dtype_name(t.dtype()));
     return t.to(DType::F32);
   }
+
+  // A linear layer's weight [out, in]: f32, or int8 as `heads quantize` stores it with its
+  // per-row scales "<name>_scale" (f32 [out], finite and positive), both checked here.
+  struct Linear {
+    Tensor weight, scale;  // scale: undefined for a floating weight
+  };
+  Linear linear(const std::string& name, const Shape& shape) const {
+    if (!has(name) || file.get(prefix + name).dtype() != DType::I8) return {get(name, shape), Tensor()};
+    const std::string n = prefix + name, sn = n + "_scale";
+    const Tensor q = file.get(n);
+    HEADS_CHECK(q.shape() == shape, file.label(), ": tensor \"", n, "\": expected shape ", shape, ", got ", q.shape());
+    HEADS_CHECK(file.contains(sn), file.label(), ": tensor \"", n, "\" is int8 but its scales \"", sn,
+                "\" are missing");
+    const Tensor s = file.get(sn);
+    HEADS_CHECK(s.dtype() == DType::F32 && s.shape() == Shape({shape[0]}), file.label(), ": tensor \"", sn,
+                "\": expected F32 [", shape[0], "] (a scale per row of \"", n, "\"), got ", dtype_name(s.dtype()), " ",
+                s.shape());
+    const Tensor sc = s.contiguous();
+    for (int64_t i = 0; i < sc.numel(); ++i) {
+      const float v = sc.data<float>()[i];
+      HEADS_CHECK(std::isfinite(v) && v > 0.0f, file.label(), ": tensor \"", sn, "\": scale ", i,
+                  " must be finite and positive, got ", v);
+    }
+    return {q, sc};
+  }
 };
+
+// The weight (and scales, when int8) of the linear layers stacked by rows (q, k, v) under `name`
+// in a layer's state dict; int8 and floating parts are not mixed.
+void add_linear(StateDict& sd, const std::string& name, const std::vector<Weights::Linear>& parts,
+                const std::string& what) {
+  const bool int8 = parts.front().scale.defined();
+  for (const auto& p : parts) {
+    HEADS_CHECK(p.scale.defined() == int8, what, ": int8 and floating weights mixed in one projection");
+  }
+  std::vector<Tensor> w, sc;
+  for (const auto& p : parts) {
+    w.push_back(p.weight);
+    sc.push_back(p.scale);
+  }
+  sd.emplace_back(name, cat_rows(w));
+  if (int8) sd.emplace_back(name + "_scale", cat_rows(sc));
+}
 
 }  // namespace
 
@@ -113,26 +156,32 @@ BertModel BertModel::load(const std::string& dir) {
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = "encoder.layer." + std::to_string(i) + ".";
     StateDict sd;
-    sd.emplace_back("self_attn.in_proj_weight",
-                    cat_rows({w.get(p + "attention.self.query.weight", {E, E}),
-                              w.get(p + "attention.self.key.weight", {E, E}),
-                              w.get(p + "attention.self.value.weight", {E, E})}));
+    add_linear(sd, "self_attn.in_proj_weight",
+               {w.linear(p + "attention.self.query.weight", {E, E}), w.linear(p + "attention.self.key.weight", {E, E}),
+                w.linear(p + "attention.self.value.weight", {E, E})},
+               w.file.label() + ": " + w.prefix + p + "attention.self.{query,key,value}.weight");
     sd.emplace_back("self_attn.in_proj_bias",
                     cat_rows({w.get(p + "attention.self.query.bias", {E}), w.get(p + "attention.self.key.bias", {E}),
                               w.get(p + "attention.self.value.bias", {E})}));
-    sd.emplace_back("self_attn.out_proj.weight", w.get(p + "attention.output.dense.weight", {E, E}));
+    add_linear(sd, "self_attn.out_proj.weight", {w.linear(p + "attention.output.dense.weight", {E, E})}, "");
     sd.emplace_back("self_attn.out_proj.bias", w.get(p + "attention.output.dense.bias", {E}));
     sd.emplace_back("norm1.weight", w.get(p + "attention.output.LayerNorm.weight", {E}));
     sd.emplace_back("norm1.bias", w.get(p + "attention.output.LayerNorm.bias", {E}));
-    sd.emplace_back("linear1.weight", w.get(p + "intermediate.dense.weight", {F, E}));
+    add_linear(sd, "linear1.weight", {w.linear(p + "intermediate.dense.weight", {F, E})}, "");
     sd.emplace_back("linear1.bias", w.get(p + "intermediate.dense.bias", {F}));
-    sd.emplace_back("linear2.weight", w.get(p + "output.dense.weight", {E, F}));
+    add_linear(sd, "linear2.weight", {w.linear(p + "output.dense.weight", {E, F})}, "");
     sd.emplace_back("linear2.bias", w.get(p + "output.dense.bias", {E}));
     sd.emplace_back("norm2.weight", w.get(p + "output.LayerNorm.weight", {E}));
     sd.emplace_back("norm2.bias", w.get(p + "output.LayerNorm.bias", {E}));
     m.layers_.emplace_back(lo, 0);
     m.layers_.back().load_state_dict(sd);
     m.layers_.back().eval();
+  }
+  // Layers stored in int8 run in int8 as stored; any others are quantized to match.
+  const bool any_int8 = std::any_of(m.layers_.begin(), m.layers_.end(),
+                                    [](const TransformerEncoderLayer& l) { return l.precision() == Precision::Int8; });
+  for (auto& layer : m.layers_) {
+    if (any_int8 && layer.precision() != Precision::Int8) layer.set_precision(Precision::Int8);
   }
   return m;
 }

@@ -1,6 +1,8 @@
 // checkpoint.cc — src/models/checkpoint.h.
 #include "checkpoint.h"
 
+#include <algorithm>
+
 #include "config_json.h"
 #include "heads/error.h"
 
@@ -63,7 +65,8 @@ Tensor cat_rows(const std::vector<Tensor>& parts) {
   for (const auto& p : live) rows += p.size(0);
   Shape s = live[0].shape();
   s[0] = rows;
-  Tensor out = Tensor::empty(s, DType::F32);
+  const bool same = std::all_of(live.begin(), live.end(), [&](const Tensor& p) { return p.dtype() == live[0].dtype(); });
+  Tensor out = Tensor::empty(s, same && !is_floating(live[0].dtype()) ? live[0].dtype() : DType::F32);
   int64_t at = 0;
   for (const auto& p : live) {
     out.slice(0, at, at + p.size(0)).copy_from(p);

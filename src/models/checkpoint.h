@@ -32,7 +32,8 @@ class Checkpoint {
   std::map<std::string, size_t> where_;
 };
 
-// The defined parts stacked along dimension 0 (f32); undefined when none is defined.
+// The defined parts stacked along dimension 0: f32, or their own dtype when all are the same
+// integer dtype (int8 weights); undefined when none is defined.
 Tensor cat_rows(const std::vector<Tensor>& parts);
 
 // A JSON object without its null fields (transformers writes absent options as null).

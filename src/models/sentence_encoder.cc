@@ -52,14 +52,15 @@ void pool(const float* h, int64_t len, int64_t E, Pooling pooling, bool normaliz
 
 }  // namespace
 
-SentenceEncoder SentenceEncoder::load(const std::string& model_dir, Precision precision) {
+SentenceEncoder SentenceEncoder::load(const std::string& model_dir, std::optional<Precision> precision) {
   SentenceEncoder s;
   HEADS_CHECK(!model_dir.empty(), "SentenceEncoder::load: model_dir is empty; pass a model directory");
   s.dir_ = model_dir;
   const fs::path d(s.dir_);
   HEADS_CHECK(fs::is_directory(d), s.dir_, ": model directory not found");
   s.bert_ = BertModel::load(s.dir_);
-  s.bert_.set_precision(precision);
+  // A model stored in int8 is already int8 (set_precision would quantize its dequantized weights again).
+  if (precision && *precision != s.bert_.precision()) s.bert_.set_precision(*precision);
   const nlohmann::json tc = read_json(d / "tokenizer_config.json", false);
   const bool lower = json_bool(tc, "do_lower_case", true, d / "tokenizer_config.json");
   HEADS_CHECK(fs::exists(d / "vocab.txt"), (d / "vocab.txt").string(), ": not found");

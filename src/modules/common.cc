@@ -1,6 +1,7 @@
 // common.cc — the modules' shared initialisers and state-dict lookups (common.h).
 #include "modules/common.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace heads::modules {
@@ -56,12 +57,19 @@ void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std
   precision = p;
 }
 
-std::shared_ptr<const PackedWeights> PackedWeights::make(Precision p, const StateDict& current,
-                                                        const StateDict& incoming,
-                                                        const std::vector<std::string>& names) {
+std::shared_ptr<const PackedWeights> PackedWeights::make(
+    Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
+    const std::vector<std::pair<std::string, PackedLinear>>& stored) {
   if (p == Precision::F32) return nullptr;
+  const auto stored_as = [&](const std::string& n) -> const PackedLinear* {
+    for (const auto& [sn, w] : stored) {
+      if (sn == n && w.precision() == p) return &w;
+    }
+    return nullptr;
+  };
   StateDict merged;
   for (const std::string& n : names) {
+    if (stored_as(n) != nullptr) continue;
     if (const Tensor* t = modules::find(incoming, n)) {
       merged.emplace_back(n, *t);
     } else if (const Tensor* c = modules::find(current, n)) {
@@ -70,7 +78,56 @@ std::shared_ptr<const PackedWeights> PackedWeights::make(Precision p, const Stat
   }
   auto packed = std::make_shared<PackedWeights>();
   packed->pack(p, merged, names);
+  for (const std::string& n : names) {  // in `names` order, as pack() leaves them
+    if (const PackedLinear* w = stored_as(n)) packed->weights.emplace_back(n, *w);
+  }
   return packed;
+}
+
+std::string int8_scale_name(const std::string& name) { return name + "_scale"; }
+
+LoadedWeights read_int8_weights(const StateDict& sd, const std::vector<std::string>& packable, const char* op) {
+  LoadedWeights out;
+  std::vector<std::string> consumed;
+  for (const std::string& n : packable) {
+    const Tensor* t = find(sd, n);
+    if (t == nullptr || !t->defined() || t->dtype() != DType::I8) continue;
+    const std::string sn = int8_scale_name(n);
+    const Tensor* s = find(sd, sn);
+    HEADS_CHECK(s != nullptr, op, "::load_state_dict: \"", n, "\" is int8 ", t->shape(), " but its scales \"", sn,
+                "\" are missing");
+    HEADS_CHECK(t->dim() == 2, op, "::load_state_dict: \"", n, "\": int8 weights are [out, in], got ", t->shape());
+    HEADS_CHECK(s->defined() && s->dtype() == DType::F32 && s->shape() == Shape({t->size(0)}), op,
+                "::load_state_dict: \"", sn, "\": expected f32 [", t->size(0), "] (one scale per row of \"", n,
+                "\" ", t->shape(), "), got ", s->defined() ? std::string(dtype_name(s->dtype())) : "none", " ",
+                s->defined() ? s->shape() : Shape{});
+    out.int8.emplace_back(n, PackedLinear::from_int8(*t, *s, std::string(op) + "::load_state_dict: \"" + n + "\""));
+    consumed.push_back(sn);
+  }
+  for (const auto& [n, t] : sd) {
+    if (std::find(consumed.begin(), consumed.end(), n) != consumed.end()) continue;
+    const PackedLinear* w = nullptr;
+    for (const auto& [qn, q] : out.int8) {
+      if (qn == n) w = &q;
+    }
+    out.floating.emplace_back(n, w != nullptr ? dequantize(*w) : t);
+  }
+  return out;
+}
+
+StateDict with_int8_weights(const StateDict& sd, const PackedWeights* packed) {
+  if (packed == nullptr || packed->precision != Precision::Int8) return sd;
+  StateDict out;
+  for (const auto& [n, t] : sd) {
+    const PackedLinear* w = packed->find(n);
+    if (w == nullptr) {
+      out.emplace_back(n, t);
+      continue;
+    }
+    out.emplace_back(n, w->data());
+    out.emplace_back(int8_scale_name(n), w->scales());
+  }
+  return out;
 }
 
 const PackedLinear* PackedWeights::find(const std::string& name) const {

@@ -39,11 +39,32 @@ struct PackedWeights {
   void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names);
   // The named weights packed for `p`, each taken from `incoming` when it holds it, else from
   // `current`; null for F32. Throws (before anything changes) on a weight that cannot be packed.
-  static std::shared_ptr<const PackedWeights> make(Precision p, const StateDict& current, const StateDict& incoming,
-                                                   const std::vector<std::string>& names);
+  // `stored`: weights already packed (int8 read from a file), used as they are.
+  static std::shared_ptr<const PackedWeights> make(
+      Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
+      const std::vector<std::pair<std::string, PackedLinear>>& stored = {});
   // The packed weight `name`, or null (f32, or not a packed weight).
   const PackedLinear* find(const std::string& name) const;
 };
+
+// Int8 weights in a state dict (what an int8 module saves): the weight `name` as int8 [N, K] and
+// `name` + "_scale" as f32 [N], weight[n, :] ≈ int8[n, :] · scale[n] (PackedLinear's int8 form).
+std::string int8_scale_name(const std::string& name);
+
+// A state dict about to be loaded, with the int8 weights among `packable` taken apart: `floating`
+// holds every tensor, each int8 weight as its f32 value (int8 · scale) and without its "_scale"
+// entry; `int8` the PackedLinear each int8 weight stores, to be used as it is (no re-quantization).
+// Errors name `op` and the tensor: an int8 weight without its scale, a scale of the wrong dtype or
+// shape, or not finite and positive.
+struct LoadedWeights {
+  StateDict floating;
+  std::vector<std::pair<std::string, PackedLinear>> int8;
+};
+LoadedWeights read_int8_weights(const StateDict& sd, const std::vector<std::string>& packable, const char* op);
+
+// `sd` with each weight that `packed` holds in int8 replaced by its int8 data and scale (the form
+// above); unchanged for f32 and bf16.
+StateDict with_int8_weights(const StateDict& sd, const PackedWeights* packed);
 
 // x Wᵀ + b through the packed weight when there is one (y in `out`: f32, or bf16 for a bf16 weight),
 // else in f32.

@@ -4,6 +4,7 @@
 //   sa(x) = dropout1(self_attn(x, x, x)),  ff(x) = dropout2(linear2(dropout(act(linear1(x)))))
 #include "heads/encoder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -21,6 +22,7 @@ using modules::uniform;
 namespace {
 
 constexpr const char* kOp = "TransformerEncoderLayer";
+const std::vector<std::string> kLinearNames = {"linear1.weight", "linear2.weight"};  // packed in reduced precision
 
 // Entries of sd under `prefix`, with the prefix removed.
 StateDict with_prefix_removed(const StateDict& sd, const std::string& prefix) {
@@ -90,7 +92,13 @@ StateDict TransformerEncoderLayer::state_dict() const {
   return sd;
 }
 
-void TransformerEncoderLayer::load_state_dict(const StateDict& sd, bool strict) {
+void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool strict) {
+  // int8 linear weights (with their scales) are used as stored and switch the whole layer to int8.
+  const modules::LoadedWeights loaded = modules::read_int8_weights(stored, kLinearNames, kOp);
+  const StateDict& sd = loaded.floating;
+  bool any_int8 = !loaded.int8.empty();
+  for (const auto& [n, t] : sd) any_int8 = any_int8 || (n.rfind("self_attn.", 0) == 0 && t.dtype() == DType::I8);
+  const Precision target = any_int8 ? Precision::Int8 : precision();
   // Check everything before copying anything.
   for (const auto& [n, t] : params_) {
     const Tensor* src = find(sd, n);
@@ -109,16 +117,30 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& sd, bool strict) 
   }
   // The feed-forward weights packed before anything is copied (packing can fail); then
   // MultiheadAttention, which validates and packs all of its tensors before it copies any.
-  auto packed = modules::PackedWeights::make(precision(), params_, sd, {"linear1.weight", "linear2.weight"});
-  self_attn_.load_state_dict(with_prefix_removed(sd, "self_attn."), strict);
+  auto packed = modules::PackedWeights::make(target, params_, sd, kLinearNames, loaded.int8);
+  const Precision attn_before = self_attn_.precision();
+  if (attn_before != target) self_attn_.set_precision(target);  // changes no value; undone on failure below
+  try {
+    self_attn_.load_state_dict(with_prefix_removed(sd, "self_attn."), strict);
+  } catch (...) {
+    self_attn_.set_precision(attn_before);
+    throw;
+  }
   for (auto& [n, t] : params_) {
     if (const Tensor* src = find(sd, n)) t.copy_from(*src);
   }
   packed_ = std::move(packed);
 }
 
+StateDict TransformerEncoderLayer::quantized_state_dict() const {
+  StateDict sd;
+  for (const auto& [n, t] : self_attn_.quantized_state_dict()) sd.emplace_back("self_attn." + n, t);
+  for (const auto& [n, t] : modules::with_int8_weights(params_, packed_.get())) sd.emplace_back(n, t);
+  return sd;
+}
+
 void TransformerEncoderLayer::set_precision(Precision p) {
-  auto packed = modules::PackedWeights::make(p, params_, {}, {"linear1.weight", "linear2.weight"});
+  auto packed = modules::PackedWeights::make(p, params_, {}, kLinearNames);
   self_attn_.set_precision(p);  // after the step that can fail alone
   packed_ = std::move(packed);
 }
@@ -315,10 +337,15 @@ EncoderGrads TransformerEncoder::backward(const EncoderTape& t, const Tensor& do
   return out;
 }
 
-StateDict TransformerEncoder::state_dict() const {
+StateDict TransformerEncoder::state_dict() const { return collect(false); }
+
+StateDict TransformerEncoder::quantized_state_dict() const { return collect(true); }
+
+StateDict TransformerEncoder::collect(bool quantized) const {
   StateDict sd;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    for (const auto& [n, t] : layers_[i].state_dict()) sd.emplace_back("layers." + std::to_string(i) + "." + n, t);
+    const StateDict layer = quantized ? layers_[i].quantized_state_dict() : layers_[i].state_dict();
+    for (const auto& [n, t] : layer) sd.emplace_back("layers." + std::to_string(i) + "." + n, t);
   }
   if (norm_w_.defined()) sd.emplace_back("norm.weight", norm_w_);
   if (norm_b_.defined()) sd.emplace_back("norm.bias", norm_b_);
@@ -336,6 +363,12 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
     layers_[i].load_state_dict(with_prefix_removed(sd, "layers." + std::to_string(i) + "."), strict);
+  }
+  // A layer given int8 weights went int8: the others follow (all layers share one precision).
+  const bool any_int8 = std::any_of(layers_.begin(), layers_.end(),
+                                    [](const TransformerEncoderLayer& l) { return l.precision() == Precision::Int8; });
+  for (auto& layer : layers_) {
+    if (any_int8 && layer.precision() != Precision::Int8) layer.set_precision(Precision::Int8);
   }
   for (auto [name, t] : {std::pair{"norm.weight", &norm_w_}, {"norm.bias", &norm_b_}}) {
     if (const Tensor* src = find(sd, name); src && t->defined()) {
@@ -369,7 +402,7 @@ void TransformerEncoder::load(const std::string& path, bool strict) {
 }
 
 void TransformerEncoder::save(const std::string& path) const {
-  save_safetensors(path, state_dict(), {{"format", "pt"}});
+  save_safetensors(path, quantized_state_dict(), {{"format", "pt"}});
 }
 
 void TransformerEncoder::prune_heads(const std::map<int64_t, std::vector<int64_t>>& heads_by_layer) {

@@ -153,7 +153,10 @@ StateDict MultiheadAttention::state_dict() const {
   return sd;
 }
 
-void MultiheadAttention::load_state_dict(const StateDict& sd, bool strict) {
+void MultiheadAttention::load_state_dict(const StateDict& stored, bool strict) {
+  // int8 weights (with their scales) are used as they are stored and switch the module to int8.
+  const modules::LoadedWeights loaded = modules::read_int8_weights(stored, kPackedNames, kOp);
+  const StateDict& sd = loaded.floating;
   // Validate everything first, then copy: a failed load leaves the module unchanged.
   for (const auto& p : params_) {
     const Tensor* t = find(sd, p.name);
@@ -179,11 +182,16 @@ void MultiheadAttention::load_state_dict(const StateDict& sd, bool strict) {
     }
   }
   // The new weights packed in the precision in force before anything is copied (packing can fail).
-  auto packed = PackedWeights::make(precision(), state_dict(), sd, kPackedNames);
+  const Precision target = loaded.int8.empty() ? precision() : Precision::Int8;
+  auto packed = PackedWeights::make(target, state_dict(), sd, kPackedNames, loaded.int8);
   for (auto& p : params_) {
     if (const Tensor* t = find(sd, p.name)) p.value.copy_from(*t);
   }
   packed_ = std::move(packed);
+}
+
+StateDict MultiheadAttention::quantized_state_dict() const {
+  return modules::with_int8_weights(state_dict(), packed_.get());
 }
 
 void MultiheadAttention::set_precision(Precision p) { packed_ = PackedWeights::make(p, state_dict(), {}, kPackedNames); }
@@ -201,7 +209,7 @@ void MultiheadAttention::load(const std::string& path, bool strict) {
 }
 
 void MultiheadAttention::save(const std::string& path) const {
-  save_safetensors(path, state_dict(), {{"format", "pt"}});
+  save_safetensors(path, quantized_state_dict(), {{"format", "pt"}});
 }
 
 MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int64_t num_heads,

@@ -325,7 +325,8 @@ void run_embed(const BenchArgs& a) {
   apply_threads(a.threads);
   const std::vector<std::string> texts = read_lines(a.input);
   HEADS_CHECK(!texts.empty(), a.input, ": no lines");
-  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_from_name(a.dtype));
+  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.dtype));
+  const std::string dtype = precision_name(enc.precision());
   int64_t tokens = 0;
   for (const auto& t : texts) tokens += static_cast<int64_t>(enc.tokenize(t).size());
   const double ms = median_ms([&] { enc.encode(texts, a.batch_size); }, a.min_time);
@@ -333,13 +334,13 @@ void run_embed(const BenchArgs& a) {
   if (a.json) {
     std::printf("{\"op\":\"embed\",\"dtype\":\"%s\",\"sentences\":%zu,\"tokens\":%lld,\"batch_size\":%lld,\"isa\":\"%s\","
                 "\"threads\":%d,\"ms\":%.3f,\"sentences_per_s\":%.1f,\"tokens_per_s\":%.0f,\"peak_rss_mb\":%.1f}\n",
-                a.dtype.c_str(), texts.size(), static_cast<long long>(tokens), static_cast<long long>(a.batch_size),
+                dtype.c_str(), texts.size(), static_cast<long long>(tokens), static_cast<long long>(a.batch_size),
                 isa_name(active_isa()).c_str(), get_num_threads(), ms, per_s,
                 static_cast<double>(tokens) / ms * 1e3, peak_rss_mb());
   } else {
     std::printf("embed %zu sentences (%lld tokens), %s, batch %lld, %s threads=%d: %.1f ms, %.1f sentences/s, "
                 "%.0f tokens/s\n",
-                texts.size(), static_cast<long long>(tokens), a.dtype.c_str(), static_cast<long long>(a.batch_size),
+                texts.size(), static_cast<long long>(tokens), dtype.c_str(), static_cast<long long>(a.batch_size),
                 isa_name(active_isa()).c_str(), get_num_threads(), ms, per_s,
                 static_cast<double>(tokens) / ms * 1e3);
   }
@@ -433,7 +434,7 @@ void add_bench_command(CLI::App& app, Action* action) {
       "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");
   e->add_option("--input", args->input, "texts, one per line (e.g. bench/sentences.txt)")->required();
   add_model_option(e, &args->model);
-  add_precision_option(e, &args->dtype);
+  add_precision_option(e, &args->dtype, true);
   e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(int_in(1, kMaxCount));
   add_threads_option(e, &args->threads);
   e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));

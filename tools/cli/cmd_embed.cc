@@ -20,7 +20,7 @@ namespace heads::cli {
 namespace {
 
 struct EmbedArgs {
-  std::string model, input, output, dtype = "f32";
+  std::string model, input, output, dtype = "auto";
   std::vector<std::string> texts;
   int64_t batch_size = 32;
   bool similarity = false, quiet = false;
@@ -80,7 +80,7 @@ void run(const EmbedArgs& a) {
   const std::string ext = a.output.size() >= 4 ? a.output.substr(a.output.rfind('.')) : "";
   HEADS_CHECK(ext == ".npy" || ext == ".safetensors" || ext == ".jsonl" || ext == ".json", a.output,
               ": output must end in .npy, .safetensors or .jsonl");
-  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_from_name(a.dtype));
+  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.dtype));
   const bool bar = !a.quiet && texts.size() >= 64 && isatty(STDERR_FILENO);
   int64_t truncated = 0;
   const Tensor e = enc.encode(
@@ -124,7 +124,7 @@ void add_embed_command(CLI::App& app, Action* action) {
       ".safetensors (tensor \"embeddings\") or .jsonl (one {\"text\", \"embedding\"} per line).\n"
       "Invalid UTF-8 bytes are read as U+FFFD, which the tokenizer drops.");
   add_model_option(c, &args->model);
-  add_precision_option(c, &args->dtype);
+  add_precision_option(c, &args->dtype, true);
   auto* in = c->add_option("--input", args->input, "file with one text per line");
   auto* txt = c->add_option("texts", args->texts, "texts to embed");
   in->excludes(txt);

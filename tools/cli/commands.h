@@ -19,6 +19,7 @@ void add_viz_command(CLI::App& app, Action* action);
 void add_train_demo_command(CLI::App& app, Action* action);
 void add_generate_command(CLI::App& app, Action* action);
 void add_study_command(CLI::App& app, Action* action);
+void add_quantize_command(CLI::App& app, Action* action);
 
 }  // namespace heads::cli
 

@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
   heads::cli::add_train_demo_command(app, &action);
   heads::cli::add_generate_command(app, &action);
   heads::cli::add_study_command(app, &action);
+  heads::cli::add_quantize_command(app, &action);
   // "heads foo": CLI11 would only say that a subcommand is required.
   CLI::App* level = &app;
   for (int argi = 1; argi < argc && argv[argi][0] != '-' && !level->get_subcommands({}).empty(); ++argi) {

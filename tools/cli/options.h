@@ -10,9 +10,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "heads/precision.h"
 #include "heads/runtime.h"
 
 namespace heads::cli {
@@ -92,13 +94,26 @@ inline void add_threads_option(CLI::App* c, int* threads) {
   c->add_option("--threads", *threads, "worker threads (default: all cores)")->check(int_in(0, kMaxThreads));
 }
 
-// --dtype f32|bf16|int8: the precision of a model's linear layers (heads/precision.h).
-inline void add_precision_option(CLI::App* c, std::string* dtype) {
+// --dtype f32|bf16|int8: the precision of a model's linear layers (heads/precision.h); with_auto
+// adds "auto", the precision the model directory stores (int8 after `heads quantize`, else f32).
+inline void add_precision_option(CLI::App* c, std::string* dtype, bool with_auto = false) {
+  std::vector<std::string> choices = {"f32", "bf16", "int8"};
+  if (with_auto) choices.insert(choices.begin(), "auto");
   c->add_option("--dtype", *dtype,
-                "linear layers in f32, bf16 (f32 sums) or int8 (dynamic quantization: per-channel weights, "
-                "per-row activations); attention and LayerNorm stay f32")
+                std::string(with_auto ? "auto: as the model directory stores it (int8 after `heads quantize`, else "
+                                        "f32); "
+                                      : "") +
+                    "f32; bf16: linear layers, activations and attention in bf16 (f32 sums, softmax and "
+                    "LayerNorm); int8: dynamic quantization of the linear layers (per-channel weights, per-row "
+                    "activations), the rest f32")
       ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16", "int8"}));
+      ->check(CLI::IsMember(choices));
+}
+
+// "auto" -> none (the directory's own precision), else the named one.
+inline std::optional<Precision> precision_choice(const std::string& dtype) {
+  if (dtype == "auto") return std::nullopt;
+  return precision_from_name(dtype);
 }
 
 // --model DIR (empty: the default model_dir() finds, commands.h).

@@ -1,0 +1,198 @@
+// quantize.cc — a model directory written again with smaller weights (include/heads/quantize.h).
+#include "heads/quantize.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "heads/bert.h"
+#include "heads/error.h"
+#include "heads/precision.h"
+#include "heads/safetensors.h"
+
+namespace heads {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr float kF16Max = 65504.0f;
+
+// Weights in formats this tool does not rewrite: not copied (the output would hold stale weights).
+bool other_weights(const fs::path& rel) {
+  const std::string top = rel.begin()->string();
+  if (top == "onnx" || top == "openvino") return true;
+  const std::string ext = rel.extension().string();
+  for (const char* e : {".bin", ".h5", ".msgpack", ".ot", ".onnx", ".onnx_data", ".pt", ".pth", ".ckpt", ".gguf"}) {
+    if (ext == e) return true;
+  }
+  return false;
+}
+
+// A BERT encoder's linear weight (the int8 ones), with or without the "bert." prefix.
+bool bert_linear_weight(const std::string& name) {
+  static const std::regex re(
+      R"(^(bert\.)?encoder\.layer\.[0-9]+\.(attention\.self\.(query|key|value)|attention\.output\.dense|)"
+      R"(intermediate\.dense|output\.dense)\.weight$)");
+  return std::regex_match(name, re);
+}
+
+// One safetensors file converted; returns the bytes written.
+uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtype, QuantizeResult& r) {
+  const SafeTensors file = SafeTensors::open(in.string());
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  int64_t converted = 0;
+  for (const std::string& name : file.names()) {
+    HEADS_CHECK(!file.contains(name + "_scale") || file.get(name).dtype() != DType::I8, file.label(), ": tensor \"",
+                name, "\" is already int8");
+    const Tensor t = file.get(name);
+    if (!is_floating(t.dtype())) {
+      tensors.emplace_back(name, t);
+      continue;
+    }
+    if (dtype == StorageDtype::Int8) {
+      if (!bert_linear_weight(name)) {
+        tensors.emplace_back(name, t);
+        continue;
+      }
+      HEADS_CHECK(t.dim() == 2, file.label(), ": tensor \"", name, "\": a linear weight is 2-D, got ", t.shape());
+      PackedLinear q;
+      try {
+        q = PackedLinear(t, Precision::Int8);
+      } catch (const Error& e) {
+        fail(file.label(), ": tensor \"", name, "\": ", e.what());
+      }
+      tensors.emplace_back(name, q.data());
+      tensors.emplace_back(name + "_scale", q.scales());
+      ++converted;
+      continue;
+    }
+    const DType to = dtype == StorageDtype::BF16 ? DType::BF16 : DType::F16;
+    if (t.dtype() == to) {
+      tensors.emplace_back(name, t);
+      continue;
+    }
+    const Tensor f = t.to(DType::F32).contiguous();
+    if (to == DType::F16) {
+      for (int64_t i = 0; i < f.numel(); ++i) {
+        const float v = f.data<float>()[i];
+        HEADS_CHECK(!std::isfinite(v) || std::fabs(v) <= kF16Max, file.label(), ": tensor \"", name, "\": value ", v,
+                    " at flat index ", i, " is past f16's range (±65504); use --dtype bf16");
+      }
+    }
+    tensors.emplace_back(name, f.to(to));
+    ++converted;
+  }
+  HEADS_CHECK(dtype != StorageDtype::Int8 || converted > 0, file.label(),
+              ": no BERT linear weights (encoder.layer.<i>.attention.self.query.weight, ...): int8 files are written "
+              "for BERT encoders; --dtype bf16 or f16 works for any model");
+  std::map<std::string, std::string> meta = file.metadata();
+  meta.emplace("format", "pt");
+  meta["heads.dtype"] = storage_dtype_name(dtype);
+  if (dtype == StorageDtype::Int8) {
+    meta["heads.int8"] = "linear weights: <name> I8 [out, in], <name>_scale F32 [out]; weight = int8 * scale per row";
+  }
+  save_safetensors(out.string(), tensors, meta);
+  r.tensors += static_cast<int64_t>(tensors.size());
+  r.converted += converted;
+  r.bytes_in += fs::file_size(in);
+  return fs::file_size(out);
+}
+
+}  // namespace
+
+std::string storage_dtype_name(StorageDtype d) {
+  switch (d) {
+    case StorageDtype::Int8: return "int8";
+    case StorageDtype::BF16: return "bf16";
+    case StorageDtype::F16: return "f16";
+  }
+  return "?";
+}
+
+StorageDtype storage_dtype_from_name(const std::string& name) {
+  for (StorageDtype d : {StorageDtype::Int8, StorageDtype::BF16, StorageDtype::F16}) {
+    if (storage_dtype_name(d) == name) return d;
+  }
+  fail("quantize: dtype must be int8, bf16 or f16, got \"", name, "\"");
+}
+
+QuantizeResult quantize_model_dir(const std::string& model_dir, const std::string& out_dir, StorageDtype dtype) {
+  const fs::path src(model_dir), dst(out_dir);
+  HEADS_CHECK(!model_dir.empty() && fs::is_directory(src), model_dir, ": model directory not found");
+  HEADS_CHECK(!out_dir.empty(), "quantize: the output directory is empty; pass one");
+  std::error_code ec;
+  if (fs::exists(dst, ec)) {
+    HEADS_CHECK(fs::is_directory(dst) && fs::is_empty(dst), out_dir, ": exists and is not an empty directory");
+  }
+  const fs::path src_abs = fs::weakly_canonical(src), dst_abs = fs::weakly_canonical(dst);
+  const auto [a, b] = std::mismatch(src_abs.begin(), src_abs.end(), dst_abs.begin(), dst_abs.end());
+  HEADS_CHECK(a != src_abs.end(), out_dir, ": is ", model_dir, " or inside it; write the output elsewhere");
+
+  std::vector<fs::path> weights;
+  for (const auto& e : fs::directory_iterator(src)) {
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") weights.push_back(e.path().filename());
+  }
+  std::sort(weights.begin(), weights.end());
+  HEADS_CHECK(!weights.empty(), model_dir, ": no .safetensors weights",
+              fs::exists(src / "pytorch_model.bin")
+                  ? " (the directory has pytorch_model.bin: convert it once with `python3 -m heads.convert " + model_dir +
+                        "`)"
+                  : std::string());
+  if (dtype == StorageDtype::Int8) {
+    HEADS_CHECK(weights.size() == 1 && weights[0] == "model.safetensors", model_dir,
+                ": int8 files are written from one model.safetensors (a BERT encoder); found ", weights.size(),
+                " safetensors file(s)");
+  }
+
+  fs::path tmp = dst_abs;
+  tmp += ".partial-" + std::to_string(::getpid());
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp);
+  QuantizeResult r;
+  try {
+    for (const fs::path& w : weights) r.bytes_out += convert_file(src / w, tmp / w, dtype, r);
+    // Everything else but other weight formats; the shard index gets its new total size.
+    for (auto it = fs::recursive_directory_iterator(src); it != fs::recursive_directory_iterator(); ++it) {
+      const fs::path rel = fs::relative(it->path(), src);
+      if (it->is_directory()) {
+        if (other_weights(rel)) {
+          it.disable_recursion_pending();
+        } else {
+          fs::create_directories(tmp / rel);
+        }
+        continue;
+      }
+      if (!it->is_regular_file() || other_weights(rel) || rel.extension() == ".safetensors") continue;
+      if (rel == "model.safetensors.index.json") {
+        std::ifstream in(it->path());
+        nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
+        HEADS_CHECK(!index.is_discarded() && index.is_object(), it->path().string(), ": not valid JSON");
+        if (index.contains("metadata") && index["metadata"].is_object()) index["metadata"]["total_size"] = r.bytes_out;
+        std::ofstream out(tmp / rel);
+        out << index.dump(2) << "\n";
+        HEADS_CHECK(out.good(), (tmp / rel).string(), ": write failed");
+        continue;
+      }
+      fs::copy_file(it->path(), tmp / rel, fs::copy_options::overwrite_existing);
+    }
+    // An int8 directory must load: the check a user would make next, before anything is in place.
+    if (dtype == StorageDtype::Int8) (void)BertModel::load(tmp.string());
+    if (fs::exists(dst)) fs::remove(dst);  // empty (checked above)
+    fs::rename(tmp, dst);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return r;
+}
+
+}  // namespace heads
