@@ -1,0 +1,309 @@
+// Int8 state dicts of the modules and `heads quantize` model directories (heads/quantize.h): what is
+// stored loads back as the same int8 model, bit for bit; f16 / bf16 files hold the rounded weights;
+// broken files are clear errors that change nothing.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include "common/testing.h"
+#include "heads/bert.h"
+#include "heads/encoder.h"
+#include "heads/mha.h"
+#include "heads/quantize.h"
+#include "heads/safetensors.h"
+#include "heads/sentence_encoder.h"
+
+namespace heads {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::randn;
+
+const Tensor* entry(const StateDict& sd, const std::string& name) {
+  for (const auto& [n, t] : sd) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+StateDict replaced(StateDict sd, const std::string& name, const Tensor& t) {
+  for (auto& [n, v] : sd) {
+    if (n == name) v = t;
+  }
+  return sd;
+}
+
+StateDict without(const StateDict& sd, const std::string& name) {
+  StateDict out;
+  for (const auto& [n, t] : sd) {
+    if (n != name) out.emplace_back(n, t);
+  }
+  return out;
+}
+
+// A scratch directory removed at the end of the test.
+struct ScratchDir {
+  fs::path path;
+  explicit ScratchDir(const std::string& tag)
+      : path(fs::temp_directory_path() / ("heads_quantize_" + tag + "_" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() { fs::remove_all(path); }
+};
+
+TEST(Quantize, ModulesSaveAndLoadTheirInt8Weights) {
+  MultiheadAttentionOptions cross;  // separate q/k/v weights (kdim, vdim) and bias_kv
+  cross.embed_dim = 24;
+  cross.num_heads = 3;
+  cross.kdim = 10;
+  cross.vdim = 7;
+  cross.add_bias_kv = true;
+  cross.batch_first = true;
+  MultiheadAttentionOptions self;
+  self.embed_dim = 20;
+  self.num_heads = 4;
+  self.batch_first = true;
+  for (const auto& o : {self, cross}) {
+    MultiheadAttention m(o, 11);
+    m.eval();
+    m.set_precision(Precision::Int8);
+    const Tensor q = randn({2, 7, o.embed_dim});
+    const Tensor k = randn({2, 5, o.kdim > 0 ? o.kdim : o.embed_dim});
+    const Tensor v = randn({2, 5, o.vdim > 0 ? o.vdim : o.embed_dim});
+    const Tensor want = m.forward(q, k, v).first;
+    const StateDict qsd = m.quantized_state_dict();
+    int int8 = 0;
+    for (const auto& [n, t] : qsd) {
+      if (t.dtype() != DType::I8) continue;
+      ++int8;
+      const Tensor* s = entry(qsd, n + "_scale");
+      ASSERT_NE(s, nullptr) << n;
+      EXPECT_EQ(s->shape(), Shape({t.size(0)})) << n;
+    }
+    EXPECT_EQ(int8, o.kdim > 0 ? 4 : 2);  // q, k, v, out_proj, or in_proj and out_proj
+    MultiheadAttention fresh(o, 12);       // f32, other weights
+    fresh.eval();
+    fresh.load_state_dict(qsd);
+    EXPECT_EQ(fresh.precision(), Precision::Int8);
+    EXPECT_TRUE(testing::bitwise_equal(fresh.forward(q, k, v).first, want));
+    // Its f32 parameters are the stored values: f32 forwards of both agree exactly too.
+    m.set_precision(Precision::F32);
+    MultiheadAttention deq(o, 13);
+    deq.eval();
+    deq.load_state_dict(fresh.state_dict());
+    EXPECT_EQ(deq.precision(), Precision::F32);
+    EXPECT_FALSE(testing::bitwise_equal(deq.forward(q, k, v).first, m.forward(q, k, v).first));
+    fresh.set_precision(Precision::F32);
+    EXPECT_TRUE(testing::bitwise_equal(deq.forward(q, k, v).first, fresh.forward(q, k, v).first));
+    const auto e = testing::compare(deq.forward(q, k, v).first, m.forward(q, k, v).first);
+    EXPECT_LT(e.max_abs, 2e-2 * e.max_ref);  // int8 steps of the weights: well under 1%
+  }
+
+  // Encoder: saved to a file and loaded into an f32 encoder of other weights.
+  TransformerEncoderLayerOptions lo;
+  lo.d_model = 32;
+  lo.nhead = 4;
+  lo.dim_feedforward = 48;
+  lo.dropout = 0.0;
+  lo.batch_first = true;
+  TransformerEncoder enc(lo, 2, true, 21);
+  enc.eval();
+  enc.set_precision(Precision::Int8);
+  const Tensor x = randn({3, 9, 32});
+  const Tensor want = enc.forward(x);
+  ScratchDir dir("encoder");
+  const std::string path = (dir.path / "enc.safetensors").string();
+  enc.save(path);
+  const SafeTensors file = SafeTensors::open(path);
+  EXPECT_EQ(file.get("layers.1.linear2.weight").dtype(), DType::I8);
+  EXPECT_EQ(file.get("layers.0.self_attn.in_proj_weight_scale").shape(), Shape({96}));
+  TransformerEncoder other(lo, 2, true, 22);
+  other.eval();
+  other.load(path);
+  EXPECT_EQ(other.precision(), Precision::Int8);
+  EXPECT_EQ(other.layer(0).self_attn().precision(), Precision::Int8);
+  EXPECT_TRUE(testing::bitwise_equal(other.forward(x), want));
+
+  // One int8 weight switches the whole layer: the others are quantized from what it holds.
+  TransformerEncoderLayer layer(lo, 31);
+  layer.eval();
+  TransformerEncoderLayer source(lo, 32);
+  source.set_precision(Precision::Int8);
+  StateDict part;
+  for (const auto& [n, t] : source.quantized_state_dict()) {
+    if (n.rfind("linear1.", 0) == 0) part.emplace_back(n, t);
+  }
+  layer.load_state_dict(part, false);
+  EXPECT_EQ(layer.precision(), Precision::Int8);
+  EXPECT_EQ(layer.self_attn().precision(), Precision::Int8);
+}
+
+TEST(Quantize, BrokenInt8StateDictsAreErrorsThatChangeNothing) {
+  MultiheadAttentionOptions o;
+  o.embed_dim = 16;
+  o.num_heads = 2;
+  MultiheadAttention src(o, 41);
+  src.set_precision(Precision::Int8);
+  const StateDict good = src.quantized_state_dict();
+  MultiheadAttention m(o, 42);
+  m.eval();
+  const Tensor x = randn({5, 2, 16});
+  const Tensor before = m.forward(x, x, x).first;
+  const auto check = [&](const StateDict& sd, const std::string& what) {
+    EXPECT_THAT(testing::error_of([&] { m.load_state_dict(sd); }), HasSubstr(what));
+    EXPECT_EQ(m.precision(), Precision::F32);
+    EXPECT_TRUE(testing::bitwise_equal(m.forward(x, x, x).first, before));
+  };
+  check(without(good, "in_proj_weight_scale"), "\"in_proj_weight\" is int8 [48, 16] but its scales");
+  check(replaced(good, "out_proj.weight_scale", randn({15})), "\"out_proj.weight_scale\": expected f32 [16]");
+  check(replaced(good, "out_proj.weight_scale", randn({16}).to(DType::F64)), "expected f32 [16]");
+  Tensor neg_copy = Tensor::empty({16}, DType::F32);
+  neg_copy.copy_from(*entry(good, "out_proj.weight_scale"));
+  neg_copy.data<float>()[3] = -1.0f;
+  check(replaced(good, "out_proj.weight_scale", neg_copy), "scale 3 must be finite and positive");
+  neg_copy.data<float>()[3] = std::numeric_limits<float>::quiet_NaN();
+  check(replaced(good, "out_proj.weight_scale", neg_copy), "scale 3 must be finite and positive");
+  check(replaced(good, "in_proj_bias", Tensor::zeros({48}, DType::I8)), "\"in_proj_bias\": expected a floating dtype");
+  const Tensor short_w = Tensor::zeros({48, 15}, DType::I8);
+  check(replaced(good, "in_proj_weight", short_w), "\"in_proj_weight\": expected shape [48, 16], got [48, 15]");
+  StateDict extra = good;
+  extra.emplace_back("in_proj_bias_scale", randn({48}));
+  check(extra, "unexpected tensor \"in_proj_bias_scale\"");
+  m.load_state_dict(good);  // and the good one loads
+  EXPECT_EQ(m.precision(), Precision::Int8);
+}
+
+TEST(Quantize, ModelDirectoriesLoadAsStored) {
+  const std::string model = testing::model_dir();
+  ScratchDir dir("model");
+  const fs::path q8 = dir.path / "int8", q16 = dir.path / "f16", qb = dir.path / "bf16";
+  const QuantizeResult r = quantize_model_dir(model, q8.string(), StorageDtype::Int8);
+  EXPECT_EQ(r.converted, 36);  // 6 layers × q, k, v, attention out, intermediate, output
+  EXPECT_LT(r.bytes_out, r.bytes_in * 2 / 3);
+  for (const char* f : {"config.json", "vocab.txt", "tokenizer_config.json", "1_Pooling/config.json", "modules.json"}) {
+    EXPECT_TRUE(fs::exists(q8 / f)) << f;
+  }
+  const SafeTensors file = SafeTensors::open((q8 / "model.safetensors").string());
+  EXPECT_EQ(file.get("encoder.layer.3.intermediate.dense.weight").dtype(), DType::I8);
+  EXPECT_EQ(file.get("encoder.layer.3.intermediate.dense.weight_scale").shape(), Shape({1536}));
+  EXPECT_EQ(file.get("embeddings.word_embeddings.weight").dtype(), DType::F32);
+  EXPECT_EQ(file.metadata().at("heads.dtype"), "int8");
+
+  const std::vector<std::string> texts = {"A man is playing a guitar.", "Int8 weights, loaded as they are stored!",
+                                          "x"};
+  const SentenceEncoder stored = SentenceEncoder::load(q8.string());
+  EXPECT_EQ(stored.precision(), Precision::Int8);
+  const Tensor at_load = SentenceEncoder::load(model, Precision::Int8).encode(texts);
+  EXPECT_TRUE(testing::bitwise_equal(stored.encode(texts), at_load));
+  const SentenceEncoder deq = SentenceEncoder::load(q8.string(), Precision::F32);
+  EXPECT_EQ(deq.precision(), Precision::F32);
+  const Tensor f32 = SentenceEncoder::load(model).encode(texts);
+  const Tensor e = deq.encode(texts);
+  for (int64_t i = 0; i < e.size(0); ++i) {
+    const double c = testing::dot(e.slice(0, i, i + 1), f32.slice(0, i, i + 1));
+    EXPECT_GT(c, 0.998) << i;
+    EXPECT_LT(c, 1.0 - 1e-7) << i;  // the weights did change
+  }
+
+  // f16 / bf16: the model is the original with every weight rounded once, widened exactly on load.
+  quantize_model_dir(model, q16.string(), StorageDtype::F16);
+  quantize_model_dir(model, qb.string(), StorageDtype::BF16);
+  const auto tensors = load_safetensors(model + "/model.safetensors");
+  for (const auto& [dt, out] : {std::pair{DType::F16, q16}, {DType::BF16, qb}}) {
+    const SafeTensors half = SafeTensors::open((out / "model.safetensors").string());
+    for (const auto& [n, t] : tensors) {
+      const Tensor h = half.get(n);
+      ASSERT_EQ(h.dtype(), is_floating(t.dtype()) ? dt : t.dtype()) << n;
+      if (is_floating(t.dtype())) EXPECT_TRUE(testing::bitwise_equal(h, t.to(dt))) << n;
+    }
+    const Tensor emb = SentenceEncoder::load(out.string()).encode(texts);
+    for (int64_t i = 0; i < emb.size(0); ++i) {
+      const double c = testing::dot(emb.slice(0, i, i + 1), f32.slice(0, i, i + 1));
+      EXPECT_GT(c, dt == DType::F16 ? 0.99999 : 0.9995) << dtype_name(dt) << " " << i;
+    }
+  }
+  // No temporary directory left behind.
+  for (const auto& e : fs::directory_iterator(dir.path)) EXPECT_EQ(e.path().string().find(".partial"), std::string::npos);
+}
+
+TEST(Quantize, BrokenDirectoriesAndFilesAreClearErrors) {
+  const std::string model = testing::model_dir();
+  ScratchDir dir("errors");
+  const fs::path q8 = dir.path / "int8";
+  quantize_model_dir(model, q8.string(), StorageDtype::Int8);
+  // Input and output directories.
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(model, q8.string(), StorageDtype::Int8); }),
+              HasSubstr("exists and is not an empty directory"));
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(q8.string(), (q8 / "sub").string(), StorageDtype::F16); }),
+              HasSubstr("or inside it"));
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(q8.string(), (dir.path / "again").string(), StorageDtype::Int8); }),
+              HasSubstr(".weight\" is already int8"));
+  EXPECT_FALSE(fs::exists(dir.path / "again"));
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir((dir.path / "none").string(), (dir.path / "o").string(),
+                                                         StorageDtype::Int8); }),
+              HasSubstr("model directory not found"));
+  EXPECT_THROW(storage_dtype_from_name("int4"), Error);
+
+  // A non-BERT checkpoint has no int8 form; a value past f16's range has no f16 form.
+  const fs::path other = dir.path / "other";
+  fs::create_directories(other);
+  save_safetensors((other / "model.safetensors").string(),
+                   {{"h.0.mlp.c_fc.weight", randn({4, 8})}, {"big", Tensor::from_vector(std::vector<float>{1e6f, 2.0f}, {2})}});
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(other.string(), (dir.path / "o1").string(), StorageDtype::Int8); }),
+              HasSubstr("no BERT linear weights"));
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(other.string(), (dir.path / "o2").string(), StorageDtype::F16); }),
+              HasSubstr("tensor \"big\": value 1e+06 at flat index 0 is past f16's range"));
+  quantize_model_dir(other.string(), (dir.path / "o3").string(), StorageDtype::BF16);  // bf16 has the range
+  EXPECT_FALSE(fs::exists(dir.path / "o1"));
+  EXPECT_FALSE(fs::exists(dir.path / "o2"));
+
+  // Broken int8 files: each names the tensor.
+  const auto stored = load_safetensors((q8 / "model.safetensors").string());
+  const std::string w = "encoder.layer.2.output.dense.weight";
+  const auto broken = [&](const std::vector<std::pair<std::string, Tensor>>& tensors) {
+    save_safetensors((q8 / "model.safetensors").string(), tensors);
+    return testing::error_of([&] { BertModel::load(q8.string()); });
+  };
+  std::vector<std::pair<std::string, Tensor>> t = stored;
+  t.erase(std::remove_if(t.begin(), t.end(), [&](const auto& p) { return p.first == w + "_scale"; }), t.end());
+  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "\" is int8 but its scales \"" + w + "_scale\" are missing"));
+  t = stored;
+  for (auto& [n, v] : t) {
+    if (n == w + "_scale") v = randn({383});
+  }
+  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "_scale\": expected F32 [384]"));
+  t = stored;
+  for (auto& [n, v] : t) {
+    if (n == w) v = Tensor::zeros({384, 1535}, DType::I8);
+  }
+  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "\": expected shape [384, 1536], got [384, 1535]"));
+  t = stored;
+  // A floating key between int8 query and value: not one projection.
+  for (auto& [n, v] : t) {
+    if (n == "encoder.layer.1.attention.self.key.weight") {
+      Tensor f = Tensor::empty(v.shape(), DType::F32);
+      for (int64_t i = 0; i < f.numel(); ++i) f.data<float>()[i] = 0.01f;
+      v = f;
+    }
+  }
+  EXPECT_THAT(broken(t), HasSubstr("int8 and floating weights mixed"));
+  t = stored;
+  for (auto& [n, v] : t) {
+    if (n == w + "_scale") {
+      Tensor s = Tensor::empty(v.shape(), DType::F32);
+      s.copy_from(v);
+      s.data<float>()[7] = 0.0f;
+      v = s;
+    }
+  }
+  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "_scale\": scale 7 must be finite and positive, got 0"));
+}
+
+}  // namespace
+}  // namespace heads
