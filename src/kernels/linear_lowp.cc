@@ -206,10 +206,11 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
               "PackedLinear: weight: expected a floating [out, in] tensor, got ",
               weight.defined() ? std::string(dtype_name(weight.dtype())) + " " + shape_str(weight.shape())
                                : std::string("none"));
+  // The packed weight owns its memory (the caller's may be a view of an array that goes away).
   if (precision == Precision::F32) {
-    data_ = weight.to(DType::F32);
+    data_ = weight.dtype() == DType::F32 ? weight.clone() : weight.to(DType::F32);
   } else if (precision == Precision::BF16) {
-    data_ = weight.to(DType::BF16);
+    data_ = weight.dtype() == DType::BF16 ? weight.clone() : weight.to(DType::BF16);
   } else {
     const int64_t N = weight.size(0), K = weight.size(1);
     HEADS_CHECK(K <= kMaxInt8K, "PackedLinear: int8 weight ", weight.shape(), " has more than ", kMaxInt8K,
@@ -237,8 +238,8 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
               scales.defined() ? std::string(dtype_name(scales.dtype())) + " " + shape_str(scales.shape()) : "none");
   PackedLinear p;
   p.precision_ = Precision::Int8;
-  p.data_ = data.contiguous();
-  p.scales_ = scales.contiguous();
+  p.data_ = data.clone();  // owned, as the constructor's
+  p.scales_ = scales.clone();
   for (int64_t n = 0; n < p.scales_.numel(); ++n) {
     const float s = p.scales_.data<float>()[n];
     HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": scale ", n, " must be finite and positive, got ", s);

@@ -125,7 +125,9 @@ StorageDtype storage_dtype_from_name(const std::string& name) {
   fail("quantize: dtype must be int8, bf16 or f16, got \"", name, "\"");
 }
 
-QuantizeResult quantize_model_dir(const std::string& model_dir, const std::string& out_dir, StorageDtype dtype) {
+namespace {
+
+QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out_dir, StorageDtype dtype) {
   const fs::path src(model_dir), dst(out_dir);
   HEADS_CHECK(!model_dir.empty() && fs::is_directory(src), model_dir, ": model directory not found");
   HEADS_CHECK(!out_dir.empty(), "quantize: the output directory is empty; pass one");
@@ -193,6 +195,16 @@ QuantizeResult quantize_model_dir(const std::string& model_dir, const std::strin
     throw;
   }
   return r;
+}
+
+}  // namespace
+
+QuantizeResult quantize_model_dir(const std::string& model_dir, const std::string& out_dir, StorageDtype dtype) {
+  try {
+    return quantize_dir(model_dir, out_dir, dtype);
+  } catch (const fs::filesystem_error& e) {  // as heads::Error, naming the paths
+    fail("quantize ", model_dir, " -> ", out_dir, ": ", e.what());
+  }
 }
 
 }  // namespace heads

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 
@@ -303,6 +304,25 @@ TEST(Quantize, BrokenDirectoriesAndFilesAreClearErrors) {
     }
   }
   EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "_scale\": scale 7 must be finite and positive, got 0"));
+}
+
+// A packed weight owns its memory: the caller's buffer (e.g. a Python array) may change or go away.
+TEST(Quantize, PackedWeightsOwnTheirMemory) {
+  for (Precision p : {Precision::F32, Precision::BF16, Precision::Int8}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      Tensor w = randn({6, 5}).to(dt);
+      const PackedLinear packed(w, p);
+      const Tensor before = dequantize(packed);
+      std::memset(w.raw_data(), 0x7f, static_cast<size_t>(w.numel()) * dtype_size(dt));
+      EXPECT_TRUE(testing::bitwise_equal(dequantize(packed), before)) << precision_name(p) << " " << dtype_name(dt);
+    }
+  }
+  const PackedLinear q(randn({6, 5}), Precision::Int8);
+  Tensor data = q.data().clone(), scales = q.scales().clone();
+  const PackedLinear stored = PackedLinear::from_int8(data, scales, "w");
+  std::memset(data.raw_data(), 0, 30);
+  scales.data<float>()[0] = 1e9f;
+  EXPECT_TRUE(testing::bitwise_equal(dequantize(stored), dequantize(q)));
 }
 
 }  // namespace

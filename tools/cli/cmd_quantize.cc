@@ -4,11 +4,9 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <string>
 
-#include "heads/error.h"
 #include "heads/quantize.h"
 
 namespace heads::cli {
@@ -22,12 +20,7 @@ struct QuantizeArgs {
 
 void run(const QuantizeArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
-  QuantizeResult r;
-  try {
-    r = quantize_model_dir(a.model, a.out, storage_dtype_from_name(a.dtype));
-  } catch (const std::filesystem::filesystem_error& e) {
-    fail("quantize: ", e.what());
-  }
+  const QuantizeResult r = quantize_model_dir(a.model, a.out, storage_dtype_from_name(a.dtype));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!a.quiet) {
     std::fprintf(stderr, "heads: wrote %s: %lld tensors, %lld in %s, %.1f MB -> %.1f MB of weights, %.2f s\n",
