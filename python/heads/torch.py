@@ -24,7 +24,7 @@ from . import _arg, _causal_bias, _heads, _mods
 
 __all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention", "linear_attention",
            "LinearAttentionFunction", "quantize_dynamic", "QuantizedLinear", "QuantizedMultiheadAttention",
-           "QuantizedTransformerEncoderLayer"]
+           "QuantizedTransformerEncoderLayer", "QuantizedTransformerEncoder"]
 
 
 class SDPAFunction(_torch.autograd.Function):
@@ -195,13 +195,15 @@ class MultiheadAttention(_torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Dynamic quantization, module by module, as torch.ao.quantization.quantize_dynamic does it.
 
-_QUANT_DTYPES = {"qint8": "int8", "int8": "int8", "bfloat16": "bf16", "bf16": "bf16", "float16": "bf16"}
+_QUANT_DTYPES = {"qint8": "int8", "int8": "int8", "bfloat16": "bf16", "bf16": "bf16", "float16": "bf16",
+                 "float32": "f32"}
 
 
 def _quant_dtype(dtype):
     key = str(dtype).replace("torch.", "")
     if key not in _QUANT_DTYPES:
-        raise ValueError(f"dtype: expected torch.qint8 or torch.bfloat16 (torch.float16 runs as bfloat16), got {dtype!r}")
+        raise ValueError(f"dtype: expected torch.qint8 or torch.bfloat16 (torch.float16 runs as bfloat16), "
+                         f"got {dtype!r}")
     return _QUANT_DTYPES[key]
 
 
@@ -328,7 +330,9 @@ class QuantizedMultiheadAttention(_NativeState):
         from . import MultiheadAttention as _Native
 
         if isinstance(mod, MultiheadAttention):
-            native = _Native(**mod._native._args)
+            import copy
+
+            native = copy.deepcopy(mod._native)  # its options (variant, pruned heads); weights below
         elif isinstance(mod, _torch.nn.MultiheadAttention):
             native = _Native(mod.embed_dim, mod.num_heads, dropout=mod.dropout, bias=mod.in_proj_bias is not None,
                              add_bias_kv=mod.bias_k is not None, add_zero_attn=mod.add_zero_attn,
@@ -413,10 +417,52 @@ class QuantizedTransformerEncoderLayer(_NativeState):
         return self._native(src.detach(), src_mask, src_key_padding_mask, is_causal)
 
 
+class QuantizedTransformerEncoder(_NativeState):
+    """``nn.TransformerEncoder`` (supported layers, final norm absent or LayerNorm with the layers'
+    eps) for inference in int8 or bf16 (heads.TransformerEncoder with ``.to(dtype)``); same call."""
+
+    def __init__(self, native):
+        super().__init__()
+        self._native = native
+
+    @classmethod
+    def supports(cls, mod):
+        if not isinstance(mod, _torch.nn.TransformerEncoder) or len(mod.layers) == 0:
+            return False
+        first = mod.layers[0]
+        norm = mod.norm
+        return (all(QuantizedTransformerEncoderLayer.supports(layer) for layer in mod.layers)
+                and (norm is None or (type(norm) is _torch.nn.LayerNorm and norm.eps == first.norm1.eps
+                                      and norm.weight is not None and norm.bias is not None)))
+
+    @classmethod
+    def from_float(cls, mod, dtype=_torch.qint8):
+        from . import TransformerEncoder as _Encoder
+
+        if not cls.supports(mod):
+            raise ValueError("QuantizedTransformerEncoder.from_float: expected an nn.TransformerEncoder of relu/gelu "
+                             "layers with no final norm or a LayerNorm of the layers' eps")
+        layer = QuantizedTransformerEncoderLayer.from_float(mod.layers[0], _torch.float32)._native
+        native = _Encoder(layer, len(mod.layers), norm=mod.norm is not None)
+        native.load_state_dict({k: v.detach() for k, v in mod.state_dict().items()})
+        native.eval()
+        native.to(_quant_dtype(dtype))
+        return cls(native)
+
+    @property
+    def dtype(self):
+        return self._native.dtype
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        _no_grad_inputs("QuantizedTransformerEncoder", src)
+        return self._native(src.detach(), mask, src_key_padding_mask, bool(is_causal))
+
+
 def quantize_dynamic(model, qconfig_spec=None, dtype=_torch.qint8, inplace=False):
     """``torch.ao.quantization.quantize_dynamic`` with heads' kernels: returns ``model`` (a copy
     unless ``inplace``) with, module by module, ``nn.TransformerEncoderLayer`` →
-    :class:`QuantizedTransformerEncoderLayer`, ``nn.MultiheadAttention`` and
+    :class:`QuantizedTransformerEncoderLayer` (``nn.TransformerEncoder`` whole, as
+    :class:`QuantizedTransformerEncoder`, when its layers are), ``nn.MultiheadAttention`` and
     :class:`MultiheadAttention` → :class:`QuantizedMultiheadAttention`, ``nn.Linear`` →
     :class:`QuantizedLinear`. ``qconfig_spec``: a set of those types (or of submodule names) to
     replace; default all four. ``dtype``: ``torch.qint8`` (per-channel int8 weights, per-row int8
@@ -435,6 +481,11 @@ def quantize_dynamic(model, qconfig_spec=None, dtype=_torch.qint8, inplace=False
         model = copy.deepcopy(model)
 
     def convert(mod, qualified, in_layer=False):
+        if isinstance(mod, _torch.nn.TransformerEncoder):
+            # Whole, as its forward reads its first layer's attention weights; else left as it is.
+            wanted = qualified in names or _torch.nn.TransformerEncoderLayer in types
+            return QuantizedTransformerEncoder.from_float(mod, target) if wanted and \
+                QuantizedTransformerEncoder.supports(mod) else mod
         if isinstance(mod, _torch.nn.TransformerEncoderLayer) and QuantizedTransformerEncoderLayer.supports(mod):
             if qualified in names or _torch.nn.TransformerEncoderLayer in types:
                 return QuantizedTransformerEncoderLayer.from_float(mod, target)
