@@ -196,7 +196,7 @@ class MultiheadAttention(_torch.nn.Module):
 # Dynamic quantization, module by module, as torch.ao.quantization.quantize_dynamic does it.
 
 _QUANT_DTYPES = {"qint8": "int8", "int8": "int8", "bfloat16": "bf16", "bf16": "bf16", "float16": "bf16",
-                 "float32": "f32"}
+                 "float32": "f32", "f32": "f32"}
 
 
 def _quant_dtype(dtype):
@@ -264,8 +264,8 @@ class QuantizedLinear(_torch.nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self._packed.dtype == "int8":
-            destination[prefix + "weight"] = _torch.from_numpy(self._packed.data.copy())
-            destination[prefix + "weight_scale"] = _torch.from_numpy(self._packed.scales.copy())
+            for name, value in self._packed.tensors("weight").items():
+                destination[prefix + name] = _torch.from_numpy(value.copy())
         else:
             destination[prefix + "weight"] = _torch.from_numpy(self._packed.dequantize()).to(_torch.bfloat16)
         if self.bias_ is not None:
@@ -273,15 +273,15 @@ class QuantizedLinear(_torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        w, s, b = (state_dict.get(prefix + n) for n in ("weight", "weight_scale", "bias"))
+        w, b = state_dict.get(prefix + "weight"), state_dict.get(prefix + "bias")
         if w is None:
             missing_keys.append(prefix + "weight")
             return
         try:
             if w.dtype == _torch.int8:
-                if s is None:
-                    raise ValueError(f"{prefix}weight is int8 but {prefix}weight_scale is missing")
-                packed = _heads.PackedLinear.from_int8(w.contiguous(), s.to(_torch.float32).contiguous())
+                parts = [(k[len(prefix):], v.contiguous()) for k, v in state_dict.items()
+                         if k.startswith(prefix + "weight")]
+                packed = _heads.PackedLinear.from_tensors("weight", parts)
             else:
                 packed = _heads.PackedLinear(w.to(_torch.float32).contiguous(), self._packed.dtype)
             if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
@@ -299,17 +299,18 @@ class QuantizedLinear(_torch.nn.Module):
     def __getstate__(self):
         state = dict(self.__dict__)
         p = state.pop("_packed")
-        int8 = p.dtype == "int8"  # bf16 weights travel widened to f32 (exact) and pack back to themselves
-        state["_packed_parts"] = (p.dtype, p.data.copy() if int8 else p.dequantize(), p.scales.copy() if int8 else None)
+        # int8: its stored tensors; bf16 travels widened to f32 (exact) and packs back to itself.
+        parts = {k: v.copy() for k, v in p.tensors("weight").items()} if p.dtype == "int8" else p.dequantize()
+        state["_packed_parts"] = (p.dtype, parts)
         return state
 
     def __setstate__(self, state):
-        dtype, data, scales = state.pop("_packed_parts")
+        dtype, parts = state.pop("_packed_parts")
         self.__dict__.update(state)
         if dtype == "int8":
-            self._packed = _heads.PackedLinear.from_int8(data, scales)
+            self._packed = _heads.PackedLinear.from_tensors("weight", list(parts.items()))
         else:
-            self._packed = _heads.PackedLinear(data, dtype)
+            self._packed = _heads.PackedLinear(parts, dtype)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}"
@@ -465,9 +466,9 @@ def quantize_dynamic(model, qconfig_spec=None, dtype=_torch.qint8, inplace=False
     :class:`QuantizedTransformerEncoder`, when its layers are), ``nn.MultiheadAttention`` and
     :class:`MultiheadAttention` → :class:`QuantizedMultiheadAttention`, ``nn.Linear`` →
     :class:`QuantizedLinear`. ``qconfig_spec``: a set of those types (or of submodule names) to
-    replace; default all four. ``dtype``: ``torch.qint8`` (per-channel int8 weights, per-row int8
-    activations in two terms: far closer to float than torch's per-tensor qint8) or
-    ``torch.bfloat16``. Attention, LayerNorm and softmax stay float32 in int8. Inference only."""
+    replace; default all of them. ``dtype``: ``torch.qint8`` (per-channel int8 weights, per-row int8
+    activations in two terms: far closer to float than torch's per-tensor qint8),
+    ``torch.bfloat16`` (``torch.float16`` runs as bfloat16), or ``torch.float32`` (heads' f32 kernels). Attention, LayerNorm and softmax stay float32 in int8. Inference only."""
     import copy
 
     target = _quant_dtype(dtype)

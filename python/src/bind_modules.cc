@@ -128,11 +128,21 @@ void bind_mha(nb::module_& m) {
           },
           "weight"_a, "dtype"_a)
       .def_static(
-          "from_int8",
-          [](const InArray& data, const InArray& scales) {
-            return heads::PackedLinear::from_int8(view_of(data, "data"), view_of(scales, "scales"), "PackedLinear.from_int8");
+          "from_tensors",
+          [](const std::string& name, const Items& items) {
+            const StateDict sd = from_items(items);
+            const auto get = [&](const std::string& n) -> const Tensor* {
+              for (const auto& [k, t] : sd) {
+                if (k == n) return &t;
+              }
+              return nullptr;
+            };
+            return heads::int8_from_tensors(name, get, "PackedLinear.from_tensors");
           },
-          "data"_a, "scales"_a)
+          "name"_a, "items"_a)
+      .def("tensors", [](const heads::PackedLinear& p, const std::string& name) {
+        return to_dict(heads::int8_tensors(name, p));
+      }, "name"_a)
       .def_prop_ro("dtype", [](const heads::PackedLinear& p) { return heads::precision_name(p.precision()); })
       .def_prop_ro("in_features", &heads::PackedLinear::in_features)
       .def_prop_ro("out_features", &heads::PackedLinear::out_features)

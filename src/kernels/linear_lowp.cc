@@ -139,22 +139,40 @@ bool onednn_has_vnni() {
   return vnni;
 }
 
-// The same through int8 W [N, K] with scales sw [N]. Each row of x is quantized in two int8 terms
-// (the kernel table's quantize_rows_i8), x ≈ xq·sx + rq·sr with rq the rounding residual of the
-// first (about 15 bits in all); both go through one integer GEMM as rows [0, M) and [M, 2M), then
-// y = (acc·sx + acc_r·sr)·sw[n] + b[n].
-void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t* W, const float* sw,
-                 const float* bias, int64_t N, float* y, int64_t ys) {
+// An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N], and the residual term's
+// Nr rows Wr [Nr, K] with scales swr [Nr] added to the outputs rrows[j].
+struct Int8Weight {
+  const int8_t* W;
+  const float* sw;
+  int64_t N;
+  const int8_t* Wr = nullptr;
+  const float* swr = nullptr;
+  const int64_t* rrows = nullptr;
+  int64_t Nr = 0;
+};
+
+// The same through an int8 weight. Each row of x is quantized in two int8 terms (the kernel table's
+// quantize_rows_i8), x ≈ xq·sx + rq·sr with rq the rounding residual of the first (about 15 bits in
+// all); both go through one integer GEMM as rows [0, M) and [M, 2M) (and a second one for the
+// weight's residual rows, into columns [N, N + Nr)), then y = (acc·sx + acc_r·sr)·sw[n] + b[n], and
+// on residual rows + (acc·sx + acc_r·sr)·swr[j].
+void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
+                 int64_t ys) {
+  const int64_t N = w.N, Nr = w.Nr, Nt = N + Nr;
   const Buffer<int8_t> xq(2 * M * K);
   const Buffer<float> sx(2 * M);
-  const Buffer<int32_t> acc(2 * M * N);
-  const int threads = kernels::gemm_threads(2 * M, N, K);
+  const Buffer<int32_t> acc(2 * M * Nt);
+  const int threads = kernels::gemm_threads(2 * M, Nt, K);
   kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
   bool done = false;
   if (kernels::active().onednn && onednn_has_vnni()) {
     try {
-      kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, xq.data(), W,
+      kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(), w.W,
                              nullptr, acc.data());
+      if (Nr > 0) {
+        kernels::onednn_matmul({2 * M, K, Nr, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(),
+                               w.Wr, nullptr, acc.data() + N);
+      }
       done = true;
     } catch (const dnnl::error& e) {
       // oneDNN has no int8 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
@@ -166,19 +184,24 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const int8_t*
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && !done)
   for (int64_t m = 0; m < (done ? 0 : 2 * M); ++m) {
     const int8_t* xr = xq.data() + m * K;
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t n = 0; n < Nt; ++n) {
+      const int8_t* wr = n < N ? w.W + n * K : w.Wr + (n - N) * K;
       int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(W[n * K + k]);
-      acc[m * N + n] = s;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(wr[k]);
+      acc[m * Nt + n] = s;
     }
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
-    const int32_t* a = acc.data() + m * N;
-    const int32_t* ar = acc.data() + (M + m) * N;
+    const int32_t* a = acc.data() + m * Nt;
+    const int32_t* ar = acc.data() + (M + m) * Nt;
     const float s = sx[m], sr = sx[M + m];
+    float* yr = y + m * ys;
     for (int64_t n = 0; n < N; ++n) {
-      y[m * ys + n] = (static_cast<float>(a[n]) * s + static_cast<float>(ar[n]) * sr) * sw[n] + (bias ? bias[n] : 0.0f);
+      yr[n] = (static_cast<float>(a[n]) * s + static_cast<float>(ar[n]) * sr) * w.sw[n] + (bias ? bias[n] : 0.0f);
+    }
+    for (int64_t j = 0; j < Nr; ++j) {
+      yr[w.rrows[j]] += (static_cast<float>(a[N + j]) * s + static_cast<float>(ar[N + j]) * sr) * w.swr[j];
     }
   }
 }
@@ -218,17 +241,41 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
     const Tensor w = weight.to(DType::F32);
     data_ = Tensor::empty({N, K}, DType::I8);
     scales_ = Tensor::empty({N}, DType::F32);
+    std::vector<int64_t> heavy;  // rows that get the residual term
+    std::vector<float> residual(static_cast<size_t>(K));
+    std::vector<int8_t> rq;
+    std::vector<float> rs;
     for (int64_t n = 0; n < N; ++n) {
       const float* row = w.data<float>() + n * K;
       int8_t* q = static_cast<int8_t*>(data_.raw_data()) + n * K;
       const float s = quantize_row(row, K, q);
       HEADS_CHECK(std::isfinite(s), "PackedLinear: weight row ", n, " holds NaN or inf");
-      scales_.data<float>()[n] = clip_row(row, K, s, q);
+      const float sc = clip_row(row, K, s, q);
+      scales_.data<float>()[n] = sc;
+      double err = 0, norm = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        residual[k] = row[k] - static_cast<float>(q[k]) * sc;
+        err += static_cast<double>(residual[k]) * residual[k];
+        norm += static_cast<double>(row[k]) * row[k];
+      }
+      if (err <= kInt8ResidualError * kInt8ResidualError * norm) continue;
+      heavy.push_back(n);
+      rq.resize(heavy.size() * K);
+      int8_t* r = rq.data() + (heavy.size() - 1) * K;
+      rs.push_back(clip_row(residual.data(), K, quantize_row(residual.data(), K, r), r));
+    }
+    if (!heavy.empty()) {
+      const auto Nr = static_cast<int64_t>(heavy.size());
+      res_rows_ = Tensor::from_vector(heavy, {Nr});
+      res_data_ = Tensor::from_vector(rq, {Nr, K});
+      res_scales_ = Tensor::from_vector(rs, {Nr});
     }
   }
 }
 
-PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name) {
+PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name,
+                                     const Tensor& residual_rows, const Tensor& residual_data,
+                                     const Tensor& residual_scales) {
   HEADS_CHECK(data.defined() && data.dtype() == DType::I8 && data.dim() == 2, name,
               ": expected int8 [out, in] data, got ",
               data.defined() ? std::string(dtype_name(data.dtype())) + " " + shape_str(data.shape()) : "none");
@@ -244,6 +291,31 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
     const float s = p.scales_.data<float>()[n];
     HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": scale ", n, " must be finite and positive, got ", s);
   }
+  const int given = residual_rows.defined() + residual_data.defined() + residual_scales.defined();
+  HEADS_CHECK(given == 0 || given == 3, name, ": the residual term needs its rows, data and scales together");
+  if (given == 0) return p;
+  const int64_t N = data.size(0), K = data.size(1);
+  HEADS_CHECK(residual_rows.dtype() == DType::I64 && residual_rows.dim() == 1, name,
+              ": residual rows: expected i64 [rows], got ", dtype_name(residual_rows.dtype()), " ",
+              residual_rows.shape());
+  const int64_t Nr = residual_rows.size(0);
+  HEADS_CHECK(residual_data.dtype() == DType::I8 && residual_data.shape() == Shape({Nr, K}), name,
+              ": residual data: expected i8 [", Nr, ", ", K, "], got ", dtype_name(residual_data.dtype()), " ",
+              residual_data.shape());
+  HEADS_CHECK(residual_scales.dtype() == DType::F32 && residual_scales.shape() == Shape({Nr}), name,
+              ": residual scales: expected f32 [", Nr, "], got ", dtype_name(residual_scales.dtype()), " ",
+              residual_scales.shape());
+  p.res_rows_ = residual_rows.clone();
+  p.res_data_ = residual_data.clone();
+  p.res_scales_ = residual_scales.clone();
+  for (int64_t j = 0; j < Nr; ++j) {
+    const int64_t r = p.res_rows_.data<int64_t>()[j];
+    HEADS_CHECK(r >= 0 && r < N && (j == 0 || r > p.res_rows_.data<int64_t>()[j - 1]), name, ": residual row ", j,
+                " is ", r, ": rows must increase within [0, ", N, ")");
+    const float s = p.res_scales_.data<float>()[j];
+    HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": residual scale ", j, " must be finite and positive, got ", s);
+  }
+  if (Nr == 0) p.res_rows_ = p.res_data_ = p.res_scales_ = Tensor();
   return p;
 }
 
@@ -255,8 +327,17 @@ Tensor dequantize(const PackedLinear& w) {
   const auto* q = static_cast<const int8_t*>(w.data().raw_data());
   const float* s = w.scales().data<float>();
   float* y = out.data<float>();
+  const int64_t Nr = w.residual_rows().defined() ? w.residual_rows().numel() : 0;
+  const auto* rq = Nr ? static_cast<const int8_t*>(w.residual_data().raw_data()) : nullptr;
+  int64_t j = 0;
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t k = 0; k < K; ++k) y[n * K + k] = static_cast<float>(q[n * K + k]) * s[n];
+    const bool res = j < Nr && w.residual_rows().data<int64_t>()[j] == n;
+    for (int64_t k = 0; k < K; ++k) {
+      double v = static_cast<double>(q[n * K + k]) * s[n];
+      if (res) v += static_cast<double>(rq[j * K + k]) * w.residual_scales().data<float>()[j];
+      y[n * K + k] = static_cast<float>(v);
+    }
+    j += res;
   }
   return out;
 }
@@ -267,7 +348,95 @@ PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
   PackedLinear p = *this;
   p.data_ = data_.slice(0, n0, n1);
   if (scales_.defined()) p.scales_ = scales_.slice(0, n0, n1);
+  if (res_rows_.defined()) {  // the residual rows in range, renumbered from n0
+    const int64_t* r = res_rows_.data<int64_t>();
+    const int64_t Nr = res_rows_.numel();
+    const int64_t j0 = std::lower_bound(r, r + Nr, n0) - r, j1 = std::lower_bound(r, r + Nr, n1) - r;
+    p.res_rows_ = p.res_data_ = p.res_scales_ = Tensor();
+    if (j1 > j0) {
+      std::vector<int64_t> rows(r + j0, r + j1);
+      for (int64_t& v : rows) v -= n0;
+      p.res_rows_ = Tensor::from_vector(rows, {j1 - j0});
+      p.res_data_ = res_data_.slice(0, j0, j1);
+      p.res_scales_ = res_scales_.slice(0, j0, j1);
+    }
+  }
   return p;
+}
+
+PackedLinear cat_rows(const std::vector<PackedLinear>& parts) {
+  HEADS_CHECK(!parts.empty(), "cat_rows: no weights");
+  const int64_t K = parts[0].in_features();
+  int64_t N = 0, Nr = 0;
+  for (const auto& p : parts) {
+    HEADS_CHECK(p.defined() && p.precision() == Precision::Int8 && p.in_features() == K,
+                "cat_rows: expected int8 weights of ", K, " inputs");
+    N += p.out_features();
+    Nr += p.residual_rows().defined() ? p.residual_rows().numel() : 0;
+  }
+  Tensor data = Tensor::empty({N, K}, DType::I8), scales = Tensor::empty({N}, DType::F32);
+  Tensor rrows, rdata, rscales;
+  if (Nr > 0) {
+    rrows = Tensor::empty({Nr}, DType::I64);
+    rdata = Tensor::empty({Nr, K}, DType::I8);
+    rscales = Tensor::empty({Nr}, DType::F32);
+  }
+  int64_t n = 0, j = 0;
+  for (const auto& p : parts) {
+    const int64_t pn = p.out_features();
+    data.slice(0, n, n + pn).copy_from(p.data());
+    scales.slice(0, n, n + pn).copy_from(p.scales());
+    if (p.residual_rows().defined()) {
+      const int64_t pr = p.residual_rows().numel();
+      rdata.slice(0, j, j + pr).copy_from(p.residual_data());
+      rscales.slice(0, j, j + pr).copy_from(p.residual_scales());
+      for (int64_t i = 0; i < pr; ++i) rrows.data<int64_t>()[j + i] = p.residual_rows().data<int64_t>()[i] + n;
+      j += pr;
+    }
+    n += pn;
+  }
+  return PackedLinear::from_int8(data, scales, "cat_rows", rrows, rdata, rscales);
+}
+
+std::vector<std::string> int8_part_names(const std::string& name) {
+  return {name + "_scale", name + "_residual", name + "_residual_scale", name + "_residual_rows"};
+}
+
+std::vector<std::pair<std::string, Tensor>> int8_tensors(const std::string& name, const PackedLinear& w) {
+  HEADS_CHECK(w.defined() && w.precision() == Precision::Int8, "int8_tensors: \"", name, "\" is not an int8 weight");
+  const auto parts = int8_part_names(name);
+  std::vector<std::pair<std::string, Tensor>> out = {{name, w.data()}, {parts[0], w.scales()}};
+  if (w.residual_rows().defined()) {
+    out.emplace_back(parts[1], w.residual_data());
+    out.emplace_back(parts[2], w.residual_scales());
+    out.emplace_back(parts[3], w.residual_rows());
+  }
+  return out;
+}
+
+PackedLinear int8_from_tensors(const std::string& name, const std::function<const Tensor*(const std::string&)>& get,
+                               const std::string& label) {
+  const auto parts = int8_part_names(name);
+  const Tensor* q = get(name);
+  HEADS_CHECK(q != nullptr && q->defined() && q->dtype() == DType::I8 && q->dim() == 2, label, ": \"", name,
+              "\": expected int8 [out, in]", q ? std::string(", got ") + std::string(dtype_name(q->dtype())) + " " +
+                                                     shape_str(q->shape())
+                                               : std::string(", missing"));
+  const Tensor* s = get(parts[0]);
+  HEADS_CHECK(s != nullptr, label, ": \"", name, "\" is int8 ", q->shape(), " but its scales \"", parts[0],
+              "\" are missing");
+  HEADS_CHECK(s->defined() && s->dtype() == DType::F32 && s->shape() == Shape({q->size(0)}), label, ": \"", parts[0],
+              "\": expected f32 [", q->size(0), "] (one scale per row of \"", name, "\" ", q->shape(), "), got ",
+              s->defined() ? std::string(dtype_name(s->dtype())) : "none", " ", s->defined() ? s->shape() : Shape{});
+  const Tensor* rd = get(parts[1]);
+  const Tensor* rs = get(parts[2]);
+  const Tensor* rr = get(parts[3]);
+  const int given = (rd != nullptr) + (rs != nullptr) + (rr != nullptr);
+  HEADS_CHECK(given == 0 || given == 3, label, ": \"", name, "\": its residual term needs \"", parts[1], "\", \"",
+              parts[2], "\" and \"", parts[3], "\" together (", given, " of 3 present)");
+  const std::string what = label + ": \"" + name + "\"";
+  if (given == 0) return PackedLinear::from_int8(*q, *s, what);
+  return PackedLinear::from_int8(*q, *s, what, *rr, *rd, *rs);
 }
 
 Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DType out) {
@@ -306,8 +475,14 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
     linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()), bias, N,
                 y.raw_data(), out == DType::BF16, N);
   } else {
-    linear_int8(x.data<float>(), M, K, K, static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
-                bias, N, y.data<float>(), N);
+    Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(), N};
+    if (w.residual_rows().defined()) {
+      iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());
+      iw.swr = w.residual_scales().data<float>();
+      iw.rrows = w.residual_rows().data<int64_t>();
+      iw.Nr = w.residual_rows().numel();
+    }
+    linear_int8(x.data<float>(), M, K, K, iw, bias, y.data<float>(), N);
   }
   return y;
 }

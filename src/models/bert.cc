@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "checkpoint.h"
 #include "config_json.h"
@@ -57,47 +58,43 @@ struct Weights {
     return t.to(DType::F32);
   }
 
-  // A linear layer's weight [out, in]: f32, or int8 as `heads quantize` stores it with its
-  // per-row scales "<name>_scale" (f32 [out], finite and positive), both checked here.
+  // A linear layer's weight [out, in]: f32, or int8 as `heads quantize` stores it
+  // (heads::int8_tensors: "<name>" i8 with "<name>_scale" and the residual term's tensors).
   struct Linear {
-    Tensor weight, scale;  // scale: undefined for a floating weight
+    Tensor weight;        // floating: f32; int8: undefined
+    PackedLinear packed;  // int8: what the file holds
   };
   Linear linear(const std::string& name, const Shape& shape) const {
-    if (!has(name) || file.get(prefix + name).dtype() != DType::I8) return {get(name, shape), Tensor()};
-    const std::string n = prefix + name, sn = n + "_scale";
-    const Tensor q = file.get(n);
-    HEADS_CHECK(q.shape() == shape, file.label(), ": tensor \"", n, "\": expected shape ", shape, ", got ", q.shape());
-    HEADS_CHECK(file.contains(sn), file.label(), ": tensor \"", n, "\" is int8 but its scales \"", sn,
-                "\" are missing");
-    const Tensor s = file.get(sn);
-    HEADS_CHECK(s.dtype() == DType::F32 && s.shape() == Shape({shape[0]}), file.label(), ": tensor \"", sn,
-                "\": expected F32 [", shape[0], "] (a scale per row of \"", n, "\"), got ", dtype_name(s.dtype()), " ",
-                s.shape());
-    const Tensor sc = s.contiguous();
-    for (int64_t i = 0; i < sc.numel(); ++i) {
-      const float v = sc.data<float>()[i];
-      HEADS_CHECK(std::isfinite(v) && v > 0.0f, file.label(), ": tensor \"", sn, "\": scale ", i,
-                  " must be finite and positive, got ", v);
-    }
-    return {q, sc};
+    if (!has(name) || file.get(prefix + name).dtype() != DType::I8) return {get(name, shape), {}};
+    const Shape stored = file.get(prefix + name).shape();
+    HEADS_CHECK(stored == shape, file.label(), ": tensor \"", prefix + name, "\": expected shape ", shape, ", got ",
+                stored);
+    std::map<std::string, Tensor> held;
+    const auto lookup = [&](const std::string& n) -> const Tensor* {
+      if (!file.contains(n)) return nullptr;
+      return &held.emplace(n, file.get(n)).first->second;
+    };
+    return {Tensor(), int8_from_tensors(prefix + name, lookup, file.label())};
   }
 };
 
-// The weight (and scales, when int8) of the linear layers stacked by rows (q, k, v) under `name`
-// in a layer's state dict; int8 and floating parts are not mixed.
+// The weight of the linear layers stacked by rows (q, k, v) under `name` in a layer's state dict:
+// f32, or int8 with its parts (heads::int8_tensors); int8 and floating parts are not mixed.
 void add_linear(StateDict& sd, const std::string& name, const std::vector<Weights::Linear>& parts,
                 const std::string& what) {
-  const bool int8 = parts.front().scale.defined();
+  const bool int8 = parts.front().packed.defined();
+  std::vector<Tensor> w;
+  std::vector<PackedLinear> q;
   for (const auto& p : parts) {
-    HEADS_CHECK(p.scale.defined() == int8, what, ": int8 and floating weights mixed in one projection");
-  }
-  std::vector<Tensor> w, sc;
-  for (const auto& p : parts) {
+    HEADS_CHECK(p.packed.defined() == int8, what, ": int8 and floating weights mixed in one projection");
     w.push_back(p.weight);
-    sc.push_back(p.scale);
+    q.push_back(p.packed);
   }
-  sd.emplace_back(name, cat_rows(w));
-  if (int8) sd.emplace_back(name + "_scale", cat_rows(sc));
+  if (!int8) {
+    sd.emplace_back(name, cat_rows(w));
+    return;
+  }
+  for (auto& t : int8_tensors(name, q.size() == 1 ? q.front() : heads::cat_rows(q))) sd.push_back(std::move(t));
 }
 
 }  // namespace

@@ -70,8 +70,7 @@ uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtyp
       } catch (const Error& e) {
         fail(file.label(), ": tensor \"", name, "\": ", e.what());
       }
-      tensors.emplace_back(name, q.data());
-      tensors.emplace_back(name + "_scale", q.scales());
+      for (auto& t : int8_tensors(name, q)) tensors.push_back(std::move(t));
       ++converted;
       continue;
     }
@@ -98,7 +97,9 @@ uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtyp
   meta.emplace("format", "pt");
   meta["heads.dtype"] = storage_dtype_name(dtype);
   if (dtype == StorageDtype::Int8) {
-    meta["heads.int8"] = "linear weights: <name> I8 [out, in], <name>_scale F32 [out]; weight = int8 * scale per row";
+    meta["heads.int8"] =
+        "linear weights: <name> I8 [out, in], <name>_scale F32 [out]; weight = int8 * scale per row, plus on the rows "
+        "<name>_residual_rows I64 [r]: <name>_residual I8 [r, in] * <name>_residual_scale F32 [r]";
   }
   save_safetensors(out.string(), tensors, meta);
   r.tensors += static_cast<int64_t>(tensors.size());

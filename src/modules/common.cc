@@ -84,25 +84,22 @@ std::shared_ptr<const PackedWeights> PackedWeights::make(
   return packed;
 }
 
-std::string int8_scale_name(const std::string& name) { return name + "_scale"; }
+const PackedLinear* PackedWeights::find(const std::string& name) const {
+  for (const auto& [n, w] : weights) {
+    if (n == name) return &w;
+  }
+  return nullptr;
+}
 
 LoadedWeights read_int8_weights(const StateDict& sd, const std::vector<std::string>& packable, const char* op) {
   LoadedWeights out;
   std::vector<std::string> consumed;
+  const auto get = [&](const std::string& n) { return find(sd, n); };
   for (const std::string& n : packable) {
     const Tensor* t = find(sd, n);
     if (t == nullptr || !t->defined() || t->dtype() != DType::I8) continue;
-    const std::string sn = int8_scale_name(n);
-    const Tensor* s = find(sd, sn);
-    HEADS_CHECK(s != nullptr, op, "::load_state_dict: \"", n, "\" is int8 ", t->shape(), " but its scales \"", sn,
-                "\" are missing");
-    HEADS_CHECK(t->dim() == 2, op, "::load_state_dict: \"", n, "\": int8 weights are [out, in], got ", t->shape());
-    HEADS_CHECK(s->defined() && s->dtype() == DType::F32 && s->shape() == Shape({t->size(0)}), op,
-                "::load_state_dict: \"", sn, "\": expected f32 [", t->size(0), "] (one scale per row of \"", n,
-                "\" ", t->shape(), "), got ", s->defined() ? std::string(dtype_name(s->dtype())) : "none", " ",
-                s->defined() ? s->shape() : Shape{});
-    out.int8.emplace_back(n, PackedLinear::from_int8(*t, *s, std::string(op) + "::load_state_dict: \"" + n + "\""));
-    consumed.push_back(sn);
+    out.int8.emplace_back(n, int8_from_tensors(n, get, std::string(op) + "::load_state_dict"));
+    for (const std::string& part : int8_part_names(n)) consumed.push_back(part);
   }
   for (const auto& [n, t] : sd) {
     if (std::find(consumed.begin(), consumed.end(), n) != consumed.end()) continue;
@@ -124,17 +121,9 @@ StateDict with_int8_weights(const StateDict& sd, const PackedWeights* packed) {
       out.emplace_back(n, t);
       continue;
     }
-    out.emplace_back(n, w->data());
-    out.emplace_back(int8_scale_name(n), w->scales());
+    for (auto& part : int8_tensors(n, *w)) out.push_back(std::move(part));
   }
   return out;
-}
-
-const PackedLinear* PackedWeights::find(const std::string& name) const {
-  for (const auto& [n, w] : weights) {
-    if (n == name) return &w;
-  }
-  return nullptr;
 }
 
 }  // namespace heads::modules

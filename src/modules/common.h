@@ -47,22 +47,19 @@ struct PackedWeights {
   const PackedLinear* find(const std::string& name) const;
 };
 
-// Int8 weights in a state dict (what an int8 module saves): the weight `name` as int8 [N, K] and
-// `name` + "_scale" as f32 [N], weight[n, :] ≈ int8[n, :] · scale[n] (PackedLinear's int8 form).
-std::string int8_scale_name(const std::string& name);
-
-// A state dict about to be loaded, with the int8 weights among `packable` taken apart: `floating`
-// holds every tensor, each int8 weight as its f32 value (int8 · scale) and without its "_scale"
-// entry; `int8` the PackedLinear each int8 weight stores, to be used as it is (no re-quantization).
-// Errors name `op` and the tensor: an int8 weight without its scale, a scale of the wrong dtype or
-// shape, or not finite and positive.
+// A state dict about to be loaded, with the int8 weights among `packable` (stored as
+// heads::int8_tensors writes them: "<name>" i8, "<name>_scale", and the residual term's tensors)
+// taken apart: `floating` holds every other tensor and each int8 weight as its f32 value, without
+// its parts; `int8` the PackedLinear each int8 weight stores, to be used as it is (no
+// re-quantization). Errors name `op` and the tensor: missing scales, parts of the wrong dtype or
+// shape, scales not finite and positive, residual rows out of order.
 struct LoadedWeights {
   StateDict floating;
   std::vector<std::pair<std::string, PackedLinear>> int8;
 };
 LoadedWeights read_int8_weights(const StateDict& sd, const std::vector<std::string>& packable, const char* op);
 
-// `sd` with each weight that `packed` holds in int8 replaced by its int8 data and scale (the form
+// `sd` with each weight that `packed` holds in int8 replaced by heads::int8_tensors (the form
 // above); unchanged for f32 and bf16.
 StateDict with_int8_weights(const StateDict& sd, const PackedWeights* packed);
 

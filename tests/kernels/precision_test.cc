@@ -40,9 +40,19 @@ struct Shapes {
 TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   testing::IsaGuard guard;
   for (const Shapes& s : {Shapes{1, 1, 1}, Shapes{7, 3, 5}, Shapes{37, 70, 45}, Shapes{129, 384, 17}}) {
-    const Tensor x = randn({s.M, s.K}, 2.0), W = randn({s.N, s.K}, 0.1), b = randn({s.N});
+    const Tensor x = randn({s.M, s.K}, 2.0), b = randn({s.N});
+    Tensor W = randn({s.N, s.K}, 0.1);
+    for (int64_t n = 0; n < s.N; n += 2) {  // heavy tails on every other row: one large weight
+      W.data<float>()[n * s.K + (n * 7) % s.K] *= 25.0f;
+    }
     const PackedLinear pw(W, Precision::Int8);
     ASSERT_EQ(pw.data().dtype(), DType::I8);
+    if (s.K >= 45) EXPECT_TRUE(pw.residual_rows().defined());  // the heavy rows need it
+    // Rows with the residual term: exactly those whose rounding loses more than kInt8ResidualError.
+    std::vector<int64_t> res_index(static_cast<size_t>(s.N), -1);
+    for (int64_t j = 0; pw.residual_rows().defined() && j < pw.residual_rows().numel(); ++j) {
+      res_index[static_cast<size_t>(pw.residual_rows().data<int64_t>()[j])] = j;
+    }
     Tensor first;
     for (Isa isa : supported_isas()) {
       set_isa(isa);
@@ -75,24 +85,48 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
           wq[static_cast<size_t>(k)] = wp[k];
           EXPECT_EQ(wp[k], std::clamp(std::nearbyint(W.data<float>()[n * s.K + k] / sw), -127.0f, 127.0f));
         }
-        double acc = 0, acc_r = 0, exact = b.data<float>()[n], sum_w = 0;
+        // The residual term of a heavy row: the rounding residual of the first term, quantized alike.
+        double err2 = 0, norm2 = 0;
+        std::vector<double> wr(static_cast<size_t>(s.K), 0.0);
+        for (int64_t k = 0; k < s.K; ++k) {
+          const float d = W.data<float>()[n * s.K + k] - static_cast<float>(wq[static_cast<size_t>(k)]) * sw;
+          err2 += static_cast<double>(d) * d;
+          norm2 += static_cast<double>(W.data<float>()[n * s.K + k]) * W.data<float>()[n * s.K + k];
+        }
+        const int64_t j = res_index[static_cast<size_t>(n)];
+        EXPECT_EQ(j >= 0, err2 > kInt8ResidualError * kInt8ResidualError * norm2) << "n=" << n;
+        double swr = 0;
+        if (j >= 0) {
+          swr = pw.residual_scales().data<float>()[j];
+          const int8_t* rp = static_cast<const int8_t*>(pw.residual_data().raw_data()) + j * s.K;
+          for (int64_t k = 0; k < s.K; ++k) {
+            const float d = W.data<float>()[n * s.K + k] - static_cast<float>(wq[static_cast<size_t>(k)]) * sw;
+            EXPECT_EQ(rp[k], std::clamp(std::nearbyint(d / static_cast<float>(swr)), -127.0f, 127.0f));
+            wr[static_cast<size_t>(k)] = rp[k];
+          }
+        }
+        double acc = 0, acc_r = 0, racc = 0, racc_r = 0, exact = b.data<float>()[n], sum_w = 0;
         for (int64_t k = 0; k < s.K; ++k) {
           acc += xq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
           acc_r += rq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
+          racc += xq[static_cast<size_t>(k)] * wr[static_cast<size_t>(k)];
+          racc_r += rq[static_cast<size_t>(k)] * wr[static_cast<size_t>(k)];
           exact += static_cast<double>(x.data<float>()[m * s.K + k]) * W.data<float>()[n * s.K + k];
           sum_w += std::fabs(W.data<float>()[n * s.K + k]);
         }
-        const double defined = (acc * sx + acc_r * sr) * sw + b.data<float>()[n];
+        const double defined = (acc * sx + acc_r * sr) * sw + b.data<float>()[n] + (racc * sx + racc_r * sr) * swr;
         const double got = first.data<float>()[m * s.N + n];
         EXPECT_NEAR(got, defined,
-                    1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n])))
+                    1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n]) +
+                            std::fabs(racc * sx * swr) + std::fabs(racc_r * sr * swr)))
             << "m=" << m << " n=" << n;
-        // x is off by at most half a residual step (sr/2), W by |W - Wq·sw| (half a step, or what
-        // the clipping cut off), so |y - exact| <= sr/2·Σ|W| + Σ|x|·|ΔW| + sr/2·Σ|ΔW|, plus the f32
-        // rounding of the residual.
+        // x is off by at most half a residual step (sr/2), W by |W - Wq·sw - Wr·swr| (half a step of
+        // the last term, or what clipping cut off), so |y - exact| <= sr/2·Σ|W| + Σ|x|·|ΔW| + sr/2·Σ|ΔW|,
+        // plus the f32 rounding of the residual.
         double dw = 0, xdw = 0;
         for (int64_t k = 0; k < s.K; ++k) {
-          const double d = std::fabs(W.data<float>()[n * s.K + k] - wq[static_cast<size_t>(k)] * sw);
+          const double d = std::fabs(W.data<float>()[n * s.K + k] - wq[static_cast<size_t>(k)] * sw -
+                                     wr[static_cast<size_t>(k)] * swr);
           dw += d;
           xdw += std::fabs(x.data<float>()[m * s.K + k]) * d;
         }

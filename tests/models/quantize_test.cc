@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -273,12 +274,12 @@ TEST(Quantize, BrokenDirectoriesAndFilesAreClearErrors) {
   };
   std::vector<std::pair<std::string, Tensor>> t = stored;
   t.erase(std::remove_if(t.begin(), t.end(), [&](const auto& p) { return p.first == w + "_scale"; }), t.end());
-  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "\" is int8 but its scales \"" + w + "_scale\" are missing"));
+  EXPECT_THAT(broken(t), HasSubstr("\"" + w + "\" is int8 [384, 1536] but its scales \"" + w + "_scale\" are missing"));
   t = stored;
   for (auto& [n, v] : t) {
     if (n == w + "_scale") v = randn({383});
   }
-  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "_scale\": expected F32 [384]"));
+  EXPECT_THAT(broken(t), HasSubstr("\"" + w + "_scale\": expected f32 [384]"));
   t = stored;
   for (auto& [n, v] : t) {
     if (n == w) v = Tensor::zeros({384, 1535}, DType::I8);
@@ -303,7 +304,65 @@ TEST(Quantize, BrokenDirectoriesAndFilesAreClearErrors) {
       v = s;
     }
   }
-  EXPECT_THAT(broken(t), HasSubstr("tensor \"" + w + "_scale\": scale 7 must be finite and positive, got 0"));
+  EXPECT_THAT(broken(t), HasSubstr("\"" + w + "\": scale 7 must be finite and positive, got 0"));
+  // The residual term: its three tensors together, rows increasing.
+  ASSERT_TRUE(std::any_of(stored.begin(), stored.end(), [&](const auto& p) { return p.first == w + "_residual_rows"; }));
+  t = stored;
+  t.erase(std::remove_if(t.begin(), t.end(), [&](const auto& p) { return p.first == w + "_residual_scale"; }), t.end());
+  EXPECT_THAT(broken(t), HasSubstr("its residual term needs \"" + w + "_residual\", \"" + w + "_residual_scale\" and \"" +
+                                   w + "_residual_rows\" together (2 of 3 present)"));
+  t = stored;
+  for (auto& [n, v] : t) {
+    if (n == w + "_residual_rows") {
+      Tensor r = v.clone();
+      std::swap(r.data<int64_t>()[0], r.data<int64_t>()[1]);
+      v = r;
+    }
+  }
+  EXPECT_THAT(broken(t), HasSubstr("residual row 1 is"));
+  t = stored;
+  for (auto& [n, v] : t) {
+    if (n == w + "_residual") v = Tensor::zeros({v.size(0) + 1, v.size(1)}, DType::I8);
+  }
+  EXPECT_THAT(broken(t), HasSubstr("residual data: expected i8"));
+}
+
+// Heavy rows' residual term survives slicing (rows) and stacking (cat_rows) and the stored form.
+TEST(Quantize, ResidualRowsSliceStackAndStore) {
+  Tensor W = randn({40, 96}, 0.05);
+  for (int64_t n = 0; n < 40; n += 3) W.data<float>()[n * 96 + n] = 3.0f;  // heavy rows
+  const PackedLinear w(W, Precision::Int8);
+  ASSERT_TRUE(w.residual_rows().defined());
+  EXPECT_GE(w.residual_rows().numel(), 10);
+  const Tensor x = randn({5, 96});
+  const Tensor y = linear(x, w);
+  for (auto [n0, n1] : {std::pair<int64_t, int64_t>{0, 40}, {3, 17}, {16, 40}, {1, 2}, {2, 3}}) {
+    const Tensor part = linear(x, w.rows(n0, n1));
+    EXPECT_TRUE(testing::bitwise_equal(part, y.slice(1, n0, n1))) << n0 << ".." << n1;
+  }
+  const PackedLinear stacked = cat_rows({w.rows(0, 13), w.rows(13, 14), w.rows(14, 40)});
+  EXPECT_TRUE(testing::bitwise_equal(dequantize(stacked), dequantize(w)));
+  EXPECT_TRUE(testing::bitwise_equal(linear(x, stacked), y));
+  // On a heavy row the residual term cuts the weight error by orders of magnitude.
+  const Tensor d = dequantize(w);
+  const PackedLinear one = PackedLinear::from_int8(w.data(), w.scales(), "one term");
+  const Tensor d1 = dequantize(one);
+  double e = 0, e1 = 0;
+  for (int64_t k = 0; k < 96; ++k) {
+    e += std::pow(d.data<float>()[k] - W.data<float>()[k], 2);
+    e1 += std::pow(d1.data<float>()[k] - W.data<float>()[k], 2);
+  }
+  EXPECT_LT(e, e1 * 1e-3);
+  // Stored and read back: the same weight.
+  const auto tensors = int8_tensors("w", w);
+  EXPECT_EQ(tensors.size(), 5u);
+  const auto get = [&](const std::string& n) -> const Tensor* {
+    for (const auto& [tn, t] : tensors) {
+      if (tn == n) return &t;
+    }
+    return nullptr;
+  };
+  EXPECT_TRUE(testing::bitwise_equal(linear(x, int8_from_tensors("w", get, "test")), y));
 }
 
 // A packed weight owns its memory: the caller's buffer (e.g. a Python array) may change or go away.

@@ -112,13 +112,16 @@ def _f64_reference(module):
 
 
 def _dequantized(qsd):
-    """A float64 state dict from a quantized one: each int8 weight times its scales."""
+    """A float64 state dict from a quantized one: each int8 weight times its scales, plus the
+    residual term on its rows."""
     out = {}
     for k, v in qsd.items():
-        if k.endswith("_scale"):
+        if k.endswith(("_scale", "_residual", "_residual_rows")):
             continue
         if v.dtype == torch.int8:
             v = v.double() * qsd[k + "_scale"].double()[:, None]
+            if k + "_residual_rows" in qsd:
+                v[qsd[k + "_residual_rows"]] += qsd[k + "_residual"].double() * qsd[k + "_residual_scale"].double()[:, None]
         out[k] = v.double()
     return out
 
@@ -167,7 +170,7 @@ def test_quantized_linear_errors():
         ht.QuantizedLinear.from_float(torch.nn.Conv1d(2, 2, 1))
     sd = q.state_dict()
     del sd["weight_scale"]
-    with pytest.raises(RuntimeError, match="weight_scale is missing"):
+    with pytest.raises(RuntimeError, match="its scales \"weight_scale\" are missing"):
         q.load_state_dict(sd)
     with pytest.raises(ValueError, match="dtype"):
         ht.quantize_dynamic(torch.nn.Linear(2, 2), dtype=torch.quint4x2)
