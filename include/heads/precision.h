@@ -15,7 +15,8 @@
 //         Heavy-tailed weight rows (a few large weights set a coarse step for the whole row) whose
 //         rounding loses more than kInt8ResidualError of the row's norm carry a second int8 term,
 //         the residual of the first quantized the same way: W[n] ≈ Wq[n]·sw[n] + Wr[j]·swr[j] for
-//         n = residual_rows[j], its products added to y[:, n] likewise. In all-MiniLM-L6-v2 these
+//         n = residual_rows[j], y[m, n] += Σ_k xq·Wr · sx · swr[j] (with the activations' first term
+//         only: the product of the two residuals is below either's rounding). In all-MiniLM-L6-v2 these
 //         are 15–39% of the feed-forward output rows and about 1% of the others; without them the
 //         worst embedding cosine against f32 was 0.9988, with them 0.9995.
 // Rounding is to nearest even everywhere. In a bf16 MultiheadAttention q, k, v and the attention

@@ -153,12 +153,24 @@ struct Int8Weight {
 
 // The same through an int8 weight. Each row of x is quantized in two int8 terms (the kernel table's
 // quantize_rows_i8), x ≈ xq·sx + rq·sr with rq the rounding residual of the first (about 15 bits in
-// all); both go through one integer GEMM as rows [0, M) and [M, 2M) (and a second one for the
-// weight's residual rows, into columns [N, N + Nr)), then y = (acc·sx + acc_r·sr)·sw[n] + b[n], and
-// on residual rows + (acc·sx + acc_r·sr)·swr[j].
+// all); both go through one integer GEMM as rows [0, M) and [M, 2M), then y = (acc·sx + acc_r·sr)·
+// sw[n] + b[n]. The weight's residual rows go through a second GEMM with the value rows [0, M) only,
+// into columns [N, N + Nr), and add acc·sx·swr[j]: their product with the activations' residual is
+// below both terms' rounding (a step of one times a step of the other).
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys) {
-  const int64_t N = w.N, Nr = w.Nr, Nt = N + Nr;
+  // The residual rows' GEMM runs over a multiple of kResidualBlock rows (zero rows after the last):
+  // one primitive shape for most layers' few rows instead of one per layer (oneDNN creates each
+  // shape once, in milliseconds).
+  constexpr int64_t kResidualBlock = 32;
+  const int64_t N = w.N, Nr = w.Nr, Nrp = (Nr + kResidualBlock - 1) / kResidualBlock * kResidualBlock, Nt = N + Nrp;
+  Buffer<int8_t> wr_padded(Nrp > Nr ? Nrp * K : 1);
+  const int8_t* Wr = w.Wr;
+  if (Nrp > Nr) {
+    std::copy(w.Wr, w.Wr + Nr * K, wr_padded.data());
+    std::fill(wr_padded.data() + Nr * K, wr_padded.data() + Nrp * K, int8_t{0});
+    Wr = wr_padded.data();
+  }
   const Buffer<int8_t> xq(2 * M * K);
   const Buffer<float> sx(2 * M);
   const Buffer<int32_t> acc(2 * M * Nt);
@@ -169,9 +181,9 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     try {
       kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(), w.W,
                              nullptr, acc.data());
-      if (Nr > 0) {
-        kernels::onednn_matmul({2 * M, K, Nr, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(),
-                               w.Wr, nullptr, acc.data() + N);
+      if (Nr > 0) {  // the value rows only (below)
+        kernels::onednn_matmul({M, K, Nrp, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(), Wr,
+                               nullptr, acc.data() + N);
       }
       done = true;
     } catch (const dnnl::error& e) {
@@ -184,7 +196,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && !done)
   for (int64_t m = 0; m < (done ? 0 : 2 * M); ++m) {
     const int8_t* xr = xq.data() + m * K;
-    for (int64_t n = 0; n < Nt; ++n) {
+    for (int64_t n = 0; n < (m < M ? N + Nr : N); ++n) {
       const int8_t* wr = n < N ? w.W + n * K : w.Wr + (n - N) * K;
       int32_t s = 0;
       for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(wr[k]);
@@ -200,9 +212,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     for (int64_t n = 0; n < N; ++n) {
       yr[n] = (static_cast<float>(a[n]) * s + static_cast<float>(ar[n]) * sr) * w.sw[n] + (bias ? bias[n] : 0.0f);
     }
-    for (int64_t j = 0; j < Nr; ++j) {
-      yr[w.rrows[j]] += (static_cast<float>(a[N + j]) * s + static_cast<float>(ar[N + j]) * sr) * w.swr[j];
-    }
+    for (int64_t j = 0; j < Nr; ++j) yr[w.rrows[j]] += static_cast<float>(a[N + j]) * s * w.swr[j];
   }
 }
 

@@ -114,23 +114,25 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
           exact += static_cast<double>(x.data<float>()[m * s.K + k]) * W.data<float>()[n * s.K + k];
           sum_w += std::fabs(W.data<float>()[n * s.K + k]);
         }
-        const double defined = (acc * sx + acc_r * sr) * sw + b.data<float>()[n] + (racc * sx + racc_r * sr) * swr;
+        // The weight's residual term meets the activations' first term only.
+        const double defined = (acc * sx + acc_r * sr) * sw + b.data<float>()[n] + racc * sx * swr;
         const double got = first.data<float>()[m * s.N + n];
         EXPECT_NEAR(got, defined,
                     1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n]) +
-                            std::fabs(racc * sx * swr) + std::fabs(racc_r * sr * swr)))
+                            std::fabs(racc * sx * swr)))
             << "m=" << m << " n=" << n;
         // x is off by at most half a residual step (sr/2), W by |W - Wq·sw - Wr·swr| (half a step of
         // the last term, or what clipping cut off), so |y - exact| <= sr/2·Σ|W| + Σ|x|·|ΔW| + sr/2·Σ|ΔW|,
-        // plus the f32 rounding of the residual.
-        double dw = 0, xdw = 0;
+        // plus the dropped product of the two residuals, |Σ rq·sr·Wr·swr|, and the f32 rounding.
+        double dw = 0, xdw = 0, dropped = 0;
         for (int64_t k = 0; k < s.K; ++k) {
           const double d = std::fabs(W.data<float>()[n * s.K + k] - wq[static_cast<size_t>(k)] * sw -
                                      wr[static_cast<size_t>(k)] * swr);
           dw += d;
           xdw += std::fabs(x.data<float>()[m * s.K + k]) * d;
+          dropped += std::fabs(rq[static_cast<size_t>(k)] * sr * wr[static_cast<size_t>(k)] * swr);
         }
-        const double bound = sr / 2 * sum_w + xdw + sr / 2 * dw + 1e-6 * sum_x * sw * 127;
+        const double bound = sr / 2 * sum_w + xdw + sr / 2 * dw + dropped + 1e-6 * sum_x * sw * 127;
         EXPECT_LE(std::fabs(got - exact), bound * (1 + 1e-6) + 1e-6) << "m=" << m << " n=" << n;
       }
     }
