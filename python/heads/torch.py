@@ -214,8 +214,24 @@ def _no_grad_inputs(name, *tensors):
 
 
 class _NativeState(_torch.nn.Module):
-    """state_dict / load_state_dict of a quantized module as its native module's
-    ``quantized_state_dict()`` (int8 weights with their ``_scale``), so torch.save works."""
+    """A quantized module around a native heads module: state_dict / load_state_dict as the native
+    module's ``quantized_state_dict()`` (int8 weights with their ``_scale``), so torch.save works."""
+
+    def __init__(self, native):
+        super().__init__()
+        self._native = native
+
+    @classmethod
+    def _made(cls, native, float_module, dtype):
+        """The native module with ``float_module``'s weights, for inference in ``dtype``."""
+        native.load_state_dict({k: v.detach() for k, v in float_module.state_dict().items()})
+        native.eval()
+        native.to(_quant_dtype(dtype))
+        return cls(native)
+
+    @property
+    def dtype(self):
+        return self._native.dtype
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, value in self._native.quantized_state_dict().items():
@@ -322,8 +338,7 @@ class QuantizedMultiheadAttention(_NativeState):
     call and results' layout; made by :func:`quantize_dynamic` or ``from_float(mha, dtype)``."""
 
     def __init__(self, native):
-        super().__init__()
-        self._native = native
+        super().__init__(native)
         self.embed_dim, self.num_heads, self.batch_first = native.embed_dim, native.num_heads, native.batch_first
 
     @classmethod
@@ -342,14 +357,7 @@ class QuantizedMultiheadAttention(_NativeState):
         else:
             raise ValueError(f"QuantizedMultiheadAttention.from_float: expected an nn.MultiheadAttention, got "
                              f"{type(mod).__name__}")
-        native.load_state_dict({k: v.detach() for k, v in mod.state_dict().items()})
-        native.eval()
-        native.to(_quant_dtype(dtype))
-        return cls(native)
-
-    @property
-    def dtype(self):
-        return self._native.dtype
+        return cls._made(native, mod, dtype)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
@@ -385,10 +393,6 @@ class QuantizedTransformerEncoderLayer(_NativeState):
     bf16 (heads.TransformerEncoderLayer with ``.to(dtype)``); same call. Made by
     :func:`quantize_dynamic` or ``from_float(layer, dtype)`` (activation relu or gelu)."""
 
-    def __init__(self, native):
-        super().__init__()
-        self._native = native
-
     @classmethod
     def supports(cls, mod):
         return isinstance(mod, _torch.nn.TransformerEncoderLayer) and _activation_name(mod.activation) is not None
@@ -404,14 +408,7 @@ class QuantizedTransformerEncoderLayer(_NativeState):
                          dropout=mod.dropout.p, activation=_activation_name(mod.activation),
                          layer_norm_eps=mod.norm1.eps, batch_first=mod.self_attn.batch_first,
                          norm_first=mod.norm_first, bias=mod.linear1.bias is not None)
-        native.load_state_dict({k: v.detach() for k, v in mod.state_dict().items()})
-        native.eval()
-        native.to(_quant_dtype(dtype))
-        return cls(native)
-
-    @property
-    def dtype(self):
-        return self._native.dtype
+        return cls._made(native, mod, dtype)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         _no_grad_inputs("QuantizedTransformerEncoderLayer", src)
@@ -421,10 +418,6 @@ class QuantizedTransformerEncoderLayer(_NativeState):
 class QuantizedTransformerEncoder(_NativeState):
     """``nn.TransformerEncoder`` (supported layers, final norm absent or LayerNorm with the layers'
     eps) for inference in int8 or bf16 (heads.TransformerEncoder with ``.to(dtype)``); same call."""
-
-    def __init__(self, native):
-        super().__init__()
-        self._native = native
 
     @classmethod
     def supports(cls, mod):
@@ -445,14 +438,7 @@ class QuantizedTransformerEncoder(_NativeState):
                              "layers with no final norm or a LayerNorm of the layers' eps")
         layer = QuantizedTransformerEncoderLayer.from_float(mod.layers[0], _torch.float32)._native
         native = _Encoder(layer, len(mod.layers), norm=mod.norm is not None)
-        native.load_state_dict({k: v.detach() for k, v in mod.state_dict().items()})
-        native.eval()
-        native.to(_quant_dtype(dtype))
-        return cls(native)
-
-    @property
-    def dtype(self):
-        return self._native.dtype
+        return cls._made(native, mod, dtype)
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         _no_grad_inputs("QuantizedTransformerEncoder", src)
