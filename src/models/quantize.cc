@@ -136,7 +136,12 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
   if (fs::exists(dst, ec)) {
     HEADS_CHECK(fs::is_directory(dst) && fs::is_empty(dst), out_dir, ": exists and is not an empty directory");
   }
-  const fs::path src_abs = fs::weakly_canonical(src), dst_abs = fs::weakly_canonical(dst);
+  // Absolute, resolved, without a trailing separator ("out/" is "out").
+  const auto resolved = [](const fs::path& p) {
+    fs::path a = fs::weakly_canonical(fs::absolute(p));
+    return a.has_filename() ? a : a.parent_path();
+  };
+  const fs::path src_abs = resolved(src), dst_abs = resolved(dst);
   const auto [a, b] = std::mismatch(src_abs.begin(), src_abs.end(), dst_abs.begin(), dst_abs.end());
   HEADS_CHECK(a != src_abs.end(), out_dir, ": is ", model_dir, " or inside it; write the output elsewhere");
 
@@ -156,17 +161,21 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
                 " safetensors file(s)");
   }
 
-  fs::path tmp = dst_abs;
-  tmp += ".partial-" + std::to_string(::getpid());
+  const fs::path tmp = dst_abs.parent_path() / (dst_abs.filename().string() + ".partial-" + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp);
   QuantizeResult r;
   try {
     for (const fs::path& w : weights) r.bytes_out += convert_file(src / w, tmp / w, dtype, r);
-    // Everything else but other weight formats; the shard index gets its new total size.
+    const uint64_t shard_bytes = r.bytes_out;  // what model.safetensors.index.json counts
+    // Everything else but other weight formats: safetensors files in subdirectories (e.g. a
+    // sentence-transformers Dense module) converted to bf16 / f16 or copied as they are for int8,
+    // the shard index with its new total size.
     for (auto it = fs::recursive_directory_iterator(src); it != fs::recursive_directory_iterator(); ++it) {
-      const fs::path rel = fs::relative(it->path(), src);
+      const fs::path rel = it->path().lexically_relative(src);  // not fs::relative: it resolves links
       if (it->is_directory()) {
+        HEADS_CHECK(!it->is_symlink() || other_weights(rel), it->path().string(),
+                    ": a symbolic link to a directory; copy the model directory without links first");
         if (other_weights(rel)) {
           it.disable_recursion_pending();
         } else {
@@ -174,12 +183,21 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
         }
         continue;
       }
-      if (!it->is_regular_file() || other_weights(rel) || rel.extension() == ".safetensors") continue;
+      if (!it->is_regular_file() || other_weights(rel)) continue;
+      if (rel.extension() == ".safetensors") {
+        if (!rel.has_parent_path()) continue;  // converted above
+        if (dtype == StorageDtype::Int8) {
+          fs::copy_file(it->path(), tmp / rel, fs::copy_options::overwrite_existing);
+        } else {
+          r.bytes_out += convert_file(it->path(), tmp / rel, dtype, r);
+        }
+        continue;
+      }
       if (rel == "model.safetensors.index.json") {
         std::ifstream in(it->path());
         nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
         HEADS_CHECK(!index.is_discarded() && index.is_object(), it->path().string(), ": not valid JSON");
-        if (index.contains("metadata") && index["metadata"].is_object()) index["metadata"]["total_size"] = r.bytes_out;
+        if (index.contains("metadata") && index["metadata"].is_object()) index["metadata"]["total_size"] = shard_bytes;
         std::ofstream out(tmp / rel);
         out << index.dump(2) << "\n";
         HEADS_CHECK(out.good(), (tmp / rel).string(), ": write failed");

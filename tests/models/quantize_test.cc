@@ -230,6 +230,35 @@ TEST(Quantize, ModelDirectoriesLoadAsStored) {
       EXPECT_GT(c, dt == DType::F16 ? 0.99999 : 0.9995) << dtype_name(dt) << " " << i;
     }
   }
+  // A directory of links to the model's files, with a sentence-transformers Dense module's weights in
+  // a subdirectory: int8 copies them as they are, f16 converts them; "out/" is "out".
+  const fs::path linked = dir.path / "linked";
+  fs::create_directories(linked / "2_Dense");
+  for (const auto& e : fs::directory_iterator(model)) {
+    if (e.is_regular_file()) fs::create_symlink(e.path(), linked / e.path().filename());
+  }
+  fs::create_directory_symlink(fs::path(model) / "1_Pooling", linked / "1_Pooling");
+  save_safetensors((linked / "2_Dense" / "model.safetensors").string(), {{"linear.weight", randn({4, 8})}});
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(linked.string(), (dir.path / "l8").string(), StorageDtype::Int8); }),
+              HasSubstr("1_Pooling: a symbolic link to a directory"));
+  EXPECT_FALSE(fs::exists(dir.path / "l8"));
+  fs::remove(linked / "1_Pooling");
+  fs::copy(fs::path(model) / "1_Pooling", linked / "1_Pooling");
+  quantize_model_dir(linked.string(), (dir.path / "l8").string() + "/", StorageDtype::Int8);
+  quantize_model_dir(linked.string(), (dir.path / "l16").string(), StorageDtype::F16);
+  EXPECT_EQ(SafeTensors::open((dir.path / "l8" / "2_Dense" / "model.safetensors").string()).get("linear.weight").dtype(),
+            DType::F32);
+  EXPECT_EQ(SafeTensors::open((dir.path / "l16" / "2_Dense" / "model.safetensors").string()).get("linear.weight").dtype(),
+            DType::F16);
+  EXPECT_TRUE(fs::is_regular_file(dir.path / "l8" / "1_Pooling" / "config.json"));
+  EXPECT_TRUE(testing::bitwise_equal(SentenceEncoder::load((dir.path / "l8").string()).encode(texts), at_load));
+  // A relative output path inside the model directory is caught too.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(linked);
+  const std::string inside = testing::error_of([&] { quantize_model_dir(".", "q", StorageDtype::F16); });
+  fs::current_path(cwd);
+  EXPECT_THAT(inside, HasSubstr("or inside it"));
+  EXPECT_FALSE(fs::exists(linked / "q"));
   // No temporary directory left behind.
   for (const auto& e : fs::directory_iterator(dir.path)) EXPECT_EQ(e.path().string().find(".partial"), std::string::npos);
 }
