@@ -59,11 +59,14 @@ void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std
 
 std::shared_ptr<const PackedWeights> PackedWeights::make(
     Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
-    const std::vector<std::pair<std::string, PackedLinear>>& stored) {
+    const std::vector<std::pair<std::string, PackedLinear>>& stored, const PackedWeights* existing) {
   if (p == Precision::F32) return nullptr;
   const auto stored_as = [&](const std::string& n) -> const PackedLinear* {
     for (const auto& [sn, w] : stored) {
       if (sn == n && w.precision() == p) return &w;
+    }
+    if (existing != nullptr && existing->precision == p && modules::find(incoming, n) == nullptr) {
+      return existing->find(n);
     }
     return nullptr;
   };

@@ -39,10 +39,12 @@ struct PackedWeights {
   void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names);
   // The named weights packed for `p`, each taken from `incoming` when it holds it, else from
   // `current`; null for F32. Throws (before anything changes) on a weight that cannot be packed.
-  // `stored`: weights already packed (int8 read from a file), used as they are.
+  // `stored`: weights already packed (int8 read from a file), used as they are; `existing`: the
+  // module's packing so far, whose weights `incoming` does not replace are kept when it is in `p`
+  // (so a partial load does not quantize stored int8 weights again from their values).
   static std::shared_ptr<const PackedWeights> make(
       Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
-      const std::vector<std::pair<std::string, PackedLinear>>& stored = {});
+      const std::vector<std::pair<std::string, PackedLinear>>& stored = {}, const PackedWeights* existing = nullptr);
   // The packed weight `name`, or null (f32, or not a packed weight).
   const PackedLinear* find(const std::string& name) const;
 };

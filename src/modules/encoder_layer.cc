@@ -117,7 +117,7 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool stri
   }
   // The feed-forward weights packed before anything is copied (packing can fail); then
   // MultiheadAttention, which validates and packs all of its tensors before it copies any.
-  auto packed = modules::PackedWeights::make(target, params_, sd, kLinearNames, loaded.int8);
+  auto packed = modules::PackedWeights::make(target, params_, sd, kLinearNames, loaded.int8, packed_.get());
   const Precision attn_before = self_attn_.precision();
   if (attn_before != target) self_attn_.set_precision(target);  // changes no value; undone on failure below
   try {

@@ -183,7 +183,7 @@ void MultiheadAttention::load_state_dict(const StateDict& stored, bool strict) {
   }
   // The new weights packed in the precision in force before anything is copied (packing can fail).
   const Precision target = loaded.int8.empty() ? precision() : Precision::Int8;
-  auto packed = PackedWeights::make(target, state_dict(), sd, kPackedNames, loaded.int8);
+  auto packed = PackedWeights::make(target, state_dict(), sd, kPackedNames, loaded.int8, packed_.get());
   for (auto& p : params_) {
     if (const Tensor* t = find(sd, p.name)) p.value.copy_from(*t);
   }

@@ -107,6 +107,37 @@ TEST(Quantize, ModulesSaveAndLoadTheirInt8Weights) {
     EXPECT_LT(e.max_abs, 2e-2 * e.max_ref);  // int8 steps of the weights: well under 1%
   }
 
+  // A partial load into a module holding stored int8 weights keeps them as stored. These use half of
+  // the int8 range (steps of twice the scale): quantizing their values again would change them.
+  {
+    MultiheadAttention src(self, 14);
+    src.set_precision(Precision::Int8);
+    StateDict stored;
+    for (const auto& [n, t] : src.quantized_state_dict()) {
+      Tensor v = t.clone();
+      if (n == "in_proj_weight") {
+        auto* q = static_cast<int8_t*>(v.raw_data());
+        for (int64_t e = 0; e < v.numel(); ++e) q[e] = static_cast<int8_t>(q[e] / 2);
+      } else if (n == "in_proj_weight_scale") {
+        for (int64_t e = 0; e < v.numel(); ++e) v.data<float>()[e] *= 2.0f;
+      }
+      stored.emplace_back(n, v);
+    }
+    MultiheadAttention m(self, 15);
+    m.eval();
+    m.load_state_dict(stored);
+    const Tensor q = randn({2, 5, self.embed_dim});
+    const Tensor want = m.forward(q, q, q).first;
+    ASSERT_EQ(m.state_dict()[3].first, "out_proj.bias");
+    m.load_state_dict({{"out_proj.bias", m.state_dict()[3].second.clone()}}, false);
+    EXPECT_TRUE(testing::bitwise_equal(m.forward(q, q, q).first, want));
+    MultiheadAttention again(self, 16);  // what quantizing those values gives: not the same
+    again.eval();
+    again.load_state_dict(m.state_dict());
+    again.set_precision(Precision::Int8);
+    EXPECT_FALSE(testing::bitwise_equal(again.forward(q, q, q).first, want));
+  }
+
   // Encoder: saved to a file and loaded into an f32 encoder of other weights.
   TransformerEncoderLayerOptions lo;
   lo.d_model = 32;
