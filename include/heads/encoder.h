@@ -92,8 +92,9 @@ class TransformerEncoderLayer {
   void prune_heads(const std::vector<int64_t>& heads) { self_attn_.prune_heads(heads); }
 
   StateDict state_dict() const;
-  // state_dict() with an int8 layer's linear weights as int8 + "<name>_scale" (MultiheadAttention::
-  // quantized_state_dict); load_state_dict reads them back as they are and switches the layer to int8.
+  // state_dict() with an int8 layer's linear weights in heads::int8_tensors' form (as
+  // MultiheadAttention::quantized_state_dict); load_state_dict reads them back as they are and
+  // switches the layer to int8.
   StateDict quantized_state_dict() const;
   void load_state_dict(const StateDict& sd, bool strict = true);
 

@@ -167,13 +167,14 @@ class MultiheadAttention {
   Precision precision() const;
 
   StateDict state_dict() const;  // in torch's order, sharing storage with the module
-  // state_dict() as an int8 module stores it: each packed linear weight as int8 [N, K] and
-  // "<name>_scale" f32 [N] (weight ≈ int8 · scale per row); in f32 and bf16, state_dict().
+  // state_dict() as an int8 module stores it: each packed linear weight in heads::int8_tensors'
+  // form (int8 [N, K], "<name>_scale" f32 [N], and the residual term's tensors of heavy rows); in
+  // f32 and bf16, state_dict().
   StateDict quantized_state_dict() const;
   // Copies values in (converting dtype); with strict, missing or unexpected names are errors.
-  // Linear weights given in int8 with their "<name>_scale" (quantized_state_dict()) are used as
-  // they are, without re-quantizing, and switch the module to int8 (other linear weights are
-  // quantized then); the parameters hold their values int8 · scale.
+  // Linear weights given in int8 (quantized_state_dict()'s form) are used as they are, without
+  // re-quantizing, and switch the module to int8 (other linear weights are quantized then); the
+  // parameters hold their values. Packed weights the state dict does not replace are kept.
   void load_state_dict(const StateDict& sd, bool strict = true);
   void load(const std::string& safetensors_path, bool strict = true);
   // Writes quantized_state_dict() (an int8 module loads back as the same int8 module).

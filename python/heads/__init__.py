@@ -341,9 +341,11 @@ class _Picklable:
 
     def quantized_state_dict(self) -> dict:
         """``state_dict()`` as an int8 module stores it: each linear weight as int8 ``[out, in]`` with
-        ``"<name>_scale"`` float32 ``[out]`` (weight ≈ int8 · scale per row); in f32 and bf16 the same
-        as ``state_dict()``. ``load_state_dict`` takes it back as it is (no re-quantization) and
-        switches the module to int8."""
+        ``"<name>_scale"`` float32 ``[out]`` (weight ≈ int8 · scale per row) and, when some rows have
+        a second term, ``"<name>_residual"``, ``"<name>_residual_scale"``, ``"<name>_residual_rows"``
+        (docs/numerics.md); in f32 and bf16 the same as ``state_dict()``. ``load_state_dict`` takes it
+        back as it is (no re-quantization) and switches the module to int8. Pickles carry this form:
+        an int8 module's float parameters come back as the values of its int8 weights."""
         return self._m.quantized_state_dict()
 
     def __getstate__(self) -> dict:
@@ -475,7 +477,7 @@ class MultiheadAttention(_Picklable):
         self._m.load(str(path), strict)
 
     def save(self, path: str) -> None:
-        """Save parameters to a safetensors file (PyTorch's names)."""
+        """Save parameters to a safetensors file (PyTorch's names; in int8, ``quantized_state_dict()``)."""
         self._m.save(str(path))
 
     def forward(
@@ -787,7 +789,8 @@ class SentenceEncoder:
 def quantize(model_dir: str, out_dir: str, dtype: str = "int8") -> dict:
     """Writes ``model_dir`` again into ``out_dir`` (absent or empty) with smaller weights, as
     ``heads quantize`` does: "int8" stores a BERT encoder's linear weights as int8 with one float32
-    scale per output channel (``"<name>"`` int8 ``[out, in]``, ``"<name>_scale"`` ``[out]``), which
+    scale per output channel (``"<name>"`` int8 ``[out, in]``, ``"<name>_scale"`` ``[out]``, and the
+    ``_residual`` tensors of heavy rows: docs/numerics.md), which
     ``SentenceEncoder(out_dir)`` then runs in int8 as stored; "bf16" / "f16" round every floating
     tensor of any model. Other files are copied. Returns counts: tensors, converted, bytes_in,
     bytes_out."""

@@ -251,7 +251,9 @@ class QuantizedLinear(_torch.nn.Module):
     activations per row in two int8 terms, integer products) or bf16 (f32 sums), as
     ``torch.ao.nn.quantized.dynamic.Linear`` is for torch's. Made by :func:`quantize_dynamic` or
     ``QuantizedLinear.from_float(linear, dtype)``; input of any float dtype, output float32.
-    ``state_dict()``: ``weight`` (int8 or bf16), ``weight_scale`` (int8), ``bias``."""
+    ``state_dict()``: ``weight`` (int8, bf16 or float32), and for int8 ``weight_scale`` with, when
+    some rows have the second term (docs/numerics.md), ``weight_residual``, ``weight_residual_scale``
+    and ``weight_residual_rows``; ``bias``."""
 
     def __init__(self, packed, bias):
         super().__init__()
@@ -282,14 +284,17 @@ class QuantizedLinear(_torch.nn.Module):
         if self._packed.dtype == "int8":
             for name, value in self._packed.tensors("weight").items():
                 destination[prefix + name] = _torch.from_numpy(value.copy())
-        else:
-            destination[prefix + "weight"] = _torch.from_numpy(self._packed.dequantize()).to(_torch.bfloat16)
+        else:  # bf16 as bf16, f32 as f32 (dequantize widens exactly)
+            w = _torch.from_numpy(self._packed.dequantize())
+            destination[prefix + "weight"] = w.to(_torch.bfloat16) if self._packed.dtype == "bf16" else w
         if self.bias_ is not None:
             destination[prefix + "bias"] = self.bias_.clone()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         w, b = state_dict.get(prefix + "weight"), state_dict.get(prefix + "bias")
+        if self.bias_ is not None and b is None:
+            missing_keys.append(prefix + "bias")
         if w is None:
             missing_keys.append(prefix + "weight")
             return
@@ -477,13 +482,15 @@ def quantize_dynamic(model, qconfig_spec=None, dtype=_torch.qint8, inplace=False
             if qualified in names or _torch.nn.TransformerEncoderLayer in types:
                 return QuantizedTransformerEncoderLayer.from_float(mod, target)
         if isinstance(mod, (_torch.nn.MultiheadAttention, MultiheadAttention)):
-            if in_layer:  # an nn.TransformerEncoderLayer left as it is reads its attention's weights itself
+            if in_layer:  # an nn.TransformerEncoderLayer left as it is reads its weights itself (fast path)
                 return mod
             if qualified in names or any(isinstance(mod, t) for t in types
                                          if t in (_torch.nn.MultiheadAttention, MultiheadAttention)):
                 return QuantizedMultiheadAttention.from_float(mod, target)
             return mod  # its out_proj is part of it, as torch leaves it
         if type(mod) is _torch.nn.Linear and (qualified in names or _torch.nn.Linear in types):
+            if in_layer:  # likewise its feed-forward weights
+                return mod
             return QuantizedLinear.from_float(mod, target)
         layer = isinstance(mod, _torch.nn.TransformerEncoderLayer)
         for child_name, child in list(mod.named_children()):

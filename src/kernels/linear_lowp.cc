@@ -331,7 +331,7 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
 
 Tensor dequantize(const PackedLinear& w) {
   HEADS_CHECK(w.defined(), "dequantize: the packed weight is empty");
-  if (w.precision() != Precision::Int8) return w.data().to(DType::F32);
+  if (w.precision() != Precision::Int8) return w.data().dtype() == DType::F32 ? w.data().clone() : w.data().to(DType::F32);
   const int64_t N = w.out_features(), K = w.in_features();
   Tensor out = Tensor::empty({N, K}, DType::F32);
   const auto* q = static_cast<const int8_t*>(w.data().raw_data());

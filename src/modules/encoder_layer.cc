@@ -122,6 +122,9 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool stri
   if (attn_before != target) self_attn_.set_precision(target);  // changes no value; undone on failure below
   try {
     self_attn_.load_state_dict(with_prefix_removed(sd, "self_attn."), strict);
+  } catch (const Error& e) {
+    self_attn_.set_precision(attn_before);
+    fail("self_attn.: ", e.what());  // the names in the message are under self_attn.
   } catch (...) {
     self_attn_.set_precision(attn_before);
     throw;
@@ -362,7 +365,11 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
     HEADS_CHECK(!norm_w_.defined() || find(sd, "norm.weight"), "TransformerEncoder::load_state_dict: tensor \"norm.weight\" missing");
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
-    layers_[i].load_state_dict(with_prefix_removed(sd, "layers." + std::to_string(i) + "."), strict);
+    try {
+      layers_[i].load_state_dict(with_prefix_removed(sd, "layers." + std::to_string(i) + "."), strict);
+    } catch (const Error& e) {
+      fail("layers.", i, ".: ", e.what());  // the names in the message are under layers.<i>.
+    }
   }
   // A layer given int8 weights went int8: the others follow (all layers share one precision).
   const bool any_int8 = std::any_of(layers_.begin(), layers_.end(),
@@ -398,7 +405,13 @@ Precision TransformerEncoder::precision() const {
 }
 
 void TransformerEncoder::load(const std::string& path, bool strict) {
-  load_state_dict(load_safetensors(path), strict);
+  try {
+    load_state_dict(load_safetensors(path), strict);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(path, 0) == 0) throw;  // already names the file
+    fail(msg, " (in ", path, ")");
+  }
 }
 
 void TransformerEncoder::save(const std::string& path) const {

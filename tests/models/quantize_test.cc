@@ -162,6 +162,12 @@ TEST(Quantize, ModulesSaveAndLoadTheirInt8Weights) {
   EXPECT_EQ(other.precision(), Precision::Int8);
   EXPECT_EQ(other.layer(0).self_attn().precision(), Precision::Int8);
   EXPECT_TRUE(testing::bitwise_equal(other.forward(x), want));
+  // A broken file: the error names the file and the tensor's full name.
+  const std::string broken_path = (dir.path / "broken.safetensors").string();
+  save_safetensors(broken_path, without(enc.quantized_state_dict(), "layers.1.self_attn.in_proj_weight_scale"));
+  const std::string error = testing::error_of([&] { other.load(broken_path); });
+  EXPECT_THAT(error, HasSubstr("layers.1.: self_attn.: MultiheadAttention::load_state_dict: \"in_proj_weight\" is int8"));
+  EXPECT_THAT(error, HasSubstr(broken_path));
 
   // One int8 weight switches the whole layer: the others are quantized from what it holds.
   TransformerEncoderLayer layer(lo, 31);

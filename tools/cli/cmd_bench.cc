@@ -33,6 +33,7 @@ struct BenchArgs {
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
   bool causal = false, json = false, backward = false;
   std::string dtype = "f32", mask = "none", window;
+  std::string embed_dtype = "auto";  // bench embed: as the model directory stores it by default
   double dropout = 0.0, softcap = 0.0;
   bool alibi = false, sinks = false;
   std::string block_sparse;  // DENSITY,BLOCK
@@ -325,7 +326,7 @@ void run_embed(const BenchArgs& a) {
   apply_threads(a.threads);
   const std::vector<std::string> texts = read_lines(a.input);
   HEADS_CHECK(!texts.empty(), a.input, ": no lines");
-  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.dtype));
+  const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.embed_dtype));
   const std::string dtype = precision_name(enc.precision());
   int64_t tokens = 0;
   for (const auto& t : texts) tokens += static_cast<int64_t>(enc.tokenize(t).size());
@@ -434,7 +435,7 @@ void add_bench_command(CLI::App& app, Action* action) {
       "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");
   e->add_option("--input", args->input, "texts, one per line (e.g. bench/sentences.txt)")->required();
   add_model_option(e, &args->model);
-  add_precision_option(e, &args->dtype, true);
+  add_precision_option(e, &args->embed_dtype, true);
   e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(int_in(1, kMaxCount));
   add_threads_option(e, &args->threads);
   e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));

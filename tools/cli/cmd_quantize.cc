@@ -36,7 +36,8 @@ void add_quantize_command(CLI::App& app, Action* action) {
   CLI::App* c = app.add_subcommand(
       "quantize",
       "Write MODEL_DIR again into OUT_DIR with smaller weights. int8: a BERT encoder's linear weights\n"
-      "as int8 with one f32 scale per output channel (\"<name>\" I8 [out, in], \"<name>_scale\" F32 [out]);\n"
+      "as int8 with one f32 scale per output channel (\"<name>\" I8 [out, in], \"<name>_scale\" F32 [out];\n"
+      "heavy-tailed rows add \"<name>_residual\", \"<name>_residual_scale\", \"<name>_residual_rows\");\n"
       "`heads embed --model OUT_DIR` then runs in int8 on these weights as stored. bf16 / f16: every\n"
       "floating tensor of any model, widened to f32 when loaded. Other files are copied; OUT_DIR must\n"
       "be absent or empty, and appears whole or not at all.");
