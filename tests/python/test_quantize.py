@@ -270,5 +270,14 @@ def test_quantize_dynamic_spec_and_inplace():
     assert same is model and type(model[0]) is ht.QuantizedLinear
     # A layer left as it is keeps its own attention (its fast path reads those weights).
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
-    ql = ht.quantize_dynamic(torch.nn.Sequential(layer), {torch.nn.MultiheadAttention})
-    assert type(ql[0].self_attn) is torch.nn.MultiheadAttention
+    ql = ht.quantize_dynamic(torch.nn.Sequential(layer), {torch.nn.MultiheadAttention, torch.nn.Linear})
+    assert type(ql[0].self_attn) is torch.nn.MultiheadAttention and type(ql[0].linear1) is torch.nn.Linear
+    with torch.no_grad():  # torch's fast path (eval, batch_first, even heads) still runs
+        assert torch.equal(ql(torch.ones(2, 3, 16)), layer(torch.ones(2, 3, 16)))
+    # float32 stays float32 through a state dict; a missing bias is reported.
+    lin = torch.nn.Linear(6, 3)
+    qf = ht.QuantizedLinear.from_float(lin, torch.float32)
+    sd = qf.state_dict()
+    assert sd["weight"].dtype == torch.float32 and torch.equal(sd["weight"], lin.weight.detach())
+    result = qf.load_state_dict({"weight": sd["weight"]}, strict=False)
+    assert result.missing_keys == ["bias"]
