@@ -459,7 +459,9 @@ def quantize_dynamic(model, qconfig_spec=None, dtype=_torch.qint8, inplace=False
     :class:`QuantizedLinear`. ``qconfig_spec``: a set of those types (or of submodule names) to
     replace; default all of them. ``dtype``: ``torch.qint8`` (per-channel int8 weights, per-row int8
     activations in two terms: far closer to float than torch's per-tensor qint8),
-    ``torch.bfloat16`` (``torch.float16`` runs as bfloat16), or ``torch.float32`` (heads' f32 kernels). Attention, LayerNorm and softmax stay float32 in int8. Inference only."""
+    ``torch.bfloat16`` (``torch.float16`` runs as bfloat16), or ``torch.float32`` (heads' f32 kernels).
+    An ``nn.TransformerEncoderLayer`` that is not converted keeps its attention and linear layers as
+    they are, even when named (torch's own fast path reads their weights as tensors). Attention, LayerNorm and softmax stay float32 in int8. Inference only."""
     import copy
 
     target = _quant_dtype(dtype)

@@ -29,7 +29,7 @@ constexpr float kF16Max = 65504.0f;
 // Weights in formats this tool does not rewrite: not copied (the output would hold stale weights).
 bool other_weights(const fs::path& rel) {
   const std::string top = rel.begin()->string();
-  if (top == "onnx" || top == "openvino") return true;
+  if (top == "onnx" || top == "openvino" || top == ".git") return true;  // .git/lfs holds the original weights
   const std::string ext = rel.extension().string();
   for (const char* e : {".bin", ".h5", ".msgpack", ".ot", ".onnx", ".onnx_data", ".pt", ".pth", ".ckpt", ".gguf"}) {
     if (ext == e) return true;
@@ -144,6 +144,8 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
   const fs::path src_abs = resolved(src), dst_abs = resolved(dst);
   const auto [a, b] = std::mismatch(src_abs.begin(), src_abs.end(), dst_abs.begin(), dst_abs.end());
   HEADS_CHECK(a != src_abs.end(), out_dir, ": is ", model_dir, " or inside it; write the output elsewhere");
+  HEADS_CHECK(fs::is_directory(dst_abs.parent_path()), out_dir, ": its parent directory ",
+              dst_abs.parent_path().string(), " does not exist");
 
   std::vector<fs::path> weights;
   for (const auto& e : fs::directory_iterator(src)) {
@@ -207,8 +209,9 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
     }
     // An int8 directory must load: the check a user would make next, before anything is in place.
     if (dtype == StorageDtype::Int8) (void)BertModel::load(tmp.string());
-    if (fs::exists(dst)) fs::remove(dst);  // empty (checked above)
-    fs::rename(tmp, dst);
+    // The path checked above (a link to an empty directory: its target, which the link then shows).
+    if (fs::exists(dst_abs)) fs::remove(dst_abs);  // empty (checked above)
+    fs::rename(tmp, dst_abs);
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;

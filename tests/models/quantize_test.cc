@@ -316,6 +316,15 @@ TEST(Quantize, BrokenDirectoriesAndFilesAreClearErrors) {
   EXPECT_THAT(testing::error_of([&] { quantize_model_dir((dir.path / "none").string(), (dir.path / "o").string(),
                                                          StorageDtype::Int8); }),
               HasSubstr("model directory not found"));
+  EXPECT_THAT(testing::error_of([&] { quantize_model_dir(model, (dir.path / "no" / "o").string(), StorageDtype::F16); }),
+              HasSubstr("its parent directory"));
+  EXPECT_FALSE(fs::exists(dir.path / "no"));
+  // An output given as a link to an empty directory: written there, the link left as it is.
+  fs::create_directory(dir.path / "target");
+  fs::create_directory_symlink(dir.path / "target", dir.path / "link");
+  quantize_model_dir(model, (dir.path / "link").string(), StorageDtype::F16);
+  EXPECT_TRUE(fs::is_symlink(dir.path / "link"));
+  EXPECT_TRUE(fs::exists(dir.path / "target" / "model.safetensors"));
   EXPECT_THROW(storage_dtype_from_name("int4"), Error);
 
   // A non-BERT checkpoint has no int8 form; a value past f16's range has no f16 form.
