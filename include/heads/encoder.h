@@ -92,6 +92,8 @@ class TransformerEncoderLayer {
   void prune_heads(const std::vector<int64_t>& heads) { self_attn_.prune_heads(heads); }
 
   StateDict state_dict() const;
+  // A copy with parameters of its own (a plain copy shares them).
+  TransformerEncoderLayer clone() const;
   // state_dict() with an int8 layer's linear weights in heads::int8_tensors' form (as
   // MultiheadAttention::quantized_state_dict); load_state_dict reads them back as they are and
   // switches the layer to int8.
@@ -142,7 +144,7 @@ class TransformerEncoder {
   StateDict state_dict() const;
   StateDict quantized_state_dict() const;  // the layers' quantized_state_dict()
   // int8 weights (quantized_state_dict()) are used as stored; when any layer gets them, every
-  // layer runs in int8.
+  // layer runs in int8. A failed load (any layer, any tensor) leaves the encoder as it was.
   void load_state_dict(const StateDict& sd, bool strict = true);
   void load(const std::string& safetensors_path, bool strict = true);
   void save(const std::string& safetensors_path) const;  // quantized_state_dict()

@@ -167,6 +167,8 @@ class MultiheadAttention {
   Precision precision() const;
 
   StateDict state_dict() const;  // in torch's order, sharing storage with the module
+  // A copy with parameters of its own (a plain copy shares them; packed weights, immutable, are shared).
+  MultiheadAttention clone() const;
   // state_dict() as an int8 module stores it: each packed linear weight in heads::int8_tensors'
   // form (int8 [N, K], "<name>_scale" f32 [N], and the residual term's tensors of heavy rows); in
   // f32 and bf16, state_dict().

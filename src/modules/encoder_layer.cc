@@ -135,6 +135,13 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool stri
   packed_ = std::move(packed);
 }
 
+TransformerEncoderLayer TransformerEncoderLayer::clone() const {
+  TransformerEncoderLayer c = *this;
+  c.self_attn_ = self_attn_.clone();
+  for (auto& [n, t] : c.params_) t = t.clone();
+  return c;
+}
+
 StateDict TransformerEncoderLayer::quantized_state_dict() const {
   StateDict sd;
   for (const auto& [n, t] : self_attn_.quantized_state_dict()) sd.emplace_back("self_attn." + n, t);
@@ -364,25 +371,36 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
     }
     HEADS_CHECK(!norm_w_.defined() || find(sd, "norm.weight"), "TransformerEncoder::load_state_dict: tensor \"norm.weight\" missing");
   }
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    try {
-      layers_[i].load_state_dict(with_prefix_removed(sd, "layers." + std::to_string(i) + "."), strict);
-    } catch (const Error& e) {
-      fail("layers.", i, ".: ", e.what());  // the names in the message are under layers.<i>.
-    }
-  }
-  // A layer given int8 weights went int8: the others follow (all layers share one precision).
-  const bool any_int8 = std::any_of(layers_.begin(), layers_.end(),
-                                    [](const TransformerEncoderLayer& l) { return l.precision() == Precision::Int8; });
-  for (auto& layer : layers_) {
-    if (any_int8 && layer.precision() != Precision::Int8) layer.set_precision(Precision::Int8);
-  }
   for (auto [name, t] : {std::pair{"norm.weight", &norm_w_}, {"norm.bias", &norm_b_}}) {
     if (const Tensor* src = find(sd, name); src && t->defined()) {
       HEADS_CHECK(src->shape() == t->shape(), "TransformerEncoder::load_state_dict: \"", name,
                   "\": expected ", t->shape(), ", got ", src->shape());
-      t->copy_from(*src);
     }
+  }
+  const auto load_into = [&](std::vector<TransformerEncoderLayer>& layers) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      try {
+        layers[i].load_state_dict(with_prefix_removed(sd, "layers." + std::to_string(i) + "."), strict);
+      } catch (const Error& e) {
+        fail("layers.", i, ".: ", e.what());  // the names in the message are under layers.<i>.
+      }
+    }
+    // A layer given int8 weights went int8: the others follow (all layers share one precision).
+    const bool any_int8 = std::any_of(layers.begin(), layers.end(),
+                                      [](const TransformerEncoderLayer& l) { return l.precision() == Precision::Int8; });
+    for (auto& layer : layers) {
+      if (any_int8 && layer.precision() != Precision::Int8) layer.set_precision(Precision::Int8);
+    }
+  };
+  // First on copies with parameters of their own: a failure in any layer leaves every layer as it was.
+  // Then on the layers themselves, which keep their storage (views from state_dict() stay valid).
+  std::vector<TransformerEncoderLayer> staged;
+  staged.reserve(layers_.size());
+  for (const auto& layer : layers_) staged.push_back(layer.clone());
+  load_into(staged);
+  load_into(layers_);
+  for (auto [name, t] : {std::pair{"norm.weight", &norm_w_}, {"norm.bias", &norm_b_}}) {
+    if (const Tensor* src = find(sd, name); src && t->defined()) t->copy_from(*src);
   }
 }
 

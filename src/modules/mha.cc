@@ -190,6 +190,12 @@ void MultiheadAttention::load_state_dict(const StateDict& stored, bool strict) {
   packed_ = std::move(packed);
 }
 
+MultiheadAttention MultiheadAttention::clone() const {
+  MultiheadAttention c = *this;
+  for (auto& p : c.params_) p.value = p.value.clone();
+  return c;
+}
+
 StateDict MultiheadAttention::quantized_state_dict() const {
   return modules::with_int8_weights(state_dict(), packed_.get());
 }

@@ -168,6 +168,24 @@ TEST(Quantize, ModulesSaveAndLoadTheirInt8Weights) {
   const std::string error = testing::error_of([&] { other.load(broken_path); });
   EXPECT_THAT(error, HasSubstr("layers.1.: self_attn.: MultiheadAttention::load_state_dict: \"in_proj_weight\" is int8"));
   EXPECT_THAT(error, HasSubstr(broken_path));
+  // ... and changes nothing: layer 0, loaded first, keeps its weights and precision too.
+  TransformerEncoder f32enc(lo, 2, true, 23);
+  f32enc.eval();
+  const Tensor before = f32enc.forward(x);
+  const StateDict views = f32enc.state_dict();  // share the encoder's storage
+  EXPECT_THROW(f32enc.load(broken_path), Error);
+  EXPECT_EQ(f32enc.precision(), Precision::F32);
+  EXPECT_EQ(f32enc.layer(0).precision(), Precision::F32);
+  EXPECT_TRUE(testing::bitwise_equal(f32enc.forward(x), before));
+  StateDict wrong_norm = enc.state_dict();
+  for (auto& [n, t] : wrong_norm) {
+    if (n == "norm.weight") t = randn({31});
+  }
+  EXPECT_THAT(testing::error_of([&] { f32enc.load_state_dict(wrong_norm); }), HasSubstr("\"norm.weight\": expected"));
+  EXPECT_TRUE(testing::bitwise_equal(f32enc.forward(x), before));
+  // A good load writes into the same storage: views taken before see the new values.
+  f32enc.load_state_dict(enc.state_dict());
+  EXPECT_TRUE(testing::bitwise_equal(views[0].second, enc.state_dict()[0].second));
 
   // One int8 weight switches the whole layer: the others are quantized from what it holds.
   TransformerEncoderLayer layer(lo, 31);
