@@ -345,8 +345,13 @@ class _Picklable:
         a second term, ``"<name>_residual"``, ``"<name>_residual_scale"``, ``"<name>_residual_rows"``
         (docs/numerics.md); in f32 and bf16 the same as ``state_dict()``. ``load_state_dict`` takes it
         back as it is (no re-quantization) and switches the module to int8. Pickles carry this form:
-        an int8 module's float parameters come back as the values of its int8 weights."""
-        return self._m.quantized_state_dict()
+        an int8 module's float parameters come back as the values of its int8 weights. The int8
+        weights and their parts are read-only views of the packed weights."""
+        out = self._m.quantized_state_dict()
+        for name, value in out.items():
+            if value.dtype == np.int8 or name.endswith(("_scale", "_residual_rows")):
+                value.setflags(write=False)
+        return out
 
     def __getstate__(self) -> dict:
         return {"args": dict(self._args), "training": self.training, "dtype": self.dtype,

@@ -262,6 +262,22 @@ def test_quantize_dynamic_encoder_beside_torch(batch_first, norm_first, activati
         q(x.clone().requires_grad_())
 
 
+def test_quantized_state_dict_of_native_modules():
+    """heads.MultiheadAttention in int8: its quantized state dict loads into another module as the same
+    int8 module; the int8 parts are read-only views (writing them would change the packed weights)."""
+    m = heads.MultiheadAttention(16, 2, batch_first=True).eval()
+    m.to("int8")
+    sd = m.quantized_state_dict()
+    assert sd["in_proj_weight"].dtype == np.int8 and sd["in_proj_weight_scale"].shape == (48,)
+    with pytest.raises(ValueError, match="read-only"):
+        sd["in_proj_weight"][0, 0] = 1
+    other = heads.MultiheadAttention(16, 2, batch_first=True).eval()
+    other.load_state_dict(sd)
+    assert other.dtype == "int8"
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    assert np.array_equal(other(x, x, x)[0], m(x, x, x)[0])
+
+
 def test_quantize_dynamic_spec_and_inplace():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     q = ht.quantize_dynamic(model, {"2"})
