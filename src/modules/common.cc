@@ -1,6 +1,8 @@
 // common.cc — the modules' shared initialisers and state-dict lookups (common.h).
 #include "modules/common.h"
 
+#include "heads/safetensors.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -38,6 +40,16 @@ const Tensor* find(const StateDict& sd, const std::string& name) {
     if (n == name) return &t;
   }
   return nullptr;
+}
+
+void load_file(const std::string& path, const std::function<void(const StateDict&)>& load) {
+  try {
+    load(load_safetensors(path));
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(path, 0) == 0) throw;  // already names the file
+    fail(msg, " (in ", path, ")");
+  }
 }
 
 std::string names_of(const StateDict& sd) {

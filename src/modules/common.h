@@ -3,6 +3,7 @@
 // attention heads.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -29,6 +30,9 @@ Tensor filled(const Shape& shape, float v);
 const Tensor* find(const StateDict& sd, const std::string& name);
 // "a, b, c" (or "none"), for errors that list what a state dict holds.
 std::string names_of(const StateDict& sd);
+// load(the tensors of the safetensors file `path`); an error that does not name the file yet gets
+// " (in path)".
+void load_file(const std::string& path, const std::function<void(const StateDict&)>& load);
 
 // A module's linear weights packed for reduced-precision inference (precision.h), by parameter name.
 struct PackedWeights {

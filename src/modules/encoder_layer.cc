@@ -423,13 +423,7 @@ Precision TransformerEncoder::precision() const {
 }
 
 void TransformerEncoder::load(const std::string& path, bool strict) {
-  try {
-    load_state_dict(load_safetensors(path), strict);
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(path, 0) == 0) throw;  // already names the file
-    fail(msg, " (in ", path, ")");
-  }
+  modules::load_file(path, [&](const StateDict& sd) { load_state_dict(sd, strict); });
 }
 
 void TransformerEncoder::save(const std::string& path) const {

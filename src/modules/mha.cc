@@ -205,13 +205,7 @@ void MultiheadAttention::set_precision(Precision p) { packed_ = PackedWeights::m
 Precision MultiheadAttention::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 
 void MultiheadAttention::load(const std::string& path, bool strict) {
-  try {
-    load_state_dict(load_safetensors(path), strict);
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(path, 0) == 0) throw;  // already names the file
-    fail(msg, " (in ", path, ")");
-  }
+  modules::load_file(path, [&](const StateDict& sd) { load_state_dict(sd, strict); });
 }
 
 void MultiheadAttention::save(const std::string& path) const {
