@@ -42,6 +42,9 @@ class BertModel {
   Tensor forward(const std::vector<std::vector<int64_t>>& ids,
                  std::vector<Tensor>* attn_weights = nullptr) const;
 
+  // The encoder layers (batch first), e.g. to run one layer's self-attention on other inputs.
+  const std::vector<TransformerEncoderLayer>& layers() const { return layers_; }
+
  private:
   BertConfig cfg_;
   Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;

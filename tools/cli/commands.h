@@ -20,6 +20,7 @@ void add_train_demo_command(CLI::App& app, Action* action);
 void add_generate_command(CLI::App& app, Action* action);
 void add_study_command(CLI::App& app, Action* action);
 void add_quantize_command(CLI::App& app, Action* action);
+void add_serve_command(CLI::App& app, Action* action);  // built with HEADS_BUILD_SERVE (cmd_serve.cc)
 
 }  // namespace heads::cli
 

@@ -75,6 +75,9 @@ int main(int argc, char** argv) {
   heads::cli::add_generate_command(app, &action);
   heads::cli::add_study_command(app, &action);
   heads::cli::add_quantize_command(app, &action);
+#ifdef HEADS_WITH_SERVE
+  heads::cli::add_serve_command(app, &action);
+#endif
   // "heads foo": CLI11 would only say that a subcommand is required.
   CLI::App* level = &app;
   for (int argi = 1; argi < argc && argv[argi][0] != '-' && !level->get_subcommands({}).empty(); ++argi) {

@@ -1,0 +1,337 @@
+// service.cc — model slot, dynamic batcher, limits and cache of `heads serve` (service.h).
+#include "service.h"
+
+#include <openssl/evp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <unordered_map>
+
+#include "heads/error.h"
+
+namespace heads::serve {
+
+namespace fs = std::filesystem;
+
+const char* code_name(Code c) {
+  switch (c) {
+    case Code::Ok: return "ok";
+    case Code::InvalidArgument: return "invalid_argument";
+    case Code::ResourceExhausted: return "resource_exhausted";
+    case Code::DeadlineExceeded: return "deadline_exceeded";
+    case Code::Cancelled: return "cancelled";
+    case Code::Unavailable: return "unavailable";
+    case Code::Internal: return "internal";
+  }
+  return "internal";
+}
+
+namespace {
+
+EmbedResult failure(Code code, std::string message) {
+  EmbedResult r;
+  r.code = code;
+  r.message = std::move(message);
+  return r;
+}
+
+std::future<EmbedResult> ready(EmbedResult r) {
+  std::promise<EmbedResult> p;
+  p.set_value(std::move(r));
+  return p.get_future();
+}
+
+}  // namespace
+
+std::string model_version(const std::string& dir, const std::string& name, const std::string& dtype) {
+  // The files SentenceEncoder::load reads (sentence_encoder.h, bert.h), those present.
+  static const char* kFiles[] = {"config.json",        "model.safetensors", "vocab.txt",
+                                 "tokenizer_config.json", "sentence_bert_config.json", "modules.json",
+                                 "1_Pooling/config.json"};
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  HEADS_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1, "sha256 failed");
+  std::vector<char> buf(1 << 20);
+  for (const char* name : kFiles) {
+    std::ifstream in(fs::path(dir) / name, std::ios::binary);
+    if (!in) continue;
+    EVP_DigestUpdate(ctx.get(), name, std::strlen(name) + 1);
+    while (in) {
+      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(in.gcount()));
+    }
+  }
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  HEADS_CHECK(EVP_DigestFinal_ex(ctx.get(), md, &n) == 1, "sha256 failed");
+  static const char* hex = "0123456789abcdef";
+  std::string digest;
+  for (unsigned int i = 0; i < 6; ++i) {
+    digest += hex[md[i] >> 4];
+    digest += hex[md[i] & 15];
+  }
+  return name + "-" + dtype + "-" + digest;
+}
+
+Service::Service(const Options& options, Metrics* metrics)
+    : opt_(options), metrics_(metrics), cache_(options.cache, metrics) {
+  metrics_->counter("heads_requests_total", "Requests by route and outcome code.");
+  metrics_->histogram("heads_request_seconds", "Request latency by route (seconds).",
+                      {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+  metrics_->histogram("heads_batch_texts", "Texts per encoder batch (after the cache).",
+                      {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024});
+  metrics_->histogram("heads_batch_seconds", "Time to run one encoder batch (seconds).",
+                      {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+  metrics_->histogram("heads_queue_wait_seconds", "Time a request waited in the batcher's queue (seconds).",
+                      {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5});
+  metrics_->gauge("heads_queue_texts", "Texts waiting in the batcher's queue.");
+  metrics_->counter("heads_texts_total", "Texts embedded by the encoder (cache misses).");
+  metrics_->counter("heads_tokens_total", "Tokens of the requests run through the encoder (after truncation).");
+  metrics_->counter("heads_cache_requests_total", "Cache lookups by tier and result (hit / miss).");
+  metrics_->counter("heads_cache_evictions_total", "Cache evictions by tier (disk: the database was emptied).");
+  metrics_->counter("heads_cache_errors_total", "Failed cache writes by tier.");
+  metrics_->gauge("heads_cache_bytes", "Bytes held by the memory cache.");
+  metrics_->gauge("heads_cache_entries", "Entries held by the memory cache.");
+  metrics_->gauge("heads_model_info", "The model being served (value 1), by version and dtype.");
+  metrics_->counter("heads_reloads_total", "Model reloads by outcome (ok / failed).");
+  metrics_->gauge("heads_ready", "1 when the server takes requests, 0 while draining.");
+  model_ = load(opt_.model_dir);
+  metrics_->set("heads_model_info", {{"version", model_->version}, {"dtype", model_->dtype}}, 1);
+  metrics_->set("heads_ready", {}, 1);
+  worker_ = std::thread([this] { run_batches(); });
+}
+
+Service::~Service() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
+  HEADS_CHECK(fs::is_directory(dir), "model: ", dir, " is not a directory");
+  auto enc = std::make_shared<SentenceEncoder>(SentenceEncoder::load(dir, opt_.precision));
+  auto m = std::make_shared<LoadedModel>();
+  m->dtype = precision_name(enc->precision());
+  m->name = opt_.model_name;
+  if (m->name.empty()) {
+    const fs::path p = fs::path(dir).lexically_normal();
+    m->name = (p.has_filename() ? p.filename() : p.parent_path().filename()).string();
+  }
+  m->version = model_version(dir, m->name, m->dtype);
+  m->dir = dir;
+  m->encoder = std::move(enc);
+  return m;
+}
+
+std::shared_ptr<const LoadedModel> Service::model() const {
+  std::lock_guard lock(model_mu_);
+  return model_;
+}
+
+EmbedResult Service::reload(const std::string& dir) {
+  std::unique_lock busy(reload_mu_, std::try_to_lock);
+  if (!busy.owns_lock()) return failure(Code::ResourceExhausted, "reload: another reload is in progress");
+  std::shared_ptr<const LoadedModel> next;
+  try {
+    next = load(dir);
+  } catch (const std::exception& e) {
+    metrics_->add("heads_reloads_total", {{"result", "failed"}});
+    return failure(Code::InvalidArgument, std::string("reload: ") + e.what() + " (still serving " +
+                                              model()->version + ")");
+  }
+  std::shared_ptr<const LoadedModel> old;
+  {
+    std::lock_guard lock(model_mu_);
+    old = model_;
+    model_ = next;
+  }
+  metrics_->set("heads_model_info", {{"version", old->version}, {"dtype", old->dtype}}, 0);
+  metrics_->set("heads_model_info", {{"version", next->version}, {"dtype", next->dtype}}, 1);
+  metrics_->add("heads_reloads_total", {{"result", "ok"}});
+  EmbedResult r;
+  r.version = next->version;
+  r.dim = next->encoder->dim();
+  return r;
+}
+
+void Service::with_model(const std::function<void(const LoadedModel&)>& f) {
+  const std::shared_ptr<const LoadedModel> m = model();
+  std::lock_guard compute(compute_mu_);
+  f(*m);
+}
+
+void Service::drain() {
+  draining_ = true;
+  metrics_->set("heads_ready", {}, 0);
+  cv_.notify_all();
+}
+
+int64_t Service::queued_texts() const {
+  std::lock_guard lock(mu_);
+  return queued_texts_;
+}
+
+EmbedResult Service::embed_sync(std::vector<std::string> texts, const RequestContext& ctx) {
+  return embed(std::move(texts), ctx).get();
+}
+
+std::future<EmbedResult> Service::embed(std::vector<std::string> texts, const RequestContext& ctx) {
+  {
+    std::lock_guard lock(mu_);
+    if (stop_) return ready(failure(Code::Unavailable, "the server is shutting down"));
+  }
+  const auto n = static_cast<int64_t>(texts.size());
+  if (n == 0) return ready(failure(Code::InvalidArgument, "input: no texts (give a string or a list of strings)"));
+  if (n > opt_.max_texts) {
+    return ready(failure(Code::ResourceExhausted, "input: " + std::to_string(n) + " texts, over the limit of " +
+                                                      std::to_string(opt_.max_texts) +
+                                                      " per request (--max-texts); split the request"));
+  }
+  const std::shared_ptr<const LoadedModel> m = model();
+  const SentenceEncoder& enc = *m->encoder;
+  auto job = std::make_unique<Job>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto e = enc.tokenizer().encode(texts[static_cast<size_t>(i)], enc.max_seq_length());
+    if (e.truncated && !opt_.truncate) {
+      return ready(failure(Code::ResourceExhausted,
+                           "input[" + std::to_string(i) + "]: longer than the model's " +
+                               std::to_string(enc.max_seq_length()) +
+                               " tokens, and the server was started with --no-truncate"));
+    }
+    job->tokens += static_cast<int64_t>(e.ids.size());
+  }
+  // Every text in the cache: answer at once.
+  const int64_t dim = enc.dim();
+  EmbedResult hit;
+  hit.embeddings.resize(static_cast<size_t>(n * dim));
+  bool all = true;
+  for (int64_t i = 0; i < n && all; ++i) {
+    all = cache_.get(m->version, texts[static_cast<size_t>(i)], hit.embeddings.data() + i * dim, dim);
+  }
+  if (all) {
+    hit.dim = dim;
+    hit.version = m->version;
+    hit.prompt_tokens = job->tokens;
+    return ready(std::move(hit));
+  }
+  job->texts = std::move(texts);
+  job->ctx = ctx;
+  job->enqueued = Clock::now();
+  std::future<EmbedResult> f = job->done.get_future();
+  {
+    std::lock_guard lock(mu_);
+    if (queued_texts_ + n > opt_.max_queue_texts) {
+      return ready(failure(Code::ResourceExhausted, "the server is busy: " + std::to_string(queued_texts_) +
+                                                        " texts queued, limit " +
+                                                        std::to_string(opt_.max_queue_texts) +
+                                                        " (--max-queue); retry later"));
+    }
+    queued_texts_ += n;
+    queued_tokens_ += job->tokens;
+    queue_.push_back(std::move(job));
+    metrics_->set("heads_queue_texts", {}, static_cast<double>(queued_texts_));
+  }
+  cv_.notify_one();
+  return f;
+}
+
+void Service::run_batches() {
+  const auto max_wait = std::chrono::microseconds(opt_.max_wait_us);
+  std::unique_lock lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopped with nothing left
+    // Wait for more requests until the batch is full or its first request has waited long enough.
+    cv_.wait_until(lock, queue_.front()->enqueued + max_wait, [&] {
+      return stop_ || draining_ || queued_tokens_ >= opt_.max_batch_tokens;
+    });
+    std::vector<std::unique_ptr<Job>> jobs;
+    int64_t tokens = 0;
+    while (!queue_.empty() && (jobs.empty() || tokens + queue_.front()->tokens <= opt_.max_batch_tokens)) {
+      tokens += queue_.front()->tokens;
+      queued_texts_ -= static_cast<int64_t>(queue_.front()->texts.size());
+      queued_tokens_ -= queue_.front()->tokens;
+      jobs.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    metrics_->set("heads_queue_texts", {}, static_cast<double>(queued_texts_));
+    lock.unlock();
+    run_batch(jobs);
+    lock.lock();
+  }
+}
+
+void Service::run_batch(std::vector<std::unique_ptr<Job>>& jobs) {
+  const std::shared_ptr<const LoadedModel> m = model();
+  const SentenceEncoder& enc = *m->encoder;
+  const int64_t dim = enc.dim();
+  const auto now = Clock::now();
+  // Texts to compute, each once; where each goes: (job, row).
+  std::vector<std::string> misses;
+  std::vector<std::vector<std::pair<size_t, int64_t>>> dest;
+  std::unordered_map<std::string_view, size_t> seen;
+  std::vector<EmbedResult> results(jobs.size());
+  std::vector<bool> live(jobs.size(), false);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    Job& job = *jobs[j];
+    metrics_->observe("heads_queue_wait_seconds", {}, std::chrono::duration<double>(now - job.enqueued).count());
+    if (job.ctx.cancelled && job.ctx.cancelled()) {
+      results[j] = failure(Code::Cancelled, "the request was cancelled");
+      continue;
+    }
+    if (now > job.ctx.deadline) {
+      results[j] = failure(Code::DeadlineExceeded, "the request's deadline passed while it was queued");
+      continue;
+    }
+    live[j] = true;
+    EmbedResult& r = results[j];
+    r.dim = dim;
+    r.version = m->version;
+    r.prompt_tokens = job.tokens;
+    r.embeddings.resize(job.texts.size() * static_cast<size_t>(dim));
+    for (size_t i = 0; i < job.texts.size(); ++i) {
+      const std::string& t = job.texts[i];
+      float* row = r.embeddings.data() + i * static_cast<size_t>(dim);
+      auto s = seen.find(t);
+      if (s != seen.end()) {
+        dest[s->second].emplace_back(j, static_cast<int64_t>(i));
+      } else if (!cache_.get(m->version, t, row, dim)) {
+        seen.emplace(t, misses.size());
+        misses.push_back(t);
+        dest.push_back({{j, static_cast<int64_t>(i)}});
+      }
+    }
+  }
+  if (!misses.empty()) {
+    const auto t0 = Clock::now();
+    try {
+      std::lock_guard compute(compute_mu_);
+      const Tensor e = enc.encode(misses, opt_.batch_size);
+      const float* data = e.data<float>();
+      int64_t tokens = 0;
+      for (size_t k = 0; k < misses.size(); ++k) {
+        const float* row = data + static_cast<int64_t>(k) * dim;
+        cache_.put(m->version, misses[k], row, dim);
+        for (const auto& [j, i] : dest[k]) {
+          std::memcpy(results[j].embeddings.data() + i * dim, row, static_cast<size_t>(dim) * 4);
+        }
+      }
+      for (size_t j = 0; j < jobs.size(); ++j) tokens += live[j] ? jobs[j]->tokens : 0;
+      metrics_->add("heads_texts_total", {}, static_cast<double>(misses.size()));
+      metrics_->add("heads_tokens_total", {}, static_cast<double>(tokens));
+    } catch (const std::exception& ex) {
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        if (live[j]) results[j] = failure(Code::Internal, std::string("encoder: ") + ex.what());
+      }
+    }
+    metrics_->observe("heads_batch_texts", {}, static_cast<double>(misses.size()));
+    metrics_->observe("heads_batch_seconds", {}, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  for (size_t j = 0; j < jobs.size(); ++j) jobs[j]->done.set_value(std::move(results[j]));
+}
+
+}  // namespace heads::serve
