@@ -429,3 +429,36 @@ def test_bad_flags_and_model():
     assert r.returncode == 1 and "/nonexistent" in r.stderr
     r = subprocess.run([HEADS, "serve", "--http-port", "70000"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--http-port" in r.stderr
+
+
+def test_heads_client_command(server, tmp_path):
+    texts = fresh_texts("cli-client", 20)
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    out = tmp_path / "client.npy"
+    r = subprocess.run([HEADS, "client", "embed", "--target", f"127.0.0.1:{server.grpc}", "--input",
+                        tmp_path / "in.txt", "--output", out, "--chunk", "7"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "wrote 20 x 384 embeddings" in r.stderr
+    assert np.abs(np.load(out) - heads_embed(tmp_path, texts)).max() <= 1e-6  # chunks batch differently
+    r = subprocess.run([HEADS, "client", "info", "--target", f"127.0.0.1:{server.grpc}"], capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["dim"] == 384
+    with socket_port() as dead:
+        r = subprocess.run([HEADS, "client", "embed", "--target", f"127.0.0.1:{dead}", "--timeout", "5", "x",
+                            "--output", tmp_path / "x.npy"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"EmbedStream on 127.0.0.1:{dead} failed" in r.stderr
+    assert not (tmp_path / "x.npy").exists()
+    r = subprocess.run([HEADS, "client", "embed", "x", "--output", tmp_path / "x.txt"], capture_output=True, text=True)
+    assert r.returncode == 1 and "must end in .npy, .safetensors or .jsonl" in r.stderr
+
+
+class socket_port:
+    """A loopback port with nothing listening on it (bound, not listening, while in use)."""
+
+    def __enter__(self):
+        import socket
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.s.close()

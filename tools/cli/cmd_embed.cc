@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "embeddings_out.h"
 #include "options.h"
 #include "heads/files.h"
 #include "heads/safetensors.h"
@@ -26,32 +27,6 @@ struct EmbedArgs {
   bool similarity = false, quiet = false;
   int threads = 0;
 };
-
-// NumPy .npy (format 1.0) of a float32 matrix.
-std::string npy_bytes(const Tensor& t) {
-  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(t.size(0)) +
-                       ", " + std::to_string(t.size(1)) + "), }";
-  while ((10 + header.size() + 1) % 64 != 0) header.push_back(' ');
-  header.push_back('\n');
-  std::string out("\x93NUMPY\x01\x00", 8);
-  out.push_back(static_cast<char>(header.size() & 0xff));
-  out.push_back(static_cast<char>(header.size() >> 8));
-  out += header;
-  out.append(static_cast<const char*>(t.raw_data()), static_cast<size_t>(t.numel()) * 4);
-  return out;
-}
-
-std::string jsonl_bytes(const std::vector<std::string>& texts, const Tensor& t) {
-  std::string out;
-  for (int64_t i = 0; i < t.size(0); ++i) {
-    nlohmann::json j;
-    j["text"] = texts[static_cast<size_t>(i)];
-    std::vector<float> v(t.data<float>() + i * t.size(1), t.data<float>() + (i + 1) * t.size(1));
-    j["embedding"] = v;
-    out += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-  }
-  return out;
-}
 
 void print_similarity(const std::vector<std::string>& texts, const Tensor& e) {
   const int64_t n = e.size(0), d = e.size(1);
@@ -77,9 +52,7 @@ void run(const EmbedArgs& a) {
   apply_threads(a.threads);
   const std::vector<std::string> texts = a.input.empty() ? a.texts : read_lines(a.input);
   HEADS_CHECK(!texts.empty(), "embed: no input texts (give TEXT arguments or an --input file with lines)");
-  const std::string ext = a.output.size() >= 4 ? a.output.substr(a.output.rfind('.')) : "";
-  HEADS_CHECK(ext == ".npy" || ext == ".safetensors" || ext == ".jsonl" || ext == ".json", a.output,
-              ": output must end in .npy, .safetensors or .jsonl");
+  check_embeddings_output(a.output);
   const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.dtype));
   const bool bar = !a.quiet && texts.size() >= 64 && isatty(STDERR_FILENO);
   int64_t truncated = 0;
@@ -98,13 +71,7 @@ void run(const EmbedArgs& a) {
     std::fprintf(stderr, "heads: note: %lld text(s) longer than %lld tokens were truncated, as the model does\n",
                  static_cast<long long>(truncated), static_cast<long long>(enc.max_seq_length()));
   }
-  if (ext == ".npy") {
-    write_file_atomically(a.output, npy_bytes(e));
-  } else if (ext == ".safetensors") {
-    save_safetensors(a.output, {{"embeddings", e}}, {{"model", enc.model_dir()}});
-  } else {
-    write_file_atomically(a.output, jsonl_bytes(texts, e));
-  }
+  write_embeddings(a.output, texts, e, enc.model_dir());
   if (a.similarity) print_similarity(texts, e);
   if (!a.quiet) {
     std::fprintf(stderr, "heads: wrote %lld x %lld embeddings to %s\n", static_cast<long long>(e.size(0)),

@@ -88,7 +88,8 @@ void add_serve_command(CLI::App& app, Action* action) {
   c->add_option("--cache-dir", a->cache_dir, "directory of the on-disk cache (LMDB; kept across restarts)");
   c->add_option("--disk-cache-mb", a->disk_cache_mb, "cap of the on-disk cache, MiB (emptied when full)")
       ->capture_default_str()->check(int_in(1, 1 << 24));
-  c->add_option("--http-threads", a->o.http_threads, "HTTP worker threads")
+  c->add_option("--http-threads", a->o.http_threads, "HTTP worker threads: each serves one keep-alive connection at a time, so more open connections than "
+                "threads wait for one")
       ->capture_default_str()->check(int_in(1, 1024));
   c->add_option("--tls-cert", a->o.tls_cert, "PEM certificate chain: serve HTTPS and gRPC over TLS");
   c->add_option("--tls-key", a->o.tls_key, "PEM private key of --tls-cert");

@@ -20,7 +20,8 @@ void add_train_demo_command(CLI::App& app, Action* action);
 void add_generate_command(CLI::App& app, Action* action);
 void add_study_command(CLI::App& app, Action* action);
 void add_quantize_command(CLI::App& app, Action* action);
-void add_serve_command(CLI::App& app, Action* action);  // built with HEADS_BUILD_SERVE (cmd_serve.cc)
+void add_serve_command(CLI::App& app, Action* action);   // these two are built with HEADS_BUILD_SERVE
+void add_client_command(CLI::App& app, Action* action);  // (cmd_serve.cc, cmd_client.cc)
 
 }  // namespace heads::cli
 

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
   heads::cli::add_quantize_command(app, &action);
 #ifdef HEADS_WITH_SERVE
   heads::cli::add_serve_command(app, &action);
+  heads::cli::add_client_command(app, &action);
 #endif
   // "heads foo": CLI11 would only say that a subcommand is required.
   CLI::App* level = &app;

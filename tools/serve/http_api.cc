@@ -101,6 +101,12 @@ class HttpFrontEnd : public FrontEnd {
     const int threads = o.http_threads;
     server_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
     server_->set_payload_max_length(size_t{64} << 20);
+    // A response goes out as headers, then body: with Nagle's algorithm the body waits for the
+    // client's delayed ACK of the headers (40 ms on Linux keep-alive connections).
+    server_->set_tcp_nodelay(true);
+    // A worker thread serves one connection at a time, through its keep-alive requests; more
+    // connections than threads wait for a free one.
+    server_->set_keep_alive_max_count(1000);
     routes();
   }
 

@@ -76,9 +76,8 @@ int run_server(const ServerOptions& o) {
     grpc = make_grpc_front_end(&service, &metrics, o);
     grpc_port = grpc->start();
   }
-  const auto m = service.model();
-  log_json("ready", nlohmann::json{{"model_version", m->version},
-                                   {"dtype", m->dtype},
+  log_json("ready", nlohmann::json{{"model_version", service.model()->version},
+                                   {"dtype", service.model()->dtype},
                                    {"bind", o.bind},
                                    {"http_port", http_port},
                                    {"grpc_port", grpc_port},
@@ -91,12 +90,13 @@ int run_server(const ServerOptions& o) {
     int sig = 0;
     if (sigwait(&signals, &sig) != 0) continue;
     if (sig == SIGHUP) {
-      const auto before = service.model();
-      const EmbedResult r = service.reload(before->dir);
+      // Strings, not the model: a reference held here would keep the old model alive.
+      const std::string dir = service.model()->dir, before = service.model()->version;
+      const EmbedResult r = service.reload(dir);
       if (r.code == Code::Ok) {
-        log_json("reloaded", nlohmann::json{{"model", before->dir}, {"from", before->version}, {"to", r.version}}.dump());
+        log_json("reloaded", nlohmann::json{{"model", dir}, {"from", before}, {"to", r.version}}.dump());
       } else {
-        log_json("reload_failed", nlohmann::json{{"model", before->dir}, {"error", r.message}}.dump(
+        log_json("reload_failed", nlohmann::json{{"model", dir}, {"error", r.message}}.dump(
                                       -1, ' ', false, nlohmann::json::error_handler_t::replace));
       }
       continue;

@@ -16,7 +16,7 @@ struct ServerOptions {
   std::string bind = "127.0.0.1";
   int http_port = 8080;   // 0: any free port; -1: no HTTP
   int grpc_port = 50051;  // 0: any free port; -1: no gRPC
-  int http_threads = 16;
+  int http_threads = 64;  // each serves one connection at a time (cpp-httplib)
   std::string tls_cert, tls_key;  // PEM files: HTTPS and gRPC over TLS when both are set
   std::string admin_token;        // required (as "Authorization: Bearer TOKEN") on /admin/* when set
   bool access_log = false;        // one JSON line per request on stderr

@@ -1,6 +1,7 @@
 // service.cc — model slot, dynamic batcher, limits and cache of `heads serve` (service.h).
 #include "service.h"
 
+#include <malloc.h>
 #include <openssl/evp.h>
 
 #include <algorithm>
@@ -114,7 +115,13 @@ Service::~Service() {
 std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
   HEADS_CHECK(fs::is_directory(dir), "model: ", dir, " is not a directory");
   auto enc = std::make_shared<SentenceEncoder>(SentenceEncoder::load(dir, opt_.precision));
-  auto m = std::make_shared<LoadedModel>();
+  // Whoever drops the last reference frees the model and gives its pages back: glibc keeps freed
+  // memory in the heap of the thread that allocated it (and the CLI raises the trim threshold), so
+  // without the trim each reload would leave a model's worth of RSS behind.
+  std::shared_ptr<LoadedModel> m(new LoadedModel, [](LoadedModel* p) {
+    delete p;
+    malloc_trim(0);
+  });
   m->dtype = precision_name(enc->precision());
   m->name = opt_.model_name;
   if (m->name.empty()) {
@@ -152,6 +159,7 @@ EmbedResult Service::reload(const std::string& dir) {
   metrics_->set("heads_model_info", {{"version", old->version}, {"dtype", old->dtype}}, 0);
   metrics_->set("heads_model_info", {{"version", next->version}, {"dtype", next->dtype}}, 1);
   metrics_->add("heads_reloads_total", {{"result", "ok"}});
+
   EmbedResult r;
   r.version = next->version;
   r.dim = next->encoder->dim();
