@@ -87,7 +87,9 @@ class Client:
     def embed_stream(self, texts: Iterable[str], *, chunk: int = 256,
                      timeout: Optional[float] = None) -> np.ndarray:
         """Embeddings of many texts through the streaming RPC: chunks of `chunk` texts go out while
-        earlier chunks' results come back. Returns float32 [n, dim] in the order of `texts`."""
+        earlier chunks' results come back. Returns float32 [n, dim] in the order of `texts`.
+        Raises RuntimeError if the server's model changed during the stream (a reload): the rows
+        would come from two models; call again."""
         if chunk < 1:
             raise ValueError(f"chunk: expected a positive count, got {chunk}")
 
@@ -101,9 +103,12 @@ class Client:
             if batch:
                 yield heads_pb2.EmbedRequest(texts=batch)
 
-        parts = []
+        parts, version = [], None
         for r in self._stub.EmbedStream(requests(), timeout=self._t(timeout)):
-            self.model_version = r.model_version
+            if version is not None and r.model_version != version:
+                raise RuntimeError(f"embed_stream: the server's model changed during the stream ({version}, then "
+                                   f"{r.model_version}); call again")
+            version = self.model_version = r.model_version
             if r.first_index != sum(len(p) for p in parts):
                 raise RuntimeError(f"embed_stream: chunk starting at {r.first_index} came out of order")
             parts.append(self._rows(r))

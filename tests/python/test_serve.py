@@ -58,8 +58,9 @@ class Server:
 
     def request(self, method, path, body=None, headers=None, timeout=60):
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        headers = {"Content-Type": "application/json", **(headers or {})} if data is not None else headers or {}
         req = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", data=data, method=method,
-                                     headers=headers or {})
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read(), dict(r.headers)
@@ -84,6 +85,13 @@ class Server:
             if line.startswith(name + ("{" + want + "}" if want else " ")):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
+
+    def wait_for(self, name, value, timeout=60, **labels):
+        """Polls a metric until it equals value (the tests wait on the server's state, not on time)."""
+        t0 = time.time()
+        while self.metric(name, **labels) != value:
+            assert time.time() - t0 < timeout, f"{name}{labels} stayed at {self.metric(name, **labels)}, not {value}"
+            time.sleep(0.01)
 
     def stop(self, sig=signal.SIGTERM, timeout=120):
         if self.proc.poll() is None:
@@ -214,6 +222,12 @@ def test_attend_matches_torch_multihead_attention(server):
         with pytest.raises(grpc.RpcError) as e:
             c.attend(q, layer=6)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "layer: 6" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.attend(np.ones((513, 384), np.float32), layer=0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 512" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.attend(np.ones((22, 512, 384), np.float32), layer=0, need_weights=True, per_head_weights=True, timeout=60)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "over the limit of 2^26" in e.value.details()
         bad = heads_pb2.AttendRequest(query=heads_pb2.Tensor(shape=[2, 3], data=[1.0] * 5))
         with pytest.raises(grpc.RpcError) as e:
             c._stub.Attend(bad)
@@ -249,12 +263,13 @@ def test_limits_are_429_and_resource_exhausted(server):
 
 
 def test_queue_limit_no_truncate_deadline_and_cancellation():
-    # A 300 ms batching window keeps requests queued long enough to hit the limits.
-    s = Server("--max-wait-us", 300000, "--max-queue", 8, "--no-truncate", "--max-batch-tokens", 100000)
+    # A 1 s batching window keeps requests queued long enough to hit the limits.
+    s = Server("--max-wait-us", 1000000, "--max-queue", 8, "--max-texts", 8, "--no-truncate",
+               "--max-batch-tokens", 100000)
     try:
         with cf.ThreadPoolExecutor(4) as pool:
             first = pool.submit(s.post, "/v1/embeddings", {"input": fresh_texts("q1", 6)})
-            time.sleep(0.1)
+            s.wait_for("heads_queue_texts", 6)
             status, reply, _ = s.post("/v1/embeddings", {"input": fresh_texts("q2", 3)})
             assert status == 429 and "texts queued, limit 8" in reply["error"]["message"]
             assert first.result()[0] == 200
@@ -267,12 +282,14 @@ def test_queue_limit_no_truncate_deadline_and_cancellation():
             with pytest.raises(grpc.RpcError) as e:
                 c.embed(fresh_texts("dl2", 2), timeout=0.05)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            s.wait_for("heads_queue_texts", 0)
             before = s.metric("heads_texts_total")
             call = c._stub.Embed.future(heads_pb2.EmbedRequest(texts=fresh_texts("cancel", 4)))
-            time.sleep(0.05)
+            s.wait_for("heads_queue_texts", 4)
             assert call.cancel()
-            time.sleep(0.6)  # the batch that would have held it has run
-            assert s.metric("heads_texts_total") == before  # its work was dropped
+            s.wait_for("heads_queue_texts", 0)  # its batch came (a 1 s window) and dropped it
+            time.sleep(0.2)
+            assert s.metric("heads_texts_total") == before
             assert np.isfinite(c.embed(["still serving"])).all()
         assert s.metric("heads_requests_total", route="grpc:Embed", code="1") >= 1  # CANCELLED
     finally:
@@ -331,10 +348,15 @@ def test_reload_under_traffic_broken_reload_and_sighup(tmp_path, int8_model):
         def traffic():
             conn = http.client.HTTPConnection("127.0.0.1", s.http, timeout=60)
             while not stop.is_set():
-                conn.request("POST", "/v1/embeddings", json.dumps({"input": texts}),
-                             {"Content-Type": "application/json"})
-                r = conn.getresponse()
-                body = json.loads(r.read())
+                try:
+                    conn.request("POST", "/v1/embeddings", json.dumps({"input": texts}),
+                                 {"Content-Type": "application/json"})
+                    r = conn.getresponse()
+                    body = json.loads(r.read())
+                except Exception as e:  # a reset connection is a failure too
+                    errors.append(repr(e))
+                    conn = http.client.HTTPConnection("127.0.0.1", s.http, timeout=60)
+                    continue
                 if r.status != 200:
                     errors.append(body)
                 else:
@@ -382,6 +404,8 @@ def test_admin_token_and_bind_policy(tmp_path):
         assert status == 401 and "Authorization: Bearer" in reply["error"]["message"]
         assert hdrs.get("WWW-Authenticate") == "Bearer"
         assert s.post("/admin/reload", {}, {"Authorization": "Bearer wrong"})[0] == 401
+        status, reply, _ = s.post("/admin/reload", b"{}", {"Authorization": "Bearer s3cret", "Content-Type": "text/plain"})
+        assert status == 415 and "application/json" in reply["error"]["message"]
         status, reply, _ = s.post("/admin/reload", {}, {"Authorization": "Bearer s3cret"})
         assert status == 200 and reply["model_version"] == reply["previous_version"]
     finally:
@@ -412,15 +436,49 @@ def test_tls_for_https_and_grpc(tmp_path):
 
 
 def test_sigterm_while_busy_finishes_requests_in_flight_and_exits_0():
-    s = Server("--max-wait-us", 200000)
+    s = Server("--max-wait-us", 2000000)
     with cf.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(s.post, "/v1/embeddings", {"input": fresh_texts(f"busy{i}", 16)}) for i in range(6)]
-        time.sleep(0.1)  # all six are in the batcher's window
+        s.wait_for("heads_queue_texts", 96)  # all six are in the batcher's window
         assert s.proc.poll() is None
         code = s.stop()
         replies = [f.result() for f in futures]
     assert code == 0
     assert [r[0] for r in replies] == [200] * 6 and all(len(r[1]["data"]) == 16 for r in replies)
+
+
+def test_a_stream_longer_than_the_queue_and_a_failing_chunk():
+    s = Server("--max-queue", 64, "--max-texts", 16, "--max-wait-us", 1000)
+    try:
+        texts = fresh_texts("long-stream", 500)
+        with s.client() as c:
+            got = c.embed_stream(texts, chunk=16)  # 500 texts through a queue of 64: the stream waits
+            assert got.shape == (500, 384) and np.isfinite(got).all()
+            assert np.abs(got[:16] - c.embed(texts[:16])).max() <= 1e-6
+
+            def chunks():
+                yield heads_pb2.EmbedRequest(texts=["fine"])
+                yield heads_pb2.EmbedRequest(texts=["x"] * 17)  # over --max-texts
+
+            with pytest.raises(grpc.RpcError) as e:
+                list(c._stub.EmbedStream(chunks(), timeout=60))
+            assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert c.health()
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_port_in_use_is_a_clean_error():
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flag in ("--grpc-port", "--http-port"):
+            other = "--http-port" if flag == "--grpc-port" else "--grpc-port"
+            r = subprocess.run([HEADS, "serve", "--model", MODEL, flag, str(port), other, "0"],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 1 and f"{flag} {port}" in r.stderr and "in use?" in r.stderr, r.stderr
 
 
 def test_bad_flags_and_model():
@@ -429,6 +487,9 @@ def test_bad_flags_and_model():
     assert r.returncode == 1 and "/nonexistent" in r.stderr
     r = subprocess.run([HEADS, "serve", "--http-port", "70000"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--http-port" in r.stderr
+    r = subprocess.run([HEADS, "serve", "--max-queue", "10", "--max-texts", "20"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "--max-queue 10 must be at least --max-texts 20" in r.stderr
 
 
 def test_heads_client_command(server, tmp_path):

@@ -70,11 +70,24 @@ void embed(const ClientArgs& a) {
     }
     stream->WritesDone();
   });
+  // Joins the writer on every way out (an error below cancels the call, which ends its writes).
+  struct JoinWriter {
+    std::thread& t;
+    grpc::ClientContext& ctx;
+    ~JoinWriter() {
+      if (t.joinable()) {
+        ctx.TryCancel();
+        t.join();
+      }
+    }
+  } join_writer{writer, ctx};
   Tensor e;
   std::string version;
   int64_t done = 0;
   heads::v1::EmbedResponse resp;
   while (stream->Read(&resp)) {
+    HEADS_CHECK(version.empty() || resp.model_version() == version, "client: the server's model changed during the ",
+                "stream (", version, ", then ", resp.model_version(), "); run again");
     if (!e.defined()) e = Tensor::empty({static_cast<int64_t>(texts.size()), resp.dim()}, DType::F32);
     HEADS_CHECK(resp.first_index() == done && resp.dim() == e.size(1) &&
                     done + resp.embeddings_size() <= e.size(0),

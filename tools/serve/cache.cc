@@ -65,7 +65,9 @@ EmbeddingCache::EmbeddingCache(const CacheOptions& options, Metrics* metrics) : 
   disk_ = std::make_unique<Disk>();
   disk_->dir = opt_.disk_dir;
   check_lmdb(mdb_env_create(&disk_->env), "mdb_env_create", opt_.disk_dir);
-  check_lmdb(mdb_env_set_mapsize(disk_->env, static_cast<size_t>(opt_.disk_bytes)), "mdb_env_set_mapsize",
+  // Twice the cap: the data stays under the cap (disk_put), the rest is room for copy-on-write
+  // pages and for the free list when the database is emptied.
+  check_lmdb(mdb_env_set_mapsize(disk_->env, static_cast<size_t>(opt_.disk_bytes) * 2), "mdb_env_set_mapsize",
              opt_.disk_dir);
   // MDB_NOTLS: read transactions are not tied to threads (the gRPC and HTTP pools share the env).
   check_lmdb(mdb_env_open(disk_->env, opt_.disk_dir.c_str(), MDB_NOTLS | MDB_NOSYNC, 0644), "mdb_env_open",
@@ -171,23 +173,28 @@ void EmbeddingCache::disk_put(std::string_view version, std::string_view text, c
   std::memcpy(value.data() + 8, text.data(), n);
   std::memcpy(value.data() + 8 + n, emb, static_cast<size_t>(dim) * 4);
   std::lock_guard lock(disk_->write_mu);
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    MDB_txn* txn = nullptr;
-    if (mdb_txn_begin(disk_->env, nullptr, 0, &txn) != MDB_SUCCESS) return;
-    MDB_val k{digest.size(), const_cast<char*>(digest.data())}, v{value.size(), value.data()};
-    int rc = mdb_put(txn, disk_->dbi, &k, &v, 0);
-    if (rc == MDB_SUCCESS) rc = mdb_txn_commit(txn);
-    else mdb_txn_abort(txn);
-    if (rc == MDB_SUCCESS) return;
-    if (rc != MDB_MAP_FULL || attempt > 0) {
-      metrics_->add("heads_cache_errors_total", {{"tier", "disk"}});
-      return;
-    }
-    // Full: empty the database and write again.
-    if (mdb_txn_begin(disk_->env, nullptr, 0, &txn) != MDB_SUCCESS) return;
-    if (mdb_drop(txn, disk_->dbi, 0) != MDB_SUCCESS || mdb_txn_commit(txn) != MDB_SUCCESS) return;
-    metrics_->add("heads_cache_evictions_total", {{"tier", "disk"}});
+  MDB_txn* txn = nullptr;
+  if (mdb_txn_begin(disk_->env, nullptr, 0, &txn) != MDB_SUCCESS) {
+    metrics_->add("heads_cache_errors_total", {{"tier", "disk"}});
+    return;
   }
+  // At the cap, empty the database in this transaction. The map is twice the cap (the constructor),
+  // so that the copy-on-write pages and the free list of emptying it always fit.
+  MDB_stat st{};
+  int rc = mdb_stat(txn, disk_->dbi, &st);
+  const auto live = static_cast<int64_t>((st.ms_branch_pages + st.ms_leaf_pages + st.ms_overflow_pages) * st.ms_psize);
+  if (rc == MDB_SUCCESS && live + static_cast<int64_t>(value.size()) > opt_.disk_bytes) {
+    rc = mdb_drop(txn, disk_->dbi, 0);
+    if (rc == MDB_SUCCESS) metrics_->add("heads_cache_evictions_total", {{"tier", "disk"}});
+  }
+  MDB_val k{digest.size(), const_cast<char*>(digest.data())}, v{value.size(), value.data()};
+  if (rc == MDB_SUCCESS) rc = mdb_put(txn, disk_->dbi, &k, &v, 0);
+  if (rc == MDB_SUCCESS) {
+    rc = mdb_txn_commit(txn);  // frees the transaction, failed or not
+  } else {
+    mdb_txn_abort(txn);
+  }
+  if (rc != MDB_SUCCESS) metrics_->add("heads_cache_errors_total", {{"tier", "disk"}});
 }
 
 }  // namespace heads::serve

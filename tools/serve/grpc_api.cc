@@ -4,7 +4,11 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <future>
+#include <mutex>
 #include <deque>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -90,6 +94,7 @@ bool to_tensor(const heads::v1::Tensor& t, const char* what, Tensor* out, std::s
 void from_tensor(const Tensor& t, heads::v1::Tensor* out) {
   const Tensor c = t.contiguous();
   for (int64_t i = 0; i < c.dim(); ++i) out->add_shape(c.size(i));
+  HEADS_CHECK(c.numel() <= (int64_t{1} << 28), "a result of ", c.numel(), " values is too large to send");
   out->mutable_data()->Resize(static_cast<int>(c.numel()), 0.0f);
   if (c.numel()) std::memcpy(out->mutable_data()->mutable_data(), c.raw_data(), static_cast<size_t>(c.numel()) * 4);
 }
@@ -113,10 +118,21 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
   grpc::Status EmbedStream(grpc::ServerContext* ctx,
                            grpc::ServerReaderWriter<heads::v1::EmbedResponse, heads::v1::EmbedRequest>* stream) override {
     return timed("EmbedStream", ctx, [&] {
-      // The reader (this thread) submits chunks as they arrive; the writer sends their results in order.
+      // This thread reads chunks and submits them; the writer sends their results in order. At most
+      // `cap` texts of one stream are in the server at a time (the reader waits for the writer), so
+      // a long stream neither fills the batcher's queue nor piles up results a slow client has not
+      // read. A failed chunk ends the stream: the call is cancelled, which also wakes a client that
+      // waits for each answer before sending more.
+      const Options& opt = service_->options();
+      const int64_t cap = std::max(opt.max_texts, opt.max_queue_texts / 4);
+      struct Pending {
+        int64_t first, n;
+        std::future<EmbedResult> result;
+      };
       std::mutex mu;
       std::condition_variable cv;
-      std::deque<std::pair<int64_t, std::future<EmbedResult>>> pending;
+      std::deque<Pending> pending;
+      int64_t in_flight = 0;
       bool reading_done = false;
       grpc::Status status = grpc::Status::OK;
       std::thread writer([&] {
@@ -124,48 +140,61 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
           std::unique_lock lock(mu);
           cv.wait(lock, [&] { return reading_done || !pending.empty(); });
           if (pending.empty()) return;
-          auto [first, f] = std::move(pending.front());
+          Pending p = std::move(pending.front());
           pending.pop_front();
           lock.unlock();
-          const EmbedResult r = f.get();
+          const EmbedResult r = p.result.get();
           lock.lock();
-          if (!status.ok()) continue;  // drain the rest without writing
-          if (r.code != Code::Ok) {
-            status = grpc::Status(grpc_code(r.code), "texts from " + std::to_string(first) + ": " + r.message);
-            continue;
+          in_flight -= p.n;
+          const bool write = status.ok() && r.code == Code::Ok;
+          if (status.ok() && r.code != Code::Ok) {
+            status = grpc::Status(grpc_code(r.code), "texts from " + std::to_string(p.first) + ": " + r.message);
+            ctx->TryCancel();
           }
           lock.unlock();
+          cv.notify_all();
+          if (!write) continue;
           heads::v1::EmbedResponse resp;
-          fill(r, first, &resp);
-          const bool ok = stream->Write(resp);
-          lock.lock();
-          if (!ok && status.ok()) status = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+          fill(r, p.first, &resp);
+          if (!stream->Write(resp)) {
+            lock.lock();
+            if (status.ok()) status = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+          }
         }
       });
-      const RequestContext rc = request_context(ctx, service_->options().timeout_ms);
-      heads::v1::EmbedRequest req;
-      int64_t next = 0;
-      while (stream->Read(&req)) {
+      auto finish = [&] {
         {
           std::lock_guard lock(mu);
-          if (!status.ok()) break;
+          reading_done = true;
         }
-        std::vector<std::string> texts(req.texts().begin(), req.texts().end());
-        const auto n = static_cast<int64_t>(texts.size());
-        auto f = service_->embed(std::move(texts), rc);
-        {
-          std::lock_guard lock(mu);
-          pending.emplace_back(next, std::move(f));
+        cv.notify_all();
+        writer.join();
+      };
+      try {
+        heads::v1::EmbedRequest req;
+        int64_t next = 0;
+        while (stream->Read(&req)) {
+          const auto n = static_cast<int64_t>(req.texts_size());
+          {
+            std::unique_lock lock(mu);
+            cv.wait(lock, [&] { return !status.ok() || in_flight == 0 || in_flight + n <= cap; });
+            if (!status.ok()) break;
+          }
+          // Each chunk gets its own default deadline when the client set none.
+          auto f = service_->embed({req.texts().begin(), req.texts().end()}, request_context(ctx, opt.timeout_ms));
+          {
+            std::lock_guard lock(mu);
+            pending.push_back({next, n, std::move(f)});
+            in_flight += n;
+          }
+          cv.notify_all();
+          next += n;
         }
-        cv.notify_one();
-        next += n;
+      } catch (...) {
+        finish();
+        throw;
       }
-      {
-        std::lock_guard lock(mu);
-        reading_done = true;
-      }
-      cv.notify_one();
-      writer.join();
+      finish();
       return status;
     });
   }
@@ -210,6 +239,27 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key and value: give both or neither");
       }
       if (!req->has_key()) k = v = q;
+      // Bounds before any work: sequences no longer than the model's positions, and weights of a
+      // size a server can give (the service answers one model computation at a time).
+      const int64_t max_len = service_->model()->encoder->bert().config().max_position_embeddings;
+      if (q.dim() < 2 || k.dim() < 2) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "query and key: expected [L, E] or [N, L, E]");
+      }
+      const int64_t L = q.size(q.dim() - 2), S = k.size(k.dim() - 2);
+      if (L > max_len || S > max_len) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "query and key: lengths " + std::to_string(L) + " and " + std::to_string(S) +
+                                ", at most " + std::to_string(max_len) + " (the model's max_position_embeddings)");
+      }
+      if (req->need_weights()) {
+        const int64_t N = q.dim() == 3 ? q.size(0) : 1;
+        const int64_t heads = req->per_head_weights() ? service_->model()->encoder->bert().config().num_heads : 1;
+        if (N * heads * L * S > (int64_t{1} << 26)) {
+          return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                              "need_weights: " + std::to_string(N * heads * L * S) +
+                                  " weights, over the limit of 2^26 per request");
+        }
+      }
       if (pad.defined()) {
         Tensor b = Tensor::empty(pad.shape(), DType::Bool);
         for (int64_t i = 0; i < pad.numel(); ++i) {

@@ -60,8 +60,11 @@ std::string base64(const void* data, size_t n) {
   return out;
 }
 
-// The texts of an "input" / "inputs" field: a string or a list of strings.
-bool read_texts(const json& body, const char* field, std::vector<std::string>* texts, std::string* error) {
+// The texts of an "input" / "inputs" field: a string or a list of strings. More than `limit`
+// texts is *too_many (nothing is copied).
+bool read_texts(const json& body, const char* field, int64_t limit, std::vector<std::string>* texts,
+                std::string* error, bool* too_many) {
+  *too_many = false;
   auto it = body.find(field);
   if (it == body.end()) {
     *error = std::string("request: missing \"") + field + "\" (a string or a list of strings)";
@@ -73,6 +76,12 @@ bool read_texts(const json& body, const char* field, std::vector<std::string>* t
   }
   if (!it->is_array()) {
     *error = std::string(field) + ": expected a string or a list of strings, got " + it->type_name();
+    return false;
+  }
+  if (static_cast<int64_t>(it->size()) > limit) {
+    *too_many = true;
+    *error = std::string(field) + ": " + std::to_string(it->size()) + " texts, over the limit of " +
+             std::to_string(limit) + " per request (--max-texts); split the request";
     return false;
   }
   for (size_t i = 0; i < it->size(); ++i) {
@@ -106,7 +115,10 @@ class HttpFrontEnd : public FrontEnd {
     server_->set_tcp_nodelay(true);
     // A worker thread serves one connection at a time, through its keep-alive requests; more
     // connections than threads wait for a free one.
-    server_->set_keep_alive_max_count(1000);
+    // Short keep-alive, so that a new connection (a health probe, a scrape) waits little for a thread
+    // even when every thread is busy with a client.
+    server_->set_keep_alive_max_count(10);
+    server_->set_keep_alive_timeout(2);
     routes();
   }
 
@@ -127,6 +139,8 @@ class HttpFrontEnd : public FrontEnd {
     server_->stop();
     if (thread_.joinable()) thread_.join();
   }
+
+  ~HttpFrontEnd() override { stop(); }
 
  private:
   // Wraps a handler: version header, latency and outcome metrics, the access log.
@@ -173,7 +187,7 @@ class HttpFrontEnd : public FrontEnd {
       const std::string v = req.get_header_value("X-Request-Timeout-Ms");
       int64_t parsed = 0;
       const auto r = std::from_chars(v.data(), v.data() + v.size(), parsed);
-      if (r.ec == std::errc() && r.ptr == v.data() + v.size() && parsed > 0) ms = parsed;
+      if (r.ec == std::errc() && r.ptr == v.data() + v.size() && parsed > 0) ms = std::min<int64_t>(parsed, 3'600'000);
     }
     ctx.deadline = Clock::now() + std::chrono::milliseconds(ms);
     return ctx;
@@ -183,8 +197,9 @@ class HttpFrontEnd : public FrontEnd {
   bool embed(const httplib::Request& req, httplib::Response& res, const json& body, const char* field,
              std::vector<std::string>* texts, EmbedResult* r) {
     std::string error;
-    if (!read_texts(body, field, texts, &error)) {
-      send_error(res, 400, "invalid_request_error", error);
+    bool too_many = false;
+    if (!read_texts(body, field, service_->options().max_texts, texts, &error, &too_many)) {
+      send_error(res, too_many ? 429 : 400, too_many ? "resource_exhausted" : "invalid_request_error", error);
       return false;
     }
     *r = service_->embed_sync(*texts, context(req));
@@ -197,6 +212,12 @@ class HttpFrontEnd : public FrontEnd {
   }
 
   bool admin_allowed(const httplib::Request& req, httplib::Response& res) {
+    // JSON only: a web page can send a cross-site POST as text/plain or a form without asking, but
+    // not as application/json.
+    if (req.get_header_value("Content-Type").rfind("application/json", 0) != 0) {
+      send_error(res, 415, "unsupported_media_type", "admin routes take Content-Type: application/json");
+      return false;
+    }
     if (opt_.admin_token.empty()) {
       if (is_loopback(opt_.bind)) return true;
       send_error(res, 403, "forbidden",
@@ -280,11 +301,9 @@ class HttpFrontEnd : public FrontEnd {
       if (!parse(req, res, &body)) return;
       std::vector<std::string> texts;
       std::string error;
-      if (!read_texts(body, "inputs", &texts, &error)) return send_error(res, 400, "invalid_request_error", error);
-      if (static_cast<int64_t>(texts.size()) > service_->options().max_texts) {
-        return send_error(res, 429, "resource_exhausted", "inputs: " + std::to_string(texts.size()) +
-                                                              " texts, over the limit of " +
-                                                              std::to_string(service_->options().max_texts));
+      bool too_many = false;
+      if (!read_texts(body, "inputs", service_->options().max_texts, &texts, &error, &too_many)) {
+        return send_error(res, too_many ? 429 : 400, too_many ? "resource_exhausted" : "invalid_request_error", error);
       }
       const auto m = service_->model();
       json out = json::array();
@@ -341,7 +360,8 @@ class HttpFrontEnd : public FrontEnd {
       log_json("reloaded", json{{"model", dir}, {"from", before}, {"to", r.version}}.dump(-1, ' ', false, json::error_handler_t::replace));
       res.set_content(json{{"model_version", r.version}, {"previous_version", before}}.dump(), "application/json");
     }));
-    server_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    server_->set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (!res.has_header("X-Heads-Model-Version")) res.set_header("X-Heads-Model-Version", service_->model()->version);
       if (!res.body.empty()) return;
       if (res.status == 404) {
         send_error(res, 404, "not_found", "no route " + req.method + " " + req.path +

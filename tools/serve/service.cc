@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "heads/error.h"
+#include "heads/runtime.h"
 
 namespace heads::serve {
 
@@ -114,7 +115,12 @@ Service::~Service() {
 
 std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
   HEADS_CHECK(fs::is_directory(dir), "model: ", dir, " is not a directory");
+  // The version names the files loaded: hashed before and after loading, so that a directory
+  // being rewritten meanwhile is an error, not embeddings cached under another model's version.
+  const std::string digest = model_version(dir, "", "");
   auto enc = std::make_shared<SentenceEncoder>(SentenceEncoder::load(dir, opt_.precision));
+  HEADS_CHECK(model_version(dir, "", "") == digest, "model: the files of ", dir,
+              " changed while they were loaded; try again once they are complete");
   // Whoever drops the last reference frees the model and gives its pages back: glibc keeps freed
   // memory in the heap of the thread that allocated it (and the CLI raises the trim threshold), so
   // without the trim each reload would leave a model's worth of RSS behind.
@@ -169,6 +175,7 @@ EmbedResult Service::reload(const std::string& dir) {
 void Service::with_model(const std::function<void(const LoadedModel&)>& f) {
   const std::shared_ptr<const LoadedModel> m = model();
   std::lock_guard compute(compute_mu_);
+  if (opt_.threads > 0) set_num_threads(opt_.threads);  // OpenMP's thread count is per calling thread
   f(*m);
 }
 
@@ -232,6 +239,7 @@ std::future<EmbedResult> Service::embed(std::vector<std::string> texts, const Re
   std::future<EmbedResult> f = job->done.get_future();
   {
     std::lock_guard lock(mu_);
+    if (stop_) return ready(failure(Code::Unavailable, "the server is shutting down"));
     if (queued_texts_ + n > opt_.max_queue_texts) {
       return ready(failure(Code::ResourceExhausted, "the server is busy: " + std::to_string(queued_texts_) +
                                                         " texts queued, limit " +
@@ -248,6 +256,7 @@ std::future<EmbedResult> Service::embed(std::vector<std::string> texts, const Re
 }
 
 void Service::run_batches() {
+  if (opt_.threads > 0) set_num_threads(opt_.threads);  // OpenMP's thread count is per calling thread
   const auto max_wait = std::chrono::microseconds(opt_.max_wait_us);
   std::unique_lock lock(mu_);
   while (true) {
@@ -268,7 +277,16 @@ void Service::run_batches() {
     }
     metrics_->set("heads_queue_texts", {}, static_cast<double>(queued_texts_));
     lock.unlock();
-    run_batch(jobs);
+    try {
+      run_batch(jobs);
+    } catch (const std::exception& e) {  // outside the encoder (which run_batch catches): answer anyway
+      for (auto& job : jobs) {
+        try {
+          job->done.set_value(failure(Code::Internal, std::string("batcher: ") + e.what()));
+        } catch (const std::future_error&) {  // already answered
+        }
+      }
+    }
     lock.lock();
   }
 }
@@ -317,8 +335,11 @@ void Service::run_batch(std::vector<std::unique_ptr<Job>>& jobs) {
   if (!misses.empty()) {
     const auto t0 = Clock::now();
     try {
-      std::lock_guard compute(compute_mu_);
-      const Tensor e = enc.encode(misses, opt_.batch_size);
+      Tensor e;
+      {
+        std::lock_guard compute(compute_mu_);
+        e = enc.encode(misses, opt_.batch_size);
+      }
       const float* data = e.data<float>();
       int64_t tokens = 0;
       for (size_t k = 0; k < misses.size(); ++k) {

@@ -46,6 +46,7 @@ struct Options {
   int64_t max_queue_texts = 8192;      // texts waiting in the batcher
   bool truncate = true;                // false: a text over max_seq_length is rejected
   int64_t timeout_ms = 60000;          // default deadline of a request without one
+  int threads = 0;                     // threads the model computes with (0: OpenMP's default)
   CacheOptions cache;
 };
 
