@@ -269,10 +269,15 @@ TEST(ServeFrontEnds, HttpAndGrpcOnLoopback) {
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 400);
   EXPECT_THAT(res->body, HasSubstr("input: expected a string or a list of strings, got number"));
-  res = c.Post("/admin/reload", "{}", "text/plain");  // JSON only: no cross-site form posts
+  res = c.Post("/admin/reload", {{"Origin", "http://example.com"}}, "{}", "text/plain");  // from a web page
   ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 415);
-  res = c.Post("/admin/reload", "{}", "application/json");
+  EXPECT_EQ(res->status, 403);
+  EXPECT_THAT(res->body, HasSubstr("web pages"));
+  res = c.Post("/admin/reload", {{"Host", "rebound.example.com:80"}}, "{}", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 403);
+  EXPECT_THAT(res->body, HasSubstr("loopback Host"));
+  res = c.Post("/admin/reload", "", "application/x-www-form-urlencoded");  // as `curl -X POST`
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200) << res->body;
   res = c.Get("/metrics");

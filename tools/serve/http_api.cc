@@ -212,14 +212,26 @@ class HttpFrontEnd : public FrontEnd {
   }
 
   bool admin_allowed(const httplib::Request& req, httplib::Response& res) {
-    // JSON only: a web page can send a cross-site POST as text/plain or a form without asking, but
-    // not as application/json.
-    if (req.get_header_value("Content-Type").rfind("application/json", 0) != 0) {
-      send_error(res, 415, "unsupported_media_type", "admin routes take Content-Type: application/json");
+    // Not from a web page: browsers send Origin with every POST (cross-site form posts and pages
+    // that rebound their DNS name to this address included); curl, scripts and clients do not.
+    if (req.has_header("Origin")) {
+      send_error(res, 403, "forbidden", "admin routes refuse requests from web pages (an Origin header)");
       return false;
     }
     if (opt_.admin_token.empty()) {
-      if (is_loopback(opt_.bind)) return true;
+      // Without a token, only on loopback, and only to a loopback name (not a rebound DNS name).
+      std::string host = req.get_header_value("Host");
+      if (!host.empty() && host.front() == '[') {
+        host = host.substr(1, host.find(']') - 1);
+      } else if (const auto colon = host.rfind(':'); colon != std::string::npos) {
+        host = host.substr(0, colon);
+      }
+      if (is_loopback(opt_.bind) && (host.empty() || is_loopback(host))) return true;
+      if (is_loopback(opt_.bind)) {
+        send_error(res, 403, "forbidden", "admin routes without a token answer only to a loopback Host, got '" +
+                                              req.get_header_value("Host") + "'");
+        return false;
+      }
       send_error(res, 403, "forbidden",
                  "admin routes need --admin-token-file when the server binds beyond loopback (--bind " + opt_.bind + ")");
       return false;
