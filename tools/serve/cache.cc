@@ -37,11 +37,15 @@ std::string sha256_hex(std::string_view bytes) {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   HEADS_CHECK(EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr) == 1, "sha256 failed");
-  static const char* hex = "0123456789abcdef";
+  return to_hex(md, n);
+}
+
+std::string to_hex(const unsigned char* p, size_t n) {
+  static const char* digits = "0123456789abcdef";
   std::string out;
-  for (unsigned int i = 0; i < n; ++i) {
-    out += hex[md[i] >> 4];
-    out += hex[md[i] & 15];
+  for (size_t i = 0; i < n; ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
   }
   return out;
 }

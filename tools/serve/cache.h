@@ -64,5 +64,7 @@ class EmbeddingCache {
 
 // Lowercase hex SHA-256 of the bytes.
 std::string sha256_hex(std::string_view bytes);
+// Lowercase hex of n bytes.
+std::string to_hex(const unsigned char* p, size_t n);
 
 }  // namespace heads::serve

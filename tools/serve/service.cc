@@ -67,13 +67,7 @@ std::string model_version(const std::string& dir, const std::string& name, const
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   HEADS_CHECK(EVP_DigestFinal_ex(ctx.get(), md, &n) == 1, "sha256 failed");
-  static const char* hex = "0123456789abcdef";
-  std::string digest;
-  for (unsigned int i = 0; i < 6; ++i) {
-    digest += hex[md[i] >> 4];
-    digest += hex[md[i] & 15];
-  }
-  return name + "-" + dtype + "-" + digest;
+  return name + "-" + dtype + "-" + to_hex(md, 6);
 }
 
 Service::Service(const Options& options, Metrics* metrics)
