@@ -277,6 +277,8 @@ def main() -> None:
                 results[(name, c)] = r
                 print(f"| {name} | {c} | {r['requests/s']:.1f} | {r['texts/s']:.1f} | {r['p50 ms']:.1f} | "
                       f"{r['p99 ms']:.1f} | {r['errors']} |", flush=True)
+                if r["errors"]:
+                    print(f"# first error: {r['first_error']!r}", flush=True)
         finally:
             proc.stop()
     if len({n for n, _ in results}) == 2:

@@ -104,14 +104,19 @@ class Client:
                 yield heads_pb2.EmbedRequest(texts=batch)
 
         parts, version = [], None
-        for r in self._stub.EmbedStream(requests(), timeout=self._t(timeout)):
-            if version is not None and r.model_version != version:
-                raise RuntimeError(f"embed_stream: the server's model changed during the stream ({version}, then "
-                                   f"{r.model_version}); call again")
-            version = self.model_version = r.model_version
-            if r.first_index != sum(len(p) for p in parts):
-                raise RuntimeError(f"embed_stream: chunk starting at {r.first_index} came out of order")
-            parts.append(self._rows(r))
+        call = self._stub.EmbedStream(requests(), timeout=self._t(timeout))
+        try:
+            for r in call:
+                if version is not None and r.model_version != version:
+                    raise RuntimeError(f"embed_stream: the server's model changed during the stream ({version}, "
+                                       f"then {r.model_version}); call again")
+                version = self.model_version = r.model_version
+                if r.first_index != sum(len(p) for p in parts):
+                    raise RuntimeError(f"embed_stream: chunk starting at {r.first_index} came out of order")
+                parts.append(self._rows(r))
+        except BaseException:
+            call.cancel()  # stop sending `texts` and the server's work on them
+            raise
         return np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
 
     def tokenize(self, texts: Sequence[str] | str, *, timeout: Optional[float] = None) -> list:

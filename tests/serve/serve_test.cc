@@ -231,8 +231,12 @@ TEST(ServeService, AFailedReloadKeepsTheModelServing) {
 }
 
 TEST(ServeFrontEnds, LoopbackAddresses) {
-  for (const char* host : {"127.0.0.1", "127.1.2.3", "::1", "localhost"}) EXPECT_TRUE(is_loopback(host)) << host;
-  for (const char* host : {"0.0.0.0", "10.0.0.1", "::", "128.0.0.1", "example.com", ""}) {
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "::1", "localhost", "LOCALHOST", "localhost.",
+                           "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1"}) {
+    EXPECT_TRUE(is_loopback(host)) << host;
+  }
+  for (const char* host : {"0.0.0.0", "10.0.0.1", "::", "128.0.0.1", "example.com", "", "::ffff:10.0.0.1",
+                           "localhost.example.com"}) {
     EXPECT_FALSE(is_loopback(host)) << host;
   }
 }

@@ -30,12 +30,13 @@ void run(ServeArgs& a) {
   mallopt(M_ARENA_MAX, 1);
   apply_threads(a.threads);
   serve::ServerOptions o = a.o;
+  HEADS_CHECK(o.service.max_queue_texts >= o.service.max_texts, "--max-queue ", o.service.max_queue_texts,
+              " must be at least --max-texts ", o.service.max_texts, " (a full request must fit in the queue)");
   o.service.model_dir = model_dir(a.model);
   o.service.precision = precision_choice(a.dtype);
   o.service.truncate = !a.no_truncate;
   o.service.threads = a.threads;
-  HEADS_CHECK(o.service.max_queue_texts >= o.service.max_texts, "--max-queue ", o.service.max_queue_texts,
-              " must be at least --max-texts ", o.service.max_texts, " (a full request must fit in the queue)");
+
   o.service.cache.memory_bytes = a.cache_mb << 20;
   o.service.cache.disk_dir = a.cache_dir;
   o.service.cache.disk_bytes = a.disk_cache_mb << 20;

@@ -193,6 +193,13 @@ void EmbeddingCache::disk_put(std::string_view version, std::string_view text, c
   }
   MDB_val k{digest.size(), const_cast<char*>(digest.data())}, v{value.size(), value.data()};
   if (rc == MDB_SUCCESS) rc = mdb_put(txn, disk_->dbi, &k, &v, 0);
+  if (rc == MDB_MAP_FULL) {  // full below the cap (free pages too scattered for the value): empty it
+    rc = mdb_drop(txn, disk_->dbi, 0);
+    if (rc == MDB_SUCCESS) {
+      metrics_->add("heads_cache_evictions_total", {{"tier", "disk"}});
+      rc = mdb_put(txn, disk_->dbi, &k, &v, 0);
+    }
+  }
   if (rc == MDB_SUCCESS) {
     rc = mdb_txn_commit(txn);  // frees the transaction, failed or not
   } else {

@@ -4,7 +4,8 @@
 //   2. disk (optional): an LMDB database in a directory, which survives restarts. Its keys are
 //      SHA-256 digests of (version, text); the value holds the text too, which a read compares, so a
 //      digest collision is a miss, never a wrong answer. When its data reaches the cap it is
-//      emptied and starts over (counted in the metrics); the file can grow to twice the cap.
+//      emptied and starts over (counted in the metrics); the file can grow to twice the cap (or stays at
+//      the size an earlier run with a larger cap left).
 // A disk hit is copied into memory. Every method is thread-safe.
 #pragma once
 

@@ -1,5 +1,6 @@
 // grpc_api.cc — the gRPC front end of `heads serve`: the heads.v1.Embedder service
 // (proto/heads/v1/heads.proto), the standard grpc.health.v1 health service and server reflection.
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -118,13 +119,12 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
   grpc::Status EmbedStream(grpc::ServerContext* ctx,
                            grpc::ServerReaderWriter<heads::v1::EmbedResponse, heads::v1::EmbedRequest>* stream) override {
     return timed("EmbedStream", ctx, [&] {
-      // This thread reads chunks and submits them; the writer sends their results in order. At most
-      // `cap` texts of one stream are in the server at a time (the reader waits for the writer), so
-      // a long stream neither fills the batcher's queue nor piles up results a slow client has not
-      // read. A failed chunk ends the stream: the call is cancelled, which also wakes a client that
-      // waits for each answer before sending more.
+      // This thread reads chunks and submits them; the writer sends their results in order. All
+      // streams together have a bounded number of texts in the server (Service::acquire_stream_texts:
+      // the reader waits for answers first), so long streams neither fill the batcher's queue nor
+      // pile up results a slow client has not read. A failed chunk ends the stream with its status
+      // at once, which also wakes a client that waits for each answer before sending more.
       const Options& opt = service_->options();
-      const int64_t cap = std::max(opt.max_texts, opt.max_queue_texts / 4);
       struct Pending {
         int64_t first, n;
         std::future<EmbedResult> result;
@@ -132,7 +132,6 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
       std::mutex mu;
       std::condition_variable cv;
       std::deque<Pending> pending;
-      int64_t in_flight = 0;
       bool reading_done = false;
       grpc::Status status = grpc::Status::OK;
       std::thread writer([&] {
@@ -144,12 +143,15 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
           pending.pop_front();
           lock.unlock();
           const EmbedResult r = p.result.get();
+          service_->release_stream_texts(p.n);
           lock.lock();
-          in_flight -= p.n;
           const bool write = status.ok() && r.code == Code::Ok;
           if (status.ok() && r.code != Code::Ok) {
             status = grpc::Status(grpc_code(r.code), "texts from " + std::to_string(p.first) + ": " + r.message);
-            ctx->TryCancel();
+            // Ends the call now with this status (the reader may be blocked in Read); TryCancel
+            // would end it as a bare CANCELLED.
+            grpc_call_cancel_with_status(ctx->c_call(), static_cast<grpc_status_code>(status.error_code()),
+                                         status.error_message().c_str(), nullptr);
           }
           lock.unlock();
           cv.notify_all();
@@ -175,17 +177,19 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
         int64_t next = 0;
         while (stream->Read(&req)) {
           const auto n = static_cast<int64_t>(req.texts_size());
+          if (!service_->acquire_stream_texts(n, [ctx] { return ctx->IsCancelled(); })) break;
           {
-            std::unique_lock lock(mu);
-            cv.wait(lock, [&] { return !status.ok() || in_flight == 0 || in_flight + n <= cap; });
-            if (!status.ok()) break;
+            std::lock_guard lock(mu);
+            if (!status.ok()) {
+              service_->release_stream_texts(n);
+              break;
+            }
           }
           // Each chunk gets its own default deadline when the client set none.
           auto f = service_->embed({req.texts().begin(), req.texts().end()}, request_context(ctx, opt.timeout_ms));
           {
             std::lock_guard lock(mu);
             pending.push_back({next, n, std::move(f)});
-            in_flight += n;
           }
           cv.notify_all();
           next += n;

@@ -132,6 +132,9 @@ class HttpFrontEnd : public FrontEnd {
                   ":", port, " (in use?)");
     }
     thread_ = std::thread([this] { server_->listen_after_bind(); });
+    // stop() does nothing until the listener runs: wait for it, so that a failure right after
+    // (the gRPC port in use) can stop it.
+    for (int i = 0; i < 10000 && !server_->is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     return port;
   }
 

@@ -2,9 +2,11 @@
 #include "server.h"
 
 #include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -38,10 +40,17 @@ void log_json(const std::string& event, const std::string& fields_json_object) {
   std::fflush(stderr);
 }
 
-bool is_loopback(const std::string& host) {
-  if (host == "localhost" || host == "::1") return true;
+bool is_loopback(const std::string& name) {
+  std::string host;
+  for (char c : name) host += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (!host.empty() && host.back() == '.') host.pop_back();  // "localhost."
+  if (host == "localhost") return true;
   in_addr a{};
-  return inet_pton(AF_INET, host.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+  if (inet_pton(AF_INET, host.c_str(), &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
+  in6_addr a6{};
+  if (inet_pton(AF_INET6, host.c_str(), &a6) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&a6)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127;  // ::ffff:127.x.y.z
 }
 
 std::string read_text_file(const std::string& path, const char* what) {

@@ -47,7 +47,7 @@ std::future<EmbedResult> ready(EmbedResult r) {
 
 }  // namespace
 
-std::string model_version(const std::string& dir, const std::string& name, const std::string& dtype) {
+std::string model_digest(const std::string& dir) {
   // The files SentenceEncoder::load reads (sentence_encoder.h, bert.h), those present.
   static const char* kFiles[] = {"config.json",        "model.safetensors", "vocab.txt",
                                  "tokenizer_config.json", "sentence_bert_config.json", "modules.json",
@@ -67,7 +67,7 @@ std::string model_version(const std::string& dir, const std::string& name, const
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   HEADS_CHECK(EVP_DigestFinal_ex(ctx.get(), md, &n) == 1, "sha256 failed");
-  return name + "-" + dtype + "-" + to_hex(md, 6);
+  return to_hex(md, 6);
 }
 
 Service::Service(const Options& options, Metrics* metrics)
@@ -111,9 +111,9 @@ std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
   HEADS_CHECK(fs::is_directory(dir), "model: ", dir, " is not a directory");
   // The version names the files loaded: hashed before and after loading, so that a directory
   // being rewritten meanwhile is an error, not embeddings cached under another model's version.
-  const std::string digest = model_version(dir, "", "");
+  const std::string digest = model_digest(dir);
   auto enc = std::make_shared<SentenceEncoder>(SentenceEncoder::load(dir, opt_.precision));
-  HEADS_CHECK(model_version(dir, "", "") == digest, "model: the files of ", dir,
+  HEADS_CHECK(model_digest(dir) == digest, "model: the files of ", dir,
               " changed while they were loaded; try again once they are complete");
   // Whoever drops the last reference frees the model and gives its pages back: glibc keeps freed
   // memory in the heap of the thread that allocated it (and the CLI raises the trim threshold), so
@@ -128,7 +128,7 @@ std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
     const fs::path p = fs::path(dir).lexically_normal();
     m->name = (p.has_filename() ? p.filename() : p.parent_path().filename()).string();
   }
-  m->version = model_version(dir, m->name, m->dtype);
+  m->version = m->name + "-" + m->dtype + "-" + digest;
   m->dir = dir;
   m->encoder = std::move(enc);
   return m;
@@ -171,6 +171,25 @@ void Service::with_model(const std::function<void(const LoadedModel&)>& f) {
   std::lock_guard compute(compute_mu_);
   if (opt_.threads > 0) set_num_threads(opt_.threads);  // OpenMP's thread count is per calling thread
   f(*m);
+}
+
+bool Service::acquire_stream_texts(int64_t n, const std::function<bool()>& gone) {
+  const int64_t budget = std::max(opt_.max_texts, opt_.max_queue_texts / 2);
+  std::unique_lock lock(stream_mu_);
+  while (stream_texts_ > 0 && stream_texts_ + n > budget) {
+    if (gone()) return false;
+    stream_cv_.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  stream_texts_ += n;
+  return true;
+}
+
+void Service::release_stream_texts(int64_t n) {
+  {
+    std::lock_guard lock(stream_mu_);
+    stream_texts_ -= n;
+  }
+  stream_cv_.notify_all();
 }
 
 void Service::drain() {

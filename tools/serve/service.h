@@ -94,6 +94,12 @@ class Service {
   // comes back as the error. One reload at a time: a second one meanwhile is ResourceExhausted.
   EmbedResult reload(const std::string& dir);
 
+  // Streams (EmbedStream) share a budget of max(max_texts, max_queue_texts / 2) texts in the server:
+  // acquire waits until n more fit (or none are taken), polling `gone` (false: the caller left);
+  // release gives them back once answered.
+  bool acquire_stream_texts(int64_t n, const std::function<bool()>& gone);
+  void release_stream_texts(int64_t n);
+
   // Marks the server as shutting down (health: not ready, the batcher stops waiting for more
   // requests); requests keep being served while the front ends finish theirs.
   void drain();
@@ -128,10 +134,14 @@ class Service {
   bool stop_ = false;
   std::atomic<bool> draining_{false};
   std::thread worker_;
+  std::mutex stream_mu_;
+  std::condition_variable stream_cv_;
+  int64_t stream_texts_ = 0;
 };
 
-// The version string of a model directory: `name`, the dtype and a digest of the files the encoder
-// reads (the same files give the same version across restarts, so the disk cache stays valid).
-std::string model_version(const std::string& dir, const std::string& name, const std::string& dtype);
+// 12 hex digits of a SHA-256 over the files of a model directory the encoder reads. A model's
+// version is "<name>-<dtype>-<digest>": the same files give the same version across restarts, so
+// the disk cache stays valid.
+std::string model_digest(const std::string& dir);
 
 }  // namespace heads::serve
