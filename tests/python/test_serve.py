@@ -493,6 +493,37 @@ def test_a_port_in_use_is_a_clean_error():
             assert r.returncode == 1 and f"{flag} {port}" in r.stderr and "in use?" in r.stderr, r.stderr
 
 
+def test_drain_turns_health_503_while_calls_finish():
+    s = Server("--drain-seconds", 30)
+    with s.client() as c:
+        gate = threading.Event()
+
+        def chunks():  # a stream that stays open until the test lets it end
+            yield heads_pb2.EmbedRequest(texts=["first"])
+            gate.wait(60)
+            yield heads_pb2.EmbedRequest(texts=["second"])
+
+        with cf.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(lambda: [r.first_index for r in c._stub.EmbedStream(chunks(), timeout=120)])
+            s.wait_for("heads_texts_total", 1)
+            s.proc.send_signal(signal.SIGTERM)
+            s.wait_for("heads_ready", 0)
+            # HTTP still answers while gRPC drains (new gRPC connections are refused by then)
+            assert s.get("/health")[0] == 503 and s.get("/live")[0] == 200
+            gate.set()
+            assert stream.result(60) == [0, 1]  # the open stream was answered in full
+    assert s.stop() == 0
+
+
+def test_oversized_body_is_413():
+    s = Server()
+    try:
+        status, reply, _ = s.request("POST", "/v1/embeddings", b'{"input": "' + b"a" * (65 << 20) + b'"}')
+        assert status == 413 and b"64 MiB" in reply
+    finally:
+        assert s.stop() == 0
+
+
 def test_bad_flags_and_model():
     r = subprocess.run([HEADS, "serve", "--model", "/nonexistent", "--http-port", "0", "--grpc-port", "0"],
                        capture_output=True, text=True, timeout=60)
