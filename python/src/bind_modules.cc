@@ -84,12 +84,13 @@ template <class Module, class Tape>
 nb::object encoder_forward(const Module& s, const InArray& src, const std::optional<InArray>& mask,
                            const std::optional<InArray>& src_key_padding_mask, bool is_causal, bool torch_out,
                            Tape* tape) {
-  const Tensor x = view_of(src, "src");
-  const Tensor mk = opt_view(mask, std::is_same_v<Module, TransformerEncoder> ? "mask" : "src_mask");
-  const Tensor kp = opt_view(src_key_padding_mask, "src_key_padding_mask");
+  Tensor x = view_of(src, "src");
+  Tensor mk = opt_view(mask, std::is_same_v<Module, TransformerEncoder> ? "mask" : "src_mask");
+  Tensor kp = opt_view(src_key_padding_mask, "src_key_padding_mask");
   Tensor out;
   {
     nb::gil_scoped_release release;
+    if (tape != nullptr) own_for_tape({&x, &mk, &kp});
     if constexpr (std::is_same_v<Module, TransformerEncoder>) {
       out = s.forward(x, mk, kp, is_causal, nullptr, tape);
     } else {
@@ -229,11 +230,12 @@ void bind_mha(nb::module_& m) {
              a.need_weights = need_weights;
              a.average_attn_weights = average_attn_weights;
              a.is_causal = is_causal;
-             const heads::Tensor q = view_of(query, "query");
-             const heads::Tensor k = view_of(key, "key"), v = view_of(value, "value");
+             heads::Tensor q = view_of(query, "query");
+             heads::Tensor k = view_of(key, "key"), v = view_of(value, "value");
              std::pair<heads::Tensor, heads::Tensor> r;
              {
                nb::gil_scoped_release release;
+               if (tape != nullptr) own_for_tape({&q, &k, &v, &a.key_padding_mask, &a.attn_mask});
                r = s.forward(q, k, v, a);
              }
              return nb::make_tuple(to_array(r.first, torch_out), to_array(r.second, torch_out));

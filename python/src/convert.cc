@@ -2,6 +2,10 @@
 
 #include "convert.h"
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "heads/error.h"
 
 namespace heads::py {
@@ -52,6 +56,24 @@ Tensor view_of(const InArray& a, const char* name) {
 
 Tensor opt_view(const std::optional<InArray>& a, const char* name) {
   return a ? view_of(*a, name) : Tensor();
+}
+
+void own_for_tape(std::initializer_list<Tensor*> tensors) {
+  std::vector<std::pair<Tensor, Tensor>> done;  // (view, its copy)
+  for (Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    const auto same = std::find_if(done.begin(), done.end(), [&](const auto& d) {
+      return d.first.raw_data() == t->raw_data() && d.first.shape() == t->shape() &&
+             d.first.strides() == t->strides() && d.first.dtype() == t->dtype();
+    });
+    if (same != done.end()) {
+      *t = same->second;
+    } else {
+      Tensor copy = t->clone();
+      done.emplace_back(*t, copy);
+      *t = copy;
+    }
+  }
 }
 
 nb::object to_array(const Tensor& t, bool torch) {

@@ -24,6 +24,12 @@ using Items = std::vector<std::pair<std::string, InArray>>;  // a state dict fro
 // A view of the array's memory (the caller keeps the array alive while the view is used).
 Tensor view_of(const InArray& a, const char* name);
 Tensor opt_view(const std::optional<InArray>& a, const char* name);
+
+// A tape outlives the forward call, and what it keeps must not view the caller's arrays: Python may
+// free them, or torch reuse their memory, before the backward runs. Replaces each defined tensor by
+// an owned copy; tensors that were views of the same memory (self-attention's query, key and value)
+// share one copy, so they stay recognisably the same.
+void own_for_tape(std::initializer_list<Tensor*> tensors);
 // A numpy array (or torch tensor) owning a reference to the tensor's storage; None if undefined.
 nb::object to_array(const Tensor& t, bool torch);
 inline nb::object to_numpy(const Tensor& t) { return to_array(t, false); }

@@ -133,3 +133,50 @@ def test_torch_module_trains_like_nn_multihead_attention(i, check):
             check("torch-module grad", p.grad, pr.grad, f"{name}: {what}", tol=1e-3, floor=floor)
         opt_ref.step()
         opt.step()
+
+
+
+def test_tape_keeps_its_inputs_alive():
+    # The backward must not read the caller's input arrays, which may be freed (and their memory
+    # reused) between forward and backward: a tape keeps copies. Self-attention, cross-attention
+    # with a padding mask, and the encoder layer; numpy and torch inputs. (Found under DDP: a
+    # pre-norm block's LayerNorm output, freed after the forward, gave NaN in_proj_weight gradients.)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 11, 32, generator=g)
+    mem = torch.randn(3, 7, 32, generator=g)
+    pad = torch.rand(3, 7, generator=g) < 0.3
+    pad[:, 0] = False
+    dout = torch.randn(3, 11, 32, generator=g).numpy()
+    mha = heads.MultiheadAttention(32, 4, batch_first=True)
+    layer = heads.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+
+    def run(module, make, keep: bool):
+        tape = heads.Tape()
+        args, kw = make()
+        out = module(*args, **kw, tape=tape)
+        out = np.asarray(out[0] if isinstance(out, tuple) else out)
+        held = (args, kw) if keep else None
+        if not keep:  # free the inputs, then take their memory back filled with NaN
+            sizes = [a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
+                     for a in list(args) + list(kw.values())]
+            del args, kw
+            junk = [np.full(n, np.nan, dtype=np.float32) for n in sizes for _ in range(8)]
+            junk += [torch.full((n,), float("nan")) for n in sizes for _ in range(8)]
+        grads = module.backward(tape, dout)
+        inputs = grads[0] if isinstance(grads[0], tuple) else (grads[0],)
+        del held
+        return out, [np.asarray(a) for a in inputs if a is not None] + [np.asarray(v) for v in grads[1].values()]
+
+    cases = [
+        (mha, lambda: ((x.numpy().copy(),) * 3, {}), "self-attention, numpy"),
+        (mha, lambda: ((lambda y: (y, y, y))(x.clone()), {}), "self-attention, torch"),
+        (mha, lambda: ((x.clone(), mem.clone(), mem.clone() * 2), {"key_padding_mask": pad.clone()}),
+         "cross-attention with a padding mask, torch"),
+        (layer, lambda: ((x.clone(),), {}), "encoder layer (norm_first), torch"),
+    ]
+    for module, make, what in cases:
+        out_a, grads_a = run(module, make, keep=True)
+        out_b, grads_b = run(module, make, keep=False)
+        assert np.array_equal(out_a, out_b) and len(grads_a) == len(grads_b), what
+        for a, b in zip(grads_a, grads_b):
+            assert np.isfinite(b).all() and np.array_equal(a, b), what
