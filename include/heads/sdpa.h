@@ -71,6 +71,11 @@ struct SdpaOptions {
   Tensor block_mask;                     // [nQB, nKB] or [H, nQB, nKB] bool: block-sparse layout
   int64_t block_size = 128;              // queries and keys per block of block_mask
   Tensor head_mask;                      // [B, H] or [H] bool: heads computed (false: skipped, zero)
+  // Backward only: k and v are one block of a longer key sequence, and fwd.out / fwd.lse passed to
+  // the backward are those of the whole sequence (as sdpa_merge_ builds them). The gradients are
+  // then this block's share: dk, dv of its keys, and a dq to be summed over the blocks (ring and
+  // blockwise attention). Not with sinks (their gradient is of the whole row).
+  bool partial_keys = false;
 };
 
 // The ALiBi slopes of an H-head model (Press et al.; BLOOM's build_alibi_tensor, also for H not a
@@ -87,6 +92,14 @@ struct SdpaResult {
   Tensor lse;      // [B, H, Lq] f32 log-sum-exp of the masked, scaled scores (-inf: fully masked)
   uint64_t dropout_seed = 0;  // the dropout stream used (pass it to the backward)
 };
+
+// Attention over the union of two disjoint key sets, from attention over each: with a = (out,
+// lse) and b = (out_b, lse_b) as sdpa returns them,
+//   lse <- log(e^lse + e^lse_b),  out <- (e^lse · out + e^lse_b · out_b) / (e^lse + e^lse_b),
+// row by row, in place (out: f32 [B, H, Lq, Dv] with a unit inner stride; lse: f32 [B, H, Lq]
+// contiguous). A row that neither part saw (lse = -inf in both) stays zeros with lse = -inf. out_b
+// may be f32 or bf16. This is how blockwise and ring attention combine the blocks of keys.
+void sdpa_merge_(const Tensor& out, const Tensor& lse, const Tensor& out_b, const Tensor& lse_b);
 
 struct SdpaGrads {
   Tensor dq, dk, dv;  // f32, shapes of q, k, v (dk/dv summed over the query heads of a group)

@@ -126,9 +126,10 @@ void bind_sdpa_training(nb::module_& m) {
         [](const InArray& dout, const InArray& query, const InArray& key, const InArray& value,
            const InArray& out, const InArray& lse, uint64_t seed, const std::optional<InArray>& attn_mask,
            double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, bool mask_grad,
-           bool causal_lower_right, const std::optional<Mods>& mods) {
-          const heads::SdpaOptions o =
+           bool causal_lower_right, const std::optional<Mods>& mods, bool partial_keys) {
+          heads::SdpaOptions o =
               sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa, mods);
+          o.partial_keys = partial_keys;
           heads::SdpaResult f;
           f.out = to_4d(view_of(out, "out"), "out");
           f.lse = view_of(lse, "lse");
@@ -148,7 +149,29 @@ void bind_sdpa_training(nb::module_& m) {
         },
         "dout"_a, "query"_a, "key"_a, "value"_a, "out"_a, "lse"_a, "seed"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(), "enable_gqa"_a = false,
-        "mask_grad"_a = false, "causal_lower_right"_a = false, "mods"_a = nb::none());
+        "mask_grad"_a = false, "causal_lower_right"_a = false, "mods"_a = nb::none(), "partial_keys"_a = false);
+  // Blockwise / ring attention: (out, lse) over the union of two key sets, as new tensors.
+  m.def("sdpa_merge",
+        [](const InArray& out, const InArray& lse, const InArray& out_b, const InArray& lse_b) {
+          const heads::Tensor o4 = to_4d(view_of(out, "out"), "out");
+          const heads::Tensor o = o4.to(heads::DType::F32).clone();  // never the caller's memory
+          const heads::Shape rows{o.size(0), o.size(1), o.size(2)};
+          auto rows_of = [&](const InArray& a, const char* name) {
+            const heads::Tensor t = view_of(a, name);
+            HEADS_CHECK(t.numel() == rows[0] * rows[1] * rows[2], "sdpa_merge: ", name, ": expected ", rows,
+                        " (the rows of out ", o4.shape(), "), got ", t.shape());
+            return t.reshape(rows);
+          };
+          const heads::Tensor l = rows_of(lse, "lse").to(heads::DType::F32).clone();
+          const heads::Tensor lb = rows_of(lse_b, "lse_b");
+          const heads::Tensor ob = to_4d(view_of(out_b, "out_b"), "out_b");
+          {
+            nb::gil_scoped_release release;
+            heads::sdpa_merge_(o, l, ob, lb);
+          }
+          return nb::make_tuple(to_array(o, true), to_array(l, true));
+        },
+        "out"_a, "lse"_a, "out_b"_a, "lse_b"_a);
 }
 
 // Backward passes of the functional ops (numpy in / numpy out), for training code and tests.

@@ -142,6 +142,9 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
                 dtype_name(hm.dtype()), " ", hm.shape());
     pb.head_mask = hm.expand({pb.B, pb.H}).contiguous();
   }
+  HEADS_CHECK(!(opts.partial_keys && pb.sinks.defined()), op,
+              ": partial_keys with sinks: a sink's gradient is of the whole row, not of one block of keys");
+  pb.partial_keys = opts.partial_keys;
   HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
               ": dropout_p must be in [0, 1], got ", opts.dropout_p);
   pb.dropout_p = opts.dropout_p;
@@ -384,6 +387,50 @@ SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   }
   auto like = [](const Tensor& t) { return t.defined() ? Tensor::empty(t.shape(), DType::F32) : Tensor(); };
   return sdpa_backward_out(like(q), like(k), like(v), dout, q, k, v, fwd, opts, mask_grad);
+}
+
+void sdpa_merge_(const Tensor& out, const Tensor& lse, const Tensor& out_b, const Tensor& lse_b) {
+  const char* op = "sdpa_merge_";
+  HEADS_CHECK(out.defined() && out.dim() == 4 && out.dtype() == DType::F32 && (out.numel() == 0 || out.stride(3) == 1),
+              op, ": out: expected f32 [B, H, Lq, Dv] with a unit inner stride, got ",
+              out.defined() ? out.shape() : Shape{});
+  const Shape rows{out.size(0), out.size(1), out.size(2)};
+  HEADS_CHECK(lse.defined() && lse.dtype() == DType::F32 && lse.shape() == rows && lse.is_contiguous(), op,
+              ": lse: expected contiguous f32 ", rows, " to match out ", out.shape(), ", got ",
+              lse.defined() ? lse.shape() : Shape{});
+  HEADS_CHECK(out_b.defined() && out_b.shape() == out.shape() &&
+                  (out_b.dtype() == DType::F32 || out_b.dtype() == DType::BF16),
+              op, ": out_b: expected f32 or bf16 ", out.shape(), " like out, got ",
+              out_b.defined() ? out_b.shape() : Shape{});
+  HEADS_CHECK(lse_b.defined() && lse_b.shape() == rows && is_floating(lse_b.dtype()), op,
+              ": lse_b: expected a floating tensor ", rows, " like lse, got ", lse_b.defined() ? lse_b.shape() : Shape{});
+  const Tensor ob = out_b.to(DType::F32).contiguous(), lb = lse_b.to(DType::F32).contiguous();
+  const int64_t B = out.size(0), H = out.size(1), Lq = out.size(2), Dv = out.size(3), n_rows = B * H * Lq;
+  float* o = out.data<float>();
+  float* l = lse.data<float>();
+  const float* pb = ob.data<float>();
+  const float* plb = lb.data<float>();
+  const int64_t s0 = out.stride(0), s1 = out.stride(1), s2 = out.stride(2);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int n_threads = threads_for(4.0 * static_cast<double>(n_rows) * static_cast<double>(Dv), n_rows);
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float la = l[r], lbr = plb[r];
+    if (lbr == kNegInf) continue;  // b saw nothing in this row: a stands (also when a saw nothing)
+    float* orow = o + (r / (H * Lq)) * s0 + (r / Lq % H) * s1 + (r % Lq) * s2;
+    const float* brow = pb + r * Dv;
+    if (la == kNegInf) {  // a saw nothing: b alone
+      std::copy(brow, brow + Dv, orow);
+      l[r] = lbr;
+      continue;
+    }
+    // weights relative to the larger of the two, so that neither exponent overflows
+    const float m = std::max(la, lbr);
+    const float wa = std::exp(la - m), wb = std::exp(lbr - m), sum = wa + wb;
+    const float ca = wa / sum, cb = wb / sum;
+    for (int64_t c = 0; c < Dv; ++c) orow[c] = ca * orow[c] + cb * brow[c];
+    l[r] = m + std::log(sum);
+  }
 }
 
 }  // namespace heads

@@ -439,8 +439,9 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
       // groups of all threads stay well inside the last-level cache (long4k, 2 threads: 256 KB -> 1 MB
       // cut the backward by 9%; 2 MB and more were slower, gpt2k unchanged up to 1 MB).
       .span = kTK * std::clamp<int64_t>((1024 * 1024 / 4) / (kTK * (pb.D + pb.Dv)), 1, kMaxBlocks),
-      // (a sink takes part of each row's mass, so sum P over the keys is not the normaliser: D from O)
-      .one_block = pb.Lk <= kTK && !pb.sinks.defined(),
+      // (a sink takes part of each row's mass, so sum P over the keys is not the normaliser: D from O;
+      // so do the keys of the other blocks when these are one block of a longer sequence)
+      .one_block = pb.Lk <= kTK && !pb.sinks.defined() && !pb.partial_keys,
       // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
       // large to stay in the last-level cache: streamed past it (no reads for ownership, no eviction
       // of the K and V rows still to come).

@@ -46,6 +46,7 @@ struct SdpaProblem {
   Tensor block_mask;       // u8 [Hb, nQB, nKB] contiguous (Hb = 1 or H), undefined: dense
   int64_t block_size = 0;  // queries and keys per block of block_mask
   Tensor head_mask;        // u8 [B, H] contiguous (1 = computed), undefined: every head
+  bool partial_keys = false;  // backward: lse and out are of a longer key sequence (SdpaOptions)
 
   int64_t group() const { return H / Hkv; }
   // Head (b, h) is computed (head_mask); a head that is off is skipped by every kernel.

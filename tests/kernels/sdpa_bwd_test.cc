@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/testing.h"
 #include "heads/runtime.h"
@@ -336,6 +337,91 @@ TEST(SdpaBackward, Bf16GradientsAreTheF32OnesRoundedOnce) {
       }
     }
   }
+}
+
+// Blockwise attention, as ring attention runs it: the keys cut into blocks, each block attended on
+// its own and the (out, lse) pairs merged by sdpa_merge_; then each block's backward from the merged
+// out and lse (partial_keys), dq summed over the blocks. Equal to attention over all keys (the
+// float64 reference), forward and backward, on every ISA path — also where a row sees nothing in
+// some blocks (a bool mask with rows that are empty in a block, and one row empty everywhere).
+TEST(SdpaBackward, KeyBlocksMergeToTheWholeRow) {
+  IsaGuard guard;
+  struct Case { int64_t B, H, Hkv, Lq, D, Dv; std::vector<int64_t> blocks; };
+  for (const Case& c : {Case{1, 1, 1, 1, 8, 8, {1, 7}}, Case{2, 4, 2, 33, 63, 20, {5, 64, 1, 60}},
+                        Case{1, 2, 1, 129, 64, 64, {129, 129}}, Case{2, 2, 2, 7, 80, 17, {300, 29}}}) {
+    int64_t Lk = 0;
+    for (int64_t n : c.blocks) Lk += n;
+    const Tensor q = randn({c.B, c.H, c.Lq, c.D}), k = randn({c.B, c.Hkv, Lk, c.D}), v = randn({c.B, c.Hkv, Lk, c.Dv});
+    const Tensor dout = randn({c.B, c.H, c.Lq, c.Dv});
+    Tensor mask = testing::rand_bool({c.Lq, Lk}, 0.7);
+    uint8_t* mb = static_cast<uint8_t*>(mask.raw_data());
+    for (int64_t j = 0; j < c.blocks[0]; ++j) mb[j] = 0;      // row 0: nothing in the first block
+    if (c.Lq > 1) std::fill(mb + Lk, mb + 2 * Lk, uint8_t{0});  // row 1: nothing at all
+    SdpaOptions whole;
+    whole.attn_mask = mask;
+    whole.enable_gqa = c.H != c.Hkv;
+    whole.scale = 0.2;
+    const SdpaResult want = ref::sdpa_fwd_f64(q, k, v, whole);
+    const SdpaGrads want_g = ref::sdpa_bwd_f64(dout, q, k, v, whole);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const std::string what = "Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(Lk) + " isa=" + isa_name(isa);
+      SdpaResult acc;
+      std::vector<SdpaOptions> opts;
+      for (int64_t j0 = 0; const int64_t n : c.blocks) {
+        SdpaOptions o = whole;
+        o.attn_mask = mask.slice(1, j0, j0 + n);
+        o.partial_keys = true;
+        opts.push_back(o);
+        const SdpaResult part = sdpa(q, k.slice(2, j0, j0 + n), v.slice(2, j0, j0 + n), o);
+        if (!acc.out.defined()) {
+          acc.out = part.out.clone();
+          acc.lse = part.lse.clone();
+        } else {
+          sdpa_merge_(acc.out, acc.lse, part.out, part.lse);
+        }
+        j0 += n;
+      }
+      for (const auto& [got, ref, name] : {std::tuple{&acc.out, &want.out, "out"}, {&acc.lse, &want.lse, "lse"}}) {
+        const auto e = testing::compare(*got, *ref);
+        ASSERT_TRUE(e.within(1e-5, 1e-5)) << what << " " << name << " max err " << e.max_abs;
+      }
+      Tensor dq = Tensor::zeros(q.shape(), DType::F32);
+      const Tensor dk = Tensor::empty(k.shape(), DType::F32), dv = Tensor::empty(v.shape(), DType::F32);
+      for (size_t b = 0, j0 = 0; b < c.blocks.size(); j0 += c.blocks[b], ++b) {
+        const int64_t j1 = static_cast<int64_t>(j0) + c.blocks[b];
+        const Tensor dq_b = Tensor::empty(q.shape(), DType::F32);
+        sdpa_backward_out(dq_b, dk.slice(2, j0, j1), dv.slice(2, j0, j1), dout, q, k.slice(2, j0, j1),
+                          v.slice(2, j0, j1), acc, opts[b]);
+        for (int64_t i = 0; i < dq.numel(); ++i) dq.data<float>()[i] += dq_b.data<float>()[i];
+      }
+      for (const auto& [got, ref, name] :
+           {std::tuple<const Tensor*, const Tensor*, const char*>{&dq, &want_g.dq, "dq"}, {&dk, &want_g.dk, "dk"},
+            {&dv, &want_g.dv, "dv"}}) {
+        const auto e = testing::compare(*got, *ref);
+        ASSERT_TRUE(e.within(1e-5, 1e-5)) << what << " " << name << " max err " << e.max_abs << " (ref max "
+                                          << e.max_ref << ")";
+      }
+    }
+  }
+  // A sink belongs to the whole row: refused with partial_keys.
+  SdpaOptions o;
+  o.sinks = randn({2});
+  o.partial_keys = true;
+  const Tensor q = randn({1, 2, 3, 8}), k = randn({1, 2, 5, 8});
+  EXPECT_NE(testing::error_of([&] { sdpa_backward(q, q, k, k, sdpa(q, k, k, o), o); }).find("partial_keys with sinks"),
+            std::string::npos);
+}
+
+TEST(SdpaMerge, RejectsMismatchedShapes) {
+  const Tensor out = randn({1, 2, 3, 4}), lse = randn({1, 2, 3});
+  EXPECT_NE(testing::error_of([&] { sdpa_merge_(out, lse, randn({1, 2, 3, 5}), lse); }).find("out_b"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] { sdpa_merge_(out, randn({1, 2, 4}), out, lse); }).find("lse: expected"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] { sdpa_merge_(out, lse, out, randn({2, 3})); }).find("lse_b"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { sdpa_merge_(out.to(DType::BF16), lse, out, lse); }).find("out: expected f32"),
+            std::string::npos);
 }
 
 }  // namespace
