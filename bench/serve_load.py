@@ -9,7 +9,8 @@ with its cache off (`--cache-mb 0`) so that both compute every text.
     python3 bench/serve_load.py                     # concurrency 1, 8, 64; 15 s each
     python3 bench/serve_load.py --soak 180          # also: 3 minutes of load with a reload every 20 s
 
-Prints, per server and concurrency: requests/s, texts/s, p50 / p99 latency, errors. The soak
+Prints, per server and concurrency: requests/s, texts/s, p50 / p99 latency, errors, and requests
+sent again once because a kept-alive connection was closed as idle just as they went out. The soak
 prints errors, lost requests (sent but never answered) and the server's RSS over time. Every run
 stops by itself; nothing listens beyond 127.0.0.1.
 """
@@ -173,7 +174,7 @@ def start_st(args, model: str) -> tuple[Proc, int]:
 def run_load(port: int, concurrency: int, seconds: float, texts_per_request: int, reload_every: float = 0,
              reload_dirs=(), pid: int = 0):
     stop = threading.Event()
-    lat, errors, sent, answered = [], [], [0], [0]
+    lat, errors, sent, answered, resent = [], [], [0], [0], [0]
     lock = threading.Lock()
     rss, reload_rss = [], []
 
@@ -187,15 +188,27 @@ def run_load(port: int, concurrency: int, seconds: float, texts_per_request: int
             t0 = time.perf_counter()
             with lock:
                 sent[0] += 1
-            try:
-                conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
-                r = conn.getresponse()
-                data = r.read()
-                # a full parse on 2 cores would slow the servers under test: count the rows instead
-                ok = r.status == 200 and data.count(b'"index"') == len(texts)
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                ok, data = False, str(e).encode()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            for attempt in (0, 1):
+                reused = conn.sock is not None
+                try:
+                    conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+                    r = conn.getresponse()
+                    data = r.read()
+                    # a full parse on 2 cores would slow the servers under test: count the rows instead
+                    ok = r.status == 200 and data.count(b'"index"') == len(texts)
+                    break
+                except (OSError, http.client.HTTPException, ValueError) as e:
+                    ok, data = False, str(e).encode()
+                    conn.close()
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                    # A kept-alive connection the server closed as idle just as this request went out
+                    # fails before any answer: sent again once on a new connection, as HTTP clients do
+                    # (urllib3, requests). Anything else, or a second failure, is an error.
+                    stale = isinstance(e, (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected))
+                    if not (reused and stale and attempt == 0):
+                        break
+                    with lock:
+                        resent[0] += 1
             dt = time.perf_counter() - t0
             with lock:
                 answered[0] += 1
@@ -238,6 +251,7 @@ def run_load(port: int, concurrency: int, seconds: float, texts_per_request: int
         "p99 ms": float(np.percentile(lat_ms, 99)) if len(lat) else float("nan"),
         "errors": len(errors),
         "lost": sent[0] - answered[0],
+        "resent": resent[0],
         "reloads": r,
         "rss": rss,
         "reload_rss": reload_rss,
@@ -263,8 +277,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"# {os.cpu_count()} CPUs, {args.threads} threads per server, {args.texts_per_request} text(s) per request, "
           f"batching: {args.max_wait_ms} ms / {args.max_batch_texts} texts, {args.seconds:.0f} s per level")
-    print("| server | concurrency | requests/s | texts/s | p50 ms | p99 ms | errors |")
-    print("|---|---|---|---|---|---|---|")
+    print("| server | concurrency | requests/s | texts/s | p50 ms | p99 ms | errors | resent on a stale connection |")
+    print("|---|---|---|---|---|---|---|---|")
     results = {}
     for name, start in (("heads serve", start_heads), ("sentence-transformers + FastAPI", start_st)):
         if args.only and (args.only == "heads") != (name == "heads serve"):
@@ -276,7 +290,7 @@ def main() -> None:
                 r = run_load(port, c, args.seconds, args.texts_per_request)
                 results[(name, c)] = r
                 print(f"| {name} | {c} | {r['requests/s']:.1f} | {r['texts/s']:.1f} | {r['p50 ms']:.1f} | "
-                      f"{r['p99 ms']:.1f} | {r['errors']} |", flush=True)
+                      f"{r['p99 ms']:.1f} | {r['errors']} | {r['resent']} |", flush=True)
                 if r["errors"]:
                     print(f"# first error: {r['first_error']!r}", flush=True)
         finally:
@@ -301,9 +315,9 @@ def main() -> None:
         rss = r["rss"]
         third = max(1, len(rss) // 3)
         print(f"\n# soak: {args.soak:.0f} s at concurrency 8, a reload every 20 s (f32 <-> int8)")
-        print("| requests | errors | lost | reloads | RSS first 1/3 (MB, median) | RSS last 1/3 | exit code |")
-        print("|---|---|---|---|---|---|---|")
-        print(f"| {int(r['requests/s'] * args.soak)} | {r['errors']} | {r['lost']} | {r['reloads']} | "
+        print("| requests | errors | lost | resent | reloads | RSS first 1/3 (MB, median) | RSS last 1/3 | exit code |")
+        print("|---|---|---|---|---|---|---|---|")
+        print(f"| {int(r['requests/s'] * args.soak)} | {r['errors']} | {r['lost']} | {r['resent']} | {r['reloads']} | "
               f"{np.median([m for _, m in rss[:third]]):.0f} | {np.median([m for _, m in rss[-third:]]):.0f} | {code} |")
         print("# RSS (MB) 1 s after each reload:", ", ".join(f"{m:.0f}" for m in r["reload_rss"]))
         if r["errors"]:

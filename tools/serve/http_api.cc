@@ -116,9 +116,13 @@ class HttpFrontEnd : public FrontEnd {
     // A worker thread serves one connection at a time, through its keep-alive requests; more
     // connections than threads wait for a free one.
     // Short keep-alive, so that a new connection (a health probe, a scrape) waits little for a thread
-    // even when every thread is busy with a client.
+    // even when every thread is busy with a client. An idle connection is closed after 5 s; responses
+    // advertise 4 s, so that a client which honours Keep-Alive closes it first rather than sending a
+    // request into a connection the server is closing (clients that do not must retry such a request
+    // on a new connection, as urllib3 and bench/serve_load.py do).
     server_->set_keep_alive_max_count(10);
-    server_->set_keep_alive_timeout(2);
+    server_->set_keep_alive_timeout(5);
+    server_->set_default_headers({{"Keep-Alive", "timeout=4, max=10"}});
     routes();
   }
 
