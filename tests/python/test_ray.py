@@ -1,0 +1,140 @@
+"""heads.ray on a local two-node Ray cluster (ray.cluster_utils.Cluster: a head and a worker node, each
+its own raylet and object store, loopback only): Parquet in and out through an actor pool, a killed
+actor mid-job, and the Ray Serve deployment. Embeddings are compared with `heads embed`'s."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import ray
+from ray.cluster_utils import Cluster
+
+import heads.ray as hray
+
+SENTENCES = Path(__file__).parents[2] / "bench" / "sentences.txt"
+
+
+@pytest.fixture(scope="module")
+def texts():
+    lines = [ln for ln in SENTENCES.read_text().splitlines() if ln.strip()]
+    return lines[:240]
+
+
+@pytest.fixture(scope="module")
+def cli_embeddings(texts, tmp_path_factory):
+    """`heads embed` of the same texts: the reference the cluster must reproduce."""
+    d = tmp_path_factory.mktemp("cli")
+    (d / "in.txt").write_text("\n".join(texts) + "\n")
+    cli = os.environ.get("HEADS_CLI", "heads")
+    subprocess.run([cli, "embed", "--input", str(d / "in.txt"), "--output", str(d / "out.npy")], check=True,
+                   capture_output=True)
+    return np.load(d / "out.npy")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    hook = tmp_path_factory.mktemp("hook") / "actors.txt"
+    # two logical CPUs per node (the machine has 2 cores in all): one for an embedding actor, one
+    # for the reads and writes around it (an actor pool that takes every CPU starves them)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 150 * 2**20,
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=2, object_store_memory=150 * 2**20)
+    c.wait_for_nodes()
+    ray.init(address=c.address, runtime_env={"env_vars": {"HEADS_RAY_ACTOR_HOOK": str(hook),
+                                                          "OMP_NUM_THREADS": "1"}},
+             log_to_driver=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    try:
+        yield c, hook
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def write_corpus(path: Path, texts, files: int = 3) -> None:
+    import pyarrow as pa
+
+    path.mkdir(parents=True, exist_ok=True)
+    for f, idx in enumerate(np.array_split(np.arange(len(texts)), files)):
+        pq.write_table(pa.table({"id": idx.astype(np.int64), "text": [texts[i] for i in idx]}),
+                       path / f"part-{f}.parquet")
+
+
+def read_embedded(path: Path):
+    t = pq.read_table(path).to_pydict()
+    return np.array(t["id"]), np.array([np.asarray(e, dtype=np.float32) for e in t["embedding"]])
+
+
+def expect_every_row_once(ids, vectors, cli_embeddings, n: int) -> None:
+    assert sorted(ids.tolist()) == list(range(n)), "every row exactly once"
+    got = vectors[np.argsort(ids)]
+    assert got.shape == cli_embeddings.shape
+    # the same rows as `heads embed`: equal up to the rounding of a different batch composition
+    err = np.abs(got - cli_embeddings).max()
+    assert err <= 1e-6, f"max |ray - heads embed| = {err:.3g}"
+
+
+def test_embed_parquet_on_two_nodes_equals_heads_embed(cluster, texts, cli_embeddings, tmp_path):
+    write_corpus(tmp_path / "in", texts)
+    n = hray.embed_parquet(str(tmp_path / "in"), str(tmp_path / "out"), batch_size=32, actors=2)
+    assert n == len(texts)
+    ids, vectors = read_embedded(tmp_path / "out")
+    expect_every_row_once(ids, vectors, cli_embeddings, len(texts))
+    assert len(ray.nodes()) == 2 and all(nd["Alive"] for nd in ray.nodes())
+
+
+def test_killed_actor_mid_job_every_row_once(cluster, texts, cli_embeddings, tmp_path):
+    _, hook = cluster
+    write_corpus(tmp_path / "in", texts, files=6)
+    hook.write_text("")
+    result = {}
+
+    def job():
+        try:
+            result["n"] = hray.embed_parquet(str(tmp_path / "in"), str(tmp_path / "out"), batch_size=4, actors=2)
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    t = threading.Thread(target=job)
+    t.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and len([p for p in hook.read_text().split() if p]) < 2:
+        time.sleep(0.05)
+    pids = [int(p) for p in hook.read_text().split()]
+    assert len(pids) >= 2, "the actor pool did not start"
+    time.sleep(0.5)  # the actors are embedding
+    assert t.is_alive(), "the job ended before an actor could be killed: make it longer"
+    os.kill(pids[0], signal.SIGKILL)
+    t.join(300)
+    assert not t.is_alive() and "error" not in result, result.get("error")
+    assert result["n"] == len(texts)
+    restarted = [int(p) for p in hook.read_text().split()]
+    assert len(restarted) > len(pids), "no actor was started in place of the killed one"
+    ids, vectors = read_embedded(tmp_path / "out")
+    expect_every_row_once(ids, vectors, cli_embeddings, len(texts))
+
+
+def test_serve_deployment_batches_requests(cluster, texts, cli_embeddings):
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    try:
+        handle = serve.run(hray.deployment(num_replicas=2, max_batch_size=8, batch_wait_timeout_s=0.01),
+                           name="heads", route_prefix=None)
+        chunks = [texts[i:i + 3] for i in range(0, 60, 3)]
+        responses = [handle.remote(c) for c in chunks]  # concurrent: batched by @serve.batch
+        got = np.concatenate([r.result() for r in responses])
+        assert got.dtype == np.float32 and got.shape == (60, cli_embeddings.shape[1])
+        assert np.abs(got - cli_embeddings[:60]).max() <= 1e-6
+        one = handle.remote(texts[7]).result()
+        assert one.shape == (1, cli_embeddings.shape[1])
+    finally:
+        serve.shutdown()
