@@ -5,7 +5,14 @@
 #include <httplib.h>
 #include <openssl/crypto.h>
 
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <charconv>
+#include <cstdlib>
 #include <chrono>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -29,6 +36,51 @@ int http_status(Code c) {
     case Code::Internal: return 500;
   }
   return 500;
+}
+
+// The socket of the connection a request came on: the one whose local port is the server's and whose
+// peer is the request's remote address and port (cpp-httplib 0.11 does not hand it to handlers; the
+// /proc/self/fd scan costs about as much as one small allocation per open descriptor). -1 if none.
+int connection_socket(const httplib::Request& req) {
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return -1;
+  int found = -1;
+  while (const dirent* e = readdir(d)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd == dirfd(d)) continue;
+    sockaddr_storage peer{}, local{};
+    socklen_t pn = sizeof(peer), ln = sizeof(local);
+    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &pn) != 0 ||
+        getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &ln) != 0) {
+      continue;
+    }
+    auto port_of = [](const sockaddr_storage& a) {
+      return a.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port)
+                                    : a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port)
+                                                              : 0;
+    };
+    char host[INET6_ADDRSTRLEN] = {};
+    const void* addr = peer.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in&>(peer).sin_addr)
+                                                 : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6&>(peer).sin6_addr);
+    if ((peer.ss_family != AF_INET && peer.ss_family != AF_INET6) ||
+        inet_ntop(peer.ss_family, addr, host, sizeof(host)) == nullptr) {
+      continue;
+    }
+    if (port_of(peer) == req.remote_port && port_of(local) == req.local_port && req.remote_addr == host) {
+      found = static_cast<int>(fd);
+      break;
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+// The client closed its connection (or reset it): it will not read an answer, as nginx judges a
+// client gone (its 499). Never true for a socket that is merely idle or has more requests queued.
+bool peer_closed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 void send_error(httplib::Response& res, int status, const std::string& type, const std::string& message) {
@@ -197,6 +249,8 @@ class HttpFrontEnd : public FrontEnd {
       if (r.ec == std::errc() && r.ptr == v.data() + v.size() && parsed > 0) ms = std::min<int64_t>(parsed, 3'600'000);
     }
     ctx.deadline = Clock::now() + std::chrono::milliseconds(ms);
+    // The handler waits for the answer, so the connection (and its descriptor) outlives every call.
+    if (const int fd = connection_socket(req); fd >= 0) ctx.cancelled = [fd] { return peer_closed(fd); };
     return ctx;
   }
 
