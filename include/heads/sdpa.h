@@ -71,10 +71,11 @@ struct SdpaOptions {
   Tensor block_mask;                     // [nQB, nKB] or [H, nQB, nKB] bool: block-sparse layout
   int64_t block_size = 128;              // queries and keys per block of block_mask
   Tensor head_mask;                      // [B, H] or [H] bool: heads computed (false: skipped, zero)
-  // Backward only: k and v are one block of a longer key sequence, and fwd.out / fwd.lse passed to
+  // For the backward: k and v are one block of a longer key sequence, and fwd.out / fwd.lse passed to
   // the backward are those of the whole sequence (as sdpa_merge_ builds them). The gradients are
   // then this block's share: dk, dv of its keys, and a dq to be summed over the blocks (ring and
-  // blockwise attention). Not with sinks (their gradient is of the whole row).
+  // blockwise attention). Positions are the block's own: is_causal, attn_mask and block_mask apply
+  // as given (slice them for the block); sinks, ALiBi, a relative bias, windows and dropout are refused.
   bool partial_keys = false;
 };
 

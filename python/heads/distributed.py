@@ -3,8 +3,9 @@
 Each rank of a process group holds one shard of a long sequence: its queries, keys and values. The
 key/value shards travel around the ring of ranks, one step per rank; each rank attends its queries
 to the shard it holds (heads.sdpa, forward and backward in C++) and folds the result into its output
-through the log-sum-exp of every row (heads' ``sdpa_merge``), so no rank ever holds more than two
-shards of K/V, and the sequence can outgrow one machine's memory. The transfer of the next shard runs
+through the log-sum-exp of every row (heads' ``sdpa_merge``). A rank holds a few shards of K/V at a
+time (its own, the one in use, the one arriving and the copy being sent; docs/distributed.md counts
+them), never the whole sequence's, so the sequence can outgrow one machine's memory. The transfer of the next shard runs
 while the current one is computed (heads releases the GIL; gloo moves the bytes on its own threads).
 
     import torch.distributed as dist
@@ -159,6 +160,7 @@ class RingAttentionFunction(_torch.autograd.Function):
                     outs[a], lses[a] = o, lse
                 else:
                     outs[a], lses[a] = _heads.sdpa_merge(outs[a], lses[a], o, lse)
+            del ks, vs  # the shard just used is not kept past its step
             if step + 1 < ring.world:
                 if nxt is None:
                     nxt = ring.shift(_pack(k, v), tag=step)
@@ -203,10 +205,12 @@ class RingAttentionFunction(_torch.autograd.Function):
                 dqs[a].add_(gq.reshape(dqs[a].shape))
                 dks[b].add_(gk.reshape(dks[b].shape))
                 dvs[b].add_(gv.reshape(dvs[b].shape))
+            del ks, vs, dks, dvs
             if dkv_in is not None:  # what the ranks before added to this shard's gradient
                 gk_prev, gv_prev = _unpack(dkv_in.wait(), shapes)
                 dk.add_(gk_prev)
                 dv.add_(gv_prev)
+                del gk_prev, gv_prev
             if step + 1 < ring.world:
                 if nxt is None:
                     nxt = ring.shift(_pack(k, v), tag=2 * step)
@@ -215,6 +219,7 @@ class RingAttentionFunction(_torch.autograd.Function):
                 k, v = _unpack(nxt.wait(), shapes)
             else:
                 dkv = _pack(dk, dv)
+            del dk, dv
         if ring.world > 1:  # the last shift: each shard's gradient home
             dkv = ring.shift(dkv, tag=2 * ring.world).wait()
         dk, dv = _unpack(dkv, shapes)

@@ -37,8 +37,8 @@ class Embedder:
                  output_column: str = "embedding", threads: Optional[int] = None) -> None:
         import heads
 
-        n = threads or max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-        heads.set_num_threads(n)
+        self.threads = threads or max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        heads.set_num_threads(self.threads)
         self.encoder = heads.SentenceEncoder(model_dir, dtype=dtype)
         self.text_column, self.output_column = text_column, output_column
         hook = os.environ.get("HEADS_RAY_ACTOR_HOOK")  # tests: a file each actor notes its pid in
@@ -47,6 +47,9 @@ class Embedder:
                 f.write(f"{os.getpid()}\n")
 
     def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        import heads
+
+        heads.set_num_threads(self.threads)  # per calling thread: Ray may call from another than __init__'s
         texts = batch[self.text_column]
         if len(texts) and not all(isinstance(t, str) for t in texts):
             bad = next(type(t).__name__ for t in texts if not isinstance(t, str))
@@ -101,20 +104,29 @@ def deployment(model_dir: Optional[str] = None, *, dtype: Any = None, num_replic
         @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s)
         async def _batch(self, requests: List[List[str]]) -> List[np.ndarray]:
             texts = [t for r in requests for t in r]
-            out = self.embedder({"text": np.array(texts, dtype=object)})["embedding"] if texts else []
+            out = self.embedder({"text": np.array(texts, dtype=object)})["embedding"]
             vectors, i = [], 0
             for r in requests:
-                vectors.append(np.array(out[i:i + len(r)], dtype=np.float32).reshape(len(r), -1))
+                vectors.append(np.array(out[i:i + len(r)], dtype=np.float32).reshape(len(r), self.dim))
                 i += len(r)
             return vectors
+
+        @property
+        def dim(self) -> int:
+            return self.embedder.encoder.dim
+
+        async def _embed(self, texts) -> np.ndarray:
+            texts = [texts] if isinstance(texts, str) else list(texts)
+            if not texts:  # answered here: an empty request must not join (and fail) a batch
+                return np.zeros((0, self.dim), dtype=np.float32)
+            if not all(isinstance(t, str) for t in texts):
+                raise TypeError("heads.ray deployment: expected a text or a list of texts")
+            return await self._batch(texts)
 
         async def __call__(self, texts) -> np.ndarray:
             if hasattr(texts, "json"):  # an HTTP request through Serve's proxy: {"input": [...]}
                 body = await texts.json()
-                texts = body["input"] if isinstance(body, dict) else body
-                return (await self._batch([str(t) for t in ([texts] if isinstance(texts, str) else texts)])).tolist()
-            if isinstance(texts, str):
-                texts = [texts]
-            return await self._batch(list(texts))
+                return (await self._embed(body["input"] if isinstance(body, dict) else body)).tolist()
+            return await self._embed(texts)
 
     return HeadsEncoder.bind()

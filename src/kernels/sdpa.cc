@@ -144,6 +144,12 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
   }
   HEADS_CHECK(!(opts.partial_keys && pb.sinks.defined()), op,
               ": partial_keys with sinks: a sink's gradient is of the whole row, not of one block of keys");
+  // Positions inside a block are the block's own: what depends on the distance i - j, or draws by
+  // (i, j), would silently differ from the whole sequence's. Masks are the caller's to slice.
+  HEADS_CHECK(!opts.partial_keys || (!opts.alibi_slopes.defined() && !opts.relative_attention_bias.defined() &&
+                                     opts.window_left < 0 && opts.window_right < 0 && opts.dropout_p == 0.0),
+              op, ": partial_keys works in the block's own positions: ALiBi, a relative bias, a window or dropout "
+              "would see different positions than the whole sequence's (give an attn_mask slice instead)");
   pb.partial_keys = opts.partial_keys;
   HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
               ": dropout_p must be in [0, 1], got ", opts.dropout_p);

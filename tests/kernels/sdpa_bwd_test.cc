@@ -411,6 +411,16 @@ TEST(SdpaBackward, KeyBlocksMergeToTheWholeRow) {
   const Tensor q = randn({1, 2, 3, 8}), k = randn({1, 2, 5, 8});
   EXPECT_NE(testing::error_of([&] { sdpa_backward(q, q, k, k, sdpa(q, k, k, o), o); }).find("partial_keys with sinks"),
             std::string::npos);
+  // and so do options that see positions, which a block has only locally
+  for (int which = 0; which < 3; ++which) {
+    SdpaOptions p;
+    p.partial_keys = true;
+    if (which == 0) p.alibi_slopes = randn({2});
+    if (which == 1) p.window_left = 2;
+    if (which == 2) p.dropout_p = 0.1;
+    EXPECT_NE(testing::error_of([&] { sdpa(q, k, k, p); }).find("the block's own positions"), std::string::npos)
+        << which;
+  }
 }
 
 TEST(SdpaMerge, RejectsMismatchedShapes) {

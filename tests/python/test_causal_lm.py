@@ -124,7 +124,10 @@ def test_cached_steps_equal_one_pass(models, name):
         err = (step - full).abs().max().item() / full.abs().max().item()
         assert err <= tol, f"{name} cache {dtype}: relative error {err:.2e}"
     last = lm(ids, last_only=True)
-    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=0)
+    # the head's product over 1 row or over 20 may take different GEMM kernels (bit-equal with
+    # AVX-512, not with AVX2): the same up to f32 rounding
+    err = (last - full[:, -1:]).abs().max().item() / full.abs().max().item()
+    assert err <= 1e-6, f"{name} last_only: relative error {err:.2e}"
 
 
 def test_batched_sequences_and_sharded_checkpoint(models, tmp_path):

@@ -8,6 +8,7 @@ Every rank checks its results itself; a mismatch fails the rank and so the test.
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,9 +40,9 @@ def finish(procs, what: str, timeout: float = 300) -> dict:
             out, _ = p.communicate(timeout=timeout)
             outs.append(out)
     finally:
-        for p in procs:
+        for p in procs:  # each started in its own session: torchrun's workers go with it
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     report = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-3000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
     assert all(p.returncode == 0 for p in procs), f"{what}:\n{report}"
@@ -52,7 +53,7 @@ def finish(procs, what: str, timeout: float = 300) -> dict:
 
 def run_ranks(mode: str, world: int) -> dict:
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                               text=True, env=child_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
              for r in range(world)]
@@ -74,7 +75,7 @@ def test_ddp_under_torchrun():
     assert torchrun, "torchrun (from torch) is not on PATH"
     port = free_port()
     p = subprocess.Popen([torchrun, "--nproc_per_node=2", f"--master_port={port}", str(WORKER), "ddp"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, env=child_env())
     r = finish([p], "ddp under torchrun --nproc_per_node=2")
     assert r["world"] == 2 and r["grad"] <= 1e-6 and r["after_step"] <= 1e-6, r
 
@@ -118,7 +119,7 @@ def test_ddp_across_two_network_namespaces(two_hosts):
         cmd = ["ip", "netns", "exec", ns[node], torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
                f"--master_addr={addrs[0]}", f"--master_port={port}", str(WORKER), "ddp"]
         # gloo on the veth only: the namespaces have no other route between them
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True,
                                       env=child_env(GLOO_SOCKET_IFNAME=veth[node])))
     r = finish(procs, "ddp across two network namespaces")
     assert r["world"] == 2 and r["grad"] <= 1e-6 and r["after_step"] <= 1e-6, r

@@ -45,14 +45,13 @@ def cluster(tmp_path_factory):
     # for the reads and writes around it (an actor pool that takes every CPU starves them)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 150 * 2**20,
                                                       "include_dashboard": False})
-    c.add_node(num_cpus=2, object_store_memory=150 * 2**20)
-    c.wait_for_nodes()
-    ray.init(address=c.address, runtime_env={"env_vars": {"HEADS_RAY_ACTOR_HOOK": str(hook),
-                                                          "OMP_NUM_THREADS": "1"}},
-             log_to_driver=False)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
     try:
+        c.add_node(num_cpus=2, object_store_memory=150 * 2**20)
+        c.wait_for_nodes()
+        ray.init(address=c.address, runtime_env={"env_vars": {"HEADS_RAY_ACTOR_HOOK": str(hook),
+                                                              "OMP_NUM_THREADS": "1"}},
+                 log_to_driver=False)
+        ray.data.DataContext.get_current().enable_progress_bars = False
         yield c, hook
     finally:
         ray.shutdown()
@@ -74,8 +73,10 @@ def read_embedded(path: Path):
 
 
 def expect_every_row_once(ids, vectors, cli_embeddings, n: int) -> None:
+    """Rows 0..n-1 once each; row i is text i % len(texts)."""
     assert sorted(ids.tolist()) == list(range(n)), "every row exactly once"
     got = vectors[np.argsort(ids)]
+    cli_embeddings = cli_embeddings[np.arange(n) % len(cli_embeddings)]
     assert got.shape == cli_embeddings.shape
     # the same rows as `heads embed`: equal up to the rounding of a different batch composition
     err = np.abs(got - cli_embeddings).max()
@@ -93,17 +94,18 @@ def test_embed_parquet_on_two_nodes_equals_heads_embed(cluster, texts, cli_embed
 
 def test_killed_actor_mid_job_every_row_once(cluster, texts, cli_embeddings, tmp_path):
     _, hook = cluster
-    write_corpus(tmp_path / "in", texts, files=6)
+    rows = texts * 3  # 360 batches of 2: both actors stay busy for seconds
+    write_corpus(tmp_path / "in", rows, files=6)
     hook.write_text("")
     result = {}
 
     def job():
         try:
-            result["n"] = hray.embed_parquet(str(tmp_path / "in"), str(tmp_path / "out"), batch_size=4, actors=2)
+            result["n"] = hray.embed_parquet(str(tmp_path / "in"), str(tmp_path / "out"), batch_size=2, actors=2)
         except Exception as e:  # reported below
             result["error"] = e
 
-    t = threading.Thread(target=job)
+    t = threading.Thread(target=job, daemon=True)
     t.start()
     deadline = time.time() + 120
     while time.time() < deadline and len([p for p in hook.read_text().split() if p]) < 2:
@@ -115,11 +117,11 @@ def test_killed_actor_mid_job_every_row_once(cluster, texts, cli_embeddings, tmp
     os.kill(pids[0], signal.SIGKILL)
     t.join(300)
     assert not t.is_alive() and "error" not in result, result.get("error")
-    assert result["n"] == len(texts)
+    assert result["n"] == len(rows)
     restarted = [int(p) for p in hook.read_text().split()]
     assert len(restarted) > len(pids), "no actor was started in place of the killed one"
     ids, vectors = read_embedded(tmp_path / "out")
-    expect_every_row_once(ids, vectors, cli_embeddings, len(texts))
+    expect_every_row_once(ids, vectors, cli_embeddings, len(rows))
 
 
 def test_serve_deployment_batches_requests(cluster, texts, cli_embeddings):
@@ -136,5 +138,9 @@ def test_serve_deployment_batches_requests(cluster, texts, cli_embeddings):
         assert np.abs(got - cli_embeddings[:60]).max() <= 1e-6
         one = handle.remote(texts[7]).result()
         assert one.shape == (1, cli_embeddings.shape[1])
+        # an empty request beside others: answered empty, the others unharmed
+        mixed = [handle.remote([]), handle.remote(texts[:2])]
+        assert mixed[0].result().shape == (0, cli_embeddings.shape[1])
+        assert np.abs(mixed[1].result() - cli_embeddings[:2]).max() <= 1e-6
     finally:
         serve.shutdown()

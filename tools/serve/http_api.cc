@@ -168,13 +168,11 @@ class HttpFrontEnd : public FrontEnd {
     // A worker thread serves one connection at a time, through its keep-alive requests; more
     // connections than threads wait for a free one.
     // Short keep-alive, so that a new connection (a health probe, a scrape) waits little for a thread
-    // even when every thread is busy with a client. An idle connection is closed after 5 s; responses
-    // advertise 4 s, so that a client which honours Keep-Alive closes it first rather than sending a
-    // request into a connection the server is closing (clients that do not must retry such a request
-    // on a new connection, as urllib3 and bench/serve_load.py do).
+    // even when every thread is busy with a client. cpp-httplib advertises both limits in a
+    // Keep-Alive header. A client that sends on an idle connection just as the server closes it
+    // must send that request again on a new connection (as urllib3 and bench/serve_load.py do).
     server_->set_keep_alive_max_count(10);
-    server_->set_keep_alive_timeout(5);
-    server_->set_default_headers({{"Keep-Alive", "timeout=4, max=10"}});
+    server_->set_keep_alive_timeout(2);
     routes();
   }
 
