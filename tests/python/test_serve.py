@@ -525,9 +525,30 @@ def test_drain_turns_health_503_while_calls_finish():
             s.wait_for("heads_ready", 0)
             # HTTP still answers while gRPC drains (new gRPC connections are refused by then)
             assert s.get("/health")[0] == 503 and s.get("/live")[0] == 200
+            # gRPC health: NOT_SERVING, or the check refused outright (a draining server takes no new calls)
+            try:
+                assert c.health() is False
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
             gate.set()
             assert stream.result(60) == [0, 1]  # the open stream was answered in full
     assert s.stop() == 0
+
+
+def test_concurrent_reloads_are_one_at_a_time():
+    # a reload while another loads is refused (409), and the server serves on
+    s = Server()
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: s.post("/admin/reload", {}), range(4)))
+        codes = sorted(r[0] for r in replies)
+        assert set(codes) <= {200, 409} and 200 in codes and 409 in codes, codes
+        conflict = next(r[1] for r in replies if r[0] == 409)
+        assert conflict["error"]["type"] == "resource_exhausted" and conflict["error"]["code"] == 409
+        assert "another reload is in progress" in conflict["error"]["message"]
+        assert s.post("/v1/embeddings", {"input": ["after the reloads"]})[0] == 200
+    finally:
+        assert s.stop() == 0
 
 
 def test_oversized_body_is_413():
