@@ -82,11 +82,13 @@ def embed(ds: "ray.data.Dataset", model_dir: Optional[str] = None, *, dtype: Any
 
 
 def embed_parquet(input_path: str, output_path: str, model_dir: Optional[str] = None, **kw) -> int:
-    """Reads Parquet files with a text column, writes them with an embedding column; returns the rows."""
-    ds = embed(ray.data.read_parquet(input_path), model_dir, **kw)
-    ds = ds.materialize()
-    ds.write_parquet(output_path)
-    return ds.count()
+    """Reads Parquet files with a text column, writes them with an embedding column (streaming: the
+    corpus is never held whole); returns the rows written, from the written files' metadata."""
+    import pyarrow.parquet as pq
+
+    embed(ray.data.read_parquet(input_path), model_dir, **kw).write_parquet(output_path)
+    files = [os.path.join(output_path, f) for f in os.listdir(output_path) if f.endswith(".parquet")]
+    return sum(pq.read_metadata(f).num_rows for f in files)
 
 
 def deployment(model_dir: Optional[str] = None, *, dtype: Any = None, num_replicas: int = 1,
