@@ -42,6 +42,14 @@ Precision precision_from_name(const std::string& s);  // throws heads::Error nam
 // A linear layer's weight [N, K] prepared for a precision: F32 an f32 copy, BF16 a bf16 copy, Int8
 // the int8 rows and their f32 scales, always in memory of its own (never a view of the caller's).
 // Immutable once made; copies share storage.
+// On a CPU where oneDNN has no native matmul for the precision (bf16 without AVX512_BF16 or AMX;
+// int8 without VNNI: there its int8 GEMM is inexact and its bf16 one emulated, and the portable
+// loops ran 12x slower than f32), the weight also keeps its value in f32 and linear() runs the f32
+// GEMM on the same rounded operands: bf16 gives the native products summed in another order; int8
+// multiplies x's two terms summed back, xq·sx + rq·sr, by the dequantized weight, so it also keeps
+// the product of the activations' and the weight's residuals that the integer GEMM drops (smaller
+// than either rounding). Results stay within the error model above, at about f32's speed
+// (linear_gemm_route says which route runs).
 class PackedLinear {
  public:
   PackedLinear() = default;
@@ -64,14 +72,24 @@ class PackedLinear {
   const Tensor& residual_rows() const { return res_rows_; }      // i64 [N'], increasing
   const Tensor& residual_data() const { return res_data_; }      // i8 [N', K]
   const Tensor& residual_scales() const { return res_scales_; }  // f32 [N']
+  // The weight's value in f32 where linear_gemm_route(precision()) is "f32" (undefined elsewhere).
+  const Tensor& wide() const { return wide_; }
   // Output channels [n0, n1): a view sharing storage (e.g. the q, k, v parts of in_proj_weight).
   PackedLinear rows(int64_t n0, int64_t n1) const;
 
  private:
+  void widen_if_needed();
+
   Precision precision_ = Precision::F32;
   Tensor data_, scales_;
   Tensor res_rows_, res_data_, res_scales_;
+  Tensor wide_;  // f32 [N, K], dequantize(*this), where this CPU has no native GEMM for the precision
 };
+
+// How linear() computes with a weight of this precision on the active kernel path: "native"
+// (oneDNN's bf16 / int8 matmul), "f32" (the operands widened to f32, oneDNN's f32 matmul: a CPU
+// without native bf16 / int8 matmul) or "portable" (plain loops: the scalar path).
+std::string linear_gemm_route(Precision p);
 
 // The int8 weights [N0, K], [N1, K], ... stacked by rows into one [N0 + N1 + ..., K] (the q, k, v
 // projections into in_proj_weight), residual rows renumbered.

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -26,9 +27,21 @@ std::string_view dtype_name(DType dt);  // "f32", "f64", "f16", "bf16", "bool", 
 bool is_floating(DType dt);
 std::string shape_str(const Shape& s);  // "[2, 7, 64]"
 
-// Scalar conversions used by the storage formats (round to nearest even).
-float bf16_to_f32(uint16_t h);
-uint16_t f32_to_bf16(float f);
+// Scalar conversions used by the storage formats (round to nearest even). The bf16 pair is inline
+// and branch-free so that loops over arrays vectorize.
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;           // quiet it, keep sign and payload's top
+  return static_cast<uint16_t>((nan ? bits | 0x400000u : rounded) >> 16);
+}
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 

@@ -79,10 +79,65 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
   return best;
 }
 
+// Whether oneDNN has a native matmul for the precision on this CPU (its own detection, which
+// DNNL_MAX_CPU_ISA can lower). Without VNNI (vpdpbusd) its int8 GEMM sums pairs of u8·s8 products in
+// saturating int16 (vpmaddubsw), which values of full 8-bit range overflow (measured with
+// DNNL_MAX_CPU_ISA=AVX2: results off by 10%); without AVX512_BF16 its bf16 matmul is emulated or
+// absent.
+bool onednn_native(Precision p) {
+  static const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto has = [](dnnl::cpu_isa i) { return (isa & static_cast<unsigned>(i)) == static_cast<unsigned>(i); };
+  switch (p) {
+    case Precision::BF16: return has(dnnl::cpu_isa::avx512_core_bf16);
+    case Precision::Int8: return has(dnnl::cpu_isa::avx512_core_vnni) || has(dnnl::cpu_isa::avx2_vnni);
+    case Precision::F32: return true;
+  }
+  return true;
+}
+
+enum class Route { Native, F32, Portable };  // linear_gemm_route's three answers
+
+Route route_of(Precision p) {
+  if (!kernels::active().onednn) return Route::Portable;
+  return onednn_native(p) ? Route::Native : Route::F32;
+}
+
+// y [M, N] (stride ys; f32, or bf16 when y_bf16) = xf [M, K] (contiguous) Wfᵀ + bias through the f32
+// GEMM: the route of a CPU without a native bf16 / int8 matmul.
+void linear_wide(const float* xf, int64_t M, int64_t K, const float* Wf, const float* bias, int64_t N, void* y,
+                 bool y_bf16, int64_t ys) {
+  if (!y_bf16) {
+    kernels::linear_f32(xf, M, K, K, Wf, bias, N, static_cast<float*>(y), ys);
+    return;
+  }
+  const Buffer<float> yf(M * N);
+  kernels::linear_f32(xf, M, K, K, Wf, bias, N, yf.data(), N);
+  const int threads = kernels::gemm_threads(M, N, 1);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) static_cast<uint16_t*>(y)[m * ys + n] = f32_to_bf16(yf[m * N + n]);
+  }
+}
+
 // y [M, N] (row stride ys; f32, or bf16 when y_bf16) from x [M, K] rows (stride xs; f32, or bf16 when
-// x_bf16) through bf16 W [N, K] and bias.
-void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* bias,
-                 int64_t N, void* y, bool y_bf16, int64_t ys) {
+// x_bf16) through bf16 W [N, K] and bias; Wf: W widened to f32, for the f32 route.
+void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* Wf,
+                 const float* bias, int64_t N, void* y, bool y_bf16, int64_t ys) {
+  const Route route = route_of(Precision::BF16);
+  if (route == Route::F32) {  // bf16(x) widened back: the products the native GEMM forms, exact in f32
+    HEADS_CHECK(Wf != nullptr, "linear (bf16): the weight has no f32 copy for this CPU's f32 route");
+    const Buffer<float> xf(M * K);
+    const int threads = kernels::gemm_threads(M, K, 1);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) {
+        xf[m * K + k] = x_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[m * xs + k])
+                               : bf16_to_f32(f32_to_bf16(static_cast<const float*>(x)[m * xs + k]));
+      }
+    }
+    linear_wide(xf.data(), M, K, Wf, bias, N, y, y_bf16, ys);
+    return;
+  }
   const int threads = kernels::gemm_threads(M, N, K);
   const Buffer<uint16_t> converted(x_bf16 ? 1 : M * K);
   const uint16_t* xb = static_cast<const uint16_t*>(x);
@@ -96,19 +151,14 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
     xb = converted.data();
     xbs = K;
   }
-  static std::atomic<bool> unavailable{false};  // oneDNN said it has no bf16 matmul here: stop asking
-  if (kernels::active().onednn && !unavailable.load(std::memory_order_relaxed)) {
+  if (route == Route::Native) {
     try {
       kernels::onednn_matmul({M, K, N, xbs, 1, 1, K, ys, bias != nullptr, threads,
                               y_bf16 ? kernels::MatmulTypes::Bf16Out : kernels::MatmulTypes::Bf16},
                              xb, W, bias, y);
       return;
     } catch (const dnnl::error& e) {
-      // oneDNN has no bf16 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
-      unavailable.store(e.status == dnnl_unimplemented, std::memory_order_relaxed);
-      if (e.status != dnnl_unimplemented) {
-        fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
-      }
+      fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
     }
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -126,19 +176,6 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
   }
 }
 
-// oneDNN's int8 GEMM is exact only with VNNI (vpdpbusd): without it, it sums pairs of u8·s8
-// products in saturating int16 (vpmaddubsw), which values of full 8-bit range overflow. Measured
-// with DNNL_MAX_CPU_ISA=AVX2: results off by 10%. Without VNNI the portable loops run instead.
-bool onednn_has_vnni() {
-  static const bool vnni = [] {
-    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-    const auto has = [&](unsigned bits) { return (isa & bits) == bits; };
-    return has(static_cast<unsigned>(dnnl::cpu_isa::avx512_core_vnni)) ||
-           has(static_cast<unsigned>(dnnl::cpu_isa::avx2_vnni));
-  }();
-  return vnni;
-}
-
 // An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N], and the residual term's
 // Nr rows Wr [Nr, K] with scales swr [Nr] added to the outputs rrows[j].
 struct Int8Weight {
@@ -149,6 +186,7 @@ struct Int8Weight {
   const float* swr = nullptr;
   const int64_t* rrows = nullptr;
   int64_t Nr = 0;
+  const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
 };
 
 // The same through an int8 weight. Each row of x is quantized in two int8 terms (the kernel table's
@@ -156,9 +194,29 @@ struct Int8Weight {
 // all); both go through one integer GEMM as rows [0, M) and [M, 2M), then y = (acc·sx + acc_r·sr)·
 // sw[n] + b[n]. The weight's residual rows go through a second GEMM with the value rows [0, M) only,
 // into columns [N, N + Nr), and add acc·sx·swr[j]: their product with the activations' residual is
-// below both terms' rounding (a step of one times a step of the other).
+// below both terms' rounding (a step of one times a step of the other). On the f32 route the two
+// terms are summed back into f32 rows, xq·sx + rq·sr, and go through the f32 GEMM with the
+// dequantized weight (both terms of residual rows).
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys) {
+  const Buffer<int8_t> xq(2 * M * K);
+  const Buffer<float> sx(2 * M);
+  kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
+  const Route route = route_of(Precision::Int8);
+  if (route == Route::F32) {
+    HEADS_CHECK(w.wide != nullptr, "linear (int8): the weight has no f32 copy for this CPU's f32 route");
+    const Buffer<float> xf(M * K);
+    const int threads = kernels::gemm_threads(M, K, 1);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* q1 = xq.data() + m * K;
+      const int8_t* q2 = xq.data() + (M + m) * K;
+      const float s1 = sx[m], s2 = sx[M + m];
+      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = static_cast<float>(q1[k]) * s1 + static_cast<float>(q2[k]) * s2;
+    }
+    linear_wide(xf.data(), M, K, w.wide, bias, w.N, y, false, ys);
+    return;
+  }
   // The residual rows' GEMM runs over a multiple of kResidualBlock rows (zero rows after the last):
   // one primitive shape for most layers' few rows instead of one per layer (oneDNN creates each
   // shape once, in milliseconds).
@@ -171,13 +229,10 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     std::fill(wr_padded.data() + Nr * K, wr_padded.data() + Nrp * K, int8_t{0});
     Wr = wr_padded.data();
   }
-  const Buffer<int8_t> xq(2 * M * K);
-  const Buffer<float> sx(2 * M);
   const Buffer<int32_t> acc(2 * M * Nt);
   const int threads = kernels::gemm_threads(2 * M, Nt, K);
-  kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
   bool done = false;
-  if (kernels::active().onednn && onednn_has_vnni()) {
+  if (route == Route::Native) {
     try {
       kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(), w.W,
                              nullptr, acc.data());
@@ -281,6 +336,20 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
       res_scales_ = Tensor::from_vector(rs, {Nr});
     }
   }
+  widen_if_needed();
+}
+
+void PackedLinear::widen_if_needed() {
+  if (precision_ != Precision::F32 && !onednn_native(precision_)) wide_ = dequantize(*this);
+}
+
+std::string linear_gemm_route(Precision p) {
+  switch (route_of(p)) {
+    case Route::Native: return "native";
+    case Route::F32: return "f32";
+    case Route::Portable: return "portable";
+  }
+  return "?";
 }
 
 PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name,
@@ -303,7 +372,10 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
   }
   const int given = residual_rows.defined() + residual_data.defined() + residual_scales.defined();
   HEADS_CHECK(given == 0 || given == 3, name, ": the residual term needs its rows, data and scales together");
-  if (given == 0) return p;
+  if (given == 0) {
+    p.widen_if_needed();
+    return p;
+  }
   const int64_t N = data.size(0), K = data.size(1);
   HEADS_CHECK(residual_rows.dtype() == DType::I64 && residual_rows.dim() == 1, name,
               ": residual rows: expected i64 [rows], got ", dtype_name(residual_rows.dtype()), " ",
@@ -326,6 +398,7 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
     HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": residual scale ", j, " must be finite and positive, got ", s);
   }
   if (Nr == 0) p.res_rows_ = p.res_data_ = p.res_scales_ = Tensor();
+  p.widen_if_needed();
   return p;
 }
 
@@ -358,6 +431,7 @@ PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
   PackedLinear p = *this;
   p.data_ = data_.slice(0, n0, n1);
   if (scales_.defined()) p.scales_ = scales_.slice(0, n0, n1);
+  if (wide_.defined()) p.wide_ = wide_.slice(0, n0, n1);
   if (res_rows_.defined()) {  // the residual rows in range, renumbered from n0
     const int64_t* r = res_rows_.data<int64_t>();
     const int64_t Nr = res_rows_.numel();
@@ -482,10 +556,11 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
   }
   Tensor y = Tensor::empty(ys, out);
   if (w.precision() == Precision::BF16) {
-    linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()), bias, N,
-                y.raw_data(), out == DType::BF16, N);
+    linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()),
+                w.wide().defined() ? w.wide().data<float>() : nullptr, bias, N, y.raw_data(), out == DType::BF16, N);
   } else {
     Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(), N};
+    iw.wide = w.wide().defined() ? w.wide().data<float>() : nullptr;
     if (w.residual_rows().defined()) {
       iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());
       iw.swr = w.residual_scales().data<float>();

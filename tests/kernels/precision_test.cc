@@ -53,14 +53,21 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     for (int64_t j = 0; pw.residual_rows().defined() && j < pw.residual_rows().numel(); ++j) {
       res_index[static_cast<size_t>(pw.residual_rows().data<int64_t>()[j])] = j;
     }
+    // The exact int32 sums make every integer path give the same bits; a path without a native int8
+    // GEMM ("f32" route) sums the dequantized products in f32 (checked below).
     Tensor first;
+    std::vector<std::pair<Isa, Tensor>> widened;
     for (Isa isa : supported_isas()) {
       set_isa(isa);
       const Tensor y = linear(x, pw, b);
-      // The exact int32 sums make every path give the same bits.
+      if (linear_gemm_route(Precision::Int8) == "f32") {
+        widened.emplace_back(isa, y);
+        continue;
+      }
       if (first.defined()) EXPECT_TRUE(testing::bitwise_equal(first, y)) << "isa " << isa_name(isa);
       first = y;
     }
+    ASSERT_TRUE(first.defined());  // the scalar path is always integer
     for (int64_t m = 0; m < s.M; ++m) {
       double sx = 0, sr = 0;
       const float* xm = x.data<float>() + m * s.K;
@@ -121,6 +128,18 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
                     1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n]) +
                             std::fabs(racc * sx * swr)))
             << "m=" << m << " n=" << n;
+        // The f32 route: the rows xq·sx + rq·sr and the weight Wq·sw + Wr·swr, each rounded to f32,
+        // multiplied in f32 (so the two residuals' product is in), summed in f32: within K + 3
+        // roundings of 2^-24 of the sum of |products| of the definition with that product added.
+        for (const auto& [isa, y] : widened) {
+          double mag = std::fabs(b.data<float>()[n]);
+          for (int64_t k = 0; k < s.K; ++k) {
+            const size_t i = static_cast<size_t>(k);
+            mag += std::fabs((xq[i] * sx + rq[i] * sr) * (wq[i] * sw + wr[i] * swr));
+          }
+          EXPECT_NEAR(y.data<float>()[m * s.N + n], defined + racc_r * sr * swr, (s.K + 3) * 6e-8 * mag)
+              << isa_name(isa) << " m=" << m << " n=" << n;
+        }
         // x is off by at most half a residual step (sr/2), W by |W - Wq·sw - Wr·swr| (half a step of
         // the last term, or what clipping cut off), so |y - exact| <= sr/2·Σ|W| + Σ|x|·|ΔW| + sr/2·Σ|ΔW|,
         // plus the dropped product of the two residuals, |Σ rq·sr·Wr·swr|, and the f32 rounding.
