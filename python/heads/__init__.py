@@ -397,6 +397,7 @@ class MultiheadAttention(_Picklable):
     (Xavier-uniform in-projection, zero biases) from heads' generator (``heads.manual_seed``); the
     torch-facing ``heads.torch.MultiheadAttention`` draws them from torch's generator instead.
     ``head_dim`` (extension) sets each head's width when ``num_heads * head_dim != embed_dim``.
+    ``dtype``: the precision of the linear layers in inference, as ``.to(dtype)`` (None: f32).
     """
 
     def __init__(
@@ -420,6 +421,7 @@ class MultiheadAttention(_Picklable):
         head_gate: Optional[str] = None,
         gate_threshold: float = 0.0,
         seed: Optional[int] = None,
+        dtype: Any = None,
     ) -> None:
         width = 1 << 24  # kMaxWidth of the C++ modules
         self._args = dict(
@@ -436,6 +438,8 @@ class MultiheadAttention(_Picklable):
             variant=_variant(attention, feature_map, window, sparse_block, sparse_stride, head_gate, gate_threshold),
         )
         self._m = _heads.MultiheadAttention(**self._args, seed=_seed(seed))
+        if dtype is not None:
+            self.to(dtype)
 
     def _rebuild(self) -> None:
         self._m = _heads.MultiheadAttention(**self._args)
@@ -578,14 +582,17 @@ class TransformerEncoderLayer(_Module):
 
     ``activation`` is "relu", "gelu" (erf form) or "gelu_tanh". ``seed`` (an extension) fixes the
     initial parameters. The self-attention's variant is chosen by the keywords below (with linear
-    attention the layer's dropout stays on its residual branches only).
+    attention the layer's dropout stays on its residual branches only). ``dtype``: the precision of
+    the linear layers in inference, as ``.to(dtype)`` (None: f32); a TransformerEncoder built from
+    the layer keeps it.
     """
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
                  activation: str = "relu", layer_norm_eps: float = 1e-5, batch_first: bool = False,
                  norm_first: bool = False, bias: bool = True, *, attention: str = "softmax", feature_map: str = "elu",
                  window: Optional[int] = None, sparse_block: Optional[int] = None, sparse_stride: int = 4,
-                 head_gate: Optional[str] = None, gate_threshold: float = 0.0, seed: Optional[int] = None) -> None:
+                 head_gate: Optional[str] = None, gate_threshold: float = 0.0, seed: Optional[int] = None,
+                 dtype: Any = None) -> None:
         if callable(activation):
             activation = getattr(activation, "__name__", str(activation))
         width = 1 << 24  # kMaxWidth of the C++ modules
@@ -600,6 +607,8 @@ class TransformerEncoderLayer(_Module):
         self._m = _heads.TransformerEncoderLayer(**self._args, seed=_seed(seed))
         self._training = True
         self._prunes: list = []
+        if dtype is not None:
+            self.to(dtype)
 
     def _rebuild(self) -> None:
         self._m = _heads.TransformerEncoderLayer(**self._args)
@@ -648,9 +657,12 @@ class TransformerEncoder(_Module):
                           final_norm=norm is not None and norm is not False)
         self._m = _heads.TransformerEncoder(**self._args)
         self._prunes: list = []
-        layer_sd = encoder_layer.state_dict()
+        # Every layer a copy of encoder_layer, in its precision (int8: its stored weights, not quantized again).
+        layer_sd = encoder_layer.quantized_state_dict() if encoder_layer.dtype == "int8" else encoder_layer.state_dict()
         self.load_state_dict({f"layers.{i}.{k}": v for i in range(int(num_layers)) for k, v in layer_sd.items()},
                              strict=False)
+        if encoder_layer.dtype == "bf16":
+            self.to("bf16")
         self._training = True
 
     def _rebuild(self) -> None:

@@ -128,6 +128,10 @@ class _MhaFunction(_torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dweights):
+        if ctx.tape is None:  # freed by the first backward (the tape holds every activation)
+            raise RuntimeError("heads.torch.MultiheadAttention: backward through the same forward a second time "
+                               "(retain_graph=True) is not supported: the saved activations were freed after the "
+                               "first backward; run the forward again")
         (dq, dk, dv), grads = ctx.native.backward(ctx.tape, dout.contiguous())
         ctx.tape = None
         return (None, None, None, dq, dk, dv, *[grads[n] for n in ctx.names])

@@ -3,6 +3,7 @@ by the test itself with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
 
     python3 dist_worker.py ring    ring attention against single-process attention (heads and torch f64)
     python3 dist_worker.py ddp     heads.torch modules under DistributedDataParallel against one process
+    python3 dist_worker.py fsdp    the same block sharded with FSDP2 (fully_shard), two SGD steps
 
 Every rank checks its own results and exits non-zero with a message on a mismatch; rank 0 prints one
 JSON line with the worst errors seen, for the test to report.
@@ -142,11 +143,57 @@ def ddp() -> dict:
     return {"grad": worst, "after_step": after, "params": int(flat.numel())}
 
 
+def fsdp() -> dict:
+    """FSDP2 (fully_shard) on CPU: the heads MultiheadAttention and the root sharded over the ranks; one
+    SGD-with-momentum steps on this rank's slice of the batch against one process with the whole batch.
+    (Not Adam: its first step is lr·g/(|g| + eps), which turns rounding-level differences in gradients
+    near zero into differences of up to lr in the parameters.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Block()
+    g = torch.Generator().manual_seed(2)
+    per = 3
+    x = torch.randn(per * world, 11, 32, generator=g)
+    pad = torch.rand(per * world, 11, generator=g) < 0.2
+    pad[:, 0] = False
+    y = torch.randint(0, 3, (per * world,), generator=g)
+    single = Block()
+    single.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.mha, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = sum(1 for p in model.parameters() if p.to_local().numel() < p.numel())
+    check("no parameter sharded by fully_shard (1 = none)", float(sharded == 0), 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt1 = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    sl = slice(rank * per, (rank + 1) * per)
+    worst = after = 0.0
+    for step in range(2):  # two steps: the second runs on parameters the first updated while sharded
+        opt.zero_grad()
+        opt1.zero_grad()
+        F.cross_entropy(single(x, pad), y).backward()
+        F.cross_entropy(model(x[sl], pad[sl]), y[sl]).backward()
+        for (name, p), p1 in zip(model.named_parameters(), single.parameters()):
+            e = float((p.grad.full_tensor() - p1.grad).abs().max())
+            worst = max(worst, e)
+            check(f"step {step}: grad of {name}", e, 1e-6)
+        opt.step()
+        opt1.step()
+        with torch.no_grad():
+            after = max(float((p.full_tensor() - p1).abs().max()) for p, p1 in zip(model.parameters(), single.parameters()))
+        check(f"step {step}: parameters after the step", after, 1e-6)
+    return {"grad": worst, "after_step": after, "sharded_params": sharded,
+            "params": int(sum(p.numel() for p in model.parameters()))}
+
+
 def main() -> None:
     mode = sys.argv[1]
     dist.init_process_group("gloo")
     try:
-        result = {"ring": ring, "ddp": ddp}[mode]()
+        result = {"ring": ring, "ddp": ddp, "fsdp": fsdp}[mode]()
         dist.barrier()
         if dist.get_rank() == 0:
             print(json.dumps({"mode": mode, "world": dist.get_world_size(), **result}), flush=True)

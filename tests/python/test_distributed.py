@@ -70,14 +70,19 @@ def test_ring_attention_equals_single_process(world):
     assert r["forward"] <= 1e-5 and r["backward"] <= 1e-5 and r["torch_f64"] <= 1e-5, r
 
 
-def test_ddp_under_torchrun():
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_data_parallel_under_torchrun(mode):
+    # DDP: one SGD step; FSDP2 (fully_shard, parameters sharded over the ranks): two SGD steps with momentum.
+    # Gradients and parameters equal one process's on the whole batch within 1e-6.
     torchrun = shutil.which("torchrun")
     assert torchrun, "torchrun (from torch) is not on PATH"
     port = free_port()
-    p = subprocess.Popen([torchrun, "--nproc_per_node=2", f"--master_port={port}", str(WORKER), "ddp"],
+    p = subprocess.Popen([torchrun, "--nproc_per_node=2", f"--master_port={port}", str(WORKER), mode],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True, env=child_env())
-    r = finish([p], "ddp under torchrun --nproc_per_node=2")
+    r = finish([p], f"{mode} under torchrun --nproc_per_node=2")
     assert r["world"] == 2 and r["grad"] <= 1e-6 and r["after_step"] <= 1e-6, r
+    if mode == "fsdp":
+        assert r["sharded_params"] > 0, r
 
 
 def _ip(*args, check=True):

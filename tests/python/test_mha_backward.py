@@ -95,6 +95,20 @@ def test_backward_errors():
         other.backward(tape, x)
 
 
+def test_torch_module_second_backward_is_a_clear_error():
+    # retain_graph=True keeps torch's graph, but the module's saved activations are freed by the first
+    # backward: the second one says so instead of failing inside the binding.
+    mha = heads.torch.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    out, _ = mha(x, x, x)
+    out.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    assert torch.isfinite(first).all() and first.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="second time.*retain_graph=True.*run the forward again"):
+        out.sum().backward()
+    assert torch.equal(x.grad, first)  # nothing accumulated by the refused backward
+
+
 @pytest.mark.parametrize("i", range(0, N_CONFIGS, 6))
 def test_torch_module_trains_like_nn_multihead_attention(i, check):
     """heads.torch.MultiheadAttention: an nn.Module whose forward and backward run in heads; the

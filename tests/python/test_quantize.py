@@ -278,6 +278,33 @@ def test_quantized_state_dict_of_native_modules():
     assert np.array_equal(other(x, x, x)[0], m(x, x, x)[0])
 
 
+@pytest.mark.parametrize("dtype", ["bf16", torch.bfloat16, "int8", torch.qint8, "f32", torch.float32])
+def test_constructor_dtype_is_to_dtype(dtype):
+    """MultiheadAttention(..., dtype=) and TransformerEncoderLayer(..., dtype=) give the module that
+    .to(dtype) gives (same seed, same bits); a TransformerEncoder keeps its layer's precision (int8:
+    the layer's stored weights, as they are)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 7, 16)).astype(np.float32)
+    made = heads.MultiheadAttention(16, 2, batch_first=True, seed=5, dtype=dtype).eval()
+    converted = heads.MultiheadAttention(16, 2, batch_first=True, seed=5).eval().to(dtype)
+    assert made.dtype == converted.dtype == heads._precision(dtype)
+    assert np.array_equal(made(x, x, x)[0], converted(x, x, x)[0])
+    layer = heads.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, seed=6, dtype=dtype).eval()
+    plain = heads.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, seed=6).eval().to(dtype)
+    assert layer.dtype == heads._precision(dtype)
+    assert np.array_equal(layer(x), plain(x))
+    enc = heads.TransformerEncoder(layer, 2).eval()
+    assert enc.dtype == layer.dtype
+    if layer.dtype == "int8":  # the layers hold the layer's int8 weights, bit for bit
+        qsd = enc.quantized_state_dict()
+        for k, v in layer.quantized_state_dict().items():
+            assert np.array_equal(qsd[f"layers.1.{k}"], v), k
+    y = np.asarray(layer(x))
+    assert np.array_equal(np.asarray(enc(x)), np.asarray(layer(y)))
+    with pytest.raises(ValueError, match="dtype: expected f32, bf16 or int8"):
+        heads.MultiheadAttention(16, 2, dtype="fp8")
+
+
 def test_quantize_dynamic_spec_and_inplace():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     q = ht.quantize_dynamic(model, {"2"})
