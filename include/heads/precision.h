@@ -72,7 +72,8 @@ class PackedLinear {
   const Tensor& residual_rows() const { return res_rows_; }      // i64 [N'], increasing
   const Tensor& residual_data() const { return res_data_; }      // i8 [N', K]
   const Tensor& residual_scales() const { return res_scales_; }  // f32 [N']
-  // The weight's value in f32 where linear_gemm_route(precision()) is "f32" (undefined elsewhere).
+  // The weight's value in f32 where oneDNN has no native matmul for the precision on this CPU
+  // (whichever kernel path is active: set_isa may pick the f32 route later); undefined elsewhere.
   const Tensor& wide() const { return wide_; }
   // Output channels [n0, n1): a view sharing storage (e.g. the q, k, v parts of in_proj_weight).
   PackedLinear rows(int64_t n0, int64_t n1) const;

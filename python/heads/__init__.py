@@ -645,7 +645,10 @@ TransformerEncoderLayer.__doc__ = (TransformerEncoderLayer.__doc__ or "") + _VAR
 class TransformerEncoder(_Module):
     """``torch.nn.TransformerEncoder(encoder_layer, num_layers, norm)``: num_layers copies of
     ``encoder_layer`` (a heads.TransformerEncoderLayer, its parameters copied as torch deep-copies),
-    with a final LayerNorm(d_model) when ``norm`` is true (or a LayerNorm-like object)."""
+    with a final LayerNorm(d_model) when ``norm`` is true (or a LayerNorm-like object). The layers
+    take ``encoder_layer``'s precision; from an int8 layer they take its int8 weights as they are, and
+    their float parameters are then those weights' values (as ``load_state_dict`` of int8 weights
+    gives), not the layer's original floats."""
 
     def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: Any = None) -> None:
         if not isinstance(encoder_layer, TransformerEncoderLayer):

@@ -4,7 +4,6 @@
 #include "heads/precision.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -158,7 +157,10 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
                              xb, W, bias, y);
       return;
     } catch (const dnnl::error& e) {
-      fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+      // oneDNN has no bf16 matmul for this CPU after all: the portable loops below.
+      if (e.status != dnnl_unimplemented) {
+        fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
+      }
     }
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -242,7 +244,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
       }
       done = true;
     } catch (const dnnl::error& e) {
-      // oneDNN has no int8 matmul for this CPU (e.g. bf16 before AVX-512): the portable loops below.
+      // oneDNN has no int8 matmul for this CPU after all: the portable loops below.
       if (e.status != dnnl_unimplemented) {
         fail("linear (int8): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
       }

@@ -103,21 +103,27 @@ class Block(torch.nn.Module):
         return self.head(x.mean(1))
 
 
-def ddp() -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+def data_parallel_setup(world: int, per: int, seed: int):
+    """The same Block on every rank (the model to distribute and a copy for the one-process run) and
+    the whole batch: inputs, key padding mask (key 0 never padded), class labels."""
     torch.manual_seed(0)  # the same initial parameters on every rank
-    model = Block()
-    g = torch.Generator().manual_seed(1)
-    per = 3
+    model, single = Block(), Block()
+    single.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(per * world, 11, 32, generator=g)
     pad = torch.rand(per * world, 11, generator=g) < 0.2
     pad[:, 0] = False
     y = torch.randint(0, 3, (per * world,), generator=g)
+    return model, single, x, pad, y
+
+
+def ddp() -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = 3
+    model, single, x, pad, y = data_parallel_setup(world, per, seed=1)
     # one process, the whole batch
-    single = Block()
-    single.load_state_dict(model.state_dict())
     F.cross_entropy(single(x, pad), y).backward()
     # DDP: this rank's slice of the batch; gradients averaged over the ranks
     dmodel = DDP(model)
@@ -144,7 +150,7 @@ def ddp() -> dict:
 
 
 def fsdp() -> dict:
-    """FSDP2 (fully_shard) on CPU: the heads MultiheadAttention and the root sharded over the ranks; one
+    """FSDP2 (fully_shard) on CPU: the heads MultiheadAttention and the root sharded over the ranks; two
     SGD-with-momentum steps on this rank's slice of the batch against one process with the whole batch.
     (Not Adam: its first step is lr·g/(|g| + eps), which turns rounding-level differences in gradients
     near zero into differences of up to lr in the parameters.)"""
@@ -152,16 +158,8 @@ def fsdp() -> dict:
     from torch.distributed.fsdp import fully_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = Block()
-    g = torch.Generator().manual_seed(2)
     per = 3
-    x = torch.randn(per * world, 11, 32, generator=g)
-    pad = torch.rand(per * world, 11, generator=g) < 0.2
-    pad[:, 0] = False
-    y = torch.randint(0, 3, (per * world,), generator=g)
-    single = Block()
-    single.load_state_dict(model.state_dict())
+    model, single, x, pad, y = data_parallel_setup(world, per, seed=2)
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model.mha, mesh=mesh)
     fully_shard(model, mesh=mesh)
