@@ -17,12 +17,22 @@ while the current one is computed (heads releases the GIL; gloo moves the bytes 
 
 Layouts (the same on every rank; ``shard`` and ``unshard`` cut and join a full sequence):
 
-- ``"contiguous"``: rank r holds positions [r·L/W, (r+1)·L/W).
-- ``"zigzag"``: the sequence is cut into 2W chunks; rank r holds chunks r and 2W-1-r. With a causal
-  mask every rank then has the same amount of work (with "contiguous", rank W-1 has W times rank 0's).
+- ``"contiguous"``: rank r holds one run of positions, rank 0 the first. ``shard`` gives rank r
+  positions [r·L/W, (r+1)·L/W), the first L mod W ranks one more; shards of any other lengths
+  (at least 1 each, e.g. cut at document boundaries) work as well.
+- ``"zigzag"``: the sequence is cut into 2W chunks as ``torch.tensor_split`` cuts it (the first
+  L mod 2W chunks one position longer); rank r holds chunks r and 2W-1-r. With a causal mask every
+  rank then has the same amount of work (with "contiguous", rank W-1 has W times rank 0's).
+
+Any L works (at least one position per chunk); the ranks exchange their shard lengths, and a rank
+whose shard does not fit the layout, or whose arguments differ from the others', makes every rank
+raise the same error instead of leaving the others waiting.
 
 float32 CPU tensors, [B, H, Ls, D] (or [H, Ls, D]); GQA with ``enable_gqa=True`` as in
-heads.sdpa. The cost model (memory per rank, bytes moved, when it pays) is in docs/distributed.md.
+heads.sdpa; ``key_padding_mask`` [B, Ls] (bool, True = padding, as in nn.MultiheadAttention) for
+this rank's keys, carried around the ring with them. A query row that sees no key at all gets
+zeros, as everywhere in heads. The cost model (memory per rank, bytes moved, when it pays) is in
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -34,13 +44,13 @@ import torch.distributed as _dist
 
 from . import _heads
 
-__all__ = ["ring_attention", "RingAttentionFunction", "shard", "unshard", "chunks_of"]
+__all__ = ["ring_attention", "RingAttentionFunction", "shard", "unshard", "chunks_of", "chunk_lengths"]
 
 _LAYOUTS = ("contiguous", "zigzag")
 
 
 def chunks_of(rank: int, world: int, layout: str) -> List[int]:
-    """The chunk indices rank `rank` holds, in order (chunks of L/W for "contiguous", L/(2W) for "zigzag")."""
+    """The chunk indices rank `rank` holds, in order (W chunks for "contiguous", 2W for "zigzag")."""
     if layout == "contiguous":
         return [rank]
     if layout == "zigzag":
@@ -48,23 +58,36 @@ def chunks_of(rank: int, world: int, layout: str) -> List[int]:
     raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
 
 
+def chunk_lengths(length: int, n: int) -> List[int]:
+    """The lengths of `n` chunks of a sequence of `length` positions, as torch.tensor_split cuts it:
+    the first length mod n chunks one position longer than the rest."""
+    base, extra = divmod(length, n)
+    return [base + (1 if c < extra else 0) for c in range(n)]
+
+
 def shard(x: _torch.Tensor, rank: int, world: int, layout: str = "contiguous", dim: int = -2) -> _torch.Tensor:
     """Rank `rank`'s shard of the full sequence `x` (positions along `dim`), as `ring_attention` expects."""
     n = len(chunks_of(rank, world, layout)) * world
-    if x.shape[dim] % n:
-        raise ValueError(f"shard: the sequence length {x.shape[dim]} (dim {dim} of {tuple(x.shape)}) is not a "
-                         f"multiple of {n} chunks ({world} ranks, layout {layout!r})")
-    parts = x.chunk(n, dim=dim)
+    if x.shape[dim] < n:
+        raise ValueError(f"shard: the sequence length {x.shape[dim]} (dim {dim} of {tuple(x.shape)}) is shorter than "
+                         f"the {n} chunks of {world} ranks in layout {layout!r} (one position each at least)")
+    parts = x.tensor_split(n, dim=dim)
     return _torch.cat([parts[c] for c in chunks_of(rank, world, layout)], dim=dim).contiguous()
 
 
 def unshard(shards: Sequence[_torch.Tensor], layout: str = "contiguous", dim: int = -2) -> _torch.Tensor:
     """The full sequence from every rank's shard (shards[r] from rank r): the inverse of `shard`."""
     world = len(shards)
-    per = len(chunks_of(0, world, layout))
-    chunks: List[Optional[_torch.Tensor]] = [None] * (per * world)
+    if layout == "contiguous":
+        return _torch.cat(list(shards), dim=dim)
+    lengths = chunk_lengths(sum(s.shape[dim] for s in shards), 2 * world)
+    chunks: List[Optional[_torch.Tensor]] = [None] * (2 * world)
     for r, s in enumerate(shards):
-        for c, part in zip(chunks_of(r, world, layout), s.chunk(per, dim=dim)):
+        mine = chunks_of(r, world, layout)
+        if s.shape[dim] != sum(lengths[c] for c in mine):
+            raise ValueError(f"unshard: shard {r} holds {s.shape[dim]} positions along dim {dim}; layout {layout!r} "
+                             f"gives rank {r} {sum(lengths[c] for c in mine)} of {sum(lengths)}")
+        for c, part in zip(mine, s.split([lengths[c] for c in mine], dim=dim)):
             chunks[c] = part
     return _torch.cat(chunks, dim=dim)
 
@@ -81,17 +104,17 @@ class _Ring:
         self.prev = _dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else \
             (self.rank - 1) % self.world
 
-    def shift(self, send: _torch.Tensor, tag: int) -> "_Shift":
-        """Starts sending `send` to the next rank and receiving the previous rank's into a new buffer."""
-        return _Shift(self, send, tag)
+    def shift(self, send: _torch.Tensor, recv_numel: int, tag: int) -> "_Shift":
+        """Starts sending `send` to the next rank and receiving the previous rank's `recv_numel` floats."""
+        return _Shift(self, send, recv_numel, tag)
 
 
 class _Shift:
     """One step of the ring in flight; wait() returns what the previous rank sent."""
 
-    def __init__(self, ring: _Ring, send: _torch.Tensor, tag: int) -> None:
+    def __init__(self, ring: _Ring, send: _torch.Tensor, recv_numel: int, tag: int) -> None:
         self.send = send  # held until the transfer is done
-        self.recv = _torch.empty_like(send)
+        self.recv = _torch.empty(recv_numel, dtype=send.dtype)
         self.reqs = [_dist.isend(send, ring.next, group=ring.group, tag=tag),
                      _dist.irecv(self.recv, ring.prev, group=ring.group, tag=tag)]
 
@@ -106,14 +129,18 @@ def _pack(*ts: _torch.Tensor) -> _torch.Tensor:
     return _torch.cat([t.reshape(-1) for t in ts])
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _unpack(buf: _torch.Tensor, shapes) -> List[_torch.Tensor]:
     out, o = [], 0
     for s in shapes:
-        n = 1
-        for d in s:
-            n *= d
-        out.append(buf[o:o + n].view(s))
-        o += n
+        out.append(buf[o:o + _numel(s)].view(s))
+        o += _numel(s)
     return out
 
 
@@ -129,113 +156,209 @@ def _pairs(q_chunks: List[int], kv_chunks: List[int], causal: bool):
                 yield a, b, True
 
 
+# What every rank tells the others before a ring starts (all_gather of one float64 row each): its
+# shard length, and the arguments that must be the same everywhere. Shapes and flags are exact in
+# float64.
+_AGREED = ("batch", "query heads", "key/value heads", "head size D", "value head size Dv", "is_causal",
+           "layout", "key_padding_mask given", "enable_gqa", "scale given", "scale")
+
+
+class _Plan:
+    """Every rank's shard and chunk lengths, and the shapes of what travels: agreed by all ranks at
+    the start of a call, so each receive is sized for the shard that arrives."""
+
+    def __init__(self, group, query, key, value, key_padding_mask, is_causal, scale, enable_gqa, layout) -> None:
+        ring = _Ring(group)
+        self.world, self.rank, self.layout = ring.world, ring.rank, layout
+        error = _check_local(query, key, value, key_padding_mask, len(chunks_of(ring.rank, ring.world, layout)))
+        row = [0.0] * (2 + len(_AGREED))
+        if error is None:
+            row = [1.0, float(query.shape[2]), float(query.shape[0]), float(query.shape[1]), float(key.shape[1]),
+                   float(query.shape[3]), float(value.shape[3]), float(is_causal), float(_LAYOUTS.index(layout)),
+                   float(key_padding_mask is not None), float(enable_gqa), float(scale is not None),
+                   0.0 if scale is None else float(scale)]
+        rows = [_torch.empty(len(row), dtype=_torch.float64) for _ in range(ring.world)]
+        _dist.all_gather(rows, _torch.tensor(row, dtype=_torch.float64), group=group)
+        if error is not None:
+            raise ValueError(f"ring_attention (rank {ring.rank}): {error}")
+        bad = [r for r, x in enumerate(rows) if x[0] != 1.0]
+        if bad:
+            raise ValueError(f"ring_attention: rank(s) {bad} were given invalid inputs (their own error says which); "
+                             f"no rank computed anything")
+        for r, x in enumerate(rows):
+            for i, name in enumerate(_AGREED):
+                if x[2 + i] != rows[0][2 + i]:
+                    raise ValueError(f"ring_attention: every rank must pass the same {name}: rank 0 has "
+                                     f"{rows[0][2 + i].item():g}, rank {r} {x[2 + i].item():g}")
+        self.lengths = [int(x[1]) for x in rows]  # each rank's shard length
+        self.B, self.Hkv, self.D, self.Dv = (int(rows[0][i]) for i in (2, 4, 5, 6))
+        self.masked = key_padding_mask is not None
+        if layout == "contiguous":
+            self.chunk_len = list(self.lengths)
+        else:
+            self.chunk_len = chunk_lengths(sum(self.lengths), 2 * self.world)
+            for r, n in enumerate(self.lengths):
+                want = sum(self.chunk_len[c] for c in chunks_of(r, self.world, layout))
+                if n != want:
+                    raise ValueError(f"ring_attention: rank {r} holds {n} positions, but layout 'zigzag' cuts the "
+                                     f"{sum(self.lengths)} positions of all ranks into {2 * self.world} chunks as "
+                                     f"torch.tensor_split does and gives rank {r} {want} "
+                                     f"(heads.distributed.shard cuts that way)")
+
+    def lens(self, rank: int) -> List[int]:
+        """The lengths of `rank`'s chunks, in the order its shard holds them."""
+        return [self.chunk_len[c] for c in chunks_of(rank, self.world, self.layout)]
+
+    def kv_shapes(self, rank: int, with_mask: bool = True):
+        """Shapes of what travels with `rank`'s shard: K, V and (with_mask) its key padding mask."""
+        n = self.lengths[rank]
+        shapes = [(self.B, self.Hkv, n, self.D), (self.B, self.Hkv, n, self.Dv)]
+        return shapes + [(self.B, n)] if with_mask and self.masked else shapes
+
+    def numel(self, rank: int, with_mask: bool = True) -> int:
+        return sum(_numel(s) for s in self.kv_shapes(rank, with_mask))
+
+
+def _check_local(query, key, value, key_padding_mask, chunks: int) -> Optional[str]:
+    """What is wrong with this rank's own inputs, or None."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.dtype != _torch.float32 or t.device.type != "cpu":
+            return f"{name}: expected a float32 CPU tensor [B, H, Ls, D], got {t.dtype} {tuple(t.shape)} on {t.device}"
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if not (query.shape[0] == key.shape[0] == value.shape[0]) or key.shape[1] != value.shape[1] or \
+            query.shape[3] != key.shape[3]:
+        return f"{shapes}: expected query [B, H, Ls, D], key [B, Hkv, Ls, D] and value [B, Hkv, Ls, Dv]"
+    if not (query.shape[2] == key.shape[2] == value.shape[2]):
+        return f"{shapes} must hold the same shard length"
+    if query.shape[2] < chunks:
+        return f"{shapes}: the shard holds {query.shape[2]} positions, fewer than its {chunks} chunk(s)"
+    if key_padding_mask is not None and (key_padding_mask.dtype != _torch.bool or
+                                         tuple(key_padding_mask.shape) != (key.shape[0], key.shape[2])):
+        return (f"key_padding_mask: expected a bool tensor [B, Ls] = {(key.shape[0], key.shape[2])} (True = padding), "
+                f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    return None
+
+
+def _keep(mask_chunk: Optional[_torch.Tensor]) -> Optional[_torch.Tensor]:
+    """heads' boolean attention mask (True = attend) [B, 1, 1, Lk] from a chunk of the travelling
+    padding mask (floats, 1 = padding)."""
+    if mask_chunk is None:
+        return None
+    return mask_chunk.eq(0).reshape(mask_chunk.shape[0], 1, 1, mask_chunk.shape[1])
+
+
 class RingAttentionFunction(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, group, is_causal, scale, enable_gqa, layout, overlap):
+    def forward(ctx, query, key, value, key_padding_mask, plan, group, is_causal, scale, enable_gqa, overlap):
         ring = _Ring(group)
+        layout = plan.layout
         q_chunks = chunks_of(ring.rank, ring.world, layout)
-        n = len(q_chunks)
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() != 4 or t.dtype != _torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"ring_attention: {name}: expected a float32 CPU tensor [B, H, Ls, D], got "
-                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2] or query.shape[2] % n:
-            raise ValueError(f"ring_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-                             f"{tuple(value.shape)} must hold the same shard length (a multiple of {n} for layout "
-                             f"{layout!r})")
-        qs = [c.contiguous() for c in query.detach().chunk(n, dim=2)]
-        k, v = key.detach().contiguous(), value.detach().contiguous()
-        shapes = (k.shape, v.shape)
-        outs: List[Optional[_torch.Tensor]] = [None] * n
-        lses: List[Optional[_torch.Tensor]] = [None] * n
+        qs = [c.contiguous() for c in query.detach().split(plan.lens(ring.rank), dim=2)]
+        held = [key.detach().contiguous(), value.detach().contiguous()]
+        if plan.masked:  # the padding mask travels with its keys, as floats in the same buffer
+            held.append(key_padding_mask.detach().to(_torch.float32))
+        outs: List[Optional[_torch.Tensor]] = [None] * len(qs)
+        lses: List[Optional[_torch.Tensor]] = [None] * len(qs)
         for step in range(ring.world):
             src = (ring.rank - step) % ring.world  # whose K/V this rank holds now
+            after = (src - 1) % ring.world  # whose arrives next
             nxt = None
             if step + 1 < ring.world and overlap:
-                nxt = ring.shift(_pack(k, v), tag=step)
-            ks, vs = k.chunk(n, dim=2), v.chunk(n, dim=2)
+                nxt = ring.shift(_pack(*held), plan.numel(after), tag=step)
+            parts = [t.split(plan.lens(src), dim=-2 if t.dim() == 4 else 1) for t in held]
+            ks, vs = parts[0], parts[1]
+            ms = parts[2] if plan.masked else [None] * len(ks)
             for a, b, diag in _pairs(q_chunks, chunks_of(src, ring.world, layout), is_causal):
-                o, lse, _ = _heads.sdpa_train_forward(qs[a], ks[b], vs[b], None, 0.0, diag, scale, enable_gqa)
+                o, lse, _ = _heads.sdpa_train_forward(qs[a], ks[b], vs[b], _keep(ms[b]), 0.0, diag, scale,
+                                                      enable_gqa)
                 if outs[a] is None:
                     outs[a], lses[a] = o, lse
                 else:
                     outs[a], lses[a] = _heads.sdpa_merge(outs[a], lses[a], o, lse)
-            del ks, vs  # the shard just used is not kept past its step
+            del parts, ks, vs, ms  # the shard just used is not kept past its step
             if step + 1 < ring.world:
                 if nxt is None:
-                    nxt = ring.shift(_pack(k, v), tag=step)
-                k, v = _unpack(nxt.wait(), shapes)
+                    nxt = ring.shift(_pack(*held), plan.numel(after), tag=step)
+                held = _unpack(nxt.wait(), plan.kv_shapes(after))
         # every query chunk attends at least its own diagonal chunk, so each was set
-        out = _torch.cat([o.reshape(qs[0].shape[:3] + (value.shape[3],)) for o in outs], dim=2)
-        lse = _torch.cat([x.reshape(qs[0].shape[:3]) for x in lses], dim=2)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.args = (group, is_causal, scale, enable_gqa, layout, overlap)
+        out = _torch.cat([o.reshape(q.shape[:3] + (value.shape[3],)) for o, q in zip(outs, qs)], dim=2)
+        lse = _torch.cat([x.reshape(q.shape[:3]) for x, q in zip(lses, qs)], dim=2)
+        mask = key_padding_mask.detach() if plan.masked else _torch.empty(0)
+        ctx.save_for_backward(query, key, value, out, lse, mask)
+        ctx.args = (plan, group, is_causal, scale, enable_gqa, overlap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        query, key, value, out, lse = ctx.saved_tensors
-        group, is_causal, scale, enable_gqa, layout, overlap = ctx.args
+        query, key, value, out, lse, mask = ctx.saved_tensors
+        plan, group, is_causal, scale, enable_gqa, overlap = ctx.args
         ring = _Ring(group)
-        q_chunks = chunks_of(ring.rank, ring.world, layout)
-        n = len(q_chunks)
-        qs = query.detach().contiguous().chunk(n, dim=2)
-        gs = dout.contiguous().chunk(n, dim=2)
-        os_ = out.chunk(n, dim=2)
-        ls = lse.chunk(n, dim=2)
+        q_chunks = chunks_of(ring.rank, ring.world, plan.layout)
+        mine = plan.lens(ring.rank)
+        qs = query.detach().contiguous().split(mine, dim=2)
+        gs = dout.contiguous().split(mine, dim=2)
+        os_ = out.split(mine, dim=2)
+        ls = lse.split(mine, dim=2)
         dq = _torch.zeros_like(query, dtype=_torch.float32)
-        dqs = dq.chunk(n, dim=2)
-        k, v = key.detach().contiguous(), value.detach().contiguous()
-        shapes = (k.shape, v.shape)
+        dqs = dq.split(mine, dim=2)
+        held = [key.detach().contiguous(), value.detach().contiguous()]
+        if plan.masked:
+            held.append(mask.to(_torch.float32))
         # dK, dV of the shard held travel with it; each rank adds its share, and after a full turn
         # (one more shift than K/V make) every shard's gradient is back with its owner.
         dkv_in = None  # the shift bringing the accumulated gradient of the shard now held
         for step in range(ring.world):
             src = (ring.rank - step) % ring.world
+            after = (src - 1) % ring.world
             nxt = None
             if step + 1 < ring.world and overlap:
-                nxt = ring.shift(_pack(k, v), tag=2 * step)
-            ks, vs = k.chunk(n, dim=2), v.chunk(n, dim=2)
-            dk, dv = _torch.zeros_like(k), _torch.zeros_like(v)
-            dks, dvs = dk.chunk(n, dim=2), dv.chunk(n, dim=2)
-            for a, b, diag in _pairs(q_chunks, chunks_of(src, ring.world, layout), is_causal):
+                nxt = ring.shift(_pack(*held), plan.numel(after), tag=2 * step)
+            lens = plan.lens(src)
+            ks, vs = held[0].split(lens, dim=2), held[1].split(lens, dim=2)
+            ms = held[2].split(lens, dim=1) if plan.masked else [None] * len(ks)
+            dk, dv = _torch.zeros_like(held[0]), _torch.zeros_like(held[1])
+            dks, dvs = dk.split(lens, dim=2), dv.split(lens, dim=2)
+            for a, b, diag in _pairs(q_chunks, chunks_of(src, ring.world, plan.layout), is_causal):
                 gq, gk, gv, *_ = _heads.sdpa_train_backward(
-                    gs[a], qs[a], ks[b], vs[b], os_[a], ls[a], 0, None, 0.0, diag, scale, enable_gqa,
+                    gs[a], qs[a], ks[b], vs[b], os_[a], ls[a], 0, _keep(ms[b]), 0.0, diag, scale, enable_gqa,
                     False, False, None, True)
                 dqs[a].add_(gq.reshape(dqs[a].shape))
                 dks[b].add_(gk.reshape(dks[b].shape))
                 dvs[b].add_(gv.reshape(dvs[b].shape))
-            del ks, vs, dks, dvs
+            del ks, vs, ms, dks, dvs
             if dkv_in is not None:  # what the ranks before added to this shard's gradient
-                gk_prev, gv_prev = _unpack(dkv_in.wait(), shapes)
+                gk_prev, gv_prev = _unpack(dkv_in.wait(), plan.kv_shapes(src, with_mask=False))
                 dk.add_(gk_prev)
                 dv.add_(gv_prev)
                 del gk_prev, gv_prev
             if step + 1 < ring.world:
                 if nxt is None:
-                    nxt = ring.shift(_pack(k, v), tag=2 * step)
-                # the gradient follows its shard to the next rank
-                dkv_in = ring.shift(_pack(dk, dv), tag=2 * step + 1)
-                k, v = _unpack(nxt.wait(), shapes)
+                    nxt = ring.shift(_pack(*held), plan.numel(after), tag=2 * step)
+                # the gradient follows its shard to the next rank, and the one of the shard arriving comes in
+                dkv_in = ring.shift(_pack(dk, dv), plan.numel(after, with_mask=False), tag=2 * step + 1)
+                held = _unpack(nxt.wait(), plan.kv_shapes(after))
             else:
                 dkv = _pack(dk, dv)
             del dk, dv
         if ring.world > 1:  # the last shift: each shard's gradient home
-            dkv = ring.shift(dkv, tag=2 * ring.world).wait()
-        dk, dv = _unpack(dkv, shapes)
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None, None
+            dkv = ring.shift(dkv, plan.numel(ring.rank, with_mask=False), tag=2 * ring.world).wait()
+        dk, dv = _unpack(dkv, plan.kv_shapes(ring.rank, with_mask=False))
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None, None, None)
 
 
 def ring_attention(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor, *, group=None,
-                   is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
-                   layout: str = "contiguous", overlap: bool = True) -> _torch.Tensor:
+                   key_padding_mask: Optional[_torch.Tensor] = None, is_causal: bool = False,
+                   scale: Optional[float] = None, enable_gqa: bool = False, layout: str = "contiguous",
+                   overlap: bool = True) -> _torch.Tensor:
     """Attention of this rank's query shard over the keys and values of every rank of `group`.
 
-    query [B, H, Ls, D], key [B, Hkv, Ls, D], value [B, Hkv, Ls, Dv]: this rank's shard (``shard``),
-    Ls = L / W the same on every rank. Returns this rank's rows of softmax(QKᵀ·scale)V over the whole
-    sequence, [B, H, Ls, Dv]; differentiable (the backward is also a ring). ``is_causal`` masks by
-    positions in the full sequence. ``overlap=False`` waits for each transfer before computing (for
-    measuring what overlap saves). Every rank must call it with the same arguments.
+    query [B, H, Ls, D], key [B, Hkv, Ls, D], value [B, Hkv, Ls, Dv]: this rank's shard (``shard``;
+    Ls may differ between ranks, see the module's layouts). Returns this rank's rows of
+    softmax(QKᵀ·scale)V over the whole sequence, [B, H, Ls, Dv]; differentiable (the backward is
+    also a ring). ``key_padding_mask`` [B, Ls] bool, True where this rank's key is padding (given on
+    every rank or on none). ``is_causal`` masks by positions in the full sequence. ``overlap=False``
+    waits for each transfer before computing (for measuring what overlap saves). Every rank must
+    call it with the same arguments; the ranks check that they agree before any transfer.
     """
     if layout not in _LAYOUTS:
         raise ValueError(f"ring_attention: layout: expected one of {_LAYOUTS}, got {layout!r}")
@@ -244,6 +367,10 @@ def ring_attention(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tenso
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    out = RingAttentionFunction.apply(query, key, value, group, bool(is_causal),
-                                      None if scale is None else float(scale), bool(enable_gqa), layout, bool(overlap))
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    scale = None if scale is None else float(scale)
+    plan = _Plan(group, query, key, value, key_padding_mask, bool(is_causal), scale, bool(enable_gqa), layout)
+    out = RingAttentionFunction.apply(query, key, value, key_padding_mask, plan, group, bool(is_causal), scale,
+                                      bool(enable_gqa), bool(overlap))
     return out.squeeze(0) if squeeze else out

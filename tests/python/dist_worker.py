@@ -32,54 +32,135 @@ def check(what: str, err: float, tol: float) -> None:
         sys.exit(f"rank {dist.get_rank()}: {what}: error {err:.3g} > {tol:g}")
 
 
+def cut(x: torch.Tensor, rank: int, world: int, layout: str, cuts, dim: int = -2) -> torch.Tensor:
+    """This rank's shard: `shard`'s cut, or the given contiguous lengths (cuts[r] for rank r)."""
+    if cuts is None:
+        return shard(x, rank, world, layout, dim=dim)
+    return x.split(list(cuts), dim=dim)[rank].contiguous()
+
+
 def ring() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    worst = {"forward": 0.0, "backward": 0.0, "torch_f64": 0.0}
-    cases = [  # B, H, Hkv, L, D, Dv, causal, layout
-        (1, 1, 1, 4 * world, 8, 8, False, "contiguous"),
-        (2, 4, 4, 36 * world, 63, 40, True, "contiguous"),
-        (2, 4, 4, 36 * world, 63, 40, True, "zigzag"),
-        (1, 4, 2, 66 * world, 64, 64, False, "zigzag"),
-        (1, 4, 1, 66 * world, 80, 17, True, "zigzag"),
-        (1, 2, 2, 130 * world, 32, 32, True, "contiguous"),
+    worst = {"forward": 0.0, "backward": 0.0, "torch_f64": 0.0, "cases": 0}
+    W = world
+    cases = [  # B, H, Hkv, L, D, Dv, causal, layout, contiguous cuts (None: shard's), key padding
+        (1, 1, 1, 4 * W, 8, 8, False, "contiguous", None, None),
+        (2, 4, 4, 36 * W, 63, 40, True, "contiguous", None, None),
+        (2, 4, 4, 36 * W, 63, 40, True, "zigzag", None, None),
+        (1, 4, 2, 66 * W, 64, 64, False, "zigzag", None, None),
+        (1, 4, 1, 66 * W, 80, 17, True, "zigzag", None, None),
+        (1, 2, 2, 130 * W, 32, 32, True, "contiguous", None, None),
+        # lengths that do not divide: shards (and zigzag's chunks) one position apart
+        (1, 2, 2, 13 * W + 1, 16, 16, True, "contiguous", None, None),
+        (2, 4, 2, 37 * W + 3, 40, 24, True, "zigzag", None, None),
+        (1, 3, 3, 2 * W + 1, 9, 7, False, "zigzag", None, None),
+        # shards of the caller's own lengths (contiguous), one of them a single position
+        (2, 2, 1, None, 24, 24, True, "contiguous", [5, 1, 17, 9][:W], None),
+        (1, 2, 2, None, 24, 8, False, "contiguous", [33, 2, 1, 20][:W], None),
+        # key padding: trailing padding per batch item, causal, both layouts, odd length
+        (3, 4, 2, 29 * W + 1, 32, 32, True, "zigzag", None, "suffix"),
+        (2, 2, 2, 21 * W, 16, 24, False, "contiguous", None, "suffix"),
+        # random padding, one batch item all padding: rows that see no key get zeros and no gradient
+        (2, 2, 2, 17 * W + 2, 16, 16, True, "contiguous", None, "random"),
+        (2, 2, 1, 17 * W + 2, 16, 16, False, "zigzag", None, "random"),
     ]
-    for n, (B, H, Hkv, L, D, Dv, causal, layout) in enumerate(cases):
+    for n, (B, H, Hkv, L, D, Dv, causal, layout, cuts, padding) in enumerate(cases):
+        L = sum(cuts) if cuts is not None else L
         g = torch.Generator().manual_seed(1000 + n)  # the same full tensors on every rank
         q, k, v = torch.randn(B, H, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g), \
             torch.randn(B, Hkv, L, Dv, generator=g)
         dout = torch.randn(B, H, L, Dv, generator=g)
         gqa = H != Hkv
+        kpm = None  # True = padding
+        if padding == "suffix":
+            valid = torch.randint(1, L + 1, (B,), generator=g)
+            valid[0] = L
+            kpm = torch.arange(L)[None, :] >= valid[:, None]
+        elif padding == "random":
+            kpm = torch.rand(B, L, generator=g) < 0.4
+            kpm[1] = True
+        mask = None  # the same attention as one boolean mask (True = attend) for the references
+        if kpm is not None:
+            mask = ~kpm[:, None, None, :]
+            if causal:
+                mask = mask & torch.ones(L, L, dtype=torch.bool).tril()
         # single process, heads
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = ht.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=gqa)
+        ref = ht.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=gqa)
         ref.backward(dout)
-        # single process, torch in float64
-        f64 = [t.double().requires_grad_() for t in (q, k, v)]
-        ref64 = F.scaled_dot_product_attention(*f64, is_causal=causal, enable_gqa=gqa)
-        ref64.backward(dout.double())
+        # single process, torch in float64 (which gives NaN for rows that see no key: compared only without them)
+        f64_ok = padding != "random"
+        if f64_ok:
+            f64 = [t.double().requires_grad_() for t in (q, k, v)]
+            ref64 = F.scaled_dot_product_attention(*f64, attn_mask=mask, is_causal=causal and mask is None,
+                                                   enable_gqa=gqa)
+            ref64.backward(dout.double())
         # this rank's shard, over the ring
-        mine = [shard(t, rank, world, layout).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*mine, is_causal=causal, enable_gqa=gqa, layout=layout)
-        out.backward(shard(dout, rank, world, layout))
-        what = f"case {n} (B={B} H={H} Hkv={Hkv} L={L} D={D} Dv={Dv} causal={causal} {layout})"
-        e = rel_err(out, shard(ref.detach(), rank, world, layout))
+        mine = [cut(t, rank, world, layout, cuts).requires_grad_() for t in (q, k, v)]
+        my_kpm = None if kpm is None else cut(kpm, rank, world, layout, cuts, dim=-1)
+        out = ring_attention(*mine, key_padding_mask=my_kpm, is_causal=causal, enable_gqa=gqa, layout=layout)
+        out.backward(cut(dout, rank, world, layout, cuts))
+        what = (f"case {n} (B={B} H={H} Hkv={Hkv} L={L} D={D} Dv={Dv} causal={causal} {layout} cuts={cuts} "
+                f"padding={padding})")
+        e = rel_err(out, cut(ref.detach(), rank, world, layout, cuts))
         worst["forward"] = max(worst["forward"], e)
         check(what + " out vs heads", e, 1e-5)
-        for name, t, r, r64 in zip("qkv", mine, full, f64):
-            e = rel_err(t.grad, shard(r.grad, rank, world, layout))
+        for name, t, r in zip("qkv", mine, full):
+            e = rel_err(t.grad, cut(r.grad, rank, world, layout, cuts))
             worst["backward"] = max(worst["backward"], e)
             check(f"{what} d{name} vs heads", e, 1e-5)
-            e = rel_err(t.grad, shard(r64.grad, rank, world, layout))
+        if padding == "random":  # batch item 1 sees no key: zeros out, zero gradients, as heads gives alone
+            check(what + " fully padded item is zero", float(out[1].abs().max()) + float(mine[0].grad[1].abs().max()),
+                  0.0)
+        if f64_ok:
+            for name, t, r64 in zip("qkv", mine, f64):
+                e = rel_err(t.grad, cut(r64.grad, rank, world, layout, cuts))
+                worst["torch_f64"] = max(worst["torch_f64"], e)
+                check(f"{what} d{name} vs torch float64", e, 1e-5)
+            e = rel_err(out, cut(ref64.detach(), rank, world, layout, cuts))
             worst["torch_f64"] = max(worst["torch_f64"], e)
-            check(f"{what} d{name} vs torch float64", e, 1e-5)
-        e = rel_err(out, shard(ref64.detach(), rank, world, layout))
-        worst["torch_f64"] = max(worst["torch_f64"], e)
-        check(what + " out vs torch float64", e, 1e-5)
-        # the shards gathered back are the whole output
-        parts = [torch.empty_like(out) for _ in range(world)]
-        dist.all_gather(parts, out.detach().contiguous())
-        check(what + " unshard(all_gather(out))", rel_err(unshard(parts, layout), ref.detach()), 1e-5)
+            check(what + " out vs torch float64", e, 1e-5)
+        # the shards gathered back are the whole output (shards of unequal lengths: gathered as objects)
+        parts = [None] * world
+        dist.all_gather_object(parts, out.detach())
+        whole = torch.cat(parts, dim=-2) if cuts is not None else unshard(parts, layout)
+        check(what + " unshard(all_gather(out))", rel_err(whole, ref.detach()), 1e-5)
+        worst["cases"] += 1
+    ring_errors(rank, world)
     return worst
+
+
+def ring_errors(rank: int, world: int) -> None:
+    """A bad argument on one rank is an error on every rank (no rank left waiting), naming the problem."""
+    q = torch.randn(1, 2, 6, 8)
+
+    def expect(what: str, needle: str, **kw) -> None:
+        args = dict(query=q, key=q, value=q)
+        args.update(kw)
+        try:
+            ring_attention(args.pop("query"), args.pop("key"), args.pop("value"), **args)
+        except ValueError as e:
+            if needle not in str(e):
+                sys.exit(f"rank {rank}: {what}: the error {str(e)!r} does not say {needle!r}")
+            return
+        sys.exit(f"rank {rank}: {what}: no error")
+
+    bad_rank = world - 1
+    expect("a double query on one rank", "float32" if rank == bad_rank else f"rank(s) [{bad_rank}]",
+           query=q.double() if rank == bad_rank else q)
+    expect("is_causal differs", "is_causal", is_causal=rank == 0)
+    expect("a mask on one rank only", "key_padding_mask",
+           key_padding_mask=torch.zeros(1, 6, dtype=torch.bool) if rank == 0 else None)
+    expect("a mask of the wrong shape", "key_padding_mask", key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))
+    # zigzag over 6W + 1 positions: shard gives rank 0 the longer shard (7); here rank W-1 holds it
+    odd = torch.randn(1, 2, 6 + (rank == world - 1), 8)
+    if world > 1:
+        expect("zigzag shards not cut as shard cuts them", "zigzag", query=odd, key=odd, value=odd, layout="zigzag")
+    # and the ring still works after the refused calls
+    out = ring_attention(q, q, q)
+    if not bool(out.isfinite().all()) or out.shape != q.shape:
+        sys.exit(f"rank {rank}: a call after the refused ones gave {tuple(out.shape)}, finite={bool(out.isfinite().all())}")
 
 
 class Block(torch.nn.Module):

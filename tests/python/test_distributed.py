@@ -63,11 +63,14 @@ def run_ranks(mode: str, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_equals_single_process(world):
     # forward and dq/dk/dv of every rank's shard within 1e-5 of heads and of torch in float64;
-    # causal and not, both layouts, GQA, odd head sizes (3 ranks: a ring whose next and previous differ
-    # and are not the same peer as with 2)
+    # causal and not, both layouts, GQA, odd head sizes, lengths that do not divide, shards of the
+    # caller's lengths, key padding (3 ranks: a ring whose next and previous differ and are not the
+    # same peer as with 2); bad or disagreeing arguments raise on every rank
+    # (tests/python/dist_worker.py: ring, ring_errors)
     r = run_ranks("ring", world)
     assert r["world"] == world
     assert r["forward"] <= 1e-5 and r["backward"] <= 1e-5 and r["torch_f64"] <= 1e-5, r
+    assert r["cases"] == 15, r
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
