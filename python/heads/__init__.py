@@ -54,6 +54,8 @@ __all__ = [
     "AdamW",
     "manual_seed",
     "set_num_threads",
+    "set_batch_invariant",
+    "is_batch_invariant",
     "get_num_threads",
 ]
 
@@ -87,6 +89,20 @@ def set_num_threads(n: int) -> None:
 
 
 get_num_threads = _heads.get_num_threads
+
+
+def set_batch_invariant(on: bool = True) -> None:
+    """Batch invariance for the whole process: on, linear layers sum every output in a fixed order
+    (heads' own GEMM instead of oneDNN's), so a row's result — a sentence's embedding, a token's
+    hidden state — is the same bits alone or in any batch, padded to any length, on any thread
+    count. Slower; off by default (HEADS_BATCH_INVARIANT=1 turns it on at start-up). f32 and int8;
+    bf16 where it takes the f32 route (docs/numerics.md)."""
+    if not isinstance(on, (bool, int)):
+        raise TypeError(f"set_batch_invariant: on: expected a bool, got {type(on).__name__}")
+    _heads.set_batch_invariant(bool(on))
+
+
+is_batch_invariant = _heads.is_batch_invariant
 
 
 def _is_torch(x: Any) -> bool:

@@ -14,8 +14,10 @@ with replicas (Ray Serve). Needs ``pip install "ray[data,serve]"`` (the ``ray`` 
 Each actor of the pool (and each Serve replica) loads one ``heads.SentenceEncoder`` and runs it on the
 CPUs Ray gives it (``num_cpus`` threads); the model directory must be readable on every node (the
 default is the installed all-MiniLM-L6-v2 package). A batch is embedded as ``heads embed`` embeds it,
-so the rows equal ``heads embed``'s. Ray retries the batches of an actor that dies (a node lost, a
-process killed) on a new one: every row is written once.
+so the rows equal ``heads embed``'s: bit for bit with ``batch_invariant=True`` and ``heads embed
+--batch-invariant`` (heads.set_batch_invariant: a text's embedding does not depend on the batch
+Ray puts it in), else to the last bits of float32. Ray retries the batches of an actor that dies
+(a node lost, a process killed) on a new one: every row is written once.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ class Embedder:
     """The callable class of the actor pool: one SentenceEncoder per actor, `threads` threads."""
 
     def __init__(self, model_dir: Optional[str] = None, dtype: Any = None, text_column: str = "text",
-                 output_column: str = "embedding", threads: Optional[int] = None) -> None:
+                 output_column: str = "embedding", threads: Optional[int] = None,
+                 batch_invariant: bool = False) -> None:
         import heads
 
+        if batch_invariant:  # for this actor's process
+            heads.set_batch_invariant(True)
         self.threads = threads or max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         heads.set_num_threads(self.threads)
         self.encoder = heads.SentenceEncoder(model_dir, dtype=dtype)
@@ -62,12 +67,14 @@ class Embedder:
 
 def embed(ds: "ray.data.Dataset", model_dir: Optional[str] = None, *, dtype: Any = None, text_column: str = "text",
           output_column: str = "embedding", batch_size: int = 64, actors: Optional[int] = None,
-          cpus_per_actor: float = 1, max_restarts: int = 3) -> "ray.data.Dataset":
+          cpus_per_actor: float = 1, max_restarts: int = 3, batch_invariant: bool = False) -> "ray.data.Dataset":
     """`ds` with an `output_column` of embeddings of its `text_column`, computed by a pool of actors.
 
     ``actors``: the pool's size (default: as many as the cluster's CPUs allow, cpus_per_actor each,
     less one CPU left to the tasks that read and write the data: a pool holding every CPU starves them).
     ``max_restarts``: how often an actor that died is restarted (its batches are run again).
+    ``batch_invariant``: each row's embedding the same bits whatever batch it lands in
+    (heads.set_batch_invariant in every actor; slower).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
@@ -76,7 +83,7 @@ def embed(ds: "ray.data.Dataset", model_dir: Optional[str] = None, *, dtype: Any
     return ds.map_batches(
         Embedder,
         fn_constructor_kwargs={"model_dir": model_dir, "dtype": dtype, "text_column": text_column,
-                               "output_column": output_column},
+                               "output_column": output_column, "batch_invariant": bool(batch_invariant)},
         batch_size=batch_size, batch_format="numpy", concurrency=actors, num_cpus=cpus_per_actor,
         max_restarts=max_restarts, max_task_retries=-1)
 
@@ -92,16 +99,19 @@ def embed_parquet(input_path: str, output_path: str, model_dir: Optional[str] = 
 
 
 def deployment(model_dir: Optional[str] = None, *, dtype: Any = None, num_replicas: int = 1,
-               cpus_per_replica: float = 1, max_batch_size: int = 32, batch_wait_timeout_s: float = 0.005):
+               cpus_per_replica: float = 1, max_batch_size: int = 32, batch_wait_timeout_s: float = 0.005,
+               batch_invariant: bool = False):
     """A Ray Serve application: replicas of the encoder, requests (lists of texts) batched together
     by ``@serve.batch``. ``serve.run(deployment(...))`` returns a handle; ``handle.remote(texts)``
-    answers a float32 array [len(texts), dim]."""
+    answers a float32 array [len(texts), dim]. ``batch_invariant``: a request's answer does not
+    depend on the requests it was batched with (bit for bit)."""
     from ray import serve
 
     @serve.deployment(num_replicas=num_replicas, ray_actor_options={"num_cpus": cpus_per_replica})
     class HeadsEncoder:
         def __init__(self) -> None:
-            self.embedder = Embedder(model_dir, dtype, threads=max(1, int(cpus_per_replica)))
+            self.embedder = Embedder(model_dir, dtype, threads=max(1, int(cpus_per_replica)),
+                                     batch_invariant=batch_invariant)
 
         @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s)
         async def _batch(self, requests: List[List[str]]) -> List[np.ndarray]:

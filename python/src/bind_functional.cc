@@ -222,6 +222,8 @@ void bind_op_backwards(nb::module_& m) {
 void bind_functional(nb::module_& m) {
   m.def("set_num_threads", &heads::set_num_threads, "n"_a);
   m.def("get_num_threads", &heads::get_num_threads);
+  m.def("set_batch_invariant", &heads::set_batch_invariant, "on"_a);
+  m.def("is_batch_invariant", &heads::batch_invariant);
   m.def("manual_seed", &heads::manual_seed, "seed"_a);
   m.def("sdpa", &sdpa, "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(),
         "dropout_p"_a = 0.0, "is_causal"_a = false, "scale"_a = nb::none(),

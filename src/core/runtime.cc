@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <random>
 #include <thread>
 
@@ -25,6 +27,17 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 }  // namespace
+
+namespace {
+std::atomic<bool> g_batch_invariant{[] {
+  const char* env = std::getenv("HEADS_BATCH_INVARIANT");
+  return env != nullptr && std::string_view(env) == "1";
+}()};
+}  // namespace
+
+void set_batch_invariant(bool on) { g_batch_invariant.store(on); }
+
+bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed); }
 
 void set_num_threads(int n) {
   HEADS_CHECK(n >= 1 && n <= kMaxThreads, "set_num_threads: expected 1 to ", kMaxThreads, " threads, got ", n,

@@ -92,6 +92,127 @@ inline void gemm_acc(int64_t M, int64_t N, int64_t K, const float* a, int64_t sa
   gemm_panels<R2, 2>(M, N, K, a, sam, sak, b, ldb, c, ldc, alpha, mode);
 }
 
+// The batch-invariant linear layer (heads/runtime.h: set_batch_invariant): y[m, n] = bias[n] +
+// Σ_k x[m, k]·W[n, k] for W [N, K] as torch stores it. Every sum is one chain of FMAs over
+// k = 0, 1, …, K−1 starting from zero, then the bias is added; which register block, row position,
+// task or thread computes a row changes nothing in it, so a row's result depends on that row and W
+// alone, never on M or on the rows beside it.
+//
+// R rows x NV vectors of one panel: the panel is [K][NV·W] contiguous (packed), `cols` of its
+// columns are real (the rest are zeros in the panel and not stored).
+template <int R, int NV>
+HEADS_INLINE void fixed_order_rows(const float* a, int64_t lda, const float* panel, int64_t K, const float* bias,
+                                   float* c, int64_t ldc, int64_t cols) {
+  constexpr int64_t P = NV * kW;
+  VR acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    VR bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = Vec::loadu(panel + k * P + v * kW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const VR x = Vec::set1(a[r * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(x, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = std::clamp<int64_t>(cols - v * kW, 0, kW);
+      if (n == 0) continue;
+      const VR y = bias != nullptr ? Vec::add(acc[r][v], Vec::load_partial(bias + v * kW, n)) : acc[r][v];
+      if (n == kW) {
+        Vec::storeu(c + r * ldc + v * kW, y);
+      } else {
+        Vec::store_partial(c + r * ldc + v * kW, y, n);
+      }
+    }
+  }
+}
+
+template <int R, int NV>
+HEADS_INLINE void fixed_order_tail(int64_t rows, const float* a, int64_t lda, const float* panel, int64_t K,
+                                   const float* bias, float* c, int64_t ldc, int64_t cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return fixed_order_rows<R, NV>(a, lda, panel, K, bias, c, ldc, cols);
+    fixed_order_tail<R - 1, NV>(rows, a, lda, panel, K, bias, c, ldc, cols);
+  }
+}
+
+// Panel p of W, columns [p·P, p·P + P) (zeros past N), as [K][P]: W x W blocks transposed in
+// registers where whole, single values at the edges.
+template <int64_t P>
+inline void pack_panel(const float* W, int64_t N, int64_t K, int64_t p, float* dst) {
+  const int64_t n0 = p * P;
+  int64_t k = 0;
+  if constexpr (kW > 1) {
+    if (n0 + P <= N) {
+      const VR one = Vec::set1(1.0f);  // the transpose multiplies by it: exact
+      for (; k + kW <= K; k += kW) {
+        for (int64_t j = 0; j < P; j += kW) Vec::transpose_scaled(W + (n0 + j) * K + k, K, dst + k * P + j, P, one);
+      }
+    }
+  }
+  for (int64_t j = 0; j < P; ++j) {
+    const int64_t n = n0 + j;
+    for (int64_t kk = k; kk < K; ++kk) dst[kk * P + j] = n < N ? W[n * K + kk] : 0.0f;
+  }
+}
+
+template <int R, int NV>
+inline void linear_fixed_order(const float* x, int64_t M, int64_t K, int64_t xs, const float* W,
+                               const float* bias, int64_t N, float* y, int64_t ys) {
+  constexpr int64_t P = NV * kW;         // columns per panel
+  constexpr int64_t kBlockRows = 8 * R;  // rows per task
+  const int64_t panels = (N + P - 1) / P;
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  // W packed once per call into panels [K][P] on the calling thread's buffer, by all threads
+  thread_local std::vector<float> packed;
+  packed.resize(static_cast<size_t>(panels * K * P));
+  float* const pk = packed.data();
+  const int threads = threads_for(2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K),
+                                  blocks * panels);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) pack_panel<P>(W, N, K, p, pk + p * K * P);
+    // tasks: (block of rows, panel), a block's rows staying in cache across its panels
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t m0 = b * kBlockRows, rows = std::min(kBlockRows, M - m0), n0 = p * P;
+        const int64_t cols = std::min(P, N - n0);
+        const float* a = x + m0 * xs;
+        const float* panel = pk + p * K * P;
+        const float* bp = bias != nullptr ? bias + n0 : nullptr;
+        float* c = y + m0 * ys + n0;
+        int64_t m = 0;
+        for (; m + R <= rows; m += R) fixed_order_rows<R, NV>(a + m * xs, xs, panel, K, bp, c + m * ys, ys, cols);
+        if (m < rows) fixed_order_tail<R - 1, NV>(rows - m, a + m * xs, xs, panel, K, bp, c + m * ys, ys, cols);
+      }
+    }
+  }
+  if (packed.size() > (size_t{1} << 24)) std::vector<float>().swap(packed);  // a thread keeps at most 64 MB
+}
+
+inline void linear_f32_fixed_order(const float* x, int64_t M, int64_t K, int64_t xs, const float* W,
+                                   const float* bias, int64_t N, float* y, int64_t ys) {
+  if constexpr (Vec::W == 1) {
+    linear_fixed_order<4, 1>(x, M, K, xs, W, bias, N, y, ys);
+  } else if constexpr (Vec::kRowsQK >= 12) {  // 32 vector registers: 6 x 4-vector blocks
+    linear_fixed_order<6, 4>(x, M, K, xs, W, bias, N, y, ys);
+  } else {
+    linear_fixed_order<6, 2>(x, M, K, xs, W, bias, N, y, ys);
+  }
+}
+
 // Partial sums (one vector) of the dot product of two rows of n values.
 HEADS_INLINE VR row_dot(const float* a, const float* b, int64_t n) {
   VR acc = Vec::zero();

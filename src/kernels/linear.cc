@@ -9,6 +9,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "heads/error.h"
+#include "heads/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/onednn.h"
 
@@ -24,6 +25,7 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const fl
     }
     return;
   }
+  if (batch_invariant()) return active().linear_f32_fixed_order(x, M, K, x_stride, W, bias, N, y, y_stride);
   active().linear_f32(x, M, K, x_stride, W, bias, N, y, y_stride);
 }
 

@@ -14,12 +14,16 @@
 #endif
 
 // Up to this many query rows per head, a queries-on-lanes tile would leave most lanes idle:
-// the decode kernel reads K and V once per key/value head instead.
+// the decode kernel reads K and V once per key/value head instead. Not under set_batch_invariant:
+// the two kernels sum in different orders, and a sequence's Lq (its padded length) depends on
+// the batch it comes in, so the tiled kernel takes every shape then (slower for few queries).
 constexpr int64_t kMaxDecodeLq = 4;
+
+inline bool decode_kernel_for(const SdpaProblem& pb) { return pb.Lq <= kMaxDecodeLq && !batch_invariant(); }
 
 inline void sdpa_fwd_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& out, const Tensor& lse, const Tensor& weights) {
-  if (pb.Lq <= kMaxDecodeLq) {
+  if (decode_kernel_for(pb)) {
     sdpa_decode<float>(pb, q, k, v, out, lse, weights);
   } else {
     sdpa_tiled_f32(pb, q, k, v, out, lse, weights);
@@ -31,7 +35,7 @@ inline void sdpa_fwd_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k
 // isa_amx.cc with AMX tiles.
 inline void sdpa_fwd_bf16(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& out, const Tensor& lse, const Tensor& weights) {
-  if (pb.Lq <= kMaxDecodeLq) {
+  if (decode_kernel_for(pb)) {
     sdpa_decode<uint16_t>(pb, q, k, v, out, lse, weights);
   } else {
 #if defined(HEADS_AMX)

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/testing.h"
+#include "heads/runtime.h"
 #include "kernels/linear.h"
 
 namespace heads {
@@ -103,6 +104,69 @@ TEST(Linear, ConcurrentCallsOfManyShapes) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(bad.load(), 0);
+}
+
+// Restores set_batch_invariant's setting at scope end.
+class BatchInvariantGuard {
+ public:
+  explicit BatchInvariantGuard(bool on) : saved_(batch_invariant()) { set_batch_invariant(on); }
+  ~BatchInvariantGuard() { set_batch_invariant(saved_); }
+  BatchInvariantGuard(const BatchInvariantGuard&) = delete;
+  BatchInvariantGuard& operator=(const BatchInvariantGuard&) = delete;
+
+ private:
+  bool saved_;
+};
+
+// Under set_batch_invariant(true) every path computes a row to the same bits whichever rows come
+// with it (any count, any offset, tails of every register block), on any thread count; and the
+// values are still the product, within an f32 sum's error of the float64 one.
+TEST(Linear, BatchInvariantRowsDoNotDependOnTheBatch) {
+  testing::IsaGuard isa_guard;
+  const BatchInvariantGuard on(true);
+  const int threads = get_num_threads();
+  constexpr int64_t kRows = 300;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {77, 45}, {384, 391}, {1536, 17}}) {
+      const int64_t xs = K + 3;
+      const Tensor x = testing::randn({kRows, xs});
+      const Tensor W = testing::randn({N, K});
+      const Tensor b = testing::randn({N});
+      std::vector<float> all(static_cast<size_t>(kRows * N));
+      kernels::linear_f32(x.data<float>(), kRows, K, xs, W.data<float>(), b.data<float>(), N, all.data(), N);
+      const std::string what = "K=" + std::to_string(K) + " N=" + std::to_string(N) + " isa=" + isa_name(isa);
+      for (int64_t m = 0; m < kRows; m += 7) {  // the product, to an f32 sum's error (K + 1 roundings)
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = b.data<float>()[n], mag = std::fabs(ref);
+          for (int64_t k = 0; k < K; ++k) {
+            const double t = static_cast<double>(x.data<float>()[m * xs + k]) * W.data<float>()[n * K + k];
+            ref += t;
+            mag += std::fabs(t);
+          }
+          ASSERT_LE(std::fabs(all[static_cast<size_t>(m * N + n)] - ref), (K + 1) * 6e-8 * mag) << what;
+        }
+      }
+      for (int t : {1, threads}) {
+        set_num_threads(t);
+        for (int64_t M : {1, 2, 3, 5, 6, 7, 13, 47, 48, 49, 129, 299}) {
+          for (int64_t first : {int64_t{0}, int64_t{1}, kRows - M}) {
+            std::vector<float> y(static_cast<size_t>(M * N));
+            kernels::linear_f32(x.data<float>() + first * xs, M, K, xs, W.data<float>(), b.data<float>(), N,
+                                y.data(), N);
+            for (int64_t m = 0; m < M; ++m) {
+              for (int64_t n = 0; n < N; ++n) {
+                ASSERT_EQ(y[static_cast<size_t>(m * N + n)], all[static_cast<size_t>((first + m) * N + n)])
+                    << what << " threads=" << t << ": row " << first + m << " of a batch of " << M
+                    << " rows from row " << first << ", column " << n;
+              }
+            }
+          }
+        }
+      }
+      set_num_threads(threads);
+    }
+  }
 }
 
 }  // namespace

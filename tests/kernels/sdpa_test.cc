@@ -450,6 +450,46 @@ TEST(Sdpa, ResultIndependentOfThreadCount) {
   set_num_threads(saved);
 }
 
+// Under set_batch_invariant(true) a sequence's rows are the same bits alone (any length, the
+// decode kernel's shapes included) and padded into a batch beside other sequences (bool key mask),
+// in f32 and bf16, on every path: which kernel runs no longer depends on the padded length.
+TEST(Sdpa, BatchInvariantSequenceAloneOrPadded) {
+  IsaGuard guard;
+  const bool saved = batch_invariant();
+  set_batch_invariant(true);
+  constexpr int64_t H = 3, D = 20, B = 3;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (int64_t L : {1, 2, 4, 5, 9}) {
+        for (int64_t Lp : {L, L + 1, int64_t{7}, int64_t{133}}) {
+          if (Lp < L) continue;
+          const Tensor q = testing::randn({1, H, L, D}).to(dt), k = testing::randn({1, H, L, D}).to(dt),
+                       v = testing::randn({1, H, L, D}).to(dt);
+          const Tensor alone = sdpa(q, k, v).out;
+          // batch item 1 holds the sequence, padded to Lp; items 0 and 2 are other sequences
+          Tensor qb = testing::randn({B, H, Lp, D}).to(dt), kb = testing::randn({B, H, Lp, D}).to(dt),
+                 vb = testing::randn({B, H, Lp, D}).to(dt);
+          for (auto [dst, src] : {std::pair<Tensor*, const Tensor*>{&qb, &q}, {&kb, &k}, {&vb, &v}}) {
+            dst->select(0, 1).slice(1, 0, L).copy_from(src->select(0, 0));
+          }
+          Tensor mask = Tensor::zeros({B, 1, 1, Lp}, DType::Bool);  // true = may attend
+          auto* m = static_cast<uint8_t*>(mask.raw_data());
+          for (int64_t b = 0; b < B; ++b) {
+            for (int64_t j = 0; j < Lp; ++j) m[b * Lp + j] = b != 1 || j < L;
+          }
+          SdpaOptions o;
+          o.attn_mask = mask;
+          const Tensor batched = sdpa(qb, kb, vb, o).out.select(0, 1).slice(1, 0, L).contiguous();
+          EXPECT_TRUE(testing::bitwise_equal(alone.select(0, 0), batched))
+              << "isa=" << isa_name(isa) << " dtype=" << dtype_name(dt) << " L=" << L << " padded to " << Lp;
+        }
+      }
+    }
+  }
+  set_batch_invariant(saved);
+}
+
 // bf16 inputs, f32 accumulation: within twice the error of a plain bf16 computation (P and the
 // output rounded to bf16), both measured against float64 on the same bf16 inputs (STYLE.md).
 double naive_bf16_error(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& o,

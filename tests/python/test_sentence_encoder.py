@@ -251,3 +251,32 @@ def test_reduced_precision_embeddings_beside_pytorch(enc, st):
     assert heads.SentenceEncoder(dtype="int8").dtype == "int8"
     with pytest.raises(ValueError, match="dtype: expected f32, bf16 or int8"):
         heads.SentenceEncoder(dtype="fp8")
+
+
+def test_batch_invariant_embeddings_do_not_depend_on_the_batch(enc):
+    # heads.set_batch_invariant(True): every text's embedding is the same bits alone, in any batch
+    # (other texts, other padding, other batch size), on any thread count; f32 and int8
+    texts = [t for t in corpus() if t.strip()][:48] + SENTENCES[:12]
+    threads = heads.get_num_threads()
+    assert not heads.is_batch_invariant()
+    default = enc.encode(texts)
+    heads.set_batch_invariant(True)
+    try:
+        assert heads.is_batch_invariant()
+        for model in (enc, heads.SentenceEncoder(dtype="int8")):
+            whole = model.encode(texts)
+            for i in range(0, len(texts), 5):
+                assert np.array_equal(model.encode([texts[i]])[0], whole[i]), (i, texts[i][:40])
+            order = np.random.default_rng(0).permutation(len(texts))
+            shuffled = model.encode([texts[j] for j in order], batch_size=7)
+            assert np.array_equal(shuffled[np.argsort(order)], whole)
+            heads.set_num_threads(1)
+            assert np.array_equal(model.encode(texts, batch_size=3), whole)
+            heads.set_num_threads(threads)
+        # the same model: it differs from the default path by float32 rounding only
+        assert np.abs(enc.encode(texts) - default).max() <= 1e-6
+    finally:
+        heads.set_batch_invariant(False)
+        heads.set_num_threads(threads)
+    with pytest.raises(TypeError, match="set_batch_invariant"):
+        heads.set_batch_invariant("yes")

@@ -111,9 +111,9 @@ def server():
     assert s.stop() == 0, s.logs()
 
 
-def heads_embed(tmp_path, texts, model=MODEL):
+def heads_embed(tmp_path, texts, model=MODEL, *options):
     out = tmp_path / "e.npy"
-    r = subprocess.run([HEADS, "embed", "--model", str(model), "--output", str(out), "--quiet", *texts],
+    r = subprocess.run([HEADS, "embed", "--model", str(model), "--output", str(out), "--quiet", *options, *texts],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return np.load(out)
@@ -164,6 +164,27 @@ def test_grpc_embed_equals_heads_embed_and_stream_keeps_order(server, tmp_path):
         got = c.embed_stream(texts, chunk=16)  # 5 chunks, the last short
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-6  # chunks batch differently than one call: float rounding only
+
+
+def test_batch_invariant_server_answers_do_not_depend_on_batching(tmp_path):
+    # `heads serve --batch-invariant`: a text's embedding is the same bits whether it comes in a chunk
+    # of a stream, alone, or batched by the server with other clients' texts, and equals
+    # `heads embed --batch-invariant` of all the texts in one call
+    texts = fresh_texts("invariant", 60)
+    want = heads_embed(tmp_path, texts, MODEL, "--batch-invariant")
+    s = Server("--batch-invariant", "--max-texts", 64, "--max-wait-us", 20000)
+    try:
+        with s.client() as c:
+            assert np.array_equal(c.embed_stream(texts[:30], chunk=7), want[:30])
+        # one text per request, sent at once: the server batches them together (texts not sent
+        # before, so the cache answers none of them)
+        with cf.ThreadPoolExecutor(8) as ex:
+            answers = list(ex.map(lambda t: s.post("/embed", {"inputs": [t]}), texts[30:]))
+        assert all(status == 200 for status, _, _ in answers)
+        got = np.array([np.float32(body)[0] for _, body, _ in answers])
+        assert np.array_equal(got, want[30:])
+    finally:
+        assert s.stop() == 0, s.logs()
 
 
 def test_embed_route_tokenize_info_health(server, tmp_path):

@@ -35,7 +35,7 @@ struct BenchArgs {
   std::string dtype = "f32", mask = "none", window;
   std::string embed_dtype = "auto";  // bench embed: as the model directory stores it by default
   double dropout = 0.0, softcap = 0.0;
-  bool alibi = false, sinks = false;
+  bool alibi = false, sinks = false, batch_invariant = false;
   std::string block_sparse;  // DENSITY,BLOCK
   int64_t heads_off = 0;     // heads per batch entry turned off by head_mask (gated off)
   uint64_t seed = 1;
@@ -324,6 +324,7 @@ void run_mha(const BenchArgs& a) {
 
 void run_embed(const BenchArgs& a) {
   apply_threads(a.threads);
+  if (a.batch_invariant) set_batch_invariant(true);
   const std::vector<std::string> texts = read_lines(a.input);
   HEADS_CHECK(!texts.empty(), a.input, ": no lines");
   const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.embed_dtype));
@@ -438,6 +439,7 @@ void add_bench_command(CLI::App& app, Action* action) {
   add_precision_option(e, &args->embed_dtype, true);
   e->add_option("--batch-size", args->batch_size, "texts per batch")->capture_default_str()->check(int_in(1, kMaxCount));
   add_threads_option(e, &args->threads);
+  add_batch_invariant_option(e, &args->batch_invariant);
   e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   e->add_flag("--json", args->json, "one JSON line");
   e->callback([args, action] { *action = [args] { run_embed(*args); }; });

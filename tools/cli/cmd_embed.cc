@@ -13,6 +13,7 @@
 #include "embeddings_out.h"
 #include "options.h"
 #include "heads/files.h"
+#include "heads/runtime.h"
 #include "heads/safetensors.h"
 #include "heads/sentence_encoder.h"
 
@@ -24,7 +25,7 @@ struct EmbedArgs {
   std::string model, input, output, dtype = "auto";
   std::vector<std::string> texts;
   int64_t batch_size = 32;
-  bool similarity = false, quiet = false;
+  bool similarity = false, quiet = false, batch_invariant = false;
   int threads = 0;
 };
 
@@ -50,6 +51,7 @@ void print_similarity(const std::vector<std::string>& texts, const Tensor& e) {
 
 void run(const EmbedArgs& a) {
   apply_threads(a.threads);
+  if (a.batch_invariant) set_batch_invariant(true);
   const std::vector<std::string> texts = a.input.empty() ? a.texts : read_lines(a.input);
   HEADS_CHECK(!texts.empty(), "embed: no input texts (give TEXT arguments or an --input file with lines)");
   check_embeddings_output(a.output);
@@ -101,6 +103,7 @@ void add_embed_command(CLI::App& app, Action* action) {
   c->add_flag("--similarity", args->similarity, "print the cosine similarity matrix");
   c->add_flag("--quiet", args->quiet, "no progress bar or notes");
   add_threads_option(c, &args->threads);
+  add_batch_invariant_option(c, &args->batch_invariant);
   c->callback([args, action] { *action = [args] { run(*args); }; });
 }
 

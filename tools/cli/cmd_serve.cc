@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "heads/error.h"
+#include "heads/runtime.h"
 #include "options.h"
 #include "server.h"
 
@@ -18,7 +19,7 @@ struct ServeArgs {
   serve::ServerOptions o;
   std::string model, dtype = "auto", admin_token_file, cache_dir;
   int64_t cache_mb = 256, disk_cache_mb = 1024;
-  bool no_truncate = false;
+  bool no_truncate = false, batch_invariant = false;
   int threads = 0;
 };
 
@@ -29,6 +30,7 @@ void run(ServeArgs& a) {
   // stays at 210–275 MB (docs/serving.md). The threads that allocate much are few (the batcher).
   mallopt(M_ARENA_MAX, 1);
   apply_threads(a.threads);
+  if (a.batch_invariant) set_batch_invariant(true);
   serve::ServerOptions o = a.o;
   HEADS_CHECK(o.service.max_queue_texts >= o.service.max_texts, "--max-queue ", o.service.max_queue_texts,
               " must be at least --max-texts ", o.service.max_texts, " (a full request must fit in the queue)");
@@ -111,6 +113,7 @@ void add_serve_command(CLI::App& app, Action* action) {
   c->add_option("--drain-seconds", a->o.drain_seconds, "how long SIGTERM waits for requests in flight")
       ->capture_default_str()->check(CLI::Range(0.0, 3600.0));
   add_threads_option(c, &a->threads);
+  add_batch_invariant_option(c, &a->batch_invariant);
   c->callback([a, action] { *action = [a] { run(*a); }; });
 }
 

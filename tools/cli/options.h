@@ -94,6 +94,13 @@ inline void add_threads_option(CLI::App* c, int* threads) {
   c->add_option("--threads", *threads, "worker threads (default: all cores)")->check(int_in(0, kMaxThreads));
 }
 
+// --batch-invariant: heads::set_batch_invariant(true) for the command (heads/runtime.h).
+inline void add_batch_invariant_option(CLI::App* c, bool* on) {
+  c->add_flag("--batch-invariant", *on,
+              "the same bits for a text whatever batch it is computed in (linear layers sum in a fixed order "
+              "instead of through oneDNN's GEMM; slower, see docs/numerics.md)");
+}
+
 // --dtype f32|bf16|int8: the precision of a model's linear layers (heads/precision.h); with_auto
 // adds "auto", the precision the model directory stores (int8 after `heads quantize`, else f32).
 inline void add_precision_option(CLI::App* c, std::string* dtype, bool with_auto = false) {
