@@ -146,13 +146,24 @@ class MultiheadAttention(_torch.nn.Module):
     returned weights are constants). Dropout masks come from heads' generator (``heads.manual_seed``).
     The keyword-only attention variants are heads.MultiheadAttention's (linear, local window,
     block-sparse, head gates with ``head_gate.weight`` / ``head_gate.bias`` parameters).
+    ``device`` and ``dtype`` are torch's factory arguments: the parameters are float32 on the CPU (a
+    trainable module); for bf16 or int8 inference, ``quantize_dynamic(module, dtype=...)`` makes the
+    quantized module, as torch.ao.quantization.quantize_dynamic does.
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=False, *, attention="softmax", feature_map="elu", window=None,
-                 sparse_block=None, sparse_stride=4, head_gate=None, gate_threshold=0.0):
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, attention="softmax",
+                 feature_map="elu", window=None, sparse_block=None, sparse_stride=4, head_gate=None,
+                 gate_threshold=0.0):
         super().__init__()
         from . import MultiheadAttention as _Native
+
+        if device is not None and _torch.device(device).type != "cpu":
+            raise ValueError(f"MultiheadAttention: device: heads computes on the CPU, got {device!r}")
+        if dtype is not None and dtype != _torch.float32:
+            raise ValueError(f"MultiheadAttention: dtype: the parameters of this trainable module are torch.float32, "
+                             f"got {dtype!r}; for {dtype} inference, heads.torch.quantize_dynamic(module, dtype=...) "
+                             f"quantizes it (torch.qint8 or torch.bfloat16), as torch's quantize_dynamic does")
 
         self._native = _Native(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                                add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,

@@ -324,3 +324,27 @@ def test_quantize_dynamic_spec_and_inplace():
     assert sd["weight"].dtype == torch.float32 and torch.equal(sd["weight"], lin.weight.detach())
     result = qf.load_state_dict({"weight": sd["weight"]}, strict=False)
     assert result.missing_keys == ["bias"]
+
+
+def test_torch_module_factory_arguments():
+    # heads.torch.MultiheadAttention takes torch's device= and dtype=: float32 on the CPU is the
+    # trainable module; another dtype is a clear error that points to quantize_dynamic, which
+    # makes the reduced-precision module (equal to the native module's .to(dtype))
+    torch.manual_seed(0)
+    m = ht.MultiheadAttention(16, 4, 0.0, True, False, False, None, None, True, "cpu", torch.float32)
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in m.parameters())
+    for dtype in (torch.bfloat16, torch.qint8, torch.float64):
+        with pytest.raises(ValueError, match=r"dtype.*quantize_dynamic"):
+            ht.MultiheadAttention(16, 4, dtype=dtype)
+    with pytest.raises(ValueError, match="device"):
+        ht.MultiheadAttention(16, 4, device="meta")
+    x = torch.randn(2, 5, 16)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.qint8, "int8")):
+        q = ht.quantize_dynamic(m, dtype=dtype)
+        native = heads.MultiheadAttention(16, 4, batch_first=True, dtype=name)
+        native.load_state_dict({k: v.detach() for k, v in m.state_dict().items()})
+        native.eval()
+        with torch.no_grad():
+            got = q(x, x, x, need_weights=False)[0]
+        want = native(x, x, x, need_weights=False)[0]
+        assert np.array_equal(np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32)), name
