@@ -24,13 +24,14 @@ Layouts (the same on every rank; ``shard`` and ``unshard`` cut and join a full s
   L mod 2W chunks one position longer); rank r holds chunks r and 2W-1-r. With a causal mask every
   rank then has the same amount of work (with "contiguous", rank W-1 has W times rank 0's).
 
-Any L works (at least one position per chunk); the ranks exchange their shard lengths, and a rank
-whose shard does not fit the layout, or whose arguments differ from the others', makes every rank
-raise the same error instead of leaving the others waiting.
+Any L works (at least one position per chunk); the ranks exchange their shard lengths and
+arguments before any transfer. A rank given bad input raises its error and every other rank raises
+a ValueError naming that rank; a shard that does not fit the layout, or arguments that differ
+between ranks, make every rank raise the same ValueError. No rank is left waiting.
 
 float32 CPU tensors, [B, H, Ls, D] (or [H, Ls, D]); GQA with ``enable_gqa=True`` as in
-heads.sdpa; ``key_padding_mask`` [B, Ls] (bool, True = padding, as in nn.MultiheadAttention) for
-this rank's keys, carried around the ring with them. A query row that sees no key at all gets
+heads.sdpa; ``key_padding_mask`` [B, Ls] ([Ls] for 3-D inputs; bool, True = padding, as in
+nn.MultiheadAttention) for this rank's keys, carried around the ring with them. A query row that sees no key at all gets
 zeros, as everywhere in heads. The cost model (memory per rank, bytes moved, when it pays) is in
 docs/distributed.md.
 """
@@ -161,6 +162,7 @@ def _pairs(q_chunks: List[int], kv_chunks: List[int], causal: bool):
 # float64.
 _AGREED = ("batch", "query heads", "key/value heads", "head size D", "value head size Dv", "is_causal",
            "layout", "key_padding_mask given", "enable_gqa", "scale given", "scale")
+_FLAGS = ("is_causal", "key_padding_mask given", "enable_gqa", "scale given")
 
 
 class _Plan:
@@ -170,7 +172,7 @@ class _Plan:
     def __init__(self, group, query, key, value, key_padding_mask, is_causal, scale, enable_gqa, layout) -> None:
         ring = _Ring(group)
         self.world, self.rank, self.layout = ring.world, ring.rank, layout
-        error = _check_local(query, key, value, key_padding_mask, len(chunks_of(ring.rank, ring.world, layout)))
+        error = _check_local(query, key, value, key_padding_mask, scale, enable_gqa, layout)
         row = [0.0] * (2 + len(_AGREED))
         if error is None:
             row = [1.0, float(query.shape[2]), float(query.shape[0]), float(query.shape[1]), float(key.shape[1]),
@@ -185,11 +187,17 @@ class _Plan:
         if bad:
             raise ValueError(f"ring_attention: rank(s) {bad} were given invalid inputs (their own error says which); "
                              f"no rank computed anything")
+        def shown(i: int, value: float) -> str:  # an agreed field as the caller wrote it
+            name = _AGREED[i]
+            if name == "layout":
+                return repr(_LAYOUTS[int(value)])
+            return str(bool(value)) if name in _FLAGS else f"{value:g}"
+
         for r, x in enumerate(rows):
             for i, name in enumerate(_AGREED):
                 if x[2 + i] != rows[0][2 + i]:
                     raise ValueError(f"ring_attention: every rank must pass the same {name}: rank 0 has "
-                                     f"{rows[0][2 + i].item():g}, rank {r} {x[2 + i].item():g}")
+                                     f"{shown(i, rows[0][2 + i].item())}, rank {r} {shown(i, x[2 + i].item())}")
         self.lengths = [int(x[1]) for x in rows]  # each rank's shard length
         self.B, self.Hkv, self.D, self.Dv = (int(rows[0][i]) for i in (2, 4, 5, 6))
         self.masked = key_padding_mask is not None
@@ -219,23 +227,39 @@ class _Plan:
         return sum(_numel(s) for s in self.kv_shapes(rank, with_mask))
 
 
-def _check_local(query, key, value, key_padding_mask, chunks: int) -> Optional[str]:
-    """What is wrong with this rank's own inputs, or None."""
+def _check_local(query, key, value, key_padding_mask, scale, enable_gqa, layout) -> Optional[str]:
+    """What is wrong with this rank's own arguments, or None (checked before the ranks exchange
+    anything, so that a bad argument on one rank cannot leave the others waiting)."""
+    if layout not in _LAYOUTS:
+        return f"layout: expected one of {_LAYOUTS}, got {layout!r}"
+    if scale is not None and not isinstance(scale, float):
+        return f"scale: expected a number or None, got {scale!r}"
     for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, _torch.Tensor):
+            return f"{name}: expected a torch tensor, got {type(t).__name__}"
         if t.dim() != 4 or t.dtype != _torch.float32 or t.device.type != "cpu":
             return f"{name}: expected a float32 CPU tensor [B, H, Ls, D], got {t.dtype} {tuple(t.shape)} on {t.device}"
     shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if not (query.shape[0] == key.shape[0] == value.shape[0]) or key.shape[1] != value.shape[1] or \
             query.shape[3] != key.shape[3]:
         return f"{shapes}: expected query [B, H, Ls, D], key [B, Hkv, Ls, D] and value [B, Hkv, Ls, Dv]"
+    H, Hkv = query.shape[1], key.shape[1]
+    if Hkv == 0 or H % Hkv or (H != Hkv and not enable_gqa):
+        return (f"{shapes}: {H} query heads and {Hkv} key/value heads; they must be equal, or a multiple "
+                f"with enable_gqa=True")
     if not (query.shape[2] == key.shape[2] == value.shape[2]):
         return f"{shapes} must hold the same shard length"
+    chunks = 1 if layout == "contiguous" else 2
     if query.shape[2] < chunks:
         return f"{shapes}: the shard holds {query.shape[2]} positions, fewer than its {chunks} chunk(s)"
-    if key_padding_mask is not None and (key_padding_mask.dtype != _torch.bool or
-                                         tuple(key_padding_mask.shape) != (key.shape[0], key.shape[2])):
-        return (f"key_padding_mask: expected a bool tensor [B, Ls] = {(key.shape[0], key.shape[2])} (True = padding), "
-                f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, _torch.Tensor):
+            return f"key_padding_mask: expected a bool tensor or None, got {type(key_padding_mask).__name__}"
+        if key_padding_mask.dtype != _torch.bool or key_padding_mask.device.type != "cpu" or \
+                tuple(key_padding_mask.shape) != (key.shape[0], key.shape[2]):
+            return (f"key_padding_mask: expected a bool CPU tensor [B, Ls] = {(key.shape[0], key.shape[2])} "
+                    f"([Ls] for 3-D inputs; True = padding), got {key_padding_mask.dtype} "
+                    f"{tuple(key_padding_mask.shape)} on {key_padding_mask.device}")
     return None
 
 
@@ -356,20 +380,24 @@ def ring_attention(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tenso
     Ls may differ between ranks, see the module's layouts). Returns this rank's rows of
     softmax(QKᵀ·scale)V over the whole sequence, [B, H, Ls, Dv]; differentiable (the backward is
     also a ring). ``key_padding_mask`` [B, Ls] bool, True where this rank's key is padding (given on
-    every rank or on none). ``is_causal`` masks by positions in the full sequence. ``overlap=False``
+    every rank or on none; [Ls] for 3-D inputs). ``is_causal`` masks by positions in the full
+    sequence. ``overlap=False``
     waits for each transfer before computing (for measuring what overlap saves). Every rank must
     call it with the same arguments; the ranks check that they agree before any transfer.
     """
-    if layout not in _LAYOUTS:
-        raise ValueError(f"ring_attention: layout: expected one of {_LAYOUTS}, got {layout!r}")
     if not _dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialized (dist.init_process_group)")
-    squeeze = query.dim() == 3
+    # Every check that can fail on one rank only happens inside _Plan, after which all ranks agree.
+    squeeze = isinstance(query, _torch.Tensor) and query.dim() == 3
     if squeeze:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        if key_padding_mask is not None:
+        query, key, value = (t.unsqueeze(0) if isinstance(t, _torch.Tensor) else t for t in (query, key, value))
+        if isinstance(key_padding_mask, _torch.Tensor):
             key_padding_mask = key_padding_mask.unsqueeze(0)
-    scale = None if scale is None else float(scale)
+    if scale is not None and not isinstance(scale, bool):
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            pass  # left as given: _check_local names it
     plan = _Plan(group, query, key, value, key_padding_mask, bool(is_causal), scale, bool(enable_gqa), layout)
     out = RingAttentionFunction.apply(query, key, value, key_padding_mask, plan, group, bool(is_causal), scale,
                                       bool(enable_gqa), bool(overlap))

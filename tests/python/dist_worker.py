@@ -149,7 +149,16 @@ def ring_errors(rank: int, world: int) -> None:
     bad_rank = world - 1
     expect("a double query on one rank", "float32" if rank == bad_rank else f"rank(s) [{bad_rank}]",
            query=q.double() if rank == bad_rank else q)
-    expect("is_causal differs", "is_causal", is_causal=rank == 0)
+    def on_bad_rank(needle: str) -> str:  # the bad rank names its problem; the others name the rank
+        return needle if rank == bad_rank else f"rank(s) [{bad_rank}]"
+
+    expect("a bad layout on one rank", on_bad_rank("layout"), layout="diagonal" if rank == bad_rank else "contiguous")
+    expect("a scale that is no number on one rank", on_bad_rank("scale"), scale="x" if rank == bad_rank else None)
+    expect("a padding mask that is no tensor on one rank", on_bad_rank("key_padding_mask"),
+           key_padding_mask=[True] * 6 if rank == bad_rank else None)
+    expect("GQA heads without enable_gqa", "enable_gqa", key=q[:, :1], value=q[:, :1])
+    expect("is_causal differs", "is_causal: rank 0 has True", is_causal=rank == 0)
+    expect("layouts differ", "layout: rank 0 has 'zigzag'", layout="zigzag" if rank == 0 else "contiguous")
     expect("a mask on one rank only", "key_padding_mask",
            key_padding_mask=torch.zeros(1, 6, dtype=torch.bool) if rank == 0 else None)
     expect("a mask of the wrong shape", "key_padding_mask", key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))

@@ -38,10 +38,37 @@ int http_status(Code c) {
   return 500;
 }
 
-// The socket of the connection a request came on: the one whose local port is the server's and whose
-// peer is the request's remote address and port (cpp-httplib 0.11 does not hand it to handlers; the
-// /proc/self/fd scan costs about as much as one small allocation per open descriptor). -1 if none.
+// Whether descriptor `fd` is the connection `req` came on: a socket whose local port is the
+// server's and whose peer is the request's remote address and port.
+bool is_connection_of(int fd, const httplib::Request& req) {
+  sockaddr_storage peer{}, local{};
+  socklen_t pn = sizeof(peer), ln = sizeof(local);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pn) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ln) != 0) {
+    return false;
+  }
+  auto port_of = [](const sockaddr_storage& a) {
+    return a.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port)
+                                  : a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port)
+                                                            : 0;
+  };
+  char host[INET6_ADDRSTRLEN] = {};
+  const void* addr = peer.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in&>(peer).sin_addr)
+                                               : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6&>(peer).sin6_addr);
+  if ((peer.ss_family != AF_INET && peer.ss_family != AF_INET6) ||
+      inet_ntop(peer.ss_family, addr, host, sizeof(host)) == nullptr) {
+    return false;
+  }
+  return port_of(peer) == req.remote_port && port_of(local) == req.local_port && req.remote_addr == host;
+}
+
+// The socket of the connection a request came on (cpp-httplib 0.11 does not hand it to handlers),
+// -1 if none. An HTTP worker thread serves one keep-alive connection at a time, so the socket found
+// for the thread's previous request is checked first (two system calls); only a new connection
+// scans /proc/self/fd (about one small allocation's cost per open descriptor).
 int connection_socket(const httplib::Request& req) {
+  thread_local int last = -1;
+  if (last >= 0 && is_connection_of(last, req)) return last;
   DIR* d = opendir("/proc/self/fd");
   if (d == nullptr) return -1;
   int found = -1;
@@ -49,30 +76,13 @@ int connection_socket(const httplib::Request& req) {
     char* end = nullptr;
     const long fd = std::strtol(e->d_name, &end, 10);
     if (end == e->d_name || *end != '\0' || fd == dirfd(d)) continue;
-    sockaddr_storage peer{}, local{};
-    socklen_t pn = sizeof(peer), ln = sizeof(local);
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &pn) != 0 ||
-        getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &ln) != 0) {
-      continue;
-    }
-    auto port_of = [](const sockaddr_storage& a) {
-      return a.ss_family == AF_INET ? ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port)
-                                    : a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port)
-                                                              : 0;
-    };
-    char host[INET6_ADDRSTRLEN] = {};
-    const void* addr = peer.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in&>(peer).sin_addr)
-                                                 : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6&>(peer).sin6_addr);
-    if ((peer.ss_family != AF_INET && peer.ss_family != AF_INET6) ||
-        inet_ntop(peer.ss_family, addr, host, sizeof(host)) == nullptr) {
-      continue;
-    }
-    if (port_of(peer) == req.remote_port && port_of(local) == req.local_port && req.remote_addr == host) {
+    if (is_connection_of(static_cast<int>(fd), req)) {
       found = static_cast<int>(fd);
       break;
     }
   }
   closedir(d);
+  last = found;
   return found;
 }
 
