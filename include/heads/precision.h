@@ -92,6 +92,11 @@ class PackedLinear {
 // without native bf16 / int8 matmul) or "portable" (plain loops: the scalar path).
 std::string linear_gemm_route(Precision p);
 
+// Whether set_batch_invariant(true) (heads/runtime.h) holds for linear layers of this precision on
+// the active path: always for f32 and int8 (integer sums are exact), and for bf16 unless it takes
+// oneDNN's native bf16 matmul (CPUs with AVX512_BF16 or AMX), whose sums depend on the batch.
+bool batch_invariance_holds(Precision p);
+
 // The int8 weights [N0, K], [N1, K], ... stacked by rows into one [N0 + N1 + ..., K] (the q, k, v
 // projections into in_proj_weight), residual rows renumbered.
 PackedLinear cat_rows(const std::vector<PackedLinear>& parts);

@@ -25,12 +25,14 @@ int threads_for(double flops, int64_t tasks);
 // Batch invariance. On, the f32 GEMMs of linear layers (and so MultiheadAttention, the encoder
 // layers and the models built on them) compute every output as one fixed-order sum over k, so a
 // row's result depends on that row and the weights alone: a sentence embeds to the same bits alone
-// or in any batch, padded to any length, on any number of threads (attention and the row-wise
-// kernels already are). Off, the default, linear layers run oneDNN's GEMM, which is faster but
-// changes the order of a row's sums with the number of rows around it (on AVX2: rows in a tail of
-// 1 to 3 of its 6-row blocks), so two batchings can differ in the last bits. Results stay exact
-// to the same tolerance either way. Holds for f32 and int8 (integer sums; the f32 route through
-// this GEMM), and for bf16 where it takes the f32 route; not for oneDNN's native bf16 matmul.
+// or in any batch, padded to any length, on any number of threads; and SDPA takes its tiled kernel
+// for every shape (the decode kernel, for up to 4 queries, sums in another order). The row-wise
+// kernels are invariant already. Off, the default, the SIMD paths' linear layers run oneDNN's
+// GEMM, which can be faster but changes the order of a row's sums with the number of rows around
+// it (on AVX2: rows in a tail of 1 to 3 of its 6-row blocks), so two batchings can differ in the
+// last bits. Results stay exact to the same tolerance either way. Holds for f32 and int8 (integer
+// sums; the f32 route through this GEMM), and for bf16 where it takes the f32 route; not through
+// oneDNN's native bf16 matmul (batch_invariance_holds in heads/precision.h says which).
 // HEADS_BATCH_INVARIANT=1 in the environment turns it on at start-up.
 void set_batch_invariant(bool on);
 bool batch_invariant();

@@ -34,14 +34,14 @@ struct KernelTable {
                      const float* bias, int64_t N, float* y, int64_t y_stride);
   void (*matmul_f32)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                      const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
-  // linear_f32 with every output a fixed-order sum over k, whatever the batch (gemm-inl.h): the
-  // linear layers' GEMM under set_batch_invariant(true).
-  void (*linear_f32_fixed_order)(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                                 const float* bias, int64_t N, float* y, int64_t y_stride);
   // The same product on the calling thread with the register-blocked micro-kernels (gemm-inl.h), for
   // small products inside a kernel's own parallel loop (M, N, K >= 0).
   void (*small_matmul_f32)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                            const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
+  // linear_f32 with every output a fixed-order sum over k, whatever the batch (gemm-inl.h): the
+  // linear layers' GEMM under set_batch_invariant(true).
+  void (*linear_f32_fixed_order)(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                                 const float* bias, int64_t N, float* y, int64_t y_stride);
   // Elementwise (elementwise-inl.h): rows of n values, row strides xs / ys.
   void (*gelu_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
                    bool tanh_form);

@@ -1,11 +1,12 @@
-// gemm-inl.h — register-blocked f32 GEMM micro-kernels for the attention kernels' own products
-// (the SDPA backward's dV, dK and dQ), written once over `Vec`. Included by
-// kernels/sdpa_paths-inl.h inside namespace heads::kernels::<isa>, before sdpa_bwd-inl.h.
+// gemm-inl.h — register-blocked f32 GEMM micro-kernels, written once over `Vec`: the attention
+// kernels' own products (the SDPA backward's dV, dK and dQ; linear attention's chunks), and the
+// batch-invariant linear layer (linear_fixed_order, below). Included by kernels/sdpa_paths-inl.h
+// inside namespace heads::kernels::<isa>, before sdpa_bwd-inl.h.
 //
 //   C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N]
 // A is read through two strides (either operand order of the attention tiles, without a copy), B
 // rows are contiguous, C rows strided; the result overwrites C, is added to it, or is streamed past
-// the caches (Out). Large GEMMs on whole tensors go through oneDNN instead (linear.h).
+// the caches (Out). Other large GEMMs on whole tensors go through oneDNN (linear.h).
 
 namespace gemm {
 
@@ -202,11 +203,11 @@ inline void linear_fixed_order(const float* x, int64_t M, int64_t K, int64_t xs,
   if (packed.size() > (size_t{1} << 24)) std::vector<float>().swap(packed);  // a thread keeps at most 64 MB
 }
 
+// Every ISA, the portable one included (its Vec::fma is std::fma per lane), computes the same
+// chains, so the results are also the same bits on every path.
 inline void linear_f32_fixed_order(const float* x, int64_t M, int64_t K, int64_t xs, const float* W,
                                    const float* bias, int64_t N, float* y, int64_t ys) {
-  if constexpr (Vec::W == 1) {
-    linear_fixed_order<4, 1>(x, M, K, xs, W, bias, N, y, ys);
-  } else if constexpr (Vec::kRowsQK >= 12) {  // 32 vector registers: 6 x 4-vector blocks
+  if constexpr (Vec::kRowsQK >= 12) {  // 32 vector registers: 6 x 4-vector blocks
     linear_fixed_order<6, 4>(x, M, K, xs, W, bias, N, y, ys);
   } else {
     linear_fixed_order<6, 2>(x, M, K, xs, W, bias, N, y, ys);

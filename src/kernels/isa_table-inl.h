@@ -18,8 +18,8 @@ const KernelTable kTable{
     // The portable path is portable C++ throughout, its GEMMs included.
     .linear_f32 = kIsa == Isa::Scalar ? &linear_f32_plain : &linear_f32_onednn,
     .matmul_f32 = kIsa == Isa::Scalar ? &matmul_f32_plain : &matmul_f32_onednn,
-    .linear_f32_fixed_order = &gemm::linear_f32_fixed_order,
     .small_matmul_f32 = &small_matmul_f32,
+    .linear_f32_fixed_order = &gemm::linear_f32_fixed_order,
     .gelu_f32 = &gelu_f32,
     .relu_f32 = &relu_f32,
     .elu_plus_one_f32 = &elu_plus_one_f32,

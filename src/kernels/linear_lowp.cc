@@ -354,6 +354,8 @@ std::string linear_gemm_route(Precision p) {
   return "?";
 }
 
+bool batch_invariance_holds(Precision p) { return p != Precision::BF16 || route_of(p) != Route::Native; }
+
 PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name,
                                      const Tensor& residual_rows, const Tensor& residual_data,
                                      const Tensor& residual_scales) {

@@ -118,9 +118,10 @@ class BatchInvariantGuard {
   bool saved_;
 };
 
-// Under set_batch_invariant(true) every path computes a row to the same bits whichever rows come
-// with it (any count, any offset, tails of every register block), on any thread count; and the
-// values are still the product, within an f32 sum's error of the float64 one.
+// Under set_batch_invariant(true) every path computes each output as one chain of FMAs over k from
+// zero, then adds the bias: the same bits whichever rows come with it (any count, any offset,
+// tails of every register block and panel), on any thread count and on every path; and that is
+// the product within an f32 sum's error of the float64 one.
 TEST(Linear, BatchInvariantRowsDoNotDependOnTheBatch) {
   testing::IsaGuard isa_guard;
   const BatchInvariantGuard on(true);
@@ -128,7 +129,8 @@ TEST(Linear, BatchInvariantRowsDoNotDependOnTheBatch) {
   constexpr int64_t kRows = 300;
   for (Isa isa : supported_isas()) {
     set_isa(isa);
-    for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {77, 45}, {384, 391}, {1536, 17}}) {
+    // whole and partial panels (16 to 64 columns), K not a multiple of the vector width
+    for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {77, 45}, {77, 130}, {384, 391}, {1536, 17}}) {
       const int64_t xs = K + 3;
       const Tensor x = testing::randn({kRows, xs});
       const Tensor W = testing::randn({N, K});
@@ -136,15 +138,19 @@ TEST(Linear, BatchInvariantRowsDoNotDependOnTheBatch) {
       std::vector<float> all(static_cast<size_t>(kRows * N));
       kernels::linear_f32(x.data<float>(), kRows, K, xs, W.data<float>(), b.data<float>(), N, all.data(), N);
       const std::string what = "K=" + std::to_string(K) + " N=" + std::to_string(N) + " isa=" + isa_name(isa);
-      for (int64_t m = 0; m < kRows; m += 7) {  // the product, to an f32 sum's error (K + 1 roundings)
+      for (int64_t m = 0; m < kRows; m += 7) {
         for (int64_t n = 0; n < N; ++n) {
+          float chain = 0.0f;  // the definition, bit for bit
           double ref = b.data<float>()[n], mag = std::fabs(ref);
           for (int64_t k = 0; k < K; ++k) {
+            chain = std::fma(x.data<float>()[m * xs + k], W.data<float>()[n * K + k], chain);
             const double t = static_cast<double>(x.data<float>()[m * xs + k]) * W.data<float>()[n * K + k];
             ref += t;
             mag += std::fabs(t);
           }
-          ASSERT_LE(std::fabs(all[static_cast<size_t>(m * N + n)] - ref), (K + 1) * 6e-8 * mag) << what;
+          const float got = all[static_cast<size_t>(m * N + n)];
+          ASSERT_EQ(got, chain + b.data<float>()[n]) << what << ": row " << m << ", column " << n;
+          ASSERT_LE(std::fabs(got - ref), (K + 1) * 6e-8 * mag) << what;  // an f32 sum's error (K + 1 roundings)
         }
       }
       for (int t : {1, threads}) {

@@ -176,6 +176,7 @@ def test_batch_invariant_server_answers_do_not_depend_on_batching(tmp_path):
     try:
         with s.client() as c:
             assert np.array_equal(c.embed_stream(texts[:30], chunk=7), want[:30])
+            assert re.fullmatch(r"model-f32-bi-[0-9a-f]{12}", c.model_version)  # its own cache entries
         # one text per request, sent at once: the server batches them together (texts not sent
         # before, so the cache answers none of them)
         with cf.ThreadPoolExecutor(8) as ex:

@@ -328,6 +328,7 @@ void run_embed(const BenchArgs& a) {
   const std::vector<std::string> texts = read_lines(a.input);
   HEADS_CHECK(!texts.empty(), a.input, ": no lines");
   const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.embed_dtype));
+  check_batch_invariance(enc.precision());
   const std::string dtype = precision_name(enc.precision());
   int64_t tokens = 0;
   for (const auto& t : texts) tokens += static_cast<int64_t>(enc.tokenize(t).size());

@@ -56,6 +56,7 @@ void run(const EmbedArgs& a) {
   HEADS_CHECK(!texts.empty(), "embed: no input texts (give TEXT arguments or an --input file with lines)");
   check_embeddings_output(a.output);
   const SentenceEncoder enc = SentenceEncoder::load(model_dir(a.model), precision_choice(a.dtype));
+  check_batch_invariance(enc.precision());
   const bool bar = !a.quiet && texts.size() >= 64 && isatty(STDERR_FILENO);
   int64_t truncated = 0;
   const Tensor e = enc.encode(

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "heads/precision.h"
+
 namespace heads::cli {
 
 // A subcommand's body; runs after parsing, may throw heads::Error (exit 1).
@@ -42,6 +44,8 @@ std::string model_dir(const std::string& flag);
 
 // --threads N shared by the commands (0 = default).
 void apply_threads(int threads);
+// Under --batch-invariant, an error unless batch invariance holds for this precision on this CPU.
+void check_batch_invariance(Precision p);
 
 // The lines of a text file (a trailing \r dropped from each); an error names a path that is missing,
 // a directory or unreadable.

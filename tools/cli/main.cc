@@ -24,6 +24,12 @@ void apply_threads(int threads) {
   if (threads != 0) set_num_threads(threads);
 }
 
+void check_batch_invariance(Precision p) {
+  HEADS_CHECK(!batch_invariant() || batch_invariance_holds(p), "--batch-invariant: ", precision_name(p),
+              " on this CPU runs oneDNN's native ", precision_name(p),
+              " matmul, whose sums depend on the batch; use --dtype f32 or int8 for batch invariance");
+}
+
 std::vector<std::string> read_lines(const std::string& path) {
   std::error_code ec;
   HEADS_CHECK(!std::filesystem::is_directory(path, ec), path, ": is a directory, expected a text file");

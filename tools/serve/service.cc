@@ -128,7 +128,12 @@ std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
     const fs::path p = fs::path(dir).lexically_normal();
     m->name = (p.has_filename() ? p.filename() : p.parent_path().filename()).string();
   }
-  m->version = m->name + "-" + m->dtype + "-" + digest;
+  HEADS_CHECK(!batch_invariant() || batch_invariance_holds(enc->precision()),
+              "serve --batch-invariant: ", m->dtype, " on this CPU runs oneDNN's native ", m->dtype,
+              " matmul, whose sums depend on the batch; serve f32 or int8 (--dtype) for batch invariance");
+  // Batch-invariant results differ from the default ones in the last bits: a cache of one kind
+  // must not answer for the other.
+  m->version = m->name + "-" + m->dtype + (batch_invariant() ? "-bi" : "") + "-" + digest;
   m->dir = dir;
   m->encoder = std::move(enc);
   return m;
