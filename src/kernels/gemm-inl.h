@@ -17,14 +17,10 @@ constexpr int kW = Vec::W;
 // bypass the caches (whole aligned vectors; the rest as Set).
 enum class Out { Set, Add, Stream };
 
-// C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N] for m < M (C's old values added for Out::Add);
-// A(m, k) = a[m·sam + k·sak] (broadcast), B rows contiguous (stride ldb), C rows stride ldc.
-// Register block: R rows x NV vectors; nn[v] lanes of vector v are live (the last ones may be
-// partial or empty).
-template <int R, int NV>
-HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
-                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, Out mode) {
-  VR acc[R][NV];
+// acc[r][v] = Σ_k A(r, k)·B(k, v) for r < R, v < NV, each lane one chain of FMAs over k = 0..K−1
+// from zero; A(r, k) = a[r·sam + k·sak] (broadcast), load(k, v) gives B's vector v of row k.
+template <int R, int NV, class Load>
+HEADS_INLINE void fma_chains(VR (&acc)[R][NV], const float* a, int64_t sam, int64_t sak, int64_t K, Load load) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
@@ -33,7 +29,7 @@ HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const floa
   for (int64_t k = 0; k < K; ++k) {
     VR bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = Vec::load_partial(b + k * ldb + v * kW, nn[v]);
+    for (int v = 0; v < NV; ++v) bv[v] = load(k, v);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const VR x = Vec::set1(a[r * sam + k * sak]);
@@ -41,6 +37,18 @@ HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const floa
       for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(x, bv[v], acc[r][v]);
     }
   }
+}
+
+// C[m][0:N] (+)= alpha · sum_k A(m, k) · B[k][0:N] for m < M (C's old values added for Out::Add);
+// A(m, k) = a[m·sam + k·sak] (broadcast), B rows contiguous (stride ldb), C rows stride ldc.
+// Register block: R rows x NV vectors; nn[v] lanes of vector v are live (the last ones may be
+// partial or empty).
+template <int R, int NV>
+HEADS_INLINE void gemm_rows(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb,
+                            int64_t K, float* c, int64_t ldc, const int64_t* nn, float alpha, Out mode) {
+  VR acc[R][NV];
+  fma_chains<R, NV>(acc, a, sam, sak, K,
+                    [&](int64_t k, int v) __attribute__((always_inline)) { return Vec::load_partial(b + k * ldb + v * kW, nn[v]); });
   const VR al = Vec::set1(alpha);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -106,22 +114,8 @@ HEADS_INLINE void fixed_order_rows(const float* a, int64_t lda, const float* pan
                                    float* c, int64_t ldc, int64_t cols) {
   constexpr int64_t P = NV * kW;
   VR acc[R][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    VR bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = Vec::loadu(panel + k * P + v * kW);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const VR x = Vec::set1(a[r * lda + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(x, bv[v], acc[r][v]);
-    }
-  }
+  fma_chains<R, NV>(acc, a, lda, 1, K,
+                    [&](int64_t k, int v) __attribute__((always_inline)) { return Vec::loadu(panel + k * P + v * kW); });
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
