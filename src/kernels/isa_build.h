@@ -18,6 +18,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
 #include "kernels/scratch.h"
+#include "kernels/sdpa_split.h"
 #include "kernels/simd/common.h"
 
 // Vector arguments of the lambdas inside the kernels never cross an ABI boundary.

@@ -22,7 +22,10 @@
 // Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; no Lq x Lk
 // buffer (unless the mask gradient is requested, which receives dS).
 // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads,
-// in a fixed order, so results do not depend on the thread count.
+// in a fixed order, so results do not depend on the thread count. When there are too few (b, kv
+// head) pairs to feed many threads (long4k: 8), each is also cut along its keys (sdpa_split.h): a
+// split owns its dK, dV rows and writes its dQ contributions to a buffer of its own, added to dQ
+// after, split by split. The cut depends on the shape alone.
 
 namespace bwd {
 
@@ -160,10 +163,11 @@ struct Call {
 struct Step {
   int64_t b, h, hk, I0, nqs, n_sub;
   bool few;          // at most kSmallQ queries: the query-major few_block path
-  bool first_group;  // dQ rows and D_i are set up in the first key group
+  bool first_group;  // dQ rows and D_i are set up in the first key group of the task's keys
   bool dq_unset;     // the step's dQ rows not written yet (the next product sets them)
   const float *q0, *g0, *kh, *vh;
-  float* dq0;
+  float* dq0;       // the step's dQ rows (stride dq_ld): dq's, or a key split's own buffer
+  int64_t dq_ld;
   alignas(64) float lse2[kLd];  // lse in log2 units; +inf where the row sees nothing (P = 0)
   alignas(64) float dsum[kLd];  // D_i, unless one_block
 };
@@ -334,27 +338,37 @@ HEADS_INLINE void block_products(const Call& C, Step& st, int64_t jg, int64_t j0
            C.dvs[2], 1.0f, kv_out);
   gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, C.qs[2], dkj, C.dks[2], C.scale, kv_out);
   written = true;
-  gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, C.dqs[2],
+  gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, st.dq_ld,
            C.scale, st.dq_unset ? Out::Set : Out::Add);
   st.dq_unset = false;
 }
 
+// One task: keys [j_begin, j_end) of (b, kv head hk), its dQ contributions into dq (strides dqs):
+// the gradient itself, or for a key split past the first, a buffer of its own.
+struct Task {
+  int64_t b, hk, j_begin, j_end;
+  float* dq;
+  std::array<int64_t, 3> dqs;
+};
+
 // Queries [I0, I0 + kLd) of head h against the key group [jg, jg + ng): lse and D_i of the rows, Q and
 // dO packed once, then every key block — its tiles' dS, then its three products.
-inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t I0, int64_t jg, int64_t ng,
+inline void query_step(const Call& C, const Task& task, int64_t h, int64_t I0, int64_t jg, int64_t ng,
                        bool* written, const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
+  const int64_t b = task.b, hk = task.hk;
   Step st;
   st.b = b, st.h = h, st.hk = hk, st.I0 = I0;
   st.nqs = std::min(pb.Lq - I0, kLd);
   st.n_sub = (st.nqs + kTQ - 1) / kTQ;
   st.few = st.nqs <= kSmallQ;
-  st.first_group = jg == 0;
-  st.dq0 = C.dqp + b * C.dqs[0] + h * C.dqs[1] + I0 * C.dqs[2];
+  st.first_group = jg == task.j_begin;
+  st.dq0 = task.dq + b * task.dqs[0] + h * task.dqs[1] + I0 * task.dqs[2];
+  st.dq_ld = task.dqs[2];
   // With a left limit or a block layout, a step may see no block of the first group: its dQ rows
   // start at zero.
   st.dq_unset = st.first_group && !pb.may_skip_left();
-  if (st.first_group && pb.may_skip_left()) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
+  if (st.first_group && pb.may_skip_left()) zero_rows(st.dq0, st.dq_ld, st.nqs, pb.D);
   st.q0 = C.qp + b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2];
   st.g0 = C.gp + b * C.gs[0] + h * C.gs[1] + I0 * C.gs[2];
   st.kh = C.kp + b * C.ks[0] + hk * C.ks[1];
@@ -367,7 +381,7 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
   }
   if ((pb.causal && jg > I0 + st.nqs - 1 + pb.causal_offset) ||
       (pb.has_left && jg + ng - 1 < I0 + pb.left_offset)) {  // every key of the group hidden
-    if (st.dq_unset) zero_rows(st.dq0, C.dqs[2], st.nqs, pb.D);
+    if (st.dq_unset) zero_rows(st.dq0, st.dq_ld, st.nqs, pb.D);
     return;
   }
   for (int64_t l = 0; l < kLd; ++l) {
@@ -392,19 +406,20 @@ inline void query_step(const Call& C, int64_t b, int64_t hk, int64_t h, int64_t 
   }
 }
 
-// Key group [jg, jg + ng) of (b, kv head hk): every query step of every head in the group, then zeros
-// for the key blocks no query sees. The group's K, V rows and dK, dV stay in cache while the query
-// steps stream past once per group.
-inline void key_group(const Call& C, int64_t b, int64_t hk, int64_t jg, const Scratch& scr) {
+// Key group [jg, jg + ng) of the task's keys: every query step of every head in the kv head's group,
+// then zeros for the key blocks no query sees. The group's K, V rows and dK, dV stay in cache while
+// the query steps stream past once per group.
+inline void key_group(const Call& C, const Task& task, int64_t jg, const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
-  const int64_t ng = std::min(pb.Lk - jg, C.span);
+  const int64_t b = task.b, hk = task.hk;
+  const int64_t ng = std::min(task.j_end - jg, C.span);
   bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
   for (int64_t h = hk * C.G; h < (hk + 1) * C.G; ++h) {
     if (!pb.head_on(b, h)) {  // a head turned off: zero dq, nothing into dk, dv
-      if (jg == 0) zero_rows(C.dqp + b * C.dqs[0] + h * C.dqs[1], C.dqs[2], pb.Lq, pb.D);
+      if (jg == task.j_begin) zero_rows(task.dq + b * task.dqs[0] + h * task.dqs[1], task.dqs[2], pb.Lq, pb.D);
       continue;
     }
-    for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, b, hk, h, I0, jg, ng, written, scr);
+    for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, task, h, I0, jg, ng, written, scr);
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
     if (written[(j0 - jg) / kTK]) continue;
@@ -447,14 +462,20 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
       // of the K and V rows still to come).
       .stream_kv = G == 1 && pb.Lq <= kLd && 4 * pb.B * pb.Hkv * pb.Lk * (pb.D + pb.Dv) >= kStreamBytes,
   };
-  const int64_t n_tasks = pb.B * pb.Hkv;
+  const KeySplits splits = backward_key_splits(pb);
+  const int64_t n_tasks = pb.B * pb.Hkv * splits.n;
   // five products of the forward's size: S and dP, then dV, dK, dQ
   const int n_threads = threads_for(5.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
   const int64_t per = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
-  float* arena = thread_scratch(per * n_threads);
-  // dS sums per batch entry (each task writes the rows of its own heads), added in a fixed order after.
-  std::vector<float> drel_b(drel != nullptr ? static_cast<size_t>(pb.B * pb.H * pb.rel_len) : 0);
+  // The dQ contributions of key splits 1.. (contiguous [B, H, Lq, D] each) after the threads' scratch.
+  const int64_t dq_floats = pb.B * pb.H * pb.Lq * pb.D;
+  float* arena = thread_scratch(per * n_threads + (splits.n - 1) * dq_floats);
+  float* dq_split = arena + per * n_threads;
+  const std::array<int64_t, 3> split_dqs = {pb.H * pb.Lq * pb.D, pb.Lq * pb.D, pb.D};
+  // dS sums per key split and batch entry (each task writes the rows of its own heads), added in a
+  // fixed order after.
+  std::vector<float> drel_b(drel != nullptr ? static_cast<size_t>(splits.n * pb.B * pb.H * pb.rel_len) : 0);
 
 #pragma omp parallel num_threads(n_threads)
   {
@@ -469,16 +490,34 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
     scr.tmp = scr.tg + kTK * kLd;
     scr.drel = nullptr;
     scr.drow = scr.tmp + kTQ;
-    // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads.
+    // Parallel over (b, kv head, key split): each task owns its dK, dV rows and the dQ rows (or the
+    // split's buffer rows) of its query heads.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n_tasks; ++task) {
-      if (drel != nullptr) scr.drel = drel_b.data() + task / pb.Hkv * pb.H * pb.rel_len;
-      for (int64_t jg = 0; jg < pb.Lk; jg += C.span) key_group(C, task / pb.Hkv, task % pb.Hkv, jg, scr);
+    for (int64_t t = 0; t < n_tasks; ++t) {
+      // heaviest splits first (causal ones differ), then (b, kv head)
+      const int64_t s = splits.order[static_cast<size_t>(t / (pb.B * pb.Hkv))], pair = t % (pb.B * pb.Hkv);
+      const int64_t b = pair / pb.Hkv;
+      const Task task{b, pair % pb.Hkv, splits.at[static_cast<size_t>(s)], splits.at[static_cast<size_t>(s + 1)],
+                      s == 0 ? C.dqp : dq_split + (s - 1) * dq_floats, s == 0 ? C.dqs : split_dqs};
+      if (drel != nullptr) scr.drel = drel_b.data() + (s * pb.B + b) * pb.H * pb.rel_len;
+      for (int64_t jg = task.j_begin; jg < task.j_end; jg += C.span) key_group(C, task, jg, scr);
+    }
+    // dQ += the later splits' contributions, in split order, row by row.
+    if (splits.n > 1) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < pb.B * pb.H * pb.Lq; ++r) {
+        const int64_t b = r / (pb.H * pb.Lq), h = r / pb.Lq % pb.H, i = r % pb.Lq;
+        float* row = C.dqp + b * C.dqs[0] + h * C.dqs[1] + i * C.dqs[2];
+        for (int64_t s = 1; s < splits.n; ++s) {
+          const float* add = dq_split + (s - 1) * dq_floats + r * pb.D;
+          for (int64_t d = 0; d < pb.D; ++d) row[d] += add[d];
+        }
+      }
     }
     if (C.stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
   }
-  for (int64_t b = 0; drel != nullptr && b < pb.B; ++b) {
-    const float* src = drel_b.data() + b * pb.H * pb.rel_len;
-    for (int64_t x = 0; x < pb.H * pb.rel_len; ++x) drel[x] += src[x];
+  for (int64_t x = 0; drel != nullptr && x < splits.n * pb.B; ++x) {  // split by split, batch entry by entry
+    const float* src = drel_b.data() + x * pb.H * pb.rel_len;
+    for (int64_t y = 0; y < pb.H * pb.rel_len; ++y) drel[y] += src[y];
   }
 }

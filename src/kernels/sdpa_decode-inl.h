@@ -6,8 +6,8 @@
 // Layout: every query row that shares a key/value head (H/Hkv heads x Lq rows) is processed
 //   together, so K and V stream through once per (b, hk); dot products run along D (keys on the
 //   outer loop), P·V accumulates into per-row O in f32.
-// Parallel: tasks are (b, hk, key chunk). When B·Hkv alone cannot feed every thread, the keys are
-//   split into chunks whose partial softmax states (m, l, O) are merged afterwards
+// Parallel: tasks are (b, hk, key chunk). When B·Hkv alone cannot feed many threads, the keys are
+//   split into chunks (sdpa_split.h) whose partial softmax states (m, l, O) are merged afterwards
 //   (flash-decoding): m = max m_c, l = Σ l_c 2^(m_c - m), O = Σ O_c 2^(m_c - m). The split depends
 //   only on the problem shape, never on the thread count, so results are thread-independent.
 // Masks, dropout and the fully-masked-row rule are those of the tiled kernel; weights, when
@@ -17,9 +17,7 @@ namespace dec {
 
 using VR = Vec::R;
 constexpr int kW = Vec::W;
-constexpr int64_t kBlock = 64;       // keys per online-softmax step
-constexpr int64_t kMinChunk = 512;   // keys per task at least, when splitting
-constexpr int64_t kTargetTasks = 8;  // split until B·Hkv·chunks reaches this
+constexpr int64_t kBlock = 64;  // keys per online-softmax step
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -303,12 +301,9 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
   S.Dvp = round_up(pb.Dv, kW);
   const int64_t heads = pb.B * pb.Hkv;
   // Split keys only while there are too few (b, hk) pairs; a function of the shape alone.
-  S.n_chunks = 1;
-  if (heads < kTargetTasks && pb.Lk > kMinChunk) {
-    S.n_chunks = std::min((kTargetTasks + heads - 1) / heads, (pb.Lk + kMinChunk - 1) / kMinChunk);
-  }
-  S.chunk = round_up((pb.Lk + S.n_chunks - 1) / S.n_chunks, kBlock);
-  S.n_chunks = std::max<int64_t>(1, (pb.Lk + S.chunk - 1) / S.chunk);
+  const DecodeChunks chunks = decode_key_chunks(pb, kBlock);
+  S.chunk = chunks.chunk;
+  S.n_chunks = chunks.n;
   const int64_t n_tasks = heads * S.n_chunks;
   // Partial states per task: m, l [rows], O [rows][Dvp].
   std::vector<float> pm(static_cast<size_t>(n_tasks * S.rows)), pl(pm.size());

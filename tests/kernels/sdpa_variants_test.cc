@@ -95,7 +95,7 @@ struct Shape4 {
 std::vector<Shape4> shapes() {
   return {{1, 1, 1, 1, 1, 8, 8},     {2, 4, 2, 1, 700, 16, 16},  {1, 3, 3, 3, 129, 17, 9},
           {2, 2, 1, 7, 7, 5, 5},     {1, 4, 4, 129, 129, 64, 64}, {1, 2, 2, 129, 33, 63, 66},
-          {1, 2, 1, 33, 200, 32, 32}};
+          {1, 2, 1, 33, 200, 32, 32}, {1, 2, 1, 150, 600, 24, 20}};  // the last: the backward cuts its keys
 }
 
 TEST(SdpaVariants, ForwardMatchesReferenceOnEveryPath) {
@@ -306,25 +306,32 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
 }
 
 TEST(SdpaVariants, TableGradientIndependentOfThreadCount) {
+  // The second shape has few (b, kv head) pairs and long keys: the backward cuts its keys, and the
+  // splits' table sums and dQ contributions are added in a fixed order.
   const int64_t H = 4;
-  const Tensor q = randn({3, H, 70, 16}), k = randn({3, H, 90, 16}), v = randn({3, H, 90, 16}),
-               dout = randn({3, H, 70, 16});
-  SdpaOptions o;
-  o.relative_attention_bias = randn({32, H});
-  o.sinks = randn({H});
-  o.softcap = 4.0;
-  const int saved = get_num_threads();
-  set_num_threads(1);
-  const SdpaResult f = sdpa(q, k, v, o);
-  const SdpaGrads g1 = sdpa_backward(dout, q, k, v, f, o);
-  for (int t : {2, 3}) {
-    set_num_threads(t);
-    const SdpaGrads gt = sdpa_backward(dout, q, k, v, f, o);
-    EXPECT_TRUE(testing::bitwise_equal(g1.drelative_attention_bias, gt.drelative_attention_bias) &&
-                testing::bitwise_equal(g1.dsinks, gt.dsinks) && testing::bitwise_equal(g1.dq, gt.dq))
-        << "threads=" << t;
+  for (auto [B, Lq, Lk] : {std::tuple<int64_t, int64_t, int64_t>{3, 70, 90}, {1, 100, 1100}}) {
+    const Tensor q = randn({B, H, Lq, 16}), k = randn({B, H, Lk, 16}), v = randn({B, H, Lk, 16}),
+                 dout = randn({B, H, Lq, 16});
+    SdpaOptions o;
+    o.relative_attention_bias = randn({32, H});
+    o.sinks = randn({H});
+    o.softcap = 4.0;
+    o.is_causal = Lk > 1000;
+    o.causal_align = CausalAlign::BottomRight;
+    const int saved = get_num_threads();
+    set_num_threads(1);
+    const SdpaResult f = sdpa(q, k, v, o);
+    const SdpaGrads g1 = sdpa_backward(dout, q, k, v, f, o);
+    for (int t : {2, 3, 7}) {
+      set_num_threads(t);
+      const SdpaGrads gt = sdpa_backward(dout, q, k, v, f, o);
+      EXPECT_TRUE(testing::bitwise_equal(g1.drelative_attention_bias, gt.drelative_attention_bias) &&
+                  testing::bitwise_equal(g1.dsinks, gt.dsinks) && testing::bitwise_equal(g1.dq, gt.dq) &&
+                  testing::bitwise_equal(g1.dk, gt.dk) && testing::bitwise_equal(g1.dv, gt.dv))
+          << "Lk=" << Lk << " threads=" << t;
+    }
+    set_num_threads(saved);
   }
-  set_num_threads(saved);
 }
 
 TEST(SdpaVariants, SinkAloneGivesZerosAndItsLse) {
@@ -346,7 +353,7 @@ TEST(SdpaVariants, SinkAloneGivesZerosAndItsLse) {
 TEST(SdpaVariants, BlockSparseLayouts) {
   IsaGuard guard;
   for (auto [Lq, Lk, bs] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {129, 129, 16}, {200, 300, 64}, {3, 700, 32}, {70, 50, 128}, {33, 33, 1}, {260, 260, 128}}) {
+           {129, 129, 16}, {200, 300, 64}, {3, 700, 32}, {70, 50, 128}, {33, 33, 1}, {260, 260, 128}, {150, 600, 64}}) {
     const int64_t H = 3, nqb = (Lq + bs - 1) / bs, nkb = (Lk + bs - 1) / bs;
     const Tensor q = randn({2, H, Lq, 24}), k = randn({2, H, Lk, 24}), v = randn({2, H, Lk, 20}),
                  dout = randn({2, H, Lq, 20});
@@ -439,7 +446,8 @@ TEST(SdpaVariants, EdgeCases) {
 // partly off, decode and tiled kernels, f32 and bf16).
 TEST(SdpaVariants, HeadMaskSkipsHeads) {
   IsaGuard guard;
-  for (const Shape4& s : {Shape4{3, 4, 2, 1, 300, 16, 16}, Shape4{3, 4, 2, 37, 70, 17, 9}, Shape4{2, 6, 6, 129, 129, 64, 64}}) {
+  for (const Shape4& s : {Shape4{3, 4, 2, 1, 300, 16, 16}, Shape4{3, 4, 2, 37, 70, 17, 9}, Shape4{2, 6, 6, 129, 129, 64, 64},
+                          Shape4{3, 4, 2, 40, 600, 16, 16}}) {
     const Tensor q = randn({s.B, s.H, s.Lq, s.D}), k = randn({s.B, s.Hkv, s.Lk, s.D}),
                  v = randn({s.B, s.Hkv, s.Lk, s.Dv}), dout = randn({s.B, s.H, s.Lq, s.Dv});
     Tensor hm = Tensor::zeros({s.B, s.H}, DType::Bool);

@@ -1,0 +1,107 @@
+// sdpa_split.h — how the SDPA kernels cut a problem into tasks finer than (batch, head) when there
+// are too few of those to feed many threads. Each cut is a function of the problem's shape alone
+// (never of the thread count), so results stay bitwise independent of the thread count; it changes
+// only which partial sums are added in which order.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/sdpa_problem.h"
+
+namespace heads::kernels {
+
+// Cut until (batch, kv head) pairs × pieces reach this: 16 threads get 2 tasks each, 32 get one.
+constexpr int64_t kSplitTargetTasks = 32;
+
+// Backward: splits of at least kMinSplitKeys keys, at most kMaxKeySplits (each split past the first
+// holds a dQ-sized buffer of its own), cut on multiples of kKeySplitStep keys (half a key block:
+// finer cuts balance causal work better; a split's key blocks start at its cut).
+constexpr int64_t kMinSplitKeys = 256;
+constexpr int64_t kMaxKeySplits = 8;
+constexpr int64_t kKeySplitStep = 64;
+
+// Key split s covers keys [at[s], at[s + 1]) and carries work[s] visible (query, key) pairs of
+// each query head; order[r] is the r-th heaviest split (ties by position), the order its tasks are
+// handed out in, so that no heavy task starts last.
+struct KeySplits {
+  int64_t n = 1;
+  std::array<int64_t, kMaxKeySplits + 1> at{};
+  std::array<int64_t, kMaxKeySplits> work{};
+  std::array<int64_t, kMaxKeySplits> order{};
+};
+
+// The backward's key splits of each (b, kv head), cut into about equal work: a key weighs the
+// number of queries the band lets see it, so causal and sliding-window problems are not cut into
+// equal key ranges (whose work differs up to 3x under a causal mask). Each cut is the step
+// boundary nearest to its share of the work.
+inline KeySplits backward_key_splits(const SdpaProblem& pb) {
+  KeySplits ks;
+  ks.at[1] = pb.Lk;
+  const int64_t pairs = std::max<int64_t>(1, pb.B * pb.Hkv);
+  const int64_t want = std::min({(kSplitTargetTasks + pairs - 1) / pairs, pb.Lk / kMinSplitKeys, kMaxKeySplits});
+  // Queries that see key j: +1 at each row's band start, -1 at its end.
+  std::vector<int64_t> seen(static_cast<size_t>(pb.Lk + 1), 0);
+  for (int64_t i = 0; i < pb.Lq; ++i) {
+    const int64_t j0 = pb.key_begin(i), j1 = pb.key_end(i);
+    if (j0 < j1) {
+      ++seen[static_cast<size_t>(j0)];
+      --seen[static_cast<size_t>(j1)];
+    }
+  }
+  const int64_t n_steps = (pb.Lk + kKeySplitStep - 1) / kKeySplitStep;
+  std::vector<int64_t> upto(static_cast<size_t>(n_steps + 1), 0);  // visible pairs of keys [0, k·step)
+  int64_t rows = 0, total = 0;
+  for (int64_t k = 0; k < n_steps; ++k) {
+    for (int64_t j = k * kKeySplitStep; j < std::min(pb.Lk, (k + 1) * kKeySplitStep); ++j) {
+      rows += seen[static_cast<size_t>(j)];
+      total += rows;
+    }
+    upto[static_cast<size_t>(k + 1)] = total;
+  }
+  auto prefix = [&](int64_t key) { return key == pb.Lk ? total : upto[static_cast<size_t>(key / kKeySplitStep)]; };
+  int64_t n = 0;
+  if (want > 1 && total > 0) {
+    int64_t k = 0;
+    for (int64_t s = 1; s < want; ++s) {
+      const int64_t goal = total * s;  // cut where prefix · want is nearest to this
+      while (k < n_steps && upto[static_cast<size_t>(k)] * want < goal) ++k;
+      if (k >= n_steps) break;
+      int64_t cut = k;
+      if (k - 1 > 0 && goal - upto[static_cast<size_t>(k - 1)] * want < upto[static_cast<size_t>(k)] * want - goal) cut = k - 1;
+      if (cut * kKeySplitStep > ks.at[static_cast<size_t>(n)]) ks.at[static_cast<size_t>(++n)] = cut * kKeySplitStep;
+    }
+  }
+  ks.n = n + 1;
+  ks.at[static_cast<size_t>(ks.n)] = pb.Lk;
+  for (int64_t s = 0; s < ks.n; ++s) {
+    ks.work[static_cast<size_t>(s)] = prefix(ks.at[static_cast<size_t>(s + 1)]) - prefix(ks.at[static_cast<size_t>(s)]);
+    ks.order[static_cast<size_t>(s)] = s;
+  }
+  std::stable_sort(ks.order.begin(), ks.order.begin() + ks.n,
+                   [&](int64_t a, int64_t b) { return ks.work[static_cast<size_t>(a)] > ks.work[static_cast<size_t>(b)]; });
+  return ks;
+}
+
+// Decode (few queries, many keys): chunks of at least kMinDecodeChunk keys, a multiple of `block`,
+// whose partial softmax states are merged after (flash-decoding).
+constexpr int64_t kMinDecodeChunk = 512;
+
+struct DecodeChunks {
+  int64_t chunk, n;  // keys per chunk, chunks per (b, kv head)
+};
+
+inline DecodeChunks decode_key_chunks(const SdpaProblem& pb, int64_t block) {
+  const int64_t pairs = std::max<int64_t>(1, pb.B * pb.Hkv);
+  int64_t n = 1;
+  if (pairs < kSplitTargetTasks && pb.Lk > kMinDecodeChunk) {
+    n = std::min((kSplitTargetTasks + pairs - 1) / pairs, (pb.Lk + kMinDecodeChunk - 1) / kMinDecodeChunk);
+  }
+  const int64_t per = (pb.Lk + n - 1) / n;
+  const int64_t chunk = std::max<int64_t>(1, (per + block - 1) / block) * block;
+  return {chunk, std::max<int64_t>(1, (pb.Lk + chunk - 1) / chunk)};
+}
+
+}  // namespace heads::kernels

@@ -1,0 +1,151 @@
+// sdpa_split_test.cc — the work split of the SDPA backward and decode kernels on many threads, by
+// model: each task's work counted exactly (visible query-key pairs), handed out in index order to
+// the first free thread as `schedule(dynamic, 1)` does, and the resulting makespan compared with a
+// perfect split. The machines the tests run on have few cores; this is how a split that leaves
+// most of 16 threads idle (8 tasks for 16 threads) shows up. Correctness of the split kernels is in
+// sdpa_bwd_test.cc and sdpa_variants_test.cc.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "heads/sdpa.h"
+#include "kernels/sdpa_problem.h"
+#include "kernels/sdpa_split.h"
+
+namespace heads {
+namespace {
+
+using kernels::SdpaProblem;
+
+struct Shape {
+  std::string name;
+  int64_t B, H, Hkv, Lq, Lk, D;
+  bool causal;
+};
+
+// bench/shapes.json, and GQA prefill and decode as Llama-class models run them.
+std::vector<Shape> shapes() {
+  return {{"bert128", 8, 12, 12, 128, 128, 64, false}, {"bert512", 2, 12, 12, 512, 512, 64, false},
+          {"gpt2k", 1, 16, 16, 2048, 2048, 64, true},  {"long4k", 1, 8, 8, 4096, 4096, 128, false},
+          {"decode4k", 1, 32, 32, 1, 4096, 128, false}, {"gqa-prefill2k", 1, 32, 8, 2048, 2048, 128, true},
+          {"gqa-decode8k", 1, 32, 8, 1, 8192, 128, false}, {"gqa-decode8k-b2", 2, 32, 8, 4, 8192, 128, false}};
+}
+
+SdpaProblem problem(const Shape& s) {
+  // Views with zero strides: the shapes are checked, no memory of their size is needed.
+  const Tensor one = Tensor::zeros({1}, DType::F32);
+  auto view = [&](int64_t b, int64_t h, int64_t l) { return one.as_strided({b, h, l, s.D}, {0, 0, 0, 0}); };
+  SdpaOptions o;
+  o.is_causal = s.causal;
+  o.causal_align = CausalAlign::BottomRight;
+  o.enable_gqa = s.H != s.Hkv;
+  return kernels::make_sdpa_problem("sdpa", view(s.B, s.H, s.Lq), view(s.B, s.Hkv, s.Lk), view(s.B, s.Hkv, s.Lk), o);
+}
+
+// Visible (query, key) pairs of one query head with keys [j0, j1).
+double pairs(const SdpaProblem& pb, int64_t j0, int64_t j1) {
+  double n = 0;
+  for (int64_t i = 0; i < pb.Lq; ++i) n += static_cast<double>(std::max<int64_t>(0, std::min(j1, pb.key_end(i)) - std::max(j0, pb.key_begin(i))));
+  return n;
+}
+
+// Work done / (threads × the time the last thread finishes): tasks taken in index order, each by
+// the thread that is free first.
+double efficiency(const std::vector<double>& work, int threads) {
+  std::vector<double> busy(static_cast<size_t>(threads), 0.0);
+  double total = 0;
+  for (double w : work) {
+    *std::min_element(busy.begin(), busy.end()) += w;
+    total += w;
+  }
+  return total / (threads * *std::max_element(busy.begin(), busy.end()));
+}
+
+// The backward's tasks: (key split, b, kv head), the splits in their order (heaviest first); a task
+// runs every query head of its kv head's group.
+std::vector<double> backward_tasks(const SdpaProblem& pb) {
+  const kernels::KeySplits ks = kernels::backward_key_splits(pb);
+  std::vector<double> work;
+  for (int64_t r = 0; r < ks.n; ++r) {
+    const int64_t s = ks.order[r];
+    for (int64_t p = 0; p < pb.B * pb.Hkv; ++p) work.push_back(pb.group() * pairs(pb, ks.at[s], ks.at[s + 1]));
+  }
+  return work;
+}
+
+// The decode kernel's tasks: (b, kv head, key chunk).
+std::vector<double> decode_tasks(const SdpaProblem& pb) {
+  const kernels::DecodeChunks dc = kernels::decode_key_chunks(pb, 64);
+  std::vector<double> work;
+  for (int64_t p = 0; p < pb.B * pb.Hkv; ++p) {
+    for (int64_t c = 0; c < dc.n; ++c) {
+      work.push_back(pb.group() * pairs(pb, c * dc.chunk, std::min(pb.Lk, (c + 1) * dc.chunk)));
+    }
+  }
+  return work;
+}
+
+TEST(SdpaSplit, BackwardKeySplitsCoverTheKeys) {
+  for (const Shape& s : shapes()) {
+    const SdpaProblem pb = problem(s);
+    const kernels::KeySplits ks = kernels::backward_key_splits(pb);
+    ASSERT_GE(ks.n, 1);
+    ASSERT_LE(ks.n, kernels::kMaxKeySplits);
+    EXPECT_EQ(ks.at[0], 0) << s.name;
+    EXPECT_EQ(ks.at[ks.n], s.Lk) << s.name;
+    std::vector<int64_t> order(ks.order.begin(), ks.order.begin() + ks.n);
+    std::sort(order.begin(), order.end());
+    for (int64_t i = 0; i < ks.n; ++i) {
+      EXPECT_LT(ks.at[i], ks.at[i + 1]) << s.name;
+      EXPECT_EQ(ks.at[i] % kernels::kKeySplitStep, 0) << s.name;
+      EXPECT_EQ(ks.work[i], pairs(pb, ks.at[i], ks.at[i + 1])) << s.name << " split " << i;
+      EXPECT_EQ(order[i], i) << s.name;  // every split once
+      if (i > 0) EXPECT_GE(ks.work[ks.order[i - 1]], ks.work[ks.order[i]]) << s.name;
+    }
+    // Few pairs and long keys: cut; many pairs: left whole (the results of such shapes unchanged).
+    EXPECT_EQ(ks.n > 1, s.B * s.Hkv < kernels::kSplitTargetTasks && s.Lk >= 2 * kernels::kMinSplitKeys) << s.name;
+  }
+}
+
+TEST(SdpaSplit, BackwardCausalSplitsCarryAboutEqualWork) {
+  // gpt2k: cut into equal key ranges, the first would carry 3x the second's work.
+  for (const Shape& s : shapes()) {
+    const SdpaProblem pb = problem(s);
+    const kernels::KeySplits ks = kernels::backward_key_splits(pb);
+    if (ks.n == 1) continue;
+    std::vector<double> w;
+    for (int64_t i = 0; i < ks.n; ++i) w.push_back(pairs(pb, ks.at[i], ks.at[i + 1]));
+    const double mean = pairs(pb, 0, s.Lk) / static_cast<double>(ks.n);
+    EXPECT_LT(*std::max_element(w.begin(), w.end()), 1.15 * mean) << s.name;
+  }
+}
+
+TEST(SdpaSplit, BackwardAndDecodeFeedSixteenThreads) {
+  std::ostringstream table;
+  table << "modelled parallel efficiency (threads 2 / 4 / 8 / 16 / 32):\n";
+  for (const Shape& s : shapes()) {
+    const SdpaProblem pb = problem(s);
+    const bool decode = s.Lq <= 4;
+    const std::vector<double> work = decode ? decode_tasks(pb) : backward_tasks(pb);
+    table << "  " << s.name << (decode ? " decode forward" : " backward") << ", " << work.size() << " tasks:";
+    for (int threads : {2, 4, 8, 16, 32}) {
+      const double e = efficiency(work, threads);
+      table << " " << e;
+      if (threads <= 16) EXPECT_GE(e, 0.9) << s.name << " threads=" << threads;
+    }
+    table << "\n";
+    if (decode) {
+      const std::vector<double> bwd = backward_tasks(pb);  // the decode step's backward (training on one token)
+      table << "  " << s.name << " backward, " << bwd.size() << " tasks: " << efficiency(bwd, 16) << " on 16\n";
+    }
+  }
+  std::cout << table.str();
+}
+
+}  // namespace
+}  // namespace heads
