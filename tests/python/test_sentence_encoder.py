@@ -244,10 +244,11 @@ def test_reduced_precision_embeddings_beside_pytorch(enc, st):
     print(f"worst cosine vs f32: heads bf16 {ours['bf16']:.6f} (torch bf16 {theirs_bf16:.6f}), "
           f"heads int8 {ours['int8']:.6f} (torch quantize_dynamic {theirs_int8:.6f})")
     assert ours["bf16"] >= 0.9999 and ours["bf16"] >= theirs_bf16
-    # int8: measured 0.99880 at worst on this corpus of random strings, rare Unicode and hand-written
-    # edge cases (0.99813 before heavy weight rows got their residual term; 0.99948 on the 1,000
-    # sentences of bench/sentences.txt), against 0.72 for quantize_dynamic.
-    assert ours["int8"] >= 0.9985 and ours["int8"] > theirs_int8
+    # int8: the goal is 0.999 at worst. Measured on this corpus of random strings, rare Unicode and
+    # hand-written edge cases: 0.99924 (0.99880 with the residual term on rows past 1.2% instead of
+    # 0.9%, 0.99814 without it; 0.99964 on the 1,000 sentences of bench/sentences.txt), against 0.72
+    # for quantize_dynamic.
+    assert ours["int8"] >= 0.999 and ours["int8"] > theirs_int8
     assert heads.SentenceEncoder(dtype="int8").dtype == "int8"
     with pytest.raises(ValueError, match="dtype: expected f32, bf16 or int8"):
         heads.SentenceEncoder(dtype="fp8")
