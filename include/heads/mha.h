@@ -170,8 +170,8 @@ class MultiheadAttention {
   // A copy with parameters of its own (a plain copy shares them; packed weights, immutable, are shared).
   MultiheadAttention clone() const;
   // state_dict() as an int8 module stores it: each packed linear weight in heads::int8_tensors'
-  // form (int8 [N, K], "<name>_scale" f32 [N], and the residual term's tensors of heavy rows); in
-  // f32 and bf16, state_dict().
+  // form (int8 [N, K], "<name>_scale" f32 [N], and the residual term's tensors of the rows that
+  // lose most); in f32 and bf16, state_dict().
   StateDict quantized_state_dict() const;
   // Copies values in (converting dtype); with strict, missing or unexpected names are errors.
   // Linear weights given in int8 (quantized_state_dict()'s form) are used as they are, without

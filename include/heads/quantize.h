@@ -3,7 +3,7 @@
 //   int8  each linear layer's weight of a BERT encoder (attention.self.{query,key,value},
 //         attention.output.dense, intermediate.dense, output.dense under encoder.layer.<i>.) as
 //         "<name>" I8 [out, in] with "<name>_scale" F32 [out], weight ≈ int8 · scale per row, and
-//         for heavy-tailed rows the residual term's "<name>_residual", "<name>_residual_scale" and
+//         for the rows that lose most (kInt8ResidualError) the residual term's "<name>_residual", "<name>_residual_scale" and
 //         "<name>_residual_rows" (heads::int8_tensors): the int8 weight PackedLinear(w,
 //         Precision::Int8) makes (symmetric per output channel, the scale of least squared error). Embeddings, LayerNorm and biases stay as stored. Loaded
 //         (BertModel, SentenceEncoder, `heads embed`), the model runs in int8 with these weights

@@ -5,7 +5,7 @@
 // Shapes as the forward; dout [B, H, Lq, Dv], lse [B, H, Lq] from the forward.
 //   D_i = rowsum(dO_i ∘ O_i)    (the softmax Jacobian's diagonal; = rowsum(P_i ∘ dP_i), which is
 //                                how it is taken when all keys fit one block, sparing the read of O)
-// per group of key blocks (about 1 MB of K/V rows) of one (b, kv head), per step of kSub query
+// per group of key blocks (about 1 MB of K/V rows) of a task's keys, per step of kSub query
 // tiles i of every head in the group (Q_i and dO_i packed once per group), per key block j:
 //   1. S = Q_i K_j^T (recomputed, log2 units, masked);  P = 2^(S - lse2_i)      (forward 1-3)
 //   2. dP = dO_i V_j^T; with dropout Pd = P∘Z/(1-p), dP = dP∘Z/(1-p)            (forward 4)
@@ -19,8 +19,9 @@
 // are written in place: a block's first contribution sets it, later ones add, rows no score
 // reaches are zeroed (large dK/dV written once are streamed past the caches: see stream_kv). Steps
 // of at most kSmallQ queries use dot products and keep P and dS query-major instead.
-// Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; no Lq x Lk
-// buffer (unless the mask gradient is requested, which receives dS).
+// Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; with key
+// splits, a dQ-sized buffer per split past the first for the call (sdpa_split.h bounds them); no
+// Lq x Lk buffer (unless the mask gradient is requested, which receives dS).
 // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads,
 // in a fixed order, so results do not depend on the thread count. When there are too few (b, kv
 // head) pairs to feed many threads (long4k: 8), each is also cut along its keys (sdpa_split.h): a
@@ -326,7 +327,7 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
 
 // 3. dV_j += Pd^T dO;  5. dK_j += scale · dS^T Q;  dQ += scale · dS K_j, over the step's queries. A key
 // block's first contribution sets dK/dV (or streams them), later ones add; the step's dQ rows are set
-// by the first key block of the first group and added to after.
+// by the first key block of the task's first group and added to after.
 HEADS_INLINE void block_products(const Call& C, Step& st, int64_t jg, int64_t j0, int64_t nk, bool& written,
                                  const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
@@ -468,10 +469,11 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
   const int n_threads = threads_for(5.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
   const int64_t per = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
-  // The dQ contributions of key splits 1.. (contiguous [B, H, Lq, D] each) after the threads' scratch.
+  float* arena = thread_scratch(per * n_threads);
+  // The dQ contributions of key splits 1.. (contiguous [B, H, Lq, D] each), for this call only.
   const int64_t dq_floats = pb.B * pb.H * pb.Lq * pb.D;
-  float* arena = thread_scratch(per * n_threads + (splits.n - 1) * dq_floats);
-  float* dq_split = arena + per * n_threads;
+  const CallScratch dq_buffers = splits.n > 1 ? call_scratch((splits.n - 1) * dq_floats) : CallScratch();
+  float* dq_split = dq_buffers.get();
   const std::array<int64_t, 3> split_dqs = {pb.H * pb.Lq * pb.D, pb.Lq * pb.D, pb.D};
   // dS sums per key split and batch entry (each task writes the rows of its own heads), added in a
   // fixed order after.

@@ -16,15 +16,18 @@ namespace heads::kernels {
 // Cut until (batch, kv head) pairs × pieces reach this: 16 threads get 2 tasks each, 32 get one.
 constexpr int64_t kSplitTargetTasks = 32;
 
-// Backward: splits of at least kMinSplitKeys keys, at most kMaxKeySplits (each split past the first
-// holds a dQ-sized buffer of its own), cut on multiples of kKeySplitStep keys (half a key block:
-// finer cuts balance causal work better; a split's key blocks start at its cut).
+// Backward: at most Lk / kMinSplitKeys splits and kMaxKeySplits, cut on multiples of kKeySplitStep
+// keys (half a key block: finer cuts balance causal work better; a split's key blocks start at its
+// cut). Each split past the first holds a dQ-sized buffer of its own for the call: at most
+// kMaxSplitBuffers of them, or more while they stay within kMaxSplitBytes together.
 constexpr int64_t kMinSplitKeys = 256;
 constexpr int64_t kMaxKeySplits = 8;
 constexpr int64_t kKeySplitStep = 64;
+constexpr int64_t kMaxSplitBuffers = 3;
+constexpr int64_t kMaxSplitBytes = int64_t{64} << 20;
 
 // Key split s covers keys [at[s], at[s + 1]) and carries work[s] visible (query, key) pairs of
-// each query head; order[r] is the r-th heaviest split (ties by position), the order its tasks are
+// each query head (counted when the keys are cut); order[r] is the r-th heaviest split (ties by position), the order its tasks are
 // handed out in, so that no heavy task starts last.
 struct KeySplits {
   int64_t n = 1;
@@ -41,7 +44,11 @@ inline KeySplits backward_key_splits(const SdpaProblem& pb) {
   KeySplits ks;
   ks.at[1] = pb.Lk;
   const int64_t pairs = std::max<int64_t>(1, pb.B * pb.Hkv);
-  const int64_t want = std::min({(kSplitTargetTasks + pairs - 1) / pairs, pb.Lk / kMinSplitKeys, kMaxKeySplits});
+  const int64_t dq_bytes = 4 * pb.B * pb.H * pb.Lq * pb.D;
+  const int64_t by_memory = 1 + std::max(kMaxSplitBuffers, kMaxSplitBytes / std::max<int64_t>(1, dq_bytes));
+  const int64_t want =
+      std::min({(kSplitTargetTasks + pairs - 1) / pairs, pb.Lk / kMinSplitKeys, kMaxKeySplits, by_memory});
+  if (want <= 1) return ks;  // one split: its work is not counted (0)
   // Queries that see key j: +1 at each row's band start, -1 at its end.
   std::vector<int64_t> seen(static_cast<size_t>(pb.Lk + 1), 0);
   for (int64_t i = 0; i < pb.Lq; ++i) {
@@ -63,15 +70,21 @@ inline KeySplits backward_key_splits(const SdpaProblem& pb) {
   }
   auto prefix = [&](int64_t key) { return key == pb.Lk ? total : upto[static_cast<size_t>(key / kKeySplitStep)]; };
   int64_t n = 0;
-  if (want > 1 && total > 0) {
+  if (total > 0) {
     int64_t k = 0;
     for (int64_t s = 1; s < want; ++s) {
-      const int64_t goal = total * s;  // cut where prefix · want is nearest to this
+      const int64_t goal = total * s;  // cut at the step whose prefix · want is nearest to this
       while (k < n_steps && upto[static_cast<size_t>(k)] * want < goal) ++k;
-      if (k >= n_steps) break;
-      int64_t cut = k;
-      if (k - 1 > 0 && goal - upto[static_cast<size_t>(k - 1)] * want < upto[static_cast<size_t>(k)] * want - goal) cut = k - 1;
-      if (cut * kKeySplitStep > ks.at[static_cast<size_t>(n)]) ks.at[static_cast<size_t>(++n)] = cut * kKeySplitStep;
+      // Candidates: steps k - 1 and k, each past the previous cut and before the end.
+      const int64_t prev = ks.at[static_cast<size_t>(n)] / kKeySplitStep;
+      const bool lo_ok = k - 1 > prev, hi_ok = k < n_steps && k > prev;
+      int64_t cut = -1;
+      if (lo_ok && hi_ok) {
+        cut = goal - upto[static_cast<size_t>(k - 1)] * want < upto[static_cast<size_t>(k)] * want - goal ? k - 1 : k;
+      } else if (lo_ok || hi_ok) {
+        cut = lo_ok ? k - 1 : k;
+      }
+      if (cut > 0) ks.at[static_cast<size_t>(++n)] = cut * kKeySplitStep;
     }
   }
   ks.n = n + 1;
@@ -85,8 +98,8 @@ inline KeySplits backward_key_splits(const SdpaProblem& pb) {
   return ks;
 }
 
-// Decode (few queries, many keys): chunks of at least kMinDecodeChunk keys, a multiple of `block`,
-// whose partial softmax states are merged after (flash-decoding).
+// Decode (few queries, many keys): at most about Lk / kMinDecodeChunk chunks, each a multiple of
+// `block` keys, whose partial softmax states are merged after (flash-decoding).
 constexpr int64_t kMinDecodeChunk = 512;
 
 struct DecodeChunks {

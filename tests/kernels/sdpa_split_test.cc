@@ -1,5 +1,6 @@
 // sdpa_split_test.cc — the work split of the SDPA backward and decode kernels on many threads, by
-// model: each task's work counted exactly (visible query-key pairs), handed out in index order to
+// model: each task's work counted in visible (query, key) pairs (not modelled: tile granularity, the
+// packing each split repeats, the dQ reduction), handed out in the kernels' task order to
 // the first free thread as `schedule(dynamic, 1)` does, and the resulting makespan compared with a
 // perfect split. The machines the tests run on have few cores; this is how a split that leaves
 // most of 16 threads idle (8 tasks for 16 threads) shows up. Correctness of the split kernels is in
@@ -26,6 +27,8 @@ struct Shape {
   std::string name;
   int64_t B, H, Hkv, Lq, Lk, D;
   bool causal;
+  int64_t window_left = -1;  // sliding window (keys at most this far left of the diagonal)
+  bool top_left = false;     // causal alignment (default: bottom-right)
 };
 
 // bench/shapes.json, and GQA prefill and decode as Llama-class models run them.
@@ -36,13 +39,25 @@ std::vector<Shape> shapes() {
           {"gqa-decode8k", 1, 32, 8, 1, 8192, 128, false}, {"gqa-decode8k-b2", 2, 32, 8, 4, 8192, 128, false}};
 }
 
+// Other bands for the cut's invariants: windows, top-left causal with Lq != Lk, Lq > Lk, a short tail.
+std::vector<Shape> band_shapes() {
+  return {{"window256", 1, 8, 8, 4096, 4096, 64, true, 255},
+          {"window64-bidirectional", 2, 4, 4, 1000, 1000, 64, false, 63},
+          {"top-left-Lq<Lk", 1, 4, 4, 700, 3000, 64, true, -1, true},
+          {"top-left-Lq>Lk", 1, 4, 4, 3000, 700, 64, true, -1, true},
+          {"bottom-right-Lq>Lk", 1, 4, 2, 3000, 700, 64, true},
+          {"ragged", 1, 2, 1, 50, 1537, 32, false},
+          {"huge-dq", 1, 32, 4, 32768, 32768, 128, false}};
+}
+
 SdpaProblem problem(const Shape& s) {
   // Views with zero strides: the shapes are checked, no memory of their size is needed.
   const Tensor one = Tensor::zeros({1}, DType::F32);
   auto view = [&](int64_t b, int64_t h, int64_t l) { return one.as_strided({b, h, l, s.D}, {0, 0, 0, 0}); };
   SdpaOptions o;
   o.is_causal = s.causal;
-  o.causal_align = CausalAlign::BottomRight;
+  o.causal_align = s.top_left ? CausalAlign::TopLeft : CausalAlign::BottomRight;
+  if (s.window_left >= 0) o.window_left = s.window_left;
   o.enable_gqa = s.H != s.Hkv;
   return kernels::make_sdpa_problem("sdpa", view(s.B, s.H, s.Lq), view(s.B, s.Hkv, s.Lk), view(s.B, s.Hkv, s.Lk), o);
 }
@@ -91,7 +106,9 @@ std::vector<double> decode_tasks(const SdpaProblem& pb) {
 }
 
 TEST(SdpaSplit, BackwardKeySplitsCoverTheKeys) {
-  for (const Shape& s : shapes()) {
+  std::vector<Shape> all = shapes();
+  for (const Shape& s : band_shapes()) all.push_back(s);
+  for (const Shape& s : all) {
     const SdpaProblem pb = problem(s);
     const kernels::KeySplits ks = kernels::backward_key_splits(pb);
     ASSERT_GE(ks.n, 1);
@@ -103,12 +120,17 @@ TEST(SdpaSplit, BackwardKeySplitsCoverTheKeys) {
     for (int64_t i = 0; i < ks.n; ++i) {
       EXPECT_LT(ks.at[i], ks.at[i + 1]) << s.name;
       EXPECT_EQ(ks.at[i] % kernels::kKeySplitStep, 0) << s.name;
-      EXPECT_EQ(ks.work[i], pairs(pb, ks.at[i], ks.at[i + 1])) << s.name << " split " << i;
+      if (ks.n > 1) EXPECT_EQ(ks.work[i], pairs(pb, ks.at[i], ks.at[i + 1])) << s.name << " split " << i;
       EXPECT_EQ(order[i], i) << s.name;  // every split once
       if (i > 0) EXPECT_GE(ks.work[ks.order[i - 1]], ks.work[ks.order[i]]) << s.name;
     }
     // Few pairs and long keys: cut; many pairs: left whole (the results of such shapes unchanged).
-    EXPECT_EQ(ks.n > 1, s.B * s.Hkv < kernels::kSplitTargetTasks && s.Lk >= 2 * kernels::kMinSplitKeys) << s.name;
+    const int64_t dq_bytes = 4 * s.B * s.H * s.Lq * s.D;
+    const int64_t most = std::min(kernels::kMaxKeySplits, s.Lk / kernels::kMinSplitKeys);
+    EXPECT_EQ(ks.n > 1, s.B * s.Hkv < kernels::kSplitTargetTasks && most > 1) << s.name;
+    EXPECT_LE(ks.n, std::max<int64_t>(1, most)) << s.name;
+    // The buffers of the splits past the first: at most kMaxSplitBuffers, or within kMaxSplitBytes.
+    EXPECT_TRUE(ks.n - 1 <= kernels::kMaxSplitBuffers || (ks.n - 1) * dq_bytes <= kernels::kMaxSplitBytes) << s.name;
   }
 }
 

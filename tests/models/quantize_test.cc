@@ -242,8 +242,8 @@ TEST(Quantize, ModelDirectoriesLoadAsStored) {
   const fs::path q8 = dir.path / "int8", q16 = dir.path / "f16", qb = dir.path / "bf16";
   const QuantizeResult r = quantize_model_dir(model, q8.string(), StorageDtype::Int8);
   EXPECT_EQ(r.converted, 36);  // 6 layers × q, k, v, attention out, intermediate, output
-  // The word embeddings (47.8 of 90.9 MB) stay f32; the linear weights (43.1 MB) become int8, about a
-  // third of their rows with a second int8 term (those past kInt8ResidualError): about 62 MB.
+  // The embeddings (47.8 of 90.9 MB) stay f32; the linear weights (43.1 MB) become int8, with a second
+  // int8 term on the rows past kInt8ResidualError (a third of the weights): 62.6 MB.
   EXPECT_LT(r.bytes_out, r.bytes_in * 7 / 10);
   for (const char* f : {"config.json", "vocab.txt", "tokenizer_config.json", "1_Pooling/config.json", "modules.json"}) {
     EXPECT_TRUE(fs::exists(q8 / f)) << f;
