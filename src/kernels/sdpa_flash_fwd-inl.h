@@ -16,10 +16,13 @@
 //   past a tile's causal limit are never visited.
 // Numerics: f32 accumulation; masked logits are -inf; exp2 is exactly 0 below 2^-126; a fully
 //   masked row gives out = 0, lse = -inf (m_safe = 0 keeps exp2(-inf - m) from making NaN).
-// Memory: per thread Qt [D][kTQ], S [kTK][kTQ], Ot [Dv][kTQ]; the Lq x Lk weights exist only
-//   when requested (a second sweep from the final lse).
-// Parallel: over (B, H, query tile), heaviest causal tiles first; each row is computed by one
-//   task in a fixed order, so the output is bitwise independent of the thread count.
+// Memory: per thread S [kTK][kTQ], and Qt [D][kTQ] and Ot [Dv][kTQ] per tile of its group; the
+//   Lq x Lk weights exist only when requested (a second sweep from the final lse).
+// Parallel: over (B, H, group of query tiles), heaviest causal groups first. A group's tiles
+//   sweep the keys together, block by block, so a long head's K and V come from memory once per
+//   group, not once per tile (forward_tiles_per_sweep in sdpa_split.h). Each row is computed by
+//   one task in a fixed order, so the output is bitwise independent of the thread count and of
+//   the grouping.
 // Precision: the tile loop is a template over a policy that packs Q, runs the two products and
 //   stores O: F32; Bf16Widen (bf16 inputs widened to f32 as they are read, for every ISA); and,
 //   in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S, softmax and O stay
@@ -273,6 +276,8 @@ inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
   }
 }
 
+// A thread's scratch, viewed by one tile of its group (qt and ot are the tile's own; s, tmp, aux
+// and the cache are shared by the group, whose tiles take turns).
 struct Scratch {
   float* qt;   // [D][kTQ] (a policy may store another layout in the same space)
   float* s;    // [kTK][kTQ]
@@ -281,8 +286,16 @@ struct Scratch {
   float* aux;  // policy scratch: [kTK][kTQ + Dv + W] floats
   float* cache;          // policy's per-thread cache across tiles (Pol::cache_floats)
   int64_t* cache_state;  // its key and fill level (4 integers), owned by the thread
-  static int64_t floats(int64_t D, int64_t Dv) {
-    return (D + kTK + Dv + 1) * kTQ + kTK * (kTQ + Dv + kW);
+  // Floats for a group of n_tiles: n_tiles x (qt, ot), then s, tmp, aux.
+  static int64_t floats(int64_t D, int64_t Dv, int64_t n_tiles) {
+    return n_tiles * (D + Dv) * kTQ + (kTK + 1) * kTQ + kTK * (kTQ + Dv + kW);
+  }
+  // Tile g's view of the group scratch at base.
+  static Scratch view(float* base, int64_t D, int64_t Dv, int64_t n_tiles, int64_t g, float* cache,
+                      int64_t* cache_state) {
+    float* shared = base + n_tiles * (D + Dv) * kTQ;
+    float* own = base + g * (D + Dv) * kTQ;
+    return Scratch{own, shared, own + D * kTQ, shared + kTK * kTQ, shared + (kTK + 1) * kTQ, cache, cache_state};
   }
 };
 
@@ -347,6 +360,45 @@ struct Widen {
   }
 };
 
+// Rows [j0, j0 + n) of bf16 x (row stride xs, width w) widened into f32 dst (row stride w).
+inline void widen_rows(const uint16_t* x, int64_t xs, int64_t j0, int64_t n, int64_t w, float* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* src = x + (j0 + r) * xs;
+    float* row = dst + r * w;
+    int64_t d = 0;
+    for (; d + kW <= w; d += kW) Vec::storeu(row + d, Vec::loadu_bf16(src + d));
+    if (d < w) Vec::store_partial(row + d, Vec::load_partial_bf16(src + d, w - d), w - d);
+  }
+}
+
+// bf16 inputs on CPUs without a bf16 product that pays: each key block's K and V rows are widened
+// to f32 once (for the whole group of tiles, into the thread's policy cache), then the f32
+// micro-kernels run on them. Widening is exact, so the results are those of Widen<uint16_t>
+// (which widens every element as the micro-kernel broadcasts it: at half the f32 speed).
+struct Bf16Staged : Widen<uint16_t> {
+  static constexpr bool kStaged = true;
+  static int64_t cache_floats(const SdpaProblem& pb) { return kTK * (pb.D + pb.Dv); }
+  // K rows [j0, j0 + nk) into cache [nk][D], and V rows into cache + kTK·D [nk][Dv] when vh is set.
+  static void stage(const SdpaProblem& pb, const uint16_t* kh, int64_t ks2, const uint16_t* vh, int64_t vs2,
+                    int64_t j0, int64_t nk, float* cache) {
+    widen_rows(kh, ks2, j0, nk, pb.D, cache);
+    if (vh != nullptr) widen_rows(vh, vs2, j0, nk, pb.Dv, cache + kTK * pb.D);
+  }
+  // S = K · Qt from the staged rows (k and ks are the bf16 rows: not read).
+  static void qk_staged(int64_t n, const Scratch& scr, const float* qt, int64_t D, float* s, VR* mx) {
+    qk_block(n, scr.cache, D, qt, D, s, mx);
+  }
+  // Ot = Ot · alpha + P · V from the staged rows.
+  static void pv(const Tile& t, const Scratch& scr, const uint16_t* /*vh*/, int64_t /*vs*/, int64_t /*j0*/,
+                 int64_t nk, const VR* alpha) {
+    pv_block(t.pb.Dv, scr.cache + kTK * t.pb.D, t.pb.Dv, scr.s, nk, scr.ot, alpha);
+  }
+};
+
+// Whether a policy stages its key blocks (Bf16Staged).
+template <class Pol>
+constexpr bool kStages = requires { Pol::kStaged; };
+
 // 6. of forward_tile: the tile's weights rows w[r][j] = 2^(S - lse2[r]) for every key (rows of Lk,
 // first row at w), dropped like P; keys past the causal limit jend get 0 (NaN in a NaN row, as
 // 2^(-inf - NaN) gives elsewhere). lse2: the rows' lse in log2 units, +inf for rows that saw nothing.
@@ -364,7 +416,12 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
     if (nv > 0) {
       const bool causal_here = pb.causal && j0 + nv - 1 > t.i0 + pb.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
-      Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, nullptr);
+      if constexpr (kStages<Pol>) {
+        Pol::stage(pb, kh, ks2, nullptr, 0, j0, nv, scr.cache);
+        Pol::qk_staged(nv, scr, scr.qt, pb.D, scr.s, nullptr);
+      } else {
+        Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, nullptr);
+      }
       if (needs_masks(t, j0, nv, causal_here)) apply_masks(t, j0, nv, causal_here, scr.s, mx);
       for (int64_t r = 0; r < nv; ++r) {
         for (int v = 0; v < kNQ; ++v) {
@@ -382,65 +439,85 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
   }
 }
 
+// One query tile's state across its sweep of the keys: its Qt and Ot (in its own scratch view),
+// the running max m and sum l, and the keys [jbeg, jend) its rows can see.
+struct TileRun {
+  Tile t;
+  Scratch scr;
+  int64_t jbeg, jend;
+  VR m[kNQ], l[kNQ];
+};
+
+// Packs the tile's queries and starts its softmax.
 template <class Pol>
-inline void forward_tile(const SdpaProblem& pb, const typename Pol::In* q, const int64_t* qs,
-                         const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
-                         const int64_t* vs, typename Pol::In* out, const int64_t* os, float* lse,
-                         float* weights, int64_t b, int64_t h, int64_t qt_index, const Scratch& scr) {
-  using T = typename Pol::In;
-  const int64_t hk = h / pb.group();
-  const int64_t i0 = qt_index * kTQ, nq = std::min(pb.Lq - i0, kTQ);
-  const int64_t jend = pb.key_end(i0 + nq - 1);  // causal limit of the tile's widest row
-  const int64_t jbeg = pb.key_begin(i0) / 2 * 2;  // left limit of its first row (even: bf16 pairs)
-  const Tile t{pb, b, h, hk, i0, nq, scr.tmp};
-  const T* kh = kb + b * ks[0] + hk * ks[1];
-  const T* vh = vb + b * vs[0] + hk * vs[1];
+inline void begin_tile(TileRun& run, const typename Pol::In* q0, int64_t qs2, float c) {
+  const SdpaProblem& pb = run.t.pb;
   // Qt = Q_i^T (· c where the policy folds it in), zero lanes past the last query.
-  const float c = static_cast<float>(pb.scale) * kLog2e;
-  Pol::pack_q(q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, pb.D, c, scr.qt);
-  std::fill(scr.ot, scr.ot + pb.Dv * kTQ, 0.0f);
+  Pol::pack_q(q0, qs2, run.t.nq, pb.D, c, run.scr.qt);
+  std::fill(run.scr.ot, run.scr.ot + pb.Dv * kTQ, 0.0f);
   // A sink starts the row's softmax as a key of logit sink with no value (m = sink, l = 1).
-  const float sink2 = pb.sink_log2(h);
-  VR m[kNQ] = {Vec::set1(sink2), Vec::set1(sink2)};
-  VR l[kNQ] = {Vec::set1(pb.sinks.defined() ? 1.0f : 0.0f), Vec::set1(pb.sinks.defined() ? 1.0f : 0.0f)};
-
-  for (int64_t j0 = jbeg; j0 < jend; j0 += kTK) {
-    const int64_t nk = std::min(jend - j0, kTK);
-    const bool causal_here = pb.causal && j0 + nk - 1 > i0 + pb.causal_offset;
-    if (!pb.blocks_any(h, i0, i0 + nq, j0, j0 + nk)) continue;  // block-sparse: nothing to see here
-    const bool masked = needs_masks(t, j0, nk, causal_here);
-    // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
-    VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
-    Pol::qk(nk, kh + j0 * ks[2], ks[2], scr.qt, pb.D, c, scr.s, masked ? nullptr : mx);
-    if (masked) apply_masks(t, j0, nk, causal_here, scr.s, mx);
-    // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
-    VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
-    for (int v = 0; v < kNQ; ++v) {
-      const VR m_new = Vec::max(m[v], mx[v]);
-      m_safe[v] = Vec::fill_if_eq(m_new, -kInf, 0.0f);  // nothing visible yet: P = 0, alpha = 0
-      alpha[v] = Pol::exp2(Vec::sub(m[v], m_safe[v]));
-      sum[v] = Vec::zero();
-      m[v] = m_new;
-    }
-    for (int64_t r = 0; r < nk; ++r) {
-      for (int v = 0; v < kNQ; ++v) {
-        const VR p = Pol::exp2(Vec::sub(Vec::load(scr.s + r * kTQ + v * kW), m_safe[v]));
-        sum[v] = Vec::add(sum[v], p);
-        Vec::store(scr.s + r * kTQ + v * kW, p);
-      }
-    }
-    for (int v = 0; v < kNQ; ++v) l[v] = Vec::fma(l[v], alpha[v], sum[v]);
-    if (pb.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s);
-    // 4. O = O·2^(m - m_new) + P V_j
-    Pol::pv(t, scr, vh, vs[2], j0, nk, alpha);
+  const float sink2 = pb.sink_log2(run.t.h);
+  for (int v = 0; v < kNQ; ++v) {
+    run.m[v] = Vec::set1(sink2);
+    run.l[v] = Vec::set1(pb.sinks.defined() ? 1.0f : 0.0f);
   }
+}
 
-  // 5. O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf. A NaN
-  //    score (or a +inf one: 2^(inf - inf)) made l NaN, and the row is NaN.
+// Keys [j0, j0 + kTK) ∩ [.., jend) of the tile: steps 1-4 of FlashAttention-2's inner loop.
+template <class Pol>
+inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, const typename Pol::In* vh,
+                       int64_t vs2, int64_t j0, float c) {
+  const Tile& t = run.t;
+  const SdpaProblem& pb = t.pb;
+  const Scratch& scr = run.scr;
+  const int64_t nk = std::min(run.jend - j0, kTK);
+  const bool causal_here = pb.causal && j0 + nk - 1 > t.i0 + pb.causal_offset;
+  if (!pb.blocks_any(t.h, t.i0, t.i0 + t.nq, j0, j0 + nk)) return;  // block-sparse: nothing to see here
+  const bool masked = needs_masks(t, j0, nk, causal_here);
+  // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
+  VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
+  if constexpr (kStages<Pol>) {
+    Pol::qk_staged(nk, scr, scr.qt, pb.D, scr.s, masked ? nullptr : mx);
+  } else {
+    Pol::qk(nk, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, masked ? nullptr : mx);
+  }
+  if (masked) apply_masks(t, j0, nk, causal_here, scr.s, mx);
+  // 3. m_new = max(m, mx); P = 2^(S - m_new); l = l·2^(m - m_new) + rowsum(P)
+  VR m_safe[kNQ], alpha[kNQ], sum[kNQ];
+  for (int v = 0; v < kNQ; ++v) {
+    const VR m_new = Vec::max(run.m[v], mx[v]);
+    m_safe[v] = Vec::fill_if_eq(m_new, -kInf, 0.0f);  // nothing visible yet: P = 0, alpha = 0
+    alpha[v] = Pol::exp2(Vec::sub(run.m[v], m_safe[v]));
+    sum[v] = Vec::zero();
+    run.m[v] = m_new;
+  }
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int v = 0; v < kNQ; ++v) {
+      const VR p = Pol::exp2(Vec::sub(Vec::load(scr.s + r * kTQ + v * kW), m_safe[v]));
+      sum[v] = Vec::add(sum[v], p);
+      Vec::store(scr.s + r * kTQ + v * kW, p);
+    }
+  }
+  for (int v = 0; v < kNQ; ++v) run.l[v] = Vec::fma(run.l[v], alpha[v], sum[v]);
+  if (pb.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s);
+  // 4. O = O·2^(m - m_new) + P V_j
+  Pol::pv(t, scr, vh, vs2, j0, nk, alpha);
+}
+
+// 5. O /= l and the lse; 6. the weights on request.
+template <class Pol>
+inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, typename Pol::In* o0, int64_t os2,
+                        float* lse_row, float* weights, float c) {
+  const Tile& t = run.t;
+  const SdpaProblem& pb = t.pb;
+  const Scratch& scr = run.scr;
+  const int64_t nq = t.nq;
+  // O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf. A NaN
+  // score (or a +inf one: 2^(inf - inf)) made l NaN, and the row is NaN.
   alignas(64) float m_l[kTQ], l_l[kTQ], inv_l[kTQ];
   for (int v = 0; v < kNQ; ++v) {
-    Vec::store(m_l + v * kW, m[v]);
-    Vec::store(l_l + v * kW, l[v]);
+    Vec::store(m_l + v * kW, run.m[v]);
+    Vec::store(l_l + v * kW, run.l[v]);
   }
   for (int64_t r = 0; r < kTQ; ++r) {
     inv_l[r] = 1.0f / l_l[r];
@@ -449,17 +526,60 @@ inline void forward_tile(const SdpaProblem& pb, const typename Pol::In* q, const
       for (int64_t d = 0; d < pb.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;
     }
   }
-  Pol::store_out(scr.ot, inv_l, nq, pb.Dv, out + b * os[0] + h * os[1] + i0 * os[2], os[2]);
-  for (int64_t r = 0; r < nq; ++r) {
-    lse[(b * pb.H + h) * pb.Lq + i0 + r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
-  }
+  Pol::store_out(scr.ot, inv_l, nq, pb.Dv, o0, os2);
+  for (int64_t r = 0; r < nq; ++r) lse_row[r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
 
-  // 6. Weights on request: w = 2^(S - log2-lse), dropped like P above.
+  // Weights on request: w = 2^(S - log2-lse), dropped like P above.
   if (weights == nullptr) return;
   for (int64_t r = 0; r < kTQ; ++r) {
     m_l[r] = r < nq && l_l[r] != 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
   }
-  weights_pass<Pol>(t, kh, ks[2], jend, m_l, c, scr, weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk);
+  weights_pass<Pol>(t, kh, ks2, run.jend, m_l, c, scr, weights);
+}
+
+// Query tiles [qt_first, qt_first + n_tiles) of head (b, h) sweep the keys together: each key
+// block is run for every tile of the group in turn, so the block's K and V are read from memory
+// once for the group and then from cache (a head's K and V outgrow L2 at long Lk). Each tile
+// still sees the same blocks in the same order as alone, so the bits do not depend on the group.
+// Tiles of a group share their first key (no left window: see forward_tiles_per_sweep); scr_of(g)
+// gives tile g its scratch view.
+template <class Pol, class ScratchOf>
+inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, const int64_t* qs,
+                          const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
+                          const int64_t* vs, typename Pol::In* out, const int64_t* os, float* lse,
+                          float* weights, int64_t b, int64_t h, int64_t qt_first, int64_t n_tiles,
+                          const ScratchOf& scr_of) {
+  using T = typename Pol::In;
+  std::optional<TileRun> group[kMaxSweepTiles];  // (Tile holds a reference: no default state)
+  const int64_t hk = h / pb.group();
+  const T* kh = kb + b * ks[0] + hk * ks[1];
+  const T* vh = vb + b * vs[0] + hk * vs[1];
+  const float c = static_cast<float>(pb.scale) * kLog2e;
+  int64_t jbeg = 0, jend = 0;
+  for (int64_t g = 0; g < n_tiles; ++g) {
+    const int64_t i0 = (qt_first + g) * kTQ, nq = std::min(pb.Lq - i0, kTQ);
+    const Scratch scr = scr_of(g);
+    TileRun& run = group[g].emplace(TileRun{Tile{pb, b, h, hk, i0, nq, scr.tmp}, scr,
+                                            pb.key_begin(i0) / 2 * 2,  // left limit of its first row (even: bf16 pairs)
+                                            pb.key_end(i0 + nq - 1),   // causal limit of its widest row
+                                            {}, {}});
+    begin_tile<Pol>(run, q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], c);
+    jbeg = g == 0 ? run.jbeg : std::min(jbeg, run.jbeg);
+    jend = std::max(jend, run.jend);
+  }
+  for (int64_t j0 = jbeg; j0 < jend; j0 += kTK) {
+    if constexpr (kStages<Pol>) {  // the rows any tile of the group reads (block-sparse skips aside)
+      Pol::stage(pb, kh, ks[2], vh, vs[2], j0, std::min(jend - j0, kTK), group[0]->scr.cache);
+    }
+    for (int64_t g = 0; g < n_tiles; ++g) {
+      if (j0 < group[g]->jend) tile_block<Pol>(*group[g], kh, ks[2], vh, vs[2], j0, c);
+    }
+  }
+  for (int64_t g = 0; g < n_tiles; ++g) {
+    const int64_t i0 = group[g]->t.i0;
+    finish_tile<Pol>(*group[g], kh, ks[2], out + b * os[0] + h * os[1] + i0 * os[2], os[2],
+                     lse + (b * pb.H + h) * pb.Lq + i0, weights ? weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr, c);
+  }
 }
 
 template <class Pol>
@@ -478,13 +598,15 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
   float* lp = lse.data<float>();
   float* wp = weights.defined() ? weights.data<float>() : nullptr;
   const int64_t n_qt = (pb.Lq + kTQ - 1) / kTQ;
-  const int64_t n_tasks = pb.B * pb.H * n_qt;
   const double flops = 4.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                        static_cast<double>(pb.D + pb.Dv) / 2;
+  const int64_t G = forward_tiles_per_sweep(pb, kTQ, static_cast<int64_t>(sizeof(T)), get_num_threads());
+  const int64_t n_groups = (n_qt + G - 1) / G;
+  const int64_t n_tasks = pb.B * pb.H * n_groups;
   const int n_threads = threads_for(pb.causal ? flops / 2 : flops, n_tasks);
   // Per-thread scratch, each slice a multiple of 64 bytes.
   const int64_t cache = (Pol::cache_floats(pb) + 15) / 16 * 16;
-  const int64_t per = (Scratch::floats(pb.D, pb.Dv) + 15) / 16 * 16 + cache;
+  const int64_t per = (Scratch::floats(pb.D, pb.Dv, G) + 15) / 16 * 16 + cache;
   float* arena = thread_scratch(per * n_threads);
   std::vector<int64_t> cache_state(static_cast<size_t>(16 * n_threads), -1);  // a line per thread
 
@@ -492,17 +614,18 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
   {
     const int tid = omp_get_thread_num();
     float* base = arena + per * tid;
-    const Scratch scr{base, base + pb.D * kTQ, base + (pb.D + kTK) * kTQ,
-                    base + (pb.D + kTK + pb.Dv) * kTQ, base + (pb.D + kTK + pb.Dv + 1) * kTQ,
-                    base + per - cache, cache_state.data() + 16 * tid};
+    float* cache_base = base + per - cache;
+    int64_t* state = cache_state.data() + 16 * tid;
     // Head by head (a policy's per-head cache stays warm); causal tiles grow with the query
-    // index, so within a head the heaviest go first and the run ends on light tiles.
+    // index, so within a head the heaviest groups go first and the run ends on light ones.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t bh = task / n_qt;
-      const int64_t qt = pb.causal ? n_qt - 1 - task % n_qt : task % n_qt;
+      const int64_t bh = task / n_groups;
+      const int64_t grp = pb.causal ? n_groups - 1 - task % n_groups : task % n_groups;
       if (!pb.head_on(bh / pb.H, bh % pb.H)) continue;  // a head turned off: cleared by the caller
-      forward_tile<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, qt, scr);
+      const int64_t first = grp * G, n = std::min(G, n_qt - first);
+      forward_tiles<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, first, n,
+                         [&](int64_t g) { return Scratch::view(base, pb.D, pb.Dv, G, g, cache_base, state); });
     }
   }
 }
@@ -517,5 +640,5 @@ inline void sdpa_tiled_f32(const SdpaProblem& pb, const Tensor& q, const Tensor&
 inline void sdpa_tiled_bf16_widen(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   const Tensor& weights) {
-  fwd::sdpa_tiled<fwd::Widen<uint16_t>>(pb, q, k, v, out, lse, weights);
+  fwd::sdpa_tiled<fwd::Bf16Staged>(pb, q, k, v, out, lse, weights);
 }

@@ -1,5 +1,5 @@
 // sdpa_split.h — how the SDPA kernels cut a problem into tasks finer than (batch, head) when there
-// are too few of those to feed many threads. Each cut is a function of the problem's shape alone
+// are too few of those to feed many threads, and how the forward groups its query tiles. Each cut is a function of the problem's shape alone
 // (never of the thread count), so results stay bitwise independent of the thread count; it changes
 // only which partial sums are added in which order.
 #pragma once
@@ -115,6 +115,32 @@ inline DecodeChunks decode_key_chunks(const SdpaProblem& pb, int64_t block) {
   const int64_t per = (pb.Lk + n - 1) / n;
   const int64_t chunk = std::max<int64_t>(1, (per + block - 1) / block) * block;
   return {chunk, std::max<int64_t>(1, (pb.Lk + chunk - 1) / chunk)};
+}
+
+// Forward: query tiles of tile_rows queries that sweep the keys together (fwd::forward_tiles), so
+// that a key block read from memory serves the whole group from cache. One while a head's K and V
+// fit in kCachedKvBytes (half of a modest L2: they stay cached from one tile to the next anyway)
+// or a left window gives each tile its own first key; else up to kMaxSweepTiles, as long as that
+// leaves at least kSweepTasksPerThread tasks with work per thread (tiles whose rows see no key,
+// as under a bottom-right causal mask with Lq > Lk, do not count). The grouping only changes the
+// order in which tiles run, never their arithmetic, so it may depend on the thread count: the
+// result does not.
+constexpr int64_t kMaxSweepTiles = 4;
+constexpr int64_t kCachedKvBytes = int64_t{256} << 10;
+constexpr int64_t kSweepTasksPerThread = 8;
+
+inline int64_t forward_tiles_per_sweep(const SdpaProblem& pb, int64_t tile_rows, int64_t elem_bytes, int threads) {
+  const int64_t kv_bytes = pb.Lk * (pb.D + pb.Dv) * elem_bytes;
+  if (pb.has_left || kv_bytes <= kCachedKvBytes || pb.Lq <= tile_rows) return 1;
+  // Tiles with work sit at the end (bands only grow with the query index): count from the first.
+  const int64_t n_tiles = (pb.Lq + tile_rows - 1) / tile_rows;
+  int64_t idle = 0;
+  while (idle < n_tiles && pb.key_end(std::min(pb.Lq, (idle + 1) * tile_rows) - 1) <= 0) ++idle;
+  const int64_t busy = n_tiles - idle;
+  const int64_t want = kSweepTasksPerThread * std::max(1, threads);
+  int64_t g = std::clamp<int64_t>(busy, 1, kMaxSweepTiles);
+  while (g > 1 && pb.B * pb.H * ((busy + g - 1) / g) < want) --g;
+  return g;
 }
 
 }  // namespace heads::kernels

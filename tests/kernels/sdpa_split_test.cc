@@ -169,5 +169,54 @@ TEST(SdpaSplit, BackwardAndDecodeFeedSixteenThreads) {
   std::cout << table.str();
 }
 
+// The forward's query tiles per key sweep: groups form only where a head's K and V outgrow the cache
+// budget and no left window is set, and they never leave 2 to 16 threads with too few tasks
+// (modelled as above, a group's work being its queries' visible pairs).
+TEST(SdpaSplit, ForwardGroupsTilesOnlyForLongKeys) {
+  std::vector<Shape> all = shapes();
+  for (const Shape& s : band_shapes()) all.push_back(s);
+  bool grouped = false;
+  for (const Shape& s : all) {
+    const SdpaProblem pb = problem(s);
+    const int64_t kv_bytes = 4 * pb.Lk * (pb.D + pb.Dv);
+    for (int64_t tile : {16, 32}) {  // queries per tile: AVX2, AVX-512
+      const int64_t n_qt = (pb.Lq + tile - 1) / tile;
+      for (int threads : {1, 2, 4, 8, 16, 64}) {
+        const int64_t g = kernels::forward_tiles_per_sweep(pb, tile, 4, threads);
+        const std::string where = s.name + " tile=" + std::to_string(tile) + " threads=" + std::to_string(threads);
+        ASSERT_GE(g, 1) << where;
+        ASSERT_LE(g, std::min(kernels::kMaxSweepTiles, n_qt)) << where;
+        if (g == 1) continue;
+        grouped = true;
+        EXPECT_GT(kv_bytes, kernels::kCachedKvBytes) << where;
+        EXPECT_FALSE(pb.has_left) << where;
+        if (threads < 2 || threads > 16) continue;
+        // Tasks of g tiles each: heads in order, a head's heaviest group first (as the kernel).
+        auto tasks = [&](int64_t per) {
+          const int64_t groups = (n_qt + per - 1) / per;
+          std::vector<double> work;
+          for (int64_t bh = 0; bh < pb.B * pb.H; ++bh) {
+            for (int64_t r = 0; r < groups; ++r) {
+              const int64_t grp = pb.causal ? groups - 1 - r : r;
+              double w = 0;
+              for (int64_t i = grp * per * tile; i < std::min(pb.Lq, (grp + 1) * per * tile); ++i) {
+                w += static_cast<double>(std::max<int64_t>(0, pb.key_end(i) - pb.key_begin(i)));
+              }
+              work.push_back(w);
+            }
+          }
+          return work;
+        };
+        const double e = efficiency(tasks(g), threads), e1 = efficiency(tasks(1), threads);
+        std::cout << where << ": " << g << " tiles per sweep, efficiency " << e << " (one tile per task: " << e1 << ")\n";
+        EXPECT_GE(e, 0.9) << where;
+      }
+    }
+  }
+  EXPECT_TRUE(grouped);  // long4k and gpt2k group on every thread count up to 16
+  EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(shapes()[3]), 16, 4, 2), kernels::kMaxSweepTiles);  // long4k
+  EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(shapes()[0]), 16, 4, 2), 1);  // bert128: 64 KB of K and V
+}
+
 }  // namespace
 }  // namespace heads

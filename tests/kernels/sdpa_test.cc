@@ -11,6 +11,8 @@
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
 #include "heads/sdpa_case.h"
+#include "kernels/sdpa_problem.h"
+#include "kernels/sdpa_split.h"
 
 namespace heads {
 namespace {
@@ -424,6 +426,53 @@ TEST(Sdpa, KeysNoQuerySeesNeverReachTheOutput) {
         }
       }
     }
+  }
+}
+
+// Long key ranges put several query tiles into one sweep of the keys (forward_tiles_per_sweep):
+// those groups (a ragged last group; causal in both alignments, masks, dropout, GQA, padded
+// layouts, weights; f32 and bf16) against the reference, and the same bits as tiles run one by
+// one (64 threads leave too few tasks to group).
+TEST(Sdpa, TilesSharingAKeySweep) {
+  IsaGuard guard;
+  const int saved = get_num_threads();
+  const uint64_t seed = testing::rng()();
+  for (int n = 0; n < 7; ++n) {
+    SdpaCase c{.B = 1, .H = 4, .Hkv = 2, .Lq = 150, .Lk = 1100, .D = 40, .Dv = 33, .seed = seed + n};
+    switch (n) {
+      case 1: c.causal = true; break;
+      case 2: c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
+      case 3: c.mask = SdpaMask::Bool; break;
+      case 4: c.mask = SdpaMask::Float; c.pad = 3; break;
+      case 5: c.dropout_p = 0.2; break;
+      case 6: c.dtype = DType::BF16; c.Lk = 2200; c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
+      default: break;
+    }
+    const SdpaCase::Inputs in = c.draw();
+    SdpaOptions o = in.options;
+    o.need_weights = true;
+    // Groups form on 1 thread and not on 64, for AVX2's and AVX-512's tiles (16 and 32 queries).
+    const kernels::SdpaProblem pb = kernels::make_sdpa_problem("sdpa", in.q, in.k, in.v, o);
+    for (int64_t tile : {16, 32}) {
+      const auto bytes = static_cast<int64_t>(dtype_size(c.dtype));
+      ASSERT_GT(kernels::forward_tiles_per_sweep(pb, tile, bytes, 1), 1) << c.str();
+      ASSERT_EQ(kernels::forward_tiles_per_sweep(pb, tile, bytes, 64), 1) << c.str();
+    }
+    set_num_threads(1);
+    if (c.dtype == DType::F32) expect_case_matches_ref(c);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      set_num_threads(1);
+      const SdpaResult grouped = sdpa(in.q, in.k, in.v, o);
+      set_num_threads(64);
+      const SdpaResult single = sdpa(in.q, in.k, in.v, o);
+      const std::string where = c.str() + " isa=" + isa_name(isa);
+      EXPECT_TRUE(testing::bitwise_equal(grouped.out, single.out)) << where;
+      EXPECT_TRUE(testing::bitwise_equal(grouped.lse, single.lse)) << where;
+      EXPECT_TRUE(testing::bitwise_equal(grouped.weights, single.weights)) << where;
+    }
+    set_num_threads(saved);
+    if (HasFailure()) return;
   }
 }
 
