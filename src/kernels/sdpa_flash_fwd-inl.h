@@ -24,9 +24,9 @@
 //   one task in a fixed order, so the output is bitwise independent of the thread count and of
 //   the grouping.
 // Precision: the tile loop is a template over a policy that packs Q, runs the two products and
-//   stores O: F32; Bf16Widen (bf16 inputs widened to f32 as they are read, for every ISA); and,
-//   in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S, softmax and O stay
-//   f32 in all of them.
+//   stores O: F32; Bf16Staged (bf16 K and V blocks widened to f32 rows once per group, for
+//   every ISA); and, in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S,
+//   softmax and O stay f32 in all of them.
 // Reference: ref::sdpa_fwd_f64 in sdpa_ref.cc.
 
 namespace fwd {
