@@ -24,8 +24,8 @@
 //   one task in a fixed order, so the output is bitwise independent of the thread count and of
 //   the grouping.
 // Precision: the tile loop is a template over a policy that packs Q, runs the two products and
-//   stores O: F32; Bf16Staged (bf16 K and V blocks widened to f32 rows once per group, for
-//   every ISA); and, in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S,
+//   stores O: F32; Bf16Staged (bf16 K and V widened to f32 rows once per thread and head when
+//   they fit, else once per key block and group, for every ISA); and, in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S,
 //   softmax and O stay f32 in all of them.
 // Reference: ref::sdpa_fwd_f64 in sdpa_ref.cc.
 
@@ -309,10 +309,14 @@ struct Widen {
     for (int v = 0; v < kNQ; ++v) {
       const int64_t l0 = v * kW;
       int64_t d0 = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        if (l0 + kW <= nq) {  // W whole query rows: transpose W x W blocks
-          for (; d0 + kW <= D; d0 += kW) {
+      if (l0 + kW <= nq) {  // W whole query rows: transpose W x W blocks (bf16 ones widened first)
+        for (; d0 + kW <= D; d0 += kW) {
+          if constexpr (std::is_same_v<T, float>) {
             Vec::transpose_scaled(q0 + l0 * qs2 + d0, qs2, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
+          } else {
+            alignas(64) float block[kW * kW];
+            for (int64_t r = 0; r < kW; ++r) Vec::store(block + r * kW, Vec::loadu_bf16(q0 + (l0 + r) * qs2 + d0));
+            Vec::transpose_scaled(block, kW, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
           }
         }
       }
@@ -339,10 +343,17 @@ struct Widen {
       const int64_t l0 = v * kW;
       if (l0 >= nq) break;
       int64_t d0 = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        if (l0 + kW <= nq) {  // W whole output rows: transpose W x W blocks of Ot / l
-          for (; d0 + kW <= Dv; d0 += kW) {
+      if (l0 + kW <= nq) {  // W whole output rows: transpose W x W blocks of Ot / l (bf16: then round)
+        for (; d0 + kW <= Dv; d0 += kW) {
+          if constexpr (std::is_same_v<T, float>) {
             Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, o0 + l0 * os2 + d0, os2, Vec::load(inv_l + l0));
+          } else {
+            alignas(64) float block[kW * kW];
+            Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, block, kW, Vec::load(inv_l + l0));
+            for (int64_t r = 0; r < kW; ++r) {
+              T* row = o0 + (l0 + r) * os2 + d0;
+              for (int64_t e = 0; e < kW; ++e) row[e] = f32_to_bf16(block[r * kW + e]);
+            }
           }
         }
       }
@@ -371,27 +382,59 @@ inline void widen_rows(const uint16_t* x, int64_t xs, int64_t j0, int64_t n, int
   }
 }
 
-// bf16 inputs on CPUs without a bf16 product that pays: each key block's K and V rows are widened
-// to f32 once (for the whole group of tiles, into the thread's policy cache), then the f32
-// micro-kernels run on them. Widening is exact, so the results are those of Widen<uint16_t>
-// (which widens every element as the micro-kernel broadcasts it: at half the f32 speed).
+// bf16 inputs on CPUs without a bf16 product that pays: K and V rows are widened to f32 once into
+// the thread's policy cache, then the f32 micro-kernels run on them. Widening is exact, so the
+// results are those of Widen<uint16_t> (which widens every element as the micro-kernel broadcasts
+// it: at half the f32 speed). A head whose widened K and V fit in kStagedHeadBytes is staged
+// whole, once per thread, and kept across that head's tiles (cache_state: b, hk and the staged
+// key range [lo, hi)); a longer one block by block, once per group of tiles.
 struct Bf16Staged : Widen<uint16_t> {
   static constexpr bool kStaged = true;
-  static int64_t cache_floats(const SdpaProblem& pb) { return kTK * (pb.D + pb.Dv); }
-  // K rows [j0, j0 + nk) into cache [nk][D], and V rows into cache + kTK·D [nk][Dv] when vh is set.
-  static void stage(const SdpaProblem& pb, const uint16_t* kh, int64_t ks2, const uint16_t* vh, int64_t vs2,
-                    int64_t j0, int64_t nk, float* cache) {
-    widen_rows(kh, ks2, j0, nk, pb.D, cache);
-    if (vh != nullptr) widen_rows(vh, vs2, j0, nk, pb.Dv, cache + kTK * pb.D);
+  static constexpr int64_t kStagedHeadBytes = 2 * kCachedKvBytes;
+  static bool whole_head(const SdpaProblem& pb) { return pb.Lk * (pb.D + pb.Dv) * 4 <= kStagedHeadBytes; }
+  static int64_t staged_rows(const SdpaProblem& pb) { return whole_head(pb) ? pb.Lk : kTK; }
+  static int64_t cache_floats(const SdpaProblem& pb) { return staged_rows(pb) * (pb.D + pb.Dv); }
+  // Makes K rows [j0, j0 + nk) of kv head (b, hk) readable through k_rows, and V rows through
+  // v_rows when need_v (block by block; a whole head always stages both).
+  static void stage(const SdpaProblem& pb, const Scratch& scr, int64_t b, int64_t hk, const uint16_t* kh,
+                    int64_t ks2, const uint16_t* vh, int64_t vs2, int64_t j0, int64_t nk, bool need_v = true) {
+    float* cache = scr.cache;
+    int64_t* st = scr.cache_state;
+    if (!whole_head(pb)) {
+      widen_rows(kh, ks2, j0, nk, pb.D, cache);
+      if (need_v) widen_rows(vh, vs2, j0, nk, pb.Dv, cache + kTK * pb.D);
+      return;
+    }
+    if (st[0] != b || st[1] != hk) {
+      st[0] = b;
+      st[1] = hk;
+      st[2] = st[3] = j0;
+    }
+    auto widen_range = [&](int64_t a, int64_t e) {  // rows [a, e), at their own index
+      widen_rows(kh, ks2, a, e - a, pb.D, cache + a * pb.D);
+      widen_rows(vh, vs2, a, e - a, pb.Dv, cache + pb.Lk * pb.D + a * pb.Dv);
+    };
+    if (j0 < st[2]) widen_range(j0, st[2]);  // (a gap up to the staged range is staged too)
+    if (j0 + nk > st[3]) widen_range(st[3], j0 + nk);
+    st[2] = std::min(st[2], j0);
+    st[3] = std::max(st[3], j0 + nk);
   }
-  // S = K · Qt from the staged rows (k and ks are the bf16 rows: not read).
-  static void qk_staged(int64_t n, const Scratch& scr, const float* qt, int64_t D, float* s, VR* mx) {
-    qk_block(n, scr.cache, D, qt, D, s, mx);
+  // The staged K row j0 (block by block: the block last staged, which starts at j0).
+  static const float* k_rows(const SdpaProblem& pb, const Scratch& scr, int64_t j0) {
+    return whole_head(pb) ? scr.cache + j0 * pb.D : scr.cache;
+  }
+  static const float* v_rows(const SdpaProblem& pb, const Scratch& scr, int64_t j0) {
+    return whole_head(pb) ? scr.cache + pb.Lk * pb.D + j0 * pb.Dv : scr.cache + kTK * pb.D;
+  }
+  // S = K · Qt from the staged rows.
+  static void qk_staged(const SdpaProblem& pb, const Scratch& scr, int64_t j0, int64_t n, const float* qt, float* s,
+                        VR* mx) {
+    qk_block(n, k_rows(pb, scr, j0), pb.D, qt, pb.D, s, mx);
   }
   // Ot = Ot · alpha + P · V from the staged rows.
-  static void pv(const Tile& t, const Scratch& scr, const uint16_t* /*vh*/, int64_t /*vs*/, int64_t /*j0*/,
+  static void pv(const Tile& t, const Scratch& scr, const uint16_t* /*vh*/, int64_t /*vs*/, int64_t j0,
                  int64_t nk, const VR* alpha) {
-    pv_block(t.pb.Dv, scr.cache + kTK * t.pb.D, t.pb.Dv, scr.s, nk, scr.ot, alpha);
+    pv_block(t.pb.Dv, v_rows(t.pb, scr, j0), t.pb.Dv, scr.s, nk, scr.ot, alpha);
   }
 };
 
@@ -403,7 +446,8 @@ constexpr bool kStages = requires { Pol::kStaged; };
 // first row at w), dropped like P; keys past the causal limit jend get 0 (NaN in a NaN row, as
 // 2^(-inf - NaN) gives elsewhere). lse2: the rows' lse in log2 units, +inf for rows that saw nothing.
 template <class Pol>
-inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2, int64_t jend, const float* lse2_l,
+inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2, const typename Pol::In* vh,
+                         int64_t vs2, int64_t jend, const float* lse2_l,
                          float c, const Scratch& scr, float* w) {
   const SdpaProblem& pb = t.pb;
   VR lse2[kNQ];
@@ -417,8 +461,8 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
       const bool causal_here = pb.causal && j0 + nv - 1 > t.i0 + pb.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
       if constexpr (kStages<Pol>) {
-        Pol::stage(pb, kh, ks2, nullptr, 0, j0, nv, scr.cache);
-        Pol::qk_staged(nv, scr, scr.qt, pb.D, scr.s, nullptr);
+        Pol::stage(pb, scr, t.b, t.hk, kh, ks2, vh, vs2, j0, nv, /*need_v=*/false);
+        Pol::qk_staged(pb, scr, j0, nv, scr.qt, scr.s, nullptr);
       } else {
         Pol::qk(nv, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, nullptr);
       }
@@ -477,7 +521,7 @@ inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, co
   // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
   VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};
   if constexpr (kStages<Pol>) {
-    Pol::qk_staged(nk, scr, scr.qt, pb.D, scr.s, masked ? nullptr : mx);
+    Pol::qk_staged(pb, scr, j0, nk, scr.qt, scr.s, masked ? nullptr : mx);
   } else {
     Pol::qk(nk, kh + j0 * ks2, ks2, scr.qt, pb.D, c, scr.s, masked ? nullptr : mx);
   }
@@ -506,8 +550,8 @@ inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, co
 
 // 5. O /= l and the lse; 6. the weights on request.
 template <class Pol>
-inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, typename Pol::In* o0, int64_t os2,
-                        float* lse_row, float* weights, float c) {
+inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, const typename Pol::In* vh,
+                        int64_t vs2, typename Pol::In* o0, int64_t os2, float* lse_row, float* weights, float c) {
   const Tile& t = run.t;
   const SdpaProblem& pb = t.pb;
   const Scratch& scr = run.scr;
@@ -534,7 +578,7 @@ inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, t
   for (int64_t r = 0; r < kTQ; ++r) {
     m_l[r] = r < nq && l_l[r] != 0.0f ? m_l[r] + std::log2(l_l[r]) : kInf;  // +inf -> weight 0
   }
-  weights_pass<Pol>(t, kh, ks2, run.jend, m_l, c, scr, weights);
+  weights_pass<Pol>(t, kh, ks2, vh, vs2, run.jend, m_l, c, scr, weights);
 }
 
 // Query tiles [qt_first, qt_first + n_tiles) of head (b, h) sweep the keys together: each key
@@ -569,7 +613,7 @@ inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, cons
   }
   for (int64_t j0 = jbeg; j0 < jend; j0 += kTK) {
     if constexpr (kStages<Pol>) {  // the rows any tile of the group reads (block-sparse skips aside)
-      Pol::stage(pb, kh, ks[2], vh, vs[2], j0, std::min(jend - j0, kTK), group[0]->scr.cache);
+      Pol::stage(pb, group[0]->scr, b, hk, kh, ks[2], vh, vs[2], j0, std::min(jend - j0, kTK));
     }
     for (int64_t g = 0; g < n_tiles; ++g) {
       if (j0 < group[g]->jend) tile_block<Pol>(*group[g], kh, ks[2], vh, vs[2], j0, c);
@@ -577,7 +621,7 @@ inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, cons
   }
   for (int64_t g = 0; g < n_tiles; ++g) {
     const int64_t i0 = group[g]->t.i0;
-    finish_tile<Pol>(*group[g], kh, ks[2], out + b * os[0] + h * os[1] + i0 * os[2], os[2],
+    finish_tile<Pol>(*group[g], kh, ks[2], vh, vs[2], out + b * os[0] + h * os[1] + i0 * os[2], os[2],
                      lse + (b * pb.H + h) * pb.Lq + i0, weights ? weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr, c);
   }
 }

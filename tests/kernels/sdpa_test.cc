@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <iterator>
 #include <sstream>
+#include <string>
 
 #include "common/testing.h"
 #include "heads/runtime.h"
@@ -474,6 +476,55 @@ TEST(Sdpa, TilesSharingAKeySweep) {
     set_num_threads(saved);
     if (HasFailure()) return;
   }
+}
+
+// bf16 on paths that widen (bf16_attention_products() == "widen"): K and V are widened to f32 in
+// the thread's cache (a whole head when it fits, else block by block) and the f32 micro-kernels
+// run on them, so out is the f32 kernel's on the widened inputs rounded once, and lse and the
+// weights are its bits. Heads of several batch entries and kv heads interleave across 1 to 3
+// threads, so a stale staged head would show.
+TEST(Sdpa, Bf16WideningIsTheF32KernelRoundedOnce) {
+  IsaGuard guard;
+  const int saved = get_num_threads();
+  const uint64_t seed = testing::rng()();
+  const SdpaCase cases[] = {
+      {.B = 3, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 77, .D = 63, .Dv = 40, .mask = SdpaMask::Bool, .pad = 2},  // whole heads
+      {.B = 2, .H = 2, .Lq = 40, .Lk = 300, .D = 24, .Dv = 20, .causal = true, .causal_align = CausalAlign::BottomRight},
+      {.B = 2, .H = 3, .Hkv = 1, .Lq = 33, .Lk = 1100, .D = 64, .Dv = 72, .mask = SdpaMask::Float, .dropout_p = 0.2},  // by block
+      {.H = 4, .Hkv = 2, .Lq = 150, .Lk = 2200, .D = 40, .Dv = 33, .causal = true},  // by block, tiles grouped
+  };
+  int checked = 0;
+  for (int n = 0; n < static_cast<int>(std::size(cases)); ++n) {
+    SdpaCase c = cases[n];
+    c.dtype = DType::BF16;
+    c.seed = seed + n;
+    const SdpaCase::Inputs in = c.draw();
+    const Tensor q32 = in.q.to(DType::F32), k32 = in.k.to(DType::F32), v32 = in.v.to(DType::F32);
+    for (const bool window : {false, true}) {
+      SdpaOptions o = in.options;
+      o.need_weights = true;
+      if (window) o.window_left = 50, o.window_right = c.causal ? -1 : 9;  // tiles start past key 0
+      for (Isa isa : supported_isas()) {
+        set_isa(isa);
+        if (std::string(bf16_attention_products()) != "widen") continue;
+        for (int threads : {1, 2, 3}) {
+          set_num_threads(threads);
+          const SdpaResult rb = sdpa(in.q, in.k, in.v, o), rf = sdpa(q32, k32, v32, o);
+          const std::string where = c.str() + (window ? " window" : "") + " isa=" + isa_name(isa) +
+                                    " threads=" + std::to_string(threads);
+          ASSERT_EQ(rb.out.dtype(), DType::BF16) << where;
+          EXPECT_TRUE(testing::bitwise_equal(rb.out, rf.out.to(DType::BF16))) << where;
+          EXPECT_TRUE(testing::bitwise_equal(rb.lse, rf.lse)) << where;
+          EXPECT_TRUE(testing::bitwise_equal(rb.weights, rf.weights)) << where;
+          ++checked;
+        }
+      }
+      if (HasFailure()) break;
+    }
+  }
+  set_num_threads(saved);
+  // Every ISA below AVX-512-BF16 widens, and the scalar path runs everywhere.
+  EXPECT_GT(checked, 0);
 }
 
 TEST(Sdpa, ResultIndependentOfThreadCount) {
