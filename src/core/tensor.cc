@@ -122,6 +122,10 @@ int64_t wrap_dim(int64_t d, int64_t ndim, const char* op) {
 // dst[j·ds] = f(src[j·ss]) for j < n.
 template <class S, class D, class F>
 void convert_row(const S* src, int64_t ss, D* dst, int64_t ds, int64_t n, F f) {
+  if (ss == 1 && ds == 1) {  // its own loop, so that it vectorizes
+    for (int64_t j = 0; j < n; ++j) dst[j] = f(src[j]);
+    return;
+  }
   for (int64_t j = 0; j < n; ++j) dst[j * ds] = f(src[j * ss]);
 }
 
