@@ -23,12 +23,13 @@ struct KernelTable {
   // The same with bf16 q, k, v, out (f32 accumulation).
   void (*sdpa_fwd_bf16)(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights);
-  // SDPA backward, f32 (sdpa_bwd-inl.h): dq, dk, dv any strides with a unit inner one, every
-  // element written (when B, H, Lq and Lk are positive); dmask_full [B, H, Lq, Lk] or null;
-  // drel [H, pb.rel_len] (zeroed by the caller) or null receives dS summed along each i - j.
-  void (*sdpa_bwd_f32)(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
-                       const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
-                       const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel);
+  // SDPA backward (sdpa_bwd-inl.h): dout, q, k, v and out all f32 or all bf16; dq, dk, dv f32, any
+  // strides with a unit inner one, every element written (when B, H, Lq and Lk are positive);
+  // dmask_full [B, H, Lq, Lk] or null; drel [H, pb.rel_len] (zeroed by the caller) or null
+  // receives dS summed along each i - j.
+  void (*sdpa_bwd)(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
+                   const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                   const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel);
   // GEMMs (linear.h), M, N, K >= 1: oneDNN on the SIMD paths, the plain loops on the portable one.
   void (*linear_f32)(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                      const float* bias, int64_t N, float* y, int64_t y_stride);

@@ -317,8 +317,13 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   opts.need_weights = false;
   if (opts.dropout_p > 0.0) opts.dropout_seed = fwd.dropout_seed;  // the forward's stream
   const SdpaProblem pb = make_sdpa_problem(op, q, k, v, opts);
+  // f32 inputs, or bf16 ones (read widened; the gradients stay f32)
+  const DType in_dtype = q.defined() ? q.dtype() : DType::F32;
+  HEADS_CHECK(in_dtype == DType::F32 || in_dtype == DType::BF16, op, ": query: expected f32 or bf16, got ",
+              dtype_name(in_dtype));
   for (const auto& [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}, {&dout, "dout"}}) {
-    HEADS_CHECK(t->defined() && t->dtype() == DType::F32, op, ": ", name, ": expected f32");
+    HEADS_CHECK(t->defined() && t->dtype() == in_dtype, op, ": ", name, ": expected ", dtype_name(in_dtype),
+                " like query");
   }
   for (const auto& [t, like, name] : {std::tuple{&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}}) {
     HEADS_CHECK(t->defined() && t->dtype() == DType::F32 && t->shape() == like->shape(), op, ": ", name,
@@ -328,8 +333,8 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   }
   const Shape oshape{pb.B, pb.H, pb.Lq, pb.Dv};
   HEADS_CHECK(dout.shape() == oshape, op, ": dout: expected ", oshape, ", got ", dout.shape());
-  HEADS_CHECK(fwd.out.defined() && fwd.out.shape() == oshape && fwd.out.dtype() == DType::F32, op,
-              ": fwd.out: expected the forward's f32 output ", oshape);
+  HEADS_CHECK(fwd.out.defined() && fwd.out.shape() == oshape && fwd.out.dtype() == in_dtype, op,
+              ": fwd.out: expected the forward's ", dtype_name(in_dtype), " output ", oshape);
   HEADS_CHECK(fwd.lse.defined() && fwd.lse.shape() == Shape({pb.B, pb.H, pb.Lq}), op,
               ": fwd.lse: expected the forward's lse [B, H, Lq] = ", Shape({pb.B, pb.H, pb.Lq}));
   HEADS_CHECK(!mask_grad || pb.mask_kind == MaskKind::Float, op,
@@ -345,8 +350,8 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   Tensor dm_full = mask_grad ? Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F32) : Tensor();
   Tensor drel = pb.rel_buckets > 0 ? Tensor::zeros({pb.H, pb.rel_len}, DType::F32) : Tensor();
   const Tensor out_f = unit_inner(fwd.out), lse_c = fwd.lse.contiguous();
-  active().sdpa_bwd_f32(pb, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), out_f, lse_c, dq, dk,
-                        dv, mask_grad ? dm_full.data<float>() : nullptr, drel.defined() ? drel.data<float>() : nullptr);
+  active().sdpa_bwd(pb, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), out_f, lse_c, dq, dk,
+                    dv, mask_grad ? dm_full.data<float>() : nullptr, drel.defined() ? drel.data<float>() : nullptr);
   if (mask_grad) g.dmask = reduce_to_shape(dm_full, opts.attn_mask.shape()).to(DType::F32);
   if (drel.defined()) {  // the sums along i - j, gathered into their buckets
     float* gt = g.drelative_attention_bias.data<float>();
@@ -357,16 +362,18 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
     }
   }
   if (pb.sinks.defined()) {  // d sink_h = -sum over rows of P_sink · D, P_sink = e^(sink - lse), D = dO · O
+    const bool wide = in_dtype == DType::F32;  // else read widened
+    const Tensor o32 = wide ? out_f : out_f.to(DType::F32), g32 = wide ? dout : dout.to(DType::F32);
     for (int64_t h = 0; h < pb.H; ++h) {
       double acc = 0.0;
       const double sink = pb.sinks.data<float>()[h];
       for (int64_t b = 0; b < pb.B; ++b) {
         if (!pb.head_on(b, h)) continue;  // skipped: no sink term
         for (int64_t i = 0; i < pb.Lq; ++i) {
-          const float* o = out_f.data<float>() + b * out_f.stride(0) + h * out_f.stride(1) + i * out_f.stride(2);
-          const float* go = dout.data<float>() + b * dout.stride(0) + h * dout.stride(1) + i * dout.stride(2);
+          const float* o = o32.data<float>() + b * o32.stride(0) + h * o32.stride(1) + i * o32.stride(2);
+          const float* go = g32.data<float>() + b * g32.stride(0) + h * g32.stride(1) + i * g32.stride(2);
           double d = 0.0;
-          for (int64_t c = 0; c < pb.Dv; ++c) d += static_cast<double>(o[c * out_f.stride(3)]) * go[c * dout.stride(3)];
+          for (int64_t c = 0; c < pb.Dv; ++c) d += static_cast<double>(o[c * o32.stride(3)]) * go[c * g32.stride(3)];
           acc += std::exp(sink - lse_c.data<float>()[(b * pb.H + h) * pb.Lq + i]) * d;
         }
       }
@@ -378,9 +385,16 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
 
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts, bool mask_grad) {
-  // f16 / f64 / bf16: computed in f32 (bf16 and f16 values are exact there) and rounded once to q's
-  // dtype at the end; the forward's bf16 output is read widened.
-  if (via_f32(q) || (q.defined() && q.dtype() == DType::BF16)) {
+  // bf16: read widened by the kernel (exact), f32 gradients rounded once to bf16 at the end.
+  if (q.defined() && q.dtype() == DType::BF16) {
+    kernels::check_dtypes("sdpa_backward", q, k, v, q.dtype());
+    auto like = [](const Tensor& t) { return Tensor::empty(t.shape(), DType::F32); };
+    SdpaGrads g = sdpa_backward_out(like(q), like(k), like(v), dout, q, k, v, fwd, opts, mask_grad);
+    for (Tensor* t : {&g.dq, &g.dk, &g.dv}) *t = t->to(DType::BF16);
+    return g;
+  }
+  // f16 / f64: computed in f32 (f16 values are exact there) and rounded once to q's dtype at the end.
+  if (via_f32(q)) {
     kernels::check_dtypes("sdpa_backward", q, k, v, q.dtype());
     HEADS_CHECK(dout.defined() && dout.dtype() == q.dtype(), "sdpa_backward: dout: expected ", dtype_name(q.dtype()),
                 " like query");

@@ -19,6 +19,9 @@
 // are written in place: a block's first contribution sets it, later ones add, rows no score
 // reaches are zeroed (large dK/dV written once are streamed past the caches: see stream_kv). Steps
 // of at most kSmallQ queries use dot products and keep P and dS query-major instead.
+// bf16 inputs: each key group's K and V rows, and each query step's Q, dO (and O) rows, are widened
+// into the thread's scratch as they are first read, and the f32 code runs on them: the results
+// are the f32 kernel's on the widened values, bit for bit; the gradients stay f32.
 // Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; with key
 // splits, a dQ-sized buffer per split past the first for the call (sdpa_split.h bounds them); no
 // Lq x Lk buffer (unless the mask gradient is requested, which receives dS).
@@ -140,10 +143,15 @@ constexpr int64_t kStreamBytes = int64_t{16} << 20;  // half the L3 of the machi
 struct Scratch {
   float *qt, *dot, *s, *dp, *pd, *tg, *tmp, *drow;
   float* drel;  // [H][rel_len] this thread's dS sums along i - j (T5 table gradient), or null
+  // bf16 inputs widened: a key group's K [span][D] and V [span][Dv] rows, a step's Q [kLd][D],
+  // dO and O [kLd][Dv] rows (null for f32 inputs, read in place)
+  float *kin, *vin, *qin, *gin, *oin;
   // rows: G·Lq values of D_i
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
     return kSub * (D + Dv) * kTQ + 4 * kTK * kLd + kTQ + rows + 64;
   }
+  // The widened rows of bf16 inputs, for key groups of `span` keys.
+  static int64_t widened_floats(int64_t D, int64_t Dv, int64_t span) { return span * (D + Dv) + kLd * (D + 2 * Dv); }
 };
 
 // One backward call: the tensors as pointers and strides, and what is decided once per call.
@@ -151,7 +159,8 @@ struct Call {
   const SdpaProblem& pb;
   int64_t G;  // query heads per key/value head
   std::array<int64_t, 3> qs, ks, vs, os, gs, dqs, dks, dvs;
-  const float *qp, *kp, *vp, *op, *gp, *lp;
+  const float *qp, *kp, *vp, *op, *gp, *lp;  // f32 inputs; null for bf16 ones
+  const uint16_t *qb, *kb, *vb, *ob, *gb;     // bf16 inputs (widened as staged); null for f32 ones
   float *dqp, *dkp, *dvp;
   float* dmask_full;  // [B, H, Lq, Lk] or null
   float scale, c, keep_scale;  // c = scale · log2(e), folded into the packed Q
@@ -166,7 +175,12 @@ struct Step {
   bool few;          // at most kSmallQ queries: the query-major few_block path
   bool first_group;  // dQ rows and D_i are set up in the first key group of the task's keys
   bool dq_unset;     // the step's dQ rows not written yet (the next product sets them)
+  // The step's Q and dO rows (strides qs2, gs2), and its key group's K and V rows from key j_base
+  // (strides ks2, vs2): the inputs in place, or bf16 ones widened into scratch.
   const float *q0, *g0, *kh, *vh;
+  int64_t qs2, gs2, ks2, vs2, j_base;
+  const float* k_row(int64_t j) const { return kh + (j - j_base) * ks2; }
+  const float* v_row(int64_t j) const { return vh + (j - j_base) * vs2; }
   float* dq0;       // the step's dQ rows (stride dq_ld): dq's, or a key split's own buffer
   int64_t dq_ld;
   alignas(64) float lse2[kLd];  // lse in log2 units; +inf where the row sees nothing (P = 0)
@@ -181,15 +195,15 @@ HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t,
   const float* l2 = st.lse2 + u * kTQ;
   const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
   const bool causal_here = pb.causal && j0 + nk - 1 > t.i0 + pb.causal_offset;
-  const float* kj = st.kh + j0 * C.ks[2];
+  const float* kj = st.k_row(j0);
   if (!fwd::needs_masks(t, j0, nk, causal_here)) {  // P straight from the accumulators
-    fwd::qk_block_with(nk, kj, C.ks[2], scr.qt + u * pb.D * kTQ, pb.D, [&](int64_t r, VR a0, VR a1) {
+    fwd::qk_block_with(nk, kj, st.ks2, scr.qt + u * pb.D * kTQ, pb.D, [&](int64_t r, VR a0, VR a1) {
       Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
       Vec::store(s + r * kLd + kW, Vec::exp2(Vec::sub(a1, l2v[1])));
     });
     return;
   }
-  fwd::qk_block(nk, kj, C.ks[2], scr.qt + u * pb.D * kTQ, pb.D, s, nullptr, kLd);
+  fwd::qk_block(nk, kj, st.ks2, scr.qt + u * pb.D * kTQ, pb.D, s, nullptr, kLd);
   VR mx[kNQ] = {Vec::zero(), Vec::zero()};
   fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd, scr.tg + u * kTQ);
   for (int64_t r = 0; r < nk; ++r) {
@@ -207,10 +221,10 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
   const SdpaProblem& pb = C.pb;
   const float* ds = st.dsum + u * kTQ;
   VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
-  const float* vj = st.vh + j0 * C.vs[2];
+  const float* vj = st.v_row(j0);
   const float* dot = scr.dot + u * pb.Dv * kTQ;
   if (pb.dropout_p == 0.0 && !C.one_block) {  // dS straight from the accumulators
-    fwd::qk_block_with(nk, vj, C.vs[2], dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
+    fwd::qk_block_with(nk, vj, st.vs2, dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
       Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
       Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
     });
@@ -225,13 +239,13 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
     den[1] = Vec::add(den[1], p1);
   };
   if (pb.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
-    fwd::qk_block_with(nk, vj, C.vs[2], dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
+    fwd::qk_block_with(nk, vj, st.vs2, dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
       gather(r, a0, a1);
       Vec::store(dp + r * kLd, a0);
       Vec::store(dp + r * kLd + kW, a1);
     });
   } else {
-    fwd::qk_block(nk, vj, C.vs[2], dot, pb.Dv, dp, nullptr, kLd);
+    fwd::qk_block(nk, vj, st.vs2, dot, pb.Dv, dp, nullptr, kLd);
     for (int64_t r = 0; r < nk; ++r) {
       for (int64_t l = 0; l < kTQ; ++l) {
         const bool keep =
@@ -272,8 +286,7 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
   float* const mrow =
       C.dmask_full == nullptr ? nullptr : C.dmask_full + ((st.b * pb.H + st.h) * pb.Lq + i0) * pb.Lk + j0;
   if (st.few) {
-    few_block(t, j0, nk, st.kh + j0 * C.ks[2], C.ks[2], st.vh + j0 * C.vs[2], C.vs[2], st.q0, C.qs[2], st.g0,
-              C.gs[2], st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd, scr.tg);
+    few_block(t, j0, nk, st.k_row(j0), st.ks2, st.v_row(j0), st.vs2, st.q0, st.qs2, st.g0, st.gs2, st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd, scr.tg);
     for (int64_t l = 0; mrow != nullptr && l < nq; ++l) std::copy_n(scr.dp + l * kTK, nk, mrow + l * pb.Lk);
     for (int64_t l = 0; scr.drel != nullptr && l < nq; ++l) {  // dS of (i, j) into drel[i - j + Lk - 1]
       float* dr = scr.drel + st.h * pb.rel_len + (i0 + l - j0 + pb.Lk - 1);
@@ -335,11 +348,11 @@ HEADS_INLINE void block_products(const Call& C, Step& st, int64_t jg, int64_t j0
   float* dvj = C.dvp + st.b * C.dvs[0] + st.hk * C.dvs[1] + j0 * C.dvs[2];
   const Out kv_out = written ? Out::Add : C.stream_kv ? Out::Stream : Out::Set;
   const int64_t key_stride = st.few ? 1 : kLd, query_stride = st.few ? kTK : 1;  // of P, dS
-  gemm_acc(nk, pb.Dv, st.nqs, pb.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, C.gs[2], dvj,
+  gemm_acc(nk, pb.Dv, st.nqs, pb.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, st.gs2, dvj,
            C.dvs[2], 1.0f, kv_out);
-  gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, C.qs[2], dkj, C.dks[2], C.scale, kv_out);
+  gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, st.qs2, dkj, C.dks[2], C.scale, kv_out);
   written = true;
-  gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.kh + j0 * C.ks[2], C.ks[2], st.dq0, st.dq_ld,
+  gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.k_row(j0), st.ks2, st.dq0, st.dq_ld,
            C.scale, st.dq_unset ? Out::Set : Out::Add);
   st.dq_unset = false;
 }
@@ -352,10 +365,17 @@ struct Task {
   std::array<int64_t, 3> dqs;
 };
 
+// A key group's K and V rows, row j at kh + (j - j_base) · ks2: the inputs in place, or bf16 ones
+// widened into scratch.
+struct KeyRows {
+  const float *kh, *vh;
+  int64_t ks2, vs2, j_base;
+};
+
 // Queries [I0, I0 + kLd) of head h against the key group [jg, jg + ng): lse and D_i of the rows, Q and
 // dO packed once, then every key block — its tiles' dS, then its three products.
-inline void query_step(const Call& C, const Task& task, int64_t h, int64_t I0, int64_t jg, int64_t ng,
-                       bool* written, const Scratch& scr) {
+inline void query_step(const Call& C, const Task& task, const KeyRows& kv, int64_t h, int64_t I0, int64_t jg,
+                       int64_t ng, bool* written, const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
   const int64_t b = task.b, hk = task.hk;
   Step st;
@@ -370,21 +390,35 @@ inline void query_step(const Call& C, const Task& task, int64_t h, int64_t I0, i
   // start at zero.
   st.dq_unset = st.first_group && !pb.may_skip_left();
   if (st.first_group && pb.may_skip_left()) zero_rows(st.dq0, st.dq_ld, st.nqs, pb.D);
-  st.q0 = C.qp + b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2];
-  st.g0 = C.gp + b * C.gs[0] + h * C.gs[1] + I0 * C.gs[2];
-  st.kh = C.kp + b * C.ks[0] + hk * C.ks[1];
-  st.vh = C.vp + b * C.vs[0] + hk * C.vs[1];
+  st.kh = kv.kh, st.vh = kv.vh, st.ks2 = kv.ks2, st.vs2 = kv.vs2, st.j_base = kv.j_base;
+  const int64_t q_off = b * C.qs[0] + h * C.qs[1] + I0 * C.qs[2], g_off = b * C.gs[0] + h * C.gs[1] + I0 * C.gs[2];
+  const bool widen = C.qb != nullptr;  // bf16 Q and dO rows: widened when first needed
+  bool g_widened = false;
+  auto widen_g = [&] {
+    if (widen && !g_widened) fwd::widen_rows(C.gb + g_off, C.gs[2], 0, st.nqs, pb.Dv, scr.gin);
+    g_widened = true;
+  };
+  if (widen) {
+    st.q0 = scr.qin, st.qs2 = pb.D, st.g0 = scr.gin, st.gs2 = pb.Dv;
+  } else {
+    st.q0 = C.qp + q_off, st.qs2 = C.qs[2], st.g0 = C.gp + g_off, st.gs2 = C.gs[2];
+  }
   // D_i = dO_i · O_i, once per row (first group, even one the rows cannot see); kept per thread
   // for the later groups
   float* drow = scr.drow + (h - hk * C.G) * pb.Lq + I0;
   if (st.first_group && !C.one_block) {
-    row_dots(st.g0, C.gs[2], C.op + b * C.os[0] + h * C.os[1] + I0 * C.os[2], C.os[2], st.nqs, pb.Dv, drow);
+    const int64_t o_off = b * C.os[0] + h * C.os[1] + I0 * C.os[2];
+    widen_g();
+    if (widen) fwd::widen_rows(C.ob + o_off, C.os[2], 0, st.nqs, pb.Dv, scr.oin);
+    row_dots(st.g0, st.gs2, widen ? scr.oin : C.op + o_off, widen ? pb.Dv : C.os[2], st.nqs, pb.Dv, drow);
   }
   if ((pb.causal && jg > I0 + st.nqs - 1 + pb.causal_offset) ||
       (pb.has_left && jg + ng - 1 < I0 + pb.left_offset)) {  // every key of the group hidden
     if (st.dq_unset) zero_rows(st.dq0, st.dq_ld, st.nqs, pb.D);
     return;
   }
+  widen_g();
+  if (widen) fwd::widen_rows(C.qb + q_off, C.qs[2], 0, st.nqs, pb.D, scr.qin);
   for (int64_t l = 0; l < kLd; ++l) {
     const float x = l < st.nqs ? C.lp[(b * pb.H + h) * pb.Lq + I0 + l] : -kInf;
     st.lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
@@ -393,8 +427,8 @@ inline void query_step(const Call& C, const Task& task, int64_t h, int64_t I0, i
   if (!st.few) {
     for (int64_t u = 0; u < st.n_sub; ++u) {
       const int64_t nq = std::min(st.nqs - u * kTQ, kTQ);
-      fwd::Widen<float>::pack_q(st.q0 + u * kTQ * C.qs[2], C.qs[2], nq, pb.D, C.c, scr.qt + u * pb.D * kTQ);
-      fwd::Widen<float>::pack_q(st.g0 + u * kTQ * C.gs[2], C.gs[2], nq, pb.Dv, 1.0f, scr.dot + u * pb.Dv * kTQ);
+      fwd::Widen<float>::pack_q(st.q0 + u * kTQ * st.qs2, st.qs2, nq, pb.D, C.c, scr.qt + u * pb.D * kTQ);
+      fwd::Widen<float>::pack_q(st.g0 + u * kTQ * st.gs2, st.gs2, nq, pb.Dv, 1.0f, scr.dot + u * pb.Dv * kTQ);
     }
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
@@ -415,12 +449,20 @@ inline void key_group(const Call& C, const Task& task, int64_t jg, const Scratch
   const int64_t b = task.b, hk = task.hk;
   const int64_t ng = std::min(task.j_end - jg, C.span);
   bool written[kMaxBlocks] = {};  // key block of the group written (later steps add to it)
+  KeyRows kv;
+  if (C.kb != nullptr) {  // bf16: the group's rows widened once for all its query steps
+    fwd::widen_rows(C.kb + b * C.ks[0] + hk * C.ks[1], C.ks[2], jg, ng, pb.D, scr.kin);
+    fwd::widen_rows(C.vb + b * C.vs[0] + hk * C.vs[1], C.vs[2], jg, ng, pb.Dv, scr.vin);
+    kv = {scr.kin, scr.vin, pb.D, pb.Dv, jg};
+  } else {
+    kv = {C.kp + b * C.ks[0] + hk * C.ks[1], C.vp + b * C.vs[0] + hk * C.vs[1], C.ks[2], C.vs[2], 0};
+  }
   for (int64_t h = hk * C.G; h < (hk + 1) * C.G; ++h) {
     if (!pb.head_on(b, h)) {  // a head turned off: zero dq, nothing into dk, dv
       if (jg == task.j_begin) zero_rows(task.dq + b * task.dqs[0] + h * task.dqs[1], task.dqs[2], pb.Lq, pb.D);
       continue;
     }
-    for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, task, h, I0, jg, ng, written, scr);
+    for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, task, kv, h, I0, jg, ng, written, scr);
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
     if (written[(j0 - jg) / kTK]) continue;
@@ -432,21 +474,30 @@ inline void key_group(const Call& C, const Task& task, int64_t jg, const Scratch
 
 }  // namespace bwd
 
-inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
-                         const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
-                         const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel) {
+// q, k, v, dout and out all f32, or all bf16 (widened block by block into scratch as they are read:
+// the f32 kernel's results on the widened values); dq, dk, dv f32.
+inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                     const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel) {
   using namespace bwd;
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) return;
   auto str = [](const Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
   const float scale = static_cast<float>(pb.scale);
   const int64_t G = pb.group();
+  const bool bf16 = q.dtype() == DType::BF16;
+  auto f32_in = [&](const Tensor& t) { return bf16 ? nullptr : t.data<float>(); };
+  auto bf16_in = [&](const Tensor& t) {
+    HEADS_CHECK(t.dtype() == q.dtype(), "sdpa_bwd: inputs of mixed dtypes");
+    return bf16 ? static_cast<const uint16_t*>(t.raw_data()) : nullptr;
+  };
   const Call C{
       .pb = pb, .G = G,
       .qs = str(q), .ks = str(k), .vs = str(v), .os = str(out), .gs = str(dout),
       // outputs: any strides with a unit inner one (e.g. views into a projection's gradient buffer)
       .dqs = str(dq), .dks = str(dk), .dvs = str(dv),
-      .qp = q.data<float>(), .kp = k.data<float>(), .vp = v.data<float>(), .op = out.data<float>(),
-      .gp = dout.data<float>(), .lp = lse.data<float>(),
+      .qp = f32_in(q), .kp = f32_in(k), .vp = f32_in(v), .op = f32_in(out), .gp = f32_in(dout),
+      .lp = lse.data<float>(),
+      .qb = bf16_in(q), .kb = bf16_in(k), .vb = bf16_in(v), .ob = bf16_in(out), .gb = bf16_in(dout),
       .dqp = dq.data<float>(), .dkp = dk.data<float>(), .dvp = dv.data<float>(),
       .dmask_full = dmask_full,
       .scale = scale, .c = scale * kLog2e, .keep_scale = pb.dropout_p > 0 ? dropout_keep_scale(pb.dropout_p) : 1.0f,
@@ -468,7 +519,8 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
   // five products of the forward's size: S and dP, then dV, dK, dQ
   const int n_threads = threads_for(5.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
-  const int64_t per = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
+  const int64_t own = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
+  const int64_t per = own + (bf16 ? (Scratch::widened_floats(pb.D, pb.Dv, C.span) + 15) / 16 * 16 : 0);
   float* arena = thread_scratch(per * n_threads);
   // The dQ contributions of key splits 1.. (contiguous [B, H, Lq, D] each), for this call only.
   const int64_t dq_floats = pb.B * pb.H * pb.Lq * pb.D;
@@ -492,6 +544,14 @@ inline void sdpa_bwd_f32(const SdpaProblem& pb, const Tensor& dout, const Tensor
     scr.tmp = scr.tg + kTK * kLd;
     scr.drel = nullptr;
     scr.drow = scr.tmp + kTQ;
+    scr.kin = scr.vin = scr.qin = scr.gin = scr.oin = nullptr;
+    if (bf16) {
+      scr.kin = base + own;
+      scr.vin = scr.kin + C.span * pb.D;
+      scr.qin = scr.vin + C.span * pb.Dv;
+      scr.gin = scr.qin + kLd * pb.D;
+      scr.oin = scr.gin + kLd * pb.Dv;
+    }
     // Parallel over (b, kv head, key split): each task owns its dK, dV rows and the dQ rows (or the
     // split's buffer rows) of its query heads.
 #pragma omp for schedule(dynamic, 1)

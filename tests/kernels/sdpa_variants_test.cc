@@ -301,6 +301,24 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
           ASSERT_TRUE(e.within(1e-5, 1e-5)) << where << ": " << name << " max err " << e.max_abs << " (ref max "
                                             << e.max_ref << ")";
         }
+        // bf16 inputs are read widened: the f32 backward's bits on the widened values, f32 gradients.
+        const Tensor qb = q.to(DType::BF16), kb = k.to(DType::BF16), vb = v.to(DType::BF16),
+                     gb = dout.to(DType::BF16);
+        const Tensor qw = qb.to(DType::F32), kw = kb.to(DType::F32), vw = vb.to(DType::F32), gw = gb.to(DType::F32);
+        const SdpaResult fb = sdpa(qb, kb, vb, o);
+        SdpaResult fw = fb;
+        fw.out = fb.out.to(DType::F32);
+        const SdpaGrads gbf = sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()), gb,
+                                                qb, kb, vb, fb, o, mask_grad);
+        const SdpaGrads gwf = sdpa_backward_out(nan_filled(q.shape()), nan_filled(k.shape()), nan_filled(v.shape()), gw,
+                                                qw, kw, vw, fw, o, mask_grad);
+        for (const auto& [got, want, name] :
+             {std::tuple{&gbf.dq, &gwf.dq, "dq"}, {&gbf.dk, &gwf.dk, "dk"}, {&gbf.dv, &gwf.dv, "dv"},
+              {&gbf.dmask, &gwf.dmask, "dmask"}, {&gbf.dsinks, &gwf.dsinks, "dsinks"},
+              {&gbf.drelative_attention_bias, &gwf.drelative_attention_bias, "dtable"}}) {
+          ASSERT_EQ(got->defined(), want->defined()) << where << " bf16: " << name;
+          if (want->defined()) ASSERT_TRUE(testing::bitwise_equal(*got, *want)) << where << " bf16: " << name;
+        }
       }
     }
   }
