@@ -18,11 +18,13 @@
 //   masked row gives out = 0, lse = -inf (m_safe = 0 keeps exp2(-inf - m) from making NaN).
 // Memory: per thread S [kTK][kTQ], and Qt [D][kTQ] and Ot [Dv][kTQ] per tile of its group; the
 //   Lq x Lk weights exist only when requested (a second sweep from the final lse).
-// Parallel: over (B, H, group of query tiles), heaviest causal groups first. A group's tiles
+// Parallel: over (B, H, group of query tiles), heaviest causal groups first; when those tasks are
+//   too few for many threads, also over chunks of the keys (forward_key_chunks in sdpa_split.h),
+//   whose partial outputs and lse are merged after (merge_key_chunks). A group's tiles
 //   sweep the keys together, block by block, so a long head's K and V come from memory once per
-//   group, not once per tile (forward_tiles_per_sweep in sdpa_split.h). Each row is computed by
-//   one task in a fixed order, so the output is bitwise independent of the thread count and of
-//   the grouping.
+//   group, not once per tile (forward_tiles_per_sweep in sdpa_split.h). Each row's sums run in a
+//   fixed order (its key chunks, if any, merged in chunk order), so the output is bitwise
+//   independent of the thread count and of the grouping.
 // Precision: the tile loop is a template over a policy that packs Q, runs the two products and
 //   stores O: F32; Bf16Staged (bf16 K and V widened to f32 rows once per thread and head when
 //   they fit, else once per key block and group, for every ISA); and, in isa_avx512bf16.cc, Bf16Dot (vdpbf16ps, see sdpa_flash_bf16-inl.h). S,
@@ -37,6 +39,7 @@ constexpr int kNQ = 2;               // query vectors per tile
 constexpr int64_t kTQ = kNQ * kW;    // queries per tile
 constexpr int64_t kTK = 128;         // keys per block
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxMergeDv = 64;  // merge_key_chunks sums a row's outputs this many at a time
 
 // Inputs are f32 or bf16 (uint16_t bits); widen() gives the f32 value.
 HEADS_INLINE float widen(float x) { return x; }
@@ -492,18 +495,20 @@ struct TileRun {
   VR m[kNQ], l[kNQ];
 };
 
-// Packs the tile's queries and starts its softmax.
+// Packs the tile's queries and starts its softmax (with the head's sink unless with_sink is false:
+// a key chunk past the first).
 template <class Pol>
-inline void begin_tile(TileRun& run, const typename Pol::In* q0, int64_t qs2, float c) {
+inline void begin_tile(TileRun& run, const typename Pol::In* q0, int64_t qs2, float c, bool with_sink) {
   const SdpaProblem& pb = run.t.pb;
   // Qt = Q_i^T (· c where the policy folds it in), zero lanes past the last query.
   Pol::pack_q(q0, qs2, run.t.nq, pb.D, c, run.scr.qt);
   std::fill(run.scr.ot, run.scr.ot + pb.Dv * kTQ, 0.0f);
   // A sink starts the row's softmax as a key of logit sink with no value (m = sink, l = 1).
-  const float sink2 = pb.sink_log2(run.t.h);
+  const bool sink = with_sink && pb.sinks.defined();
+  const float sink2 = sink ? pb.sink_log2(run.t.h) : -kInf;
   for (int v = 0; v < kNQ; ++v) {
     run.m[v] = Vec::set1(sink2);
-    run.l[v] = Vec::set1(pb.sinks.defined() ? 1.0f : 0.0f);
+    run.l[v] = Vec::set1(sink ? 1.0f : 0.0f);
   }
 }
 
@@ -548,10 +553,12 @@ inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, co
   Pol::pv(t, scr, vh, vs2, j0, nk, alpha);
 }
 
-// 5. O /= l and the lse; 6. the weights on request.
+// 5. O /= l and the lse; 6. the weights on request. A key chunk's tile (part != nullptr) stores its
+// partial O in f32 there instead (rows of Dv), for merge_key_chunks.
 template <class Pol>
 inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, const typename Pol::In* vh,
-                        int64_t vs2, typename Pol::In* o0, int64_t os2, float* lse_row, float* weights, float c) {
+                        int64_t vs2, typename Pol::In* o0, int64_t os2, float* part, float* lse_row, float* weights,
+                        float c) {
   const Tile& t = run.t;
   const SdpaProblem& pb = t.pb;
   const Scratch& scr = run.scr;
@@ -570,7 +577,11 @@ inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, c
       for (int64_t d = 0; d < pb.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;
     }
   }
-  Pol::store_out(scr.ot, inv_l, nq, pb.Dv, o0, os2);
+  if (part != nullptr) {
+    Widen<float>::store_out(scr.ot, inv_l, nq, pb.Dv, part, pb.Dv);
+  } else {
+    Pol::store_out(scr.ot, inv_l, nq, pb.Dv, o0, os2);
+  }
   for (int64_t r = 0; r < nq; ++r) lse_row[r] = l_l[r] != 0.0f ? (m_l[r] + std::log2(l_l[r])) * kLn2 : -kInf;
 
   // Weights on request: w = 2^(S - log2-lse), dropped like P above.
@@ -586,13 +597,20 @@ inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, c
 // once for the group and then from cache (a head's K and V outgrow L2 at long Lk). Each tile
 // still sees the same blocks in the same order as alone, so the bits do not depend on the group.
 // Tiles of a group share their first key (no left window: see forward_tiles_per_sweep); scr_of(g)
-// gives tile g its scratch view.
+// gives tile g its scratch view. Keys are those of [key_lo, key_hi) (a key chunk, or all); for a
+// chunk, part_o and part_l receive the partial output [B, H, Lq, Dv] and lse [B, H, Lq] (f32) in
+// place of out and lse.
+struct KeyChunk {
+  int64_t lo, hi;
+  float *part_o, *part_l;  // null: the whole row, into out and lse
+};
+
 template <class Pol, class ScratchOf>
 inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, const int64_t* qs,
                           const typename Pol::In* kb, const int64_t* ks, const typename Pol::In* vb,
                           const int64_t* vs, typename Pol::In* out, const int64_t* os, float* lse,
                           float* weights, int64_t b, int64_t h, int64_t qt_first, int64_t n_tiles,
-                          const ScratchOf& scr_of) {
+                          const KeyChunk& keys, const ScratchOf& scr_of) {
   using T = typename Pol::In;
   std::optional<TileRun> group[kMaxSweepTiles];  // (Tile holds a reference: no default state)
   const int64_t hk = h / pb.group();
@@ -603,11 +621,12 @@ inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, cons
   for (int64_t g = 0; g < n_tiles; ++g) {
     const int64_t i0 = (qt_first + g) * kTQ, nq = std::min(pb.Lq - i0, kTQ);
     const Scratch scr = scr_of(g);
-    TileRun& run = group[g].emplace(TileRun{Tile{pb, b, h, hk, i0, nq, scr.tmp}, scr,
-                                            pb.key_begin(i0) / 2 * 2,  // left limit of its first row (even: bf16 pairs)
-                                            pb.key_end(i0 + nq - 1),   // causal limit of its widest row
-                                            {}, {}});
-    begin_tile<Pol>(run, q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], c);
+    TileRun& run = group[g].emplace(
+        TileRun{Tile{pb, b, h, hk, i0, nq, scr.tmp}, scr,
+                std::max(keys.lo, pb.key_begin(i0) / 2 * 2),  // left limit of its first row (even: bf16 pairs)
+                std::min(keys.hi, pb.key_end(i0 + nq - 1)),   // causal limit of its widest row
+                {}, {}});
+    begin_tile<Pol>(run, q + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], c, keys.lo == 0);
     jbeg = g == 0 ? run.jbeg : std::min(jbeg, run.jbeg);
     jend = std::max(jend, run.jend);
   }
@@ -620,9 +639,62 @@ inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, cons
     }
   }
   for (int64_t g = 0; g < n_tiles; ++g) {
-    const int64_t i0 = group[g]->t.i0;
+    const int64_t i0 = group[g]->t.i0, row = (b * pb.H + h) * pb.Lq + i0;
     finish_tile<Pol>(*group[g], kh, ks[2], vh, vs[2], out + b * os[0] + h * os[1] + i0 * os[2], os[2],
-                     lse + (b * pb.H + h) * pb.Lq + i0, weights ? weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr, c);
+                     keys.part_o ? keys.part_o + row * pb.Dv : nullptr, (keys.part_l ? keys.part_l : lse) + row,
+                     weights ? weights + row * pb.Lk : nullptr, c);
+  }
+}
+
+// Rows [r_begin, r_end) of [B, H, Lq] from n key chunks' partial outputs (part_o, chunk by chunk,
+// each [B·H·Lq][Dv]) and lse (part_l): out = sum_c e^(lse_c - M) O_c / sum_c e^(lse_c - M) and
+// lse = M + ln(sum) with M the largest lse_c, chunk by chunk in order. A row no chunk saw gives
+// zeros and -inf; a NaN chunk makes the row NaN. Rows of heads turned off are left alone.
+template <class T>
+inline void merge_key_chunks(const SdpaProblem& pb, int64_t n, const float* part_o, const float* part_l, T* out,
+                             const int64_t* os, float* lse, int64_t r_begin, int64_t r_end) {
+  const int64_t rows = pb.B * pb.H * pb.Lq;
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t b = r / (pb.H * pb.Lq), h = r / pb.Lq % pb.H, i = r % pb.Lq;
+    if (!pb.head_on(b, h)) continue;
+    T* orow = out + b * os[0] + h * os[1] + i * os[2];
+    float m = -kInf;
+    bool nan = false;
+    for (int64_t c = 0; c < n; ++c) {
+      const float l = part_l[c * rows + r];
+      nan = nan || std::isnan(l);
+      m = std::max(m, l);
+    }
+    float acc[kMaxMergeDv];
+    float sum = 0.0f;
+    const int64_t Dv = pb.Dv;
+    for (int64_t d0 = 0; d0 < Dv; d0 += kMaxMergeDv) {
+      const int64_t nd = std::min(Dv - d0, kMaxMergeDv);
+      std::fill(acc, acc + nd, 0.0f);
+      sum = 0.0f;
+      if (!nan && m != -kInf) {
+        for (int64_t c = 0; c < n; ++c) {
+          const float w = std::exp(part_l[c * rows + r] - m);  // 0 for a chunk that saw nothing
+          sum += w;
+          if (w == 0.0f) continue;
+          const float* pr = part_o + (c * rows + r) * Dv + d0;
+          for (int64_t d = 0; d < nd; ++d) acc[d] += w * pr[d];
+        }
+      }
+      const float inv = nan ? std::numeric_limits<float>::quiet_NaN() : sum > 0.0f ? 1.0f / sum : 0.0f;
+      for (int64_t d = 0; d < nd; ++d) {
+        const float x = acc[d] * inv;
+        if constexpr (std::is_same_v<T, float>) {
+          orow[d0 + d] = x;
+        } else {
+          orow[d0 + d] = f32_to_bf16(x);
+        }
+      }
+    }
+    if (Dv == 0) {
+      for (int64_t c = 0; !nan && m != -kInf && c < n; ++c) sum += std::exp(part_l[c * rows + r] - m);
+    }
+    lse[r] = nan ? std::numeric_limits<float>::quiet_NaN() : m == -kInf ? -kInf : m + std::log(sum);
   }
 }
 
@@ -644,9 +716,15 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
   const int64_t n_qt = (pb.Lq + kTQ - 1) / kTQ;
   const double flops = 4.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                        static_cast<double>(pb.D + pb.Dv) / 2;
-  const int64_t G = forward_tiles_per_sweep(pb, kTQ, static_cast<int64_t>(sizeof(T)), get_num_threads());
+  // Key chunks when the tiles are too few for the threads (then no groups: each tile alone).
+  const ForwardKeyChunks kc = forward_key_chunks(pb, kTQ, kTK);
+  const int64_t G = kc.n > 1 ? 1 : forward_tiles_per_sweep(pb, kTQ, static_cast<int64_t>(sizeof(T)), get_num_threads());
   const int64_t n_groups = (n_qt + G - 1) / G;
-  const int64_t n_tasks = pb.B * pb.H * n_groups;
+  const int64_t n_tasks = pb.B * pb.H * n_groups * kc.n;
+  const int64_t rows = pb.B * pb.H * pb.Lq;
+  const CallScratch parts = kc.n > 1 ? call_scratch(kc.n * rows * (pb.Dv + 1)) : CallScratch();
+  float* part_o = parts.get();
+  float* part_l = kc.n > 1 ? part_o + kc.n * rows * pb.Dv : nullptr;
   const int n_threads = threads_for(pb.causal ? flops / 2 : flops, n_tasks);
   // Per-thread scratch, each slice a multiple of 64 bytes.
   const int64_t cache = (Pol::cache_floats(pb) + 15) / 16 * 16;
@@ -664,12 +742,38 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
     // index, so within a head the heaviest groups go first and the run ends on light ones.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t bh = task / n_groups;
-      const int64_t grp = pb.causal ? n_groups - 1 - task % n_groups : task % n_groups;
+      const int64_t chunk = task % kc.n, tile_task = task / kc.n;
+      const int64_t bh = tile_task / n_groups;
+      const int64_t grp = pb.causal ? n_groups - 1 - tile_task % n_groups : tile_task % n_groups;
       if (!pb.head_on(bh / pb.H, bh % pb.H)) continue;  // a head turned off: cleared by the caller
       const int64_t first = grp * G, n = std::min(G, n_qt - first);
-      forward_tiles<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, first, n,
+      const KeyChunk keys = kc.n > 1 ? KeyChunk{chunk * kc.chunk, std::min(pb.Lk, (chunk + 1) * kc.chunk),
+                                                part_o + chunk * rows * pb.Dv, part_l + chunk * rows}
+                                     : KeyChunk{0, pb.Lk, nullptr, nullptr};
+      forward_tiles<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, first, n, keys,
                          [&](int64_t g) { return Scratch::view(base, pb.D, pb.Dv, G, g, cache_base, state); });
+    }
+    if (kc.n > 1) {  // (after the loop's barrier: every chunk's partials are in)
+#pragma omp for schedule(static)
+      for (int64_t r0 = 0; r0 < rows; r0 += kTQ) {
+        merge_key_chunks(pb, kc.n, part_o, part_l, op, os, lp, r0, std::min(rows, r0 + kTQ));
+      }
+      if (wp != nullptr) {  // the weights from the merged lse, tile by tile
+        const float c = static_cast<float>(pb.scale) * kLog2e;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < pb.B * pb.H * n_qt; ++task) {
+          const int64_t b = task / (pb.H * n_qt), h = task / n_qt % pb.H, i0 = task % n_qt * kTQ;
+          if (!pb.head_on(b, h)) continue;
+          const int64_t nq = std::min(pb.Lq - i0, kTQ), hk = h / pb.group(), row = (b * pb.H + h) * pb.Lq + i0;
+          const Scratch scr = Scratch::view(base, pb.D, pb.Dv, G, 0, cache_base, state);
+          const Tile t{pb, b, h, hk, i0, nq, scr.tmp};
+          Pol::pack_q(qp + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, pb.D, c, scr.qt);
+          alignas(64) float lse2[kTQ];  // +inf for rows that saw nothing (weight 0), as finish_tile
+          for (int64_t r = 0; r < kTQ; ++r) lse2[r] = r < nq && lp[row + r] != -kInf ? lp[row + r] * kLog2e : kInf;
+          weights_pass<Pol>(t, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2],
+                            pb.key_end(i0 + nq - 1), lse2, c, scr, wp + row * pb.Lk);
+        }
+      }
     }
   }
 }

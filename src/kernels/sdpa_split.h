@@ -143,4 +143,28 @@ inline int64_t forward_tiles_per_sweep(const SdpaProblem& pb, int64_t tile_rows,
   return g;
 }
 
+// Forward (tiled kernel): when the (batch, head, query tile) tasks are too few to feed many threads
+// (fewer than kSplitTargetTasks) and the keys are long, the keys are also cut into chunks: at most
+// kMaxForwardChunks, of at least kMinForwardChunk keys, each a multiple of `block` keys. A chunk's
+// task leaves a normalized partial output and its lse, merged after in chunk order (as
+// sdpa_merge_ merges two); weights asked for are then written tile by tile from the merged lse.
+// A function of the shape alone, like the cuts above.
+constexpr int64_t kMinForwardChunk = 512;
+constexpr int64_t kMaxForwardChunks = 8;
+
+struct ForwardKeyChunks {
+  int64_t chunk, n;  // keys per chunk, chunks per (b, head, query tile)
+};
+
+inline ForwardKeyChunks forward_key_chunks(const SdpaProblem& pb, int64_t tile_rows, int64_t block) {
+  const int64_t tasks = std::max<int64_t>(1, pb.B * pb.H * ((pb.Lq + tile_rows - 1) / tile_rows));
+  int64_t n = 1;
+  if (tasks < kSplitTargetTasks && pb.Lk >= 2 * kMinForwardChunk) {
+    n = std::min({(kSplitTargetTasks + tasks - 1) / tasks, pb.Lk / kMinForwardChunk, kMaxForwardChunks});
+  }
+  const int64_t per = (pb.Lk + n - 1) / n;
+  const int64_t chunk = std::max<int64_t>(1, (per + block - 1) / block) * block;
+  return {chunk, std::max<int64_t>(1, (pb.Lk + chunk - 1) / chunk)};
+}
+
 }  // namespace heads::kernels

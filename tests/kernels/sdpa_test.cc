@@ -527,6 +527,57 @@ TEST(Sdpa, Bf16WideningIsTheF32KernelRoundedOnce) {
   EXPECT_GT(checked, 0);
 }
 
+// Few query tiles against long keys: the forward cuts the keys into chunks whose partial outputs
+// are merged after (forward_key_chunks). Against the float64 reference, bitwise independent of the
+// thread count, the output unchanged by need_weights, for the options that touch a chunk's edges
+// (causal limits inside and past chunks, a left window, sinks counted once, dropout, masks, GQA).
+TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
+  IsaGuard guard;
+  const int saved = get_num_threads();
+  const uint64_t seed = testing::rng()();
+  for (int n = 0; n < 9; ++n) {
+    SdpaCase c{.B = 1, .H = 2, .Hkv = 1, .Lq = 20, .Lk = 3000, .D = 40, .Dv = 33, .seed = seed + n};
+    switch (n) {
+      case 1: c.causal = true; break;  // top-left: every row within the first chunk, the others see nothing
+      case 2: c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
+      case 3: c.mask = SdpaMask::Bool; c.pad = 3; break;
+      case 4: c.mask = SdpaMask::Float; c.dropout_p = 0.2; break;
+      case 5: c.dtype = DType::BF16; break;
+      case 6: c.dtype = DType::BF16; c.causal = true; c.causal_align = CausalAlign::BottomRight; c.D = 64; c.Dv = 64; break;
+      default: break;
+    }
+    const SdpaCase::Inputs in = c.draw();
+    SdpaOptions o = in.options;
+    if (n == 7) o.sinks = randn({c.H}, 2.0);
+    if (n == 8) o.window_left = 700, o.window_right = 100;
+    o.need_weights = true;
+    const kernels::SdpaProblem pb = kernels::make_sdpa_problem("sdpa", in.q, in.k, in.v, o);
+    for (int64_t tile : {16, 32}) ASSERT_GT(kernels::forward_key_chunks(pb, tile, 128).n, 1) << c.str();
+    const SdpaResult ref = ref::sdpa_fwd_f64(in.q, in.k, in.v, o);
+    const double tol = c.dtype == DType::BF16 ? 8e-3 : kRtol;
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const std::string where = c.str() + " case " + std::to_string(n) + " isa=" + isa_name(isa);
+      set_num_threads(1);
+      const SdpaResult r1 = sdpa(in.q, in.k, in.v, o);
+      set_num_threads(3);
+      const SdpaResult r3 = sdpa(in.q, in.k, in.v, o);
+      SdpaOptions no_weights = o;
+      no_weights.need_weights = false;
+      const SdpaResult rn = sdpa(in.q, in.k, in.v, no_weights);
+      EXPECT_TRUE(compare(r1.out, ref.out).within(tol, tol * 0.1)) << where << ": out max err " << compare(r1.out, ref.out).max_abs;
+      EXPECT_TRUE(compare(r1.lse, ref.lse).within(kRtol, kAtol) || compare(r1.lse, ref.lse).max_abs == 0) << where << ": lse";
+      EXPECT_TRUE(compare(r1.weights, ref.weights).within(kRtol, kAtol)) << where << ": weights max err "
+                                                                         << compare(r1.weights, ref.weights).max_abs;
+      EXPECT_TRUE(testing::bitwise_equal(r1.out, r3.out) && testing::bitwise_equal(r1.lse, r3.lse) &&
+                  testing::bitwise_equal(r1.weights, r3.weights)) << where << ": thread count changed the bits";
+      EXPECT_TRUE(testing::bitwise_equal(r1.out, rn.out)) << where << ": need_weights changed the output";
+    }
+    if (HasFailure()) break;
+  }
+  set_num_threads(saved);
+}
+
 TEST(Sdpa, ResultIndependentOfThreadCount) {
   const SdpaCase c{.B = 3, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 77, .D = 63, .Dv = 40, .causal = true,
                    .mask = SdpaMask::Float, .dropout_p = 0.1, .pad = 2, .seed = testing::rng()()};

@@ -96,7 +96,8 @@ std::vector<Shape4> shapes() {
   return {{1, 1, 1, 1, 1, 8, 8},     {2, 4, 2, 1, 700, 16, 16},  {1, 3, 3, 3, 129, 17, 9},
           {2, 2, 1, 7, 7, 5, 5},     {1, 4, 4, 129, 129, 64, 64}, {1, 2, 2, 129, 33, 63, 66},
           {1, 2, 1, 33, 200, 32, 32}, {1, 2, 1, 150, 600, 24, 20},  // the backward cuts its keys
-          {1, 4, 2, 300, 1500, 24, 20}};  // and the forward sweeps them with several query tiles at once
+          {1, 4, 2, 300, 1500, 24, 20},  // and the forward sweeps them with several query tiles at once
+          {1, 2, 1, 20, 2100, 24, 20}};  // few query tiles against long keys: the forward cuts the keys
 }
 
 TEST(SdpaVariants, ForwardMatchesReferenceOnEveryPath) {
