@@ -1,4 +1,4 @@
-// sdpa_split_test.cc — the work split of the SDPA backward and decode kernels on many threads, by
+// sdpa_split_test.cc — the work split of the SDPA backward, decode and forward kernels on many threads, by
 // model: each task's work counted in visible (query, key) pairs (not modelled: tile granularity, the
 // packing each split repeats, the dQ reduction), handed out in the kernels' task order to
 // the first free thread as `schedule(dynamic, 1)` does, and the resulting makespan compared with a
@@ -216,6 +216,57 @@ TEST(SdpaSplit, ForwardGroupsTilesOnlyForLongKeys) {
   EXPECT_TRUE(grouped);  // long4k and gpt2k group on every thread count up to 16
   EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(shapes()[3]), 16, 4, 2), kernels::kMaxSweepTiles);  // long4k
   EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(shapes()[0]), 16, 4, 2), 1);  // bert128: 64 KB of K and V
+}
+
+// A few query rows against long keys (a chunk of a long prompt, speculative decoding, one head):
+// the forward's (batch, head, query tile) tasks are too few, and its key chunks make up for them.
+TEST(SdpaSplit, ForwardKeyChunksFeedSixteenThreads) {
+  const std::vector<Shape> few = {{"prefill-chunk16", 1, 8, 2, 16, 16384, 128, true},
+                                  {"speculative8", 1, 32, 8, 8, 8192, 128, true},
+                                  {"one-head", 1, 1, 1, 16, 16384, 128, false},
+                                  {"four-heads-64q", 1, 4, 4, 64, 8192, 64, false},
+                                  {"short-keys", 1, 2, 2, 16, 900, 64, false}};
+  std::vector<Shape> all = few;
+  for (const Shape& s : shapes()) all.push_back(s);
+  for (const Shape& s : all) {
+    const SdpaProblem pb = problem(s);
+    for (int64_t tile : {16, 32}) {
+      const kernels::ForwardKeyChunks kc = kernels::forward_key_chunks(pb, tile, 128);
+      const int64_t n_qt = (pb.Lq + tile - 1) / tile, tasks = pb.B * pb.H * n_qt;
+      const std::string where = s.name + " tile=" + std::to_string(tile);
+      ASSERT_GE(kc.n, 1) << where;
+      ASSERT_LE(kc.n, kernels::kMaxForwardChunks) << where;
+      ASSERT_EQ(kc.chunk % 128, 0) << where;
+      ASSERT_GE(kc.n * kc.chunk, pb.Lk) << where;          // the chunks cover the keys
+      ASSERT_LT((kc.n - 1) * kc.chunk, pb.Lk) << where;    // and none is empty
+      if (tasks >= kernels::kSplitTargetTasks || pb.Lk < 2 * kernels::kMinForwardChunk) {
+        EXPECT_EQ(kc.n, 1) << where;  // enough tasks, or keys too short to cut
+        continue;
+      }
+      EXPECT_GT(kc.n, 1) << where;
+      // Tasks as the kernel hands them out: (b, h, tile), chunks innermost.
+      auto work = [&](int64_t n, int64_t chunk) {
+        std::vector<double> w;
+        for (int64_t t = 0; t < tasks; ++t) {
+          for (int64_t c = 0; c < n; ++c) {
+            double x = 0;
+            for (int64_t i = t % n_qt * tile; i < std::min(pb.Lq, (t % n_qt + 1) * tile); ++i) {
+              x += static_cast<double>(std::max<int64_t>(
+                  0, std::min(std::min(pb.Lk, (c + 1) * chunk), pb.key_end(i)) - std::max(c * chunk, pb.key_begin(i))));
+            }
+            w.push_back(x);
+          }
+        }
+        return w;
+      };
+      const double e = efficiency(work(kc.n, kc.chunk), 16), e1 = efficiency(work(1, pb.Lk), 16);
+      std::cout << where << ": " << kc.n << " chunks of " << kc.chunk << " keys, efficiency on 16 threads " << e
+                << " (uncut: " << e1 << ")\n";
+      // As good as the chunk cap allows: tasks × chunks of about equal work over 16 threads.
+      EXPECT_GE(e, 0.9 * std::min(1.0, static_cast<double>(tasks * kc.n) / 16)) << where;
+      EXPECT_GE(e, e1) << where;
+    }
+  }
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ SHAPES = [  # B, H, Hkv, Lq, Lk, D, Dv
     (2, 4, 1, 64, 64, 64, 64),
     (2, 4, 2, 33, 70, 80, 48),
     (1, 8, 8, 129, 129, 128, 128),
+    (1, 2, 1, 20, 2100, 40, 33),  # few query tiles, long keys: the forward cuts the keys into chunks
 ]
 
 
@@ -147,7 +148,7 @@ def test_bad_masks_raise_value_error():
         heads.sdpa(q, q, q, dropout_p=1.5)
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 4, 129, 77, 64, 64), (1, 8, 2, 3, 1500, 128, 128),
+@pytest.mark.parametrize("shape", [(2, 4, 4, 129, 77, 64, 64), (1, 8, 2, 3, 1500, 128, 128), (1, 2, 1, 20, 2100, 64, 64),
                                    (1, 2, 2, 200, 200, 63, 80)],
                          ids=lambda s: "B{}H{}Hkv{}Lq{}Lk{}D{}Dv{}".format(*s))
 @pytest.mark.parametrize("causal", [False, True])
