@@ -130,9 +130,10 @@ SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const SdpaResult& fwd, const SdpaOptions& opts = {}, bool mask_grad = false);
 
 // As sdpa_backward for f32 inputs, or bf16 ones (q, k, v, dout and fwd.out all bf16, read widened),
-// writing the gradients into dq, dk, dv (f32, the shapes of q, k, v, any strides with innermost 1,
-// not overlapping each other or the inputs), e.g. views into the gradient buffer of a fused
-// projection. The result's tensors alias them.
+// writing the gradients into dq, dk, dv (f32, or for bf16 inputs also bf16, all three alike: f32
+// sums rounded once; the shapes of q, k, v, any strides with innermost 1, not overlapping each
+// other or the inputs), e.g. views into the gradient buffer of a fused projection. The result's
+// tensors alias them.
 SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& q, const Tensor& k, const Tensor& v, const SdpaResult& fwd,
                             const SdpaOptions& opts = {}, bool mask_grad = false);

@@ -325,9 +325,13 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
     HEADS_CHECK(t->defined() && t->dtype() == in_dtype, op, ": ", name, ": expected ", dtype_name(in_dtype),
                 " like query");
   }
+  // f32 gradients, or bf16 ones for bf16 inputs (all three alike)
+  const DType gdt = dq.defined() && dq.dtype() == DType::BF16 && in_dtype == DType::BF16 ? DType::BF16 : DType::F32;
   for (const auto& [t, like, name] : {std::tuple{&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}}) {
-    HEADS_CHECK(t->defined() && t->dtype() == DType::F32 && t->shape() == like->shape(), op, ": ", name,
-                ": expected an f32 tensor ", like->shape(), ", got ", t->defined() ? t->shape() : Shape{});
+    HEADS_CHECK(t->defined() && t->dtype() == gdt && t->shape() == like->shape(), op, ": ", name, ": expected an ",
+                dtype_name(gdt), " tensor ", like->shape(), ", got ",
+                t->defined() ? std::string(dtype_name(t->dtype())) + " " : std::string(),
+                t->defined() ? t->shape() : Shape{});
     HEADS_CHECK(t->numel() == 0 || t->stride(3) == 1, op, ": ", name, ": the innermost stride must be 1, got ",
                 t->strides());
   }
@@ -343,7 +347,7 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   if (pb.sinks.defined()) g.dsinks = Tensor::zeros({pb.H}, DType::F32);
   if (pb.rel_buckets > 0) g.drelative_attention_bias = Tensor::zeros({pb.rel_buckets, pb.H}, DType::F32);
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) {  // nothing attends: zero gradients
-    for (const Tensor* t : {&dq, &dk, &dv}) Tensor(*t).copy_from(Tensor::zeros(t->shape(), DType::F32));
+    for (const Tensor* t : {&dq, &dk, &dv}) Tensor(*t).copy_from(Tensor::zeros(t->shape(), DType::F32));  // (any dtype)
     if (mask_grad) g.dmask = Tensor::zeros(opts.attn_mask.shape(), DType::F32);
     return g;
   }
@@ -385,13 +389,11 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
 
 SdpaGrads sdpa_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const SdpaResult& fwd, const SdpaOptions& opts, bool mask_grad) {
-  // bf16: read widened by the kernel (exact), f32 gradients rounded once to bf16 at the end.
+  // bf16: read widened by the kernel (exact), the gradients summed in f32 and rounded once to bf16.
   if (q.defined() && q.dtype() == DType::BF16) {
     kernels::check_dtypes("sdpa_backward", q, k, v, q.dtype());
-    auto like = [](const Tensor& t) { return Tensor::empty(t.shape(), DType::F32); };
-    SdpaGrads g = sdpa_backward_out(like(q), like(k), like(v), dout, q, k, v, fwd, opts, mask_grad);
-    for (Tensor* t : {&g.dq, &g.dk, &g.dv}) *t = t->to(DType::BF16);
-    return g;
+    auto like = [](const Tensor& t) { return Tensor::empty(t.shape(), DType::BF16); };
+    return sdpa_backward_out(like(q), like(k), like(v), dout, q, k, v, fwd, opts, mask_grad);
   }
   // f16 / f64: computed in f32 (f16 values are exact there) and rounded once to q's dtype at the end.
   if (via_f32(q)) {

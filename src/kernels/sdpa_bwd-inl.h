@@ -21,7 +21,9 @@
 // of at most kSmallQ queries use dot products and keep P and dS query-major instead.
 // bf16 inputs: each key group's K and V rows, and each query step's Q, dO (and O) rows, are widened
 // into the thread's scratch as they are first read, and the f32 code runs on them: the results
-// are the f32 kernel's on the widened values, bit for bit; the gradients stay f32.
+// are the f32 kernel's on the widened values, bit for bit. bf16 gradients: dK and dV summed per key
+// group in the thread's scratch and rounded at the group's end, dQ summed in an f32 buffer of the
+// call and rounded at the end.
 // Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; with key
 // splits, a dQ-sized buffer per split past the first for the call (sdpa_split.h bounds them); no
 // Lq x Lk buffer (unless the mask gradient is requested, which receives dS).
@@ -65,6 +67,19 @@ inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, 
 // rows [0, n) of n_cols values (stride ld) = 0
 inline void zero_rows(float* x, int64_t ld, int64_t n, int64_t n_cols) {
   for (int64_t r = 0; r < n; ++r) std::fill(x + r * ld, x + r * ld + n_cols, 0.0f);
+}
+
+// bf16 rows [0, n) of n_cols values (stride ld) = f32 rows of src (stride ss) rounded, or 0 if src is null.
+inline void round_rows(const float* src, int64_t ss, int64_t n, int64_t n_cols, uint16_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    uint16_t* d = dst + r * ld;
+    if (src == nullptr) {
+      std::fill(d, d + n_cols, uint16_t{0});
+      continue;
+    }
+    const float* x = src + r * ss;
+    for (int64_t c = 0; c < n_cols; ++c) d[c] = f32_to_bf16(x[c]);
+  }
 }
 
 // out[i] = a_i · b_i for rows i < n of `len` values (strides lda, ldb): D_i = dO_i · O_i.
@@ -146,6 +161,8 @@ struct Scratch {
   // bf16 inputs widened: a key group's K [span][D] and V [span][Dv] rows, a step's Q [kLd][D],
   // dO and O [kLd][Dv] rows (null for f32 inputs, read in place)
   float *kin, *vin, *qin, *gin, *oin;
+  // bf16 dK and dV: a key group's sums [span][D] and [span][Dv], rounded into them at its end
+  float *kacc, *vacc;
   // rows: G·Lq values of D_i
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
     return kSub * (D + Dv) * kTQ + 4 * kTK * kLd + kTQ + rows + 64;
@@ -161,7 +178,9 @@ struct Call {
   std::array<int64_t, 3> qs, ks, vs, os, gs, dqs, dks, dvs;
   const float *qp, *kp, *vp, *op, *gp, *lp;  // f32 inputs; null for bf16 ones
   const uint16_t *qb, *kb, *vb, *ob, *gb;     // bf16 inputs (widened as staged); null for f32 ones
-  float *dqp, *dkp, *dvp;
+  float *dqp, *dkp, *dvp;  // f32 gradients (dqp: also bf16 dq's sums, a call buffer); dkp, dvp null for bf16
+  uint16_t *dqb, *dkb, *dvb;  // bf16 gradients (strides dqbs, dks, dvs), or null
+  std::array<int64_t, 3> dqbs;
   float* dmask_full;  // [B, H, Lq, Lk] or null
   float scale, c, keep_scale;  // c = scale · log2(e), folded into the packed Q
   int64_t span;                // keys per group
@@ -344,13 +363,15 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
 HEADS_INLINE void block_products(const Call& C, Step& st, int64_t jg, int64_t j0, int64_t nk, bool& written,
                                  const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
-  float* dkj = C.dkp + st.b * C.dks[0] + st.hk * C.dks[1] + j0 * C.dks[2];
-  float* dvj = C.dvp + st.b * C.dvs[0] + st.hk * C.dvs[1] + j0 * C.dvs[2];
+  const bool acc = C.dkb != nullptr;  // bf16 dK, dV: into the group's f32 sums
+  float* dkj = acc ? scr.kacc + (j0 - jg) * pb.D : C.dkp + st.b * C.dks[0] + st.hk * C.dks[1] + j0 * C.dks[2];
+  float* dvj = acc ? scr.vacc + (j0 - jg) * pb.Dv : C.dvp + st.b * C.dvs[0] + st.hk * C.dvs[1] + j0 * C.dvs[2];
+  const int64_t dks2 = acc ? pb.D : C.dks[2], dvs2 = acc ? pb.Dv : C.dvs[2];
   const Out kv_out = written ? Out::Add : C.stream_kv ? Out::Stream : Out::Set;
   const int64_t key_stride = st.few ? 1 : kLd, query_stride = st.few ? kTK : 1;  // of P, dS
   gemm_acc(nk, pb.Dv, st.nqs, pb.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, st.gs2, dvj,
-           C.dvs[2], 1.0f, kv_out);
-  gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, st.qs2, dkj, C.dks[2], C.scale, kv_out);
+           dvs2, 1.0f, kv_out);
+  gemm_acc(nk, pb.D, st.nqs, scr.dp, key_stride, query_stride, st.q0, st.qs2, dkj, dks2, C.scale, kv_out);
   written = true;
   gemm_acc(st.nqs, pb.D, nk, scr.dp, query_stride, key_stride, st.k_row(j0), st.ks2, st.dq0, st.dq_ld,
            C.scale, st.dq_unset ? Out::Set : Out::Add);
@@ -465,8 +486,16 @@ inline void key_group(const Call& C, const Task& task, int64_t jg, const Scratch
     for (int64_t I0 = 0; I0 < pb.Lq; I0 += kLd) query_step(C, task, kv, h, I0, jg, ng, written, scr);
   }
   for (int64_t j0 = jg; j0 < jg + ng; j0 += kTK) {
-    if (written[(j0 - jg) / kTK]) continue;
+    const bool w = written[(j0 - jg) / kTK];
     const int64_t nk = std::min(jg + ng - j0, kTK);
+    if (C.dkb != nullptr) {  // bf16: the block's sums rounded once, or zeros
+      round_rows(w ? scr.kacc + (j0 - jg) * pb.D : nullptr, pb.D, nk, pb.D,
+                 C.dkb + b * C.dks[0] + hk * C.dks[1] + j0 * C.dks[2], C.dks[2]);
+      round_rows(w ? scr.vacc + (j0 - jg) * pb.Dv : nullptr, pb.Dv, nk, pb.Dv,
+                 C.dvb + b * C.dvs[0] + hk * C.dvs[1] + j0 * C.dvs[2], C.dvs[2]);
+      continue;
+    }
+    if (w) continue;
     zero_rows(C.dkp + b * C.dks[0] + hk * C.dks[1] + j0 * C.dks[2], C.dks[2], nk, pb.D);
     zero_rows(C.dvp + b * C.dvs[0] + hk * C.dvs[1] + j0 * C.dvs[2], C.dvs[2], nk, pb.Dv);
   }
@@ -490,15 +519,30 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
     HEADS_CHECK(t.dtype() == q.dtype(), "sdpa_bwd: inputs of mixed dtypes");
     return bf16 ? static_cast<const uint16_t*>(t.raw_data()) : nullptr;
   };
+  // bf16 gradients: dK and dV rounded from each key group's sums; dQ summed in a call buffer of
+  // f32 (with the key splits' buffers) and rounded at the end.
+  const bool grad16 = dq.dtype() == DType::BF16;
+  HEADS_CHECK(dk.dtype() == dq.dtype() && dv.dtype() == dq.dtype(), "sdpa_bwd: gradients of mixed dtypes");
+  const KeySplits splits = backward_key_splits(pb);
+  const int64_t dq_floats = pb.B * pb.H * pb.Lq * pb.D;
+  const int64_t n_dq_buffers = splits.n - 1 + (grad16 ? 1 : 0);
+  // The dQ contributions of key splits 1.. (contiguous [B, H, Lq, D] each), then bf16 dq's f32 sums,
+  // for this call only.
+  const CallScratch dq_buffers = n_dq_buffers > 0 ? call_scratch(n_dq_buffers * dq_floats) : CallScratch();
+  float* dq_split = dq_buffers.get();
+  const std::array<int64_t, 3> split_dqs = {pb.H * pb.Lq * pb.D, pb.Lq * pb.D, pb.D};
+  auto grad_f32 = [&](const Tensor& t) { return grad16 ? nullptr : t.data<float>(); };
+  auto grad_bf16 = [&](const Tensor& t) { return grad16 ? static_cast<uint16_t*>(t.raw_data()) : nullptr; };
   const Call C{
       .pb = pb, .G = G,
       .qs = str(q), .ks = str(k), .vs = str(v), .os = str(out), .gs = str(dout),
       // outputs: any strides with a unit inner one (e.g. views into a projection's gradient buffer)
-      .dqs = str(dq), .dks = str(dk), .dvs = str(dv),
+      .dqs = grad16 ? split_dqs : str(dq), .dks = str(dk), .dvs = str(dv),
       .qp = f32_in(q), .kp = f32_in(k), .vp = f32_in(v), .op = f32_in(out), .gp = f32_in(dout),
       .lp = lse.data<float>(),
       .qb = bf16_in(q), .kb = bf16_in(k), .vb = bf16_in(v), .ob = bf16_in(out), .gb = bf16_in(dout),
-      .dqp = dq.data<float>(), .dkp = dk.data<float>(), .dvp = dv.data<float>(),
+      .dqp = grad16 ? dq_split + (splits.n - 1) * dq_floats : dq.data<float>(), .dkp = grad_f32(dk), .dvp = grad_f32(dv),
+      .dqb = grad_bf16(dq), .dkb = grad_bf16(dk), .dvb = grad_bf16(dv), .dqbs = str(dq),
       .dmask_full = dmask_full,
       .scale = scale, .c = scale * kLog2e, .keep_scale = pb.dropout_p > 0 ? dropout_keep_scale(pb.dropout_p) : 1.0f,
       // Keys per group: about 1 MB of K/V rows (and as much dK/dV), a multiple of kTK. Every group
@@ -512,21 +556,16 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
       // dK/dV written once each (one query head, one step of queries, e.g. decoding one token) and too
       // large to stay in the last-level cache: streamed past it (no reads for ownership, no eviction
       // of the K and V rows still to come).
-      .stream_kv = G == 1 && pb.Lq <= kLd && 4 * pb.B * pb.Hkv * pb.Lk * (pb.D + pb.Dv) >= kStreamBytes,
+      .stream_kv = !grad16 && G == 1 && pb.Lq <= kLd && 4 * pb.B * pb.Hkv * pb.Lk * (pb.D + pb.Dv) >= kStreamBytes,
   };
-  const KeySplits splits = backward_key_splits(pb);
   const int64_t n_tasks = pb.B * pb.Hkv * splits.n;
   // five products of the forward's size: S and dP, then dV, dK, dQ
   const int n_threads = threads_for(5.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
   const int64_t own = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
-  const int64_t per = own + (bf16 ? (Scratch::widened_floats(pb.D, pb.Dv, C.span) + 15) / 16 * 16 : 0);
+  const int64_t widened = bf16 ? (Scratch::widened_floats(pb.D, pb.Dv, C.span) + 15) / 16 * 16 : 0;
+  const int64_t per = own + widened + (grad16 ? C.span * (pb.D + pb.Dv) : 0);
   float* arena = thread_scratch(per * n_threads);
-  // The dQ contributions of key splits 1.. (contiguous [B, H, Lq, D] each), for this call only.
-  const int64_t dq_floats = pb.B * pb.H * pb.Lq * pb.D;
-  const CallScratch dq_buffers = splits.n > 1 ? call_scratch((splits.n - 1) * dq_floats) : CallScratch();
-  float* dq_split = dq_buffers.get();
-  const std::array<int64_t, 3> split_dqs = {pb.H * pb.Lq * pb.D, pb.Lq * pb.D, pb.D};
   // dS sums per key split and batch entry (each task writes the rows of its own heads), added in a
   // fixed order after.
   std::vector<float> drel_b(drel != nullptr ? static_cast<size_t>(splits.n * pb.B * pb.H * pb.rel_len) : 0);
@@ -552,6 +591,11 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
       scr.gin = scr.qin + kLd * pb.D;
       scr.oin = scr.gin + kLd * pb.Dv;
     }
+    scr.kacc = scr.vacc = nullptr;
+    if (grad16) {
+      scr.kacc = base + own + widened;
+      scr.vacc = scr.kacc + C.span * pb.D;
+    }
     // Parallel over (b, kv head, key split): each task owns its dK, dV rows and the dQ rows (or the
     // split's buffer rows) of its query heads.
 #pragma omp for schedule(dynamic, 1)
@@ -574,6 +618,13 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
           const float* add = dq_split + (s - 1) * dq_floats + r * pb.D;
           for (int64_t d = 0; d < pb.D; ++d) row[d] += add[d];
         }
+      }
+    }
+    if (grad16) {  // bf16 dq: its f32 sums rounded once
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < pb.B * pb.H * pb.Lq; ++r) {
+        const int64_t b = r / (pb.H * pb.Lq), h = r / pb.Lq % pb.H, i = r % pb.Lq;
+        round_rows(C.dqp + r * pb.D, pb.D, 1, pb.D, C.dqb + b * C.dqbs[0] + h * C.dqbs[1] + i * C.dqbs[2], 0);
       }
     }
     if (C.stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them

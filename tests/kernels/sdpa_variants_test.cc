@@ -320,6 +320,15 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
           ASSERT_EQ(got->defined(), want->defined()) << where << " bf16: " << name;
           if (want->defined()) ASSERT_TRUE(testing::bitwise_equal(*got, *want)) << where << " bf16: " << name;
         }
+        // and bf16 gradients: those f32 sums rounded once
+        auto nan16 = [](const Shape& shape) { return nan_filled(shape).to(DType::BF16); };
+        const SdpaGrads g16 =
+            sdpa_backward_out(nan16(q.shape()), nan16(k.shape()), nan16(v.shape()), gb, qb, kb, vb, fb, o, mask_grad);
+        for (const auto& [got, want, name] :
+             {std::tuple{&g16.dq, &gwf.dq, "dq"}, {&g16.dk, &gwf.dk, "dk"}, {&g16.dv, &gwf.dv, "dv"}}) {
+          ASSERT_EQ(got->dtype(), DType::BF16) << where << " bf16 grads: " << name;
+          ASSERT_TRUE(testing::bitwise_equal(*got, want->to(DType::BF16))) << where << " bf16 grads: " << name;
+        }
       }
     }
   }
