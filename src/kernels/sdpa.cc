@@ -317,7 +317,7 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   opts.need_weights = false;
   if (opts.dropout_p > 0.0) opts.dropout_seed = fwd.dropout_seed;  // the forward's stream
   const SdpaProblem pb = make_sdpa_problem(op, q, k, v, opts);
-  // f32 inputs, or bf16 ones (read widened; the gradients stay f32)
+  // f32 inputs, or bf16 ones (read widened; f32 or bf16 gradients, below)
   const DType in_dtype = q.defined() ? q.dtype() : DType::F32;
   HEADS_CHECK(in_dtype == DType::F32 || in_dtype == DType::BF16, op, ": query: expected f32 or bf16, got ",
               dtype_name(in_dtype));
@@ -337,8 +337,10 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   }
   const Shape oshape{pb.B, pb.H, pb.Lq, pb.Dv};
   HEADS_CHECK(dout.shape() == oshape, op, ": dout: expected ", oshape, ", got ", dout.shape());
-  HEADS_CHECK(fwd.out.defined() && fwd.out.shape() == oshape && fwd.out.dtype() == in_dtype, op,
-              ": fwd.out: expected the forward's ", dtype_name(in_dtype), " output ", oshape);
+  // (bf16 inputs: the forward's bf16 out, or an f32 one such as sdpa_merge_ writes)
+  HEADS_CHECK(fwd.out.defined() && fwd.out.shape() == oshape &&
+                  (fwd.out.dtype() == in_dtype || fwd.out.dtype() == DType::F32),
+              op, ": fwd.out: expected the forward's ", dtype_name(in_dtype), " output ", oshape);
   HEADS_CHECK(fwd.lse.defined() && fwd.lse.shape() == Shape({pb.B, pb.H, pb.Lq}), op,
               ": fwd.lse: expected the forward's lse [B, H, Lq] = ", Shape({pb.B, pb.H, pb.Lq}));
   HEADS_CHECK(!mask_grad || pb.mask_kind == MaskKind::Float, op,

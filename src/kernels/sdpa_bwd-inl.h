@@ -24,9 +24,11 @@
 // are the f32 kernel's on the widened values, bit for bit. bf16 gradients: dK and dV summed per key
 // group in the thread's scratch and rounded at the group's end, dQ summed in an f32 buffer of the
 // call and rounded at the end.
-// Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls; with key
-// splits, a dQ-sized buffer per split past the first for the call (sdpa_split.h bounds them); no
-// Lq x Lk buffer (unless the mask gradient is requested, which receives dS).
+// Memory: per thread a few tiles and the D_i of its (b, kv head), reused across calls (with bf16
+// inputs also a key group's widened K and V rows and a step's Q, dO and O rows; with bf16
+// gradients a key group's dK and dV sums); with key splits, a dQ-sized buffer per split past the
+// first for the call (sdpa_split.h bounds them), and one more for bf16 dq's sums; no Lq x Lk
+// buffer (unless the mask gradient is requested, which receives dS).
 // Parallel over (b, kv head): each task owns its dK, dV rows and the dQ rows of its query heads,
 // in a fixed order, so results do not depend on the thread count. When there are too few (b, kv
 // head) pairs to feed many threads (long4k: 8), each is also cut along its keys (sdpa_split.h): a
@@ -430,8 +432,9 @@ inline void query_step(const Call& C, const Task& task, const KeyRows& kv, int64
   if (st.first_group && !C.one_block) {
     const int64_t o_off = b * C.os[0] + h * C.os[1] + I0 * C.os[2];
     widen_g();
-    if (widen) fwd::widen_rows(C.ob + o_off, C.os[2], 0, st.nqs, pb.Dv, scr.oin);
-    row_dots(st.g0, st.gs2, widen ? scr.oin : C.op + o_off, widen ? pb.Dv : C.os[2], st.nqs, pb.Dv, drow);
+    const bool o16 = C.ob != nullptr;  // (a bf16 call's out may be f32: sdpa_merge_ writes f32)
+    if (o16) fwd::widen_rows(C.ob + o_off, C.os[2], 0, st.nqs, pb.Dv, scr.oin);
+    row_dots(st.g0, st.gs2, o16 ? scr.oin : C.op + o_off, o16 ? pb.Dv : C.os[2], st.nqs, pb.Dv, drow);
   }
   if ((pb.causal && jg > I0 + st.nqs - 1 + pb.causal_offset) ||
       (pb.has_left && jg + ng - 1 < I0 + pb.left_offset)) {  // every key of the group hidden
@@ -503,8 +506,9 @@ inline void key_group(const Call& C, const Task& task, int64_t jg, const Scratch
 
 }  // namespace bwd
 
-// q, k, v, dout and out all f32, or all bf16 (widened block by block into scratch as they are read:
-// the f32 kernel's results on the widened values); dq, dk, dv f32.
+// q, k and v and dout all f32, or all bf16 (widened block by block into scratch as they are read:
+// the f32 kernel's results on the widened values), out f32 or bf16; dq, dk, dv all f32 or all bf16
+// (f32 sums rounded once).
 inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
                      const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
                      const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel) {
@@ -514,10 +518,10 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
   const float scale = static_cast<float>(pb.scale);
   const int64_t G = pb.group();
   const bool bf16 = q.dtype() == DType::BF16;
-  auto f32_in = [&](const Tensor& t) { return bf16 ? nullptr : t.data<float>(); };
+  auto f32_in = [&](const Tensor& t) { return t.dtype() == DType::BF16 ? nullptr : t.data<float>(); };
   auto bf16_in = [&](const Tensor& t) {
-    HEADS_CHECK(t.dtype() == q.dtype(), "sdpa_bwd: inputs of mixed dtypes");
-    return bf16 ? static_cast<const uint16_t*>(t.raw_data()) : nullptr;
+    HEADS_CHECK(&t == &out || t.dtype() == q.dtype(), "sdpa_bwd: inputs of mixed dtypes");
+    return t.dtype() == DType::BF16 ? static_cast<const uint16_t*>(t.raw_data()) : nullptr;
   };
   // bf16 gradients: dK and dV rounded from each key group's sums; dQ summed in a call buffer of
   // f32 (with the key splits' buffers) and rounded at the end.

@@ -16,8 +16,10 @@
 //   past a tile's causal limit are never visited.
 // Numerics: f32 accumulation; masked logits are -inf; exp2 is exactly 0 below 2^-126; a fully
 //   masked row gives out = 0, lse = -inf (m_safe = 0 keeps exp2(-inf - m) from making NaN).
-// Memory: per thread S [kTK][kTQ], and Qt [D][kTQ] and Ot [Dv][kTQ] per tile of its group; the
-//   Lq x Lk weights exist only when requested (a second sweep from the final lse).
+// Memory: per thread S [kTK][kTQ], and Qt [D][kTQ] and Ot [Dv][kTQ] per tile of its group, and a
+//   policy's cache (Bf16Staged: up to 512 KB of widened K and V); with key chunks, partial outputs
+//   and lse [chunks][B, H, Lq] for the call; the Lq x Lk weights exist only when requested (a
+//   second sweep from the final lse).
 // Parallel: over (B, H, group of query tiles), heaviest causal groups first; when those tasks are
 //   too few for many threads, also over chunks of the keys (forward_key_chunks in sdpa_split.h),
 //   whose partial outputs and lse are merged after (merge_key_chunks). A group's tiles
@@ -716,8 +718,10 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
   const int64_t n_qt = (pb.Lq + kTQ - 1) / kTQ;
   const double flops = 4.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                        static_cast<double>(pb.D + pb.Dv) / 2;
-  // Key chunks when the tiles are too few for the threads (then no groups: each tile alone).
-  const ForwardKeyChunks kc = forward_key_chunks(pb, kTQ, kTK);
+  // Key chunks when the tiles are too few for the threads (then no groups: each tile alone). Not
+  // under set_batch_invariant: the cut depends on B and H, so a row's bits would depend on its batch.
+  const ForwardKeyChunks kc =
+      batch_invariant() ? ForwardKeyChunks{std::max<int64_t>(1, pb.Lk), 1} : forward_key_chunks(pb, kTQ, kTK);
   const int64_t G = kc.n > 1 ? 1 : forward_tiles_per_sweep(pb, kTQ, static_cast<int64_t>(sizeof(T)), get_num_threads());
   const int64_t n_groups = (n_qt + G - 1) / G;
   const int64_t n_tasks = pb.B * pb.H * n_groups * kc.n;
@@ -750,7 +754,8 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
       const KeyChunk keys = kc.n > 1 ? KeyChunk{chunk * kc.chunk, std::min(pb.Lk, (chunk + 1) * kc.chunk),
                                                 part_o + chunk * rows * pb.Dv, part_l + chunk * rows}
                                      : KeyChunk{0, pb.Lk, nullptr, nullptr};
-      forward_tiles<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, wp, bh / pb.H, bh % pb.H, first, n, keys,
+      forward_tiles<Pol>(pb, qp, qs, kp, ks, vp, vs, op, os, lp, kc.n > 1 ? nullptr : wp, bh / pb.H, bh % pb.H,
+                         first, n, keys,
                          [&](int64_t g) { return Scratch::view(base, pb.D, pb.Dv, G, g, cache_base, state); });
     }
     if (kc.n > 1) {  // (after the loop's barrier: every chunk's partials are in)

@@ -327,6 +327,11 @@ TEST(SdpaBackward, Bf16GradientsAreTheF32OnesRoundedOnce) {
       const std::string what = c.str() + " isa=" + isa_name(isa);
       const SdpaResult f = sdpa(in.q, in.k, in.v, in.options);
       const SdpaGrads g = sdpa_backward(dout, in.q, in.k, in.v, f, in.options);
+      SdpaResult f_wide = f;  // an f32 out with bf16 inputs (as sdpa_merge_ leaves it): the same gradients
+      f_wide.out = f.out.to(DType::F32);
+      const SdpaGrads g_wide = sdpa_backward(dout, in.q, in.k, in.v, f_wide, in.options);
+      EXPECT_TRUE(testing::bitwise_equal(g.dq, g_wide.dq) && testing::bitwise_equal(g.dk, g_wide.dk) &&
+                  testing::bitwise_equal(g.dv, g_wide.dv)) << what;
       SdpaResult f32 = f;
       f32.out = f.out.to(DType::F32);
       const SdpaGrads w = sdpa_backward(dout.to(DType::F32), in.q.to(DType::F32), in.k.to(DType::F32),

@@ -491,7 +491,7 @@ TEST(Sdpa, Bf16WideningIsTheF32KernelRoundedOnce) {
       {.B = 3, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 77, .D = 63, .Dv = 40, .mask = SdpaMask::Bool, .pad = 2},  // whole heads
       {.B = 2, .H = 2, .Lq = 40, .Lk = 300, .D = 24, .Dv = 20, .causal = true, .causal_align = CausalAlign::BottomRight},
       {.B = 2, .H = 3, .Hkv = 1, .Lq = 33, .Lk = 1100, .D = 64, .Dv = 72, .mask = SdpaMask::Float, .dropout_p = 0.2},  // by block
-      {.H = 4, .Hkv = 2, .Lq = 150, .Lk = 2200, .D = 40, .Dv = 33, .causal = true},  // by block, tiles grouped
+      {.H = 4, .Hkv = 2, .Lq = 150, .Lk = 2200, .D = 40, .Dv = 33, .causal = true},  // by block; grouped (16-query tiles) or chunked (32)
   };
   int checked = 0;
   for (int n = 0; n < static_cast<int>(std::size(cases)); ++n) {
@@ -639,6 +639,37 @@ TEST(Sdpa, BatchInvariantSequenceAloneOrPadded) {
     }
   }
   set_batch_invariant(saved);
+}
+
+// Cross-attention of few queries against long keys: the forward would cut the keys into a number
+// of chunks that depends on B and H; under set_batch_invariant(true) it does not cut them, and a
+// sequence's rows are the same bits alone and in a batch.
+TEST(Sdpa, BatchInvariantCrossAttentionOfLongKeys) {
+  IsaGuard guard;
+  const bool saved = batch_invariant();
+  constexpr int64_t H = 3, Lq = 16, Lk = 4100, D = 20, B = 3;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const Tensor q = testing::randn({1, H, Lq, D}).to(dt), k = testing::randn({1, H, Lk, D}).to(dt),
+                 v = testing::randn({1, H, Lk, D}).to(dt);
+    Tensor qb = testing::randn({B, H, Lq, D}).to(dt), kb = testing::randn({B, H, Lk, D}).to(dt),
+           vb = testing::randn({B, H, Lk, D}).to(dt);
+    for (auto [dst, src] : {std::pair<Tensor*, const Tensor*>{&qb, &q}, {&kb, &k}, {&vb, &v}}) {
+      dst->select(0, 1).copy_from(src->select(0, 0));
+    }
+    // Without invariance the two calls cut their keys differently (on both tile sizes).
+    const kernels::SdpaProblem alone_pb = kernels::make_sdpa_problem("sdpa", q, k, v, {});
+    const kernels::SdpaProblem batch_pb = kernels::make_sdpa_problem("sdpa", qb, kb, vb, {});
+    for (int64_t tile : {16, 32}) {
+      ASSERT_NE(kernels::forward_key_chunks(alone_pb, tile, 128).n, kernels::forward_key_chunks(batch_pb, tile, 128).n);
+    }
+    set_batch_invariant(true);
+    for (Isa isa : supported_isas()) {
+      set_isa(isa);
+      const Tensor alone = sdpa(q, k, v).out, batched = sdpa(qb, kb, vb).out.select(0, 1).contiguous();
+      EXPECT_TRUE(testing::bitwise_equal(alone.select(0, 0), batched)) << "isa=" << isa_name(isa) << " " << dtype_name(dt);
+    }
+    set_batch_invariant(saved);
+  }
 }
 
 // bf16 inputs, f32 accumulation: within twice the error of a plain bf16 computation (P and the
