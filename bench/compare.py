@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Compare heads with PyTorch and ONNX Runtime on the shapes of bench/shapes.json, in one run.
+"""Compare heads with PyTorch, ONNX Runtime and ggml on the shapes of bench/shapes.json, in one run.
 
-    python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--only NAME ...]
+    python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--rounds 3] [--only NAME ...]
     python3 bench/compare.py --backward [--only NAME ...]     # training: forward + backward
     python3 bench/compare.py --variants                        # sliding window, ALiBi vs explicit masks
 
@@ -9,13 +9,18 @@ Prints one markdown table: GFLOP/s (ms for decode shapes, Lq = 1), the ratio of 
 peer, heads' share of the FMA peak measured here (`heads bench peak`), and the peak extra memory
 of each runner (resident-set high-water mark during the calls minus the resident set before them,
 inputs and outputs excluded). heads is timed by its CLI (`heads bench ... --json`); the peers by
-the same rule (warm-up, repeats for at least --min-time seconds, median).
+the same rule (warm-up, repeats for at least --min-time seconds, median). --rounds N times every
+runner N times per shape, taking turns, and reports the medians: on a shared machine one runner's
+slow spell otherwise decides a ratio.
 With --backward: SDPA forward and backward (dq, dk, dv for a random dout) of heads
 (`heads bench sdpa --backward`) beside PyTorch's autograd through F.scaled_dot_product_attention;
 backward time = (forward + backward) - forward, each a median (the two timed in alternating blocks),
 and the backward call alone timed inside the forward + backward loop (the difference also holds
 what the forward loses when the backward has evicted its inputs from the caches).
-Needs: torch==2.13.0, onnxruntime, onnx (pip).
+ggml is timed through its fused attention (ggml_flash_attn_ext) on the SDPA shapes, K and V in the
+table's dtype (Q is f32 in ggml's interface); it has no MultiheadAttention module. ONNX Runtime has no
+bf16 CPU attention and is left out of --dtype bf16.
+Needs: torch==2.13.0, onnxruntime, onnx, ggml-python (pip; built from source, -march=native).
 """
 
 from __future__ import annotations
@@ -106,6 +111,66 @@ def torch_sdpa(s, args, torch):
     with torch.inference_mode():
         ms = median_ms(fn, args.min_time)
     del out
+    return ms, meter.extra_mb()
+
+
+def bf16_bits(a):
+    """float32 -> bf16 bit patterns (uint16), rounded to nearest even."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def ggml_sdpa(s, args):
+    """ggml's fused attention (ggml_flash_attn_ext, CPU backend, through the ggml-python package) on a
+    persistent thread pool, as llama.cpp runs it: q f32, K and V f32 (--dtype f32) or bf16 (--dtype
+    bf16), f32 softmax and accumulation (GGML_PREC_F32); causal as an explicit f16 mask, ggml's only
+    way. Its output is checked against a float64 reference first, so the time is for the same result."""
+    import ctypes
+
+    import ggml
+
+    B, H, Lq, Lk, D, causal = s["B"], s["H"], s["Lq"], s["Lk"], s["D"], s["causal"]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for L in (Lq, Lk, Lk))
+    kv_type, conv = ((ggml.GGML_TYPE_BF16, bf16_bits) if args.dtype == "bf16" else
+                     (ggml.GGML_TYPE_F32, lambda a: a))
+    mask = np.where(np.arange(Lk)[None, :] <= np.arange(Lq)[:, None], 0.0, -np.inf).astype(np.float16) if causal else None
+    size = q.nbytes + 2 * k.nbytes + q.nbytes + (mask.nbytes if causal else 0) + (1 << 20)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=False))
+    tq = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, D, Lq, H, B)  # ggml's ne: innermost first
+    tk = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
+    tv = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
+    tm = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, Lk, Lq, 1, 1) if causal else None
+    for t, a in ((tq, q), (tk, conv(k)), (tv, conv(v))) + (((tm, mask),) if causal else ()):
+        ctypes.memmove(ggml.ggml_get_data(t), a.ctypes.data, a.nbytes)
+    out = ggml.ggml_flash_attn_ext(ctx, tq, tk, tv, tm, 1.0 / float(np.sqrt(D)), 0.0, 0.0)
+    ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+    graph = ggml.ggml_new_graph(ctx)
+    ggml.ggml_build_forward_expand(graph, out)
+    pool_params = ggml.ggml_threadpool_params_default(args.threads)
+    pool = ggml.ggml_threadpool_new(ctypes.byref(pool_params))
+    plan = ggml.ggml_graph_plan(graph, args.threads, pool)
+    work = (ctypes.c_uint8 * max(plan.work_size, 1))()
+    plan.work_data = ctypes.cast(work, ctypes.POINTER(ctypes.c_uint8))
+    fn = lambda: ggml.ggml_graph_compute(graph, ctypes.byref(plan))
+    fn()
+    res = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
+                                shape=(B, Lq, H, D)).transpose(0, 2, 1, 3)  # ggml's output is [B, Lq, H, D]
+    h = 0  # one head is enough to show the same result
+    qd, kd, vd = q[:, h].astype(np.float64), k[:, h].astype(np.float64), v[:, h].astype(np.float64)
+    if args.dtype == "bf16":
+        kd, vd = (np.ascontiguousarray(bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+                  for x in (k[:, h], v[:, h]))
+    sc = qd @ kd.transpose(0, 2, 1) / np.sqrt(D) + (mask.astype(np.float64) if causal else 0.0)
+    pr = np.exp(sc - sc.max(-1, keepdims=True))
+    ref = (pr / pr.sum(-1, keepdims=True)) @ vd
+    err = float(np.abs(res[:, h] - ref).max())
+    if not err < (5e-2 if args.dtype == "bf16" else 1e-4):
+        raise SystemExit(f"ggml's result differs from the reference by {err}")
+    meter = Meter()
+    ms = median_ms(fn, args.min_time)
+    ggml.ggml_threadpool_free(pool)
+    ggml.ggml_free(ctx)
     return ms, meter.extra_mb()
 
 
@@ -333,6 +398,8 @@ def worker(kind, spec, args):
     if kind == "ort-sdpa":
         name, ms, mem = ort_sdpa(spec, args)
         return ms, mem, name
+    if kind == "ggml-sdpa":
+        return ggml_sdpa(spec, args)
     if kind == "ort-mha":
         return ort_mha(spec, args)
     if kind == "heads-sdpa-mem":
@@ -350,6 +417,21 @@ def in_subprocess(kind, spec, args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def rounds(runners, n):
+    """Each runner (a function giving (ms, extra MB, ...), or None on failure; None: not run) is
+    called once per round, the first of a round rotating, so that a slow spell of a shared machine
+    weighs on every runner alike; per runner the medians over its rounds, or (None, None)."""
+    names = list(runners)
+    got = {name: [] for name in names}
+    for r in range(n):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            res = runners[name]() if runners[name] else None
+            if res is not None:
+                got[name].append(res[:2])
+    med = lambda xs: statistics.median(xs) if xs and None not in xs else None
+    return {name: (med([x[0] for x in v]), med([x[1] for x in v])) for name, v in got.items()}
+
+
 def fmt(x, unit):
     if x is None:
         return "—"
@@ -362,6 +444,8 @@ def main():
     ap.add_argument("--min-time", type=float, default=1.0)
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every runner this many times per shape, taking turns; medians (default 1)")
     ap.add_argument("--shapes", default=str(HERE / "shapes.json"))
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--backward", action="store_true",
@@ -406,34 +490,38 @@ def main():
         decode = s["Lq"] == 1
         cmd = ["sdpa", "--batch", s["B"], "--heads", s["H"], "--q-len", s["Lq"], "--kv-len", s["Lk"],
                "--head-dim", s["D"], "--dtype", args.dtype] + (["--causal"] if s["causal"] else [])
-        h = run_heads(args, *map(str, cmd))
         hm = in_subprocess("heads-sdpa-mem", s, args) if args.dtype == "f32" else None
         h_mem = hm[1] if hm else float("nan")
-        t_ms, t_mem = in_subprocess("torch-sdpa", s, args) or (None, None)
-        o_ms, o_mem, o_name = (in_subprocess("ort-sdpa", s, args) if args.dtype == "f32" else None) or (None, None, None)
-        rows.append((s["name"], decode, flops, h["ms"], h_mem, t_ms, t_mem, o_ms, o_mem, o_name))
-        print(f"  {s['name']}: heads {h['ms']:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms ({o_name})",
-              file=sys.stderr)
+        r = rounds({"heads": lambda: (run_heads(args, *map(str, cmd))["ms"], None),
+                    "torch": lambda: in_subprocess("torch-sdpa", s, args),
+                    "ort": (lambda: in_subprocess("ort-sdpa", s, args)) if args.dtype == "f32" else None,
+                    "ggml": lambda: in_subprocess("ggml-sdpa", s, args)}, args.rounds)
+        (h_ms, _), (t_ms, t_mem), (o_ms, o_mem), (g_ms, g_mem) = r["heads"], r["torch"], r["ort"], r["ggml"]
+        rows.append((s["name"], decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, g_ms, g_mem))
+        print(f"  {s['name']}: heads {h_ms:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms, ggml {g_ms} ms", file=sys.stderr)
     for m in shapes["mha_module"]:
         if args.only and m["name"] not in args.only:
             continue
         flops = 4.0 * m["B"] * m["L"] * m["L"] * m["E"] + 4 * 2.0 * m["B"] * m["L"] * m["E"] ** 2
-        h = run_heads(args, *map(str, ["mha", "--batch", m["B"], "--seq", m["L"], "--embed", m["E"],
-                                       "--heads", m["H"], "--dtype", args.dtype]))
-        t_ms, t_mem = in_subprocess("torch-mha", m, args) or (None, None)
-        o_ms, o_mem = (in_subprocess("ort-mha", m, args) if args.dtype == "f32" else None) or (None, None)
-        rows.append((m["name"], False, flops, h["ms"], float("nan"), t_ms, t_mem, o_ms, o_mem, "Attention+MatMul"))
+        cmd = ["mha", "--batch", m["B"], "--seq", m["L"], "--embed", m["E"], "--heads", m["H"], "--dtype", args.dtype]
+        r = rounds({"heads": lambda: (run_heads(args, *map(str, cmd))["ms"], None),
+                    "torch": lambda: in_subprocess("torch-mha", m, args),
+                    "ort": (lambda: in_subprocess("ort-mha", m, args)) if args.dtype == "f32" else None}, args.rounds)
+        (h_ms, _), (t_ms, t_mem), (o_ms, o_mem) = r["heads"], r["torch"], r["ort"]
+        rows.append((m["name"], False, flops, h_ms, float("nan"), t_ms, t_mem, o_ms, o_mem, None, None))
+        print(f"  {m['name']}: heads {h_ms:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms", file=sys.stderr)
 
-    print("| shape | heads | PyTorch | ONNX Runtime | heads ÷ best peer | % of peak | extra memory heads / torch / ORT (MB) |")
-    print("|---|---|---|---|---|---|---|")
-    for name, decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, o_name in rows:
+    print("| shape | heads | PyTorch | ONNX Runtime | ggml | heads ÷ best peer | % of peak | "
+          "extra memory heads / torch / ORT / ggml (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, g_ms, g_mem in rows:
         unit = "ms" if decode else "gf"
         val = (lambda ms: ms) if decode else (lambda ms: None if ms is None else flops / ms / 1e6)
-        peers = [x for x in (t_ms, o_ms) if x is not None]
+        peers = [x for x in (t_ms, o_ms, g_ms) if x is not None]
         ratio = min(peers) / h_ms if peers else float("nan")  # > 1: heads is faster
         pct = flops / h_ms / 1e6 / peak * 100
-        mem = " / ".join("—" if x is None or x != x else f"{x:.0f}" for x in (h_mem, t_mem, o_mem))
-        print(f"| {name} | {fmt(val(h_ms), unit)} | {fmt(val(t_ms), unit)} | {fmt(val(o_ms), unit)} | "
+        mem = " / ".join("—" if x is None or x != x else f"{x:.0f}" for x in (h_mem, t_mem, o_mem, g_mem))
+        print(f"| {name} | {fmt(val(h_ms), unit)} | {fmt(val(t_ms), unit)} | {fmt(val(o_ms), unit)} | {fmt(val(g_ms), unit)} | "
               f"{ratio:.2f}× | {pct:.0f}% | {mem} |")
     print("\nGFLOP/s unless marked ms (decode shapes: time per call). flops = 4·B·H·Lq·Lk·D (half when causal); "
           "mha adds 2·B·L·E² per projection.")
