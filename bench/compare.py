@@ -17,8 +17,9 @@ With --backward: SDPA forward and backward (dq, dk, dv for a random dout) of hea
 backward time = (forward + backward) - forward, each a median (the two timed in alternating blocks),
 and the backward call alone timed inside the forward + backward loop (the difference also holds
 what the forward loses when the backward has evicted its inputs from the caches).
-ggml is timed through its fused attention (ggml_flash_attn_ext) on the SDPA shapes, K and V in the
-table's dtype (Q is f32 in ggml's interface); it has no MultiheadAttention module. ONNX Runtime has no
+ggml is timed through its fused attention (ggml_flash_attn_ext) on the SDPA shapes, K and V in f32
+for --dtype f32 and, for --dtype bf16, the faster of ggml's bf16 and f16 (Q is f32 in ggml's
+interface); it has no MultiheadAttention module. ONNX Runtime has no
 bf16 CPU attention and is left out of --dtype bf16.
 Needs: torch==2.13.0, onnxruntime, onnx, ggml-python (pip; built from source, -march=native).
 """
@@ -122,9 +123,11 @@ def bf16_bits(a):
 
 def ggml_sdpa(s, args):
     """ggml's fused attention (ggml_flash_attn_ext, CPU backend, through the ggml-python package) on a
-    persistent thread pool, as llama.cpp runs it: q f32, K and V f32 (--dtype f32) or bf16 (--dtype
-    bf16), f32 softmax and accumulation (GGML_PREC_F32); causal as an explicit f16 mask, ggml's only
-    way. Its output is checked against a float64 reference first, so the time is for the same result."""
+    persistent thread pool, as llama.cpp runs it: q f32 (ggml's interface), f32 softmax and accumulation
+    (GGML_PREC_F32), causal as an explicit f16 mask (ggml's only way). K and V are f32 for --dtype f32;
+    for --dtype bf16 both of ggml's 16-bit types are timed, bf16 and f16 (llama.cpp's default KV cache),
+    and the faster counts. Each output is checked against a float64 reference first, so the time is
+    for the same result. Returns (ms, extra MB, K/V type)."""
     import ctypes
 
     import ggml
@@ -132,46 +135,48 @@ def ggml_sdpa(s, args):
     B, H, Lq, Lk, D, causal = s["B"], s["H"], s["Lq"], s["Lk"], s["D"], s["causal"]
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for L in (Lq, Lk, Lk))
-    kv_type, conv = ((ggml.GGML_TYPE_BF16, bf16_bits) if args.dtype == "bf16" else
-                     (ggml.GGML_TYPE_F32, lambda a: a))
+    f16 = lambda a: a.astype(np.float16)
+    kinds = {"f32": (ggml.GGML_TYPE_F32, lambda a: a, lambda a: a)} if args.dtype == "f32" else {
+        "bf16": (ggml.GGML_TYPE_BF16, bf16_bits, lambda a: (bf16_bits(a).astype(np.uint32) << 16).view(np.float32)),
+        "f16": (ggml.GGML_TYPE_F16, f16, lambda a: f16(a).astype(np.float32))}
     mask = np.where(np.arange(Lk)[None, :] <= np.arange(Lq)[:, None], 0.0, -np.inf).astype(np.float16) if causal else None
-    size = q.nbytes + 2 * k.nbytes + q.nbytes + (mask.nbytes if causal else 0) + (1 << 20)
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=False))
-    tq = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, D, Lq, H, B)  # ggml's ne: innermost first
-    tk = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
-    tv = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
-    tm = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, Lk, Lq, 1, 1) if causal else None
-    for t, a in ((tq, q), (tk, conv(k)), (tv, conv(v))) + (((tm, mask),) if causal else ()):
-        ctypes.memmove(ggml.ggml_get_data(t), a.ctypes.data, a.nbytes)
-    out = ggml.ggml_flash_attn_ext(ctx, tq, tk, tv, tm, 1.0 / float(np.sqrt(D)), 0.0, 0.0)
-    ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
-    graph = ggml.ggml_new_graph(ctx)
-    ggml.ggml_build_forward_expand(graph, out)
-    pool_params = ggml.ggml_threadpool_params_default(args.threads)
-    pool = ggml.ggml_threadpool_new(ctypes.byref(pool_params))
-    plan = ggml.ggml_graph_plan(graph, args.threads, pool)
-    work = (ctypes.c_uint8 * max(plan.work_size, 1))()
-    plan.work_data = ctypes.cast(work, ctypes.POINTER(ctypes.c_uint8))
-    fn = lambda: ggml.ggml_graph_compute(graph, ctypes.byref(plan))
-    fn()
-    res = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
-                                shape=(B, Lq, H, D)).transpose(0, 2, 1, 3)  # ggml's output is [B, Lq, H, D]
-    h = 0  # one head is enough to show the same result
-    qd, kd, vd = q[:, h].astype(np.float64), k[:, h].astype(np.float64), v[:, h].astype(np.float64)
-    if args.dtype == "bf16":
-        kd, vd = (np.ascontiguousarray(bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-                  for x in (k[:, h], v[:, h]))
-    sc = qd @ kd.transpose(0, 2, 1) / np.sqrt(D) + (mask.astype(np.float64) if causal else 0.0)
-    pr = np.exp(sc - sc.max(-1, keepdims=True))
-    ref = (pr / pr.sum(-1, keepdims=True)) @ vd
-    err = float(np.abs(res[:, h] - ref).max())
-    if not err < (5e-2 if args.dtype == "bf16" else 1e-4):
-        raise SystemExit(f"ggml's result differs from the reference by {err}")
-    meter = Meter()
-    ms = median_ms(fn, args.min_time)
-    ggml.ggml_threadpool_free(pool)
-    ggml.ggml_free(ctx)
-    return ms, meter.extra_mb()
+    best = None
+    for name, (kv_type, conv, rounded) in kinds.items():
+        size = q.nbytes + 2 * k.nbytes + q.nbytes + (mask.nbytes if causal else 0) + (1 << 20)
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=False))
+        tq = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, D, Lq, H, B)  # ggml's ne: innermost first
+        tk = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
+        tv = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
+        tm = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, Lk, Lq, 1, 1) if causal else None
+        for t, a in ((tq, q), (tk, conv(k)), (tv, conv(v))) + (((tm, mask),) if causal else ()):
+            ctypes.memmove(ggml.ggml_get_data(t), a.ctypes.data, a.nbytes)
+        out = ggml.ggml_flash_attn_ext(ctx, tq, tk, tv, tm, 1.0 / float(np.sqrt(D)), 0.0, 0.0)
+        ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+        graph = ggml.ggml_new_graph(ctx)
+        ggml.ggml_build_forward_expand(graph, out)
+        pool_params = ggml.ggml_threadpool_params_default(args.threads)
+        pool = ggml.ggml_threadpool_new(ctypes.byref(pool_params))
+        plan = ggml.ggml_graph_plan(graph, args.threads, pool)
+        work = (ctypes.c_uint8 * max(plan.work_size, 1))()
+        plan.work_data = ctypes.cast(work, ctypes.POINTER(ctypes.c_uint8))
+        fn = lambda: ggml.ggml_graph_compute(graph, ctypes.byref(plan))
+        fn()
+        res = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
+                                    shape=(B, Lq, H, D)).transpose(0, 2, 1, 3)  # ggml's output is [B, Lq, H, D]
+        h = 0  # one head is enough to show the same result
+        qd, kd, vd = (x[:, h].astype(np.float64) for x in (q, rounded(k), rounded(v)))
+        sc = qd @ kd.transpose(0, 2, 1) / np.sqrt(D) + (mask.astype(np.float64) if causal else 0.0)
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        err = float(np.abs(res[:, h] - (pr / pr.sum(-1, keepdims=True)) @ vd).max())
+        if not err < (5e-2 if args.dtype == "bf16" else 1e-4):  # (bf16: ggml also rounds q to bf16)
+            raise SystemExit(f"ggml ({name} K/V) differs from the reference by {err}")
+        meter = Meter()
+        ms = median_ms(fn, args.min_time)
+        if best is None or ms < best[0]:
+            best = (ms, meter.extra_mb(), name)
+        ggml.ggml_threadpool_free(pool)
+        ggml.ggml_free(ctx)
+    return best
 
 
 # Position variants (--variants): heads' fused options against PyTorch's SDPA with the explicit
@@ -418,18 +423,20 @@ def in_subprocess(kind, spec, args):
 
 
 def rounds(runners, n):
-    """Each runner (a function giving (ms, extra MB, ...), or None on failure; None: not run) is
+    """Each runner (a function giving (ms, extra MB[, what ran]), or None on failure; None: not run) is
     called once per round, the first of a round rotating, so that a slow spell of a shared machine
-    weighs on every runner alike; per runner the medians over its rounds, or (None, None)."""
+    weighs on every runner alike; per runner (median ms, median MB, what ran in its fastest round),
+    Nones where it never ran."""
     names = list(runners)
     got = {name: [] for name in names}
     for r in range(n):
         for name in names[r % len(names):] + names[:r % len(names)]:
             res = runners[name]() if runners[name] else None
             if res is not None:
-                got[name].append(res[:2])
+                got[name].append((res[0], res[1], res[2] if len(res) > 2 else None))
     med = lambda xs: statistics.median(xs) if xs and None not in xs else None
-    return {name: (med([x[0] for x in v]), med([x[1] for x in v])) for name, v in got.items()}
+    return {name: (med([x[0] for x in v]), med([x[1] for x in v]), min(v)[2] if v else None)
+            for name, v in got.items()}
 
 
 def fmt(x, unit):
@@ -496,9 +503,11 @@ def main():
                     "torch": lambda: in_subprocess("torch-sdpa", s, args),
                     "ort": (lambda: in_subprocess("ort-sdpa", s, args)) if args.dtype == "f32" else None,
                     "ggml": lambda: in_subprocess("ggml-sdpa", s, args)}, args.rounds)
-        (h_ms, _), (t_ms, t_mem), (o_ms, o_mem), (g_ms, g_mem) = r["heads"], r["torch"], r["ort"], r["ggml"]
-        rows.append((s["name"], decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, g_ms, g_mem))
-        print(f"  {s['name']}: heads {h_ms:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms, ggml {g_ms} ms", file=sys.stderr)
+        (h_ms, _, _), (t_ms, t_mem, _), (o_ms, o_mem, _), (g_ms, g_mem, _) = r["heads"], r["torch"], r["ort"], r["ggml"]
+        g_kind = r["ggml"][2]
+        rows.append((s["name"], decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, g_ms, g_mem, g_kind))
+        print(f"  {s['name']}: heads {h_ms:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms, ggml {g_ms} ms ({g_kind} K/V)",
+              file=sys.stderr)
     for m in shapes["mha_module"]:
         if args.only and m["name"] not in args.only:
             continue
@@ -507,21 +516,22 @@ def main():
         r = rounds({"heads": lambda: (run_heads(args, *map(str, cmd))["ms"], None),
                     "torch": lambda: in_subprocess("torch-mha", m, args),
                     "ort": (lambda: in_subprocess("ort-mha", m, args)) if args.dtype == "f32" else None}, args.rounds)
-        (h_ms, _), (t_ms, t_mem), (o_ms, o_mem) = r["heads"], r["torch"], r["ort"]
-        rows.append((m["name"], False, flops, h_ms, float("nan"), t_ms, t_mem, o_ms, o_mem, None, None))
+        (h_ms, _, _), (t_ms, t_mem, _), (o_ms, o_mem, _) = r["heads"], r["torch"], r["ort"]
+        rows.append((m["name"], False, flops, h_ms, float("nan"), t_ms, t_mem, o_ms, o_mem, None, None, None))
         print(f"  {m['name']}: heads {h_ms:.3f} ms, torch {t_ms} ms, ORT {o_ms} ms", file=sys.stderr)
 
     print("| shape | heads | PyTorch | ONNX Runtime | ggml | heads ÷ best peer | % of peak | "
           "extra memory heads / torch / ORT / ggml (MB) |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, g_ms, g_mem in rows:
+    for name, decode, flops, h_ms, h_mem, t_ms, t_mem, o_ms, o_mem, g_ms, g_mem, g_kind in rows:
         unit = "ms" if decode else "gf"
         val = (lambda ms: ms) if decode else (lambda ms: None if ms is None else flops / ms / 1e6)
         peers = [x for x in (t_ms, o_ms, g_ms) if x is not None]
         ratio = min(peers) / h_ms if peers else float("nan")  # > 1: heads is faster
         pct = flops / h_ms / 1e6 / peak * 100
         mem = " / ".join("—" if x is None or x != x else f"{x:.0f}" for x in (h_mem, t_mem, o_mem, g_mem))
-        print(f"| {name} | {fmt(val(h_ms), unit)} | {fmt(val(t_ms), unit)} | {fmt(val(o_ms), unit)} | {fmt(val(g_ms), unit)} | "
+        kind = f" ({g_kind} K/V)" if g_ms is not None and args.dtype == "bf16" else ""
+        print(f"| {name} | {fmt(val(h_ms), unit)} | {fmt(val(t_ms), unit)} | {fmt(val(o_ms), unit)} | {fmt(val(g_ms), unit)}{kind} | "
               f"{ratio:.2f}× | {pct:.0f}% | {mem} |")
     print("\nGFLOP/s unless marked ms (decode shapes: time per call). flops = 4·B·H·Lq·Lk·D (half when causal); "
           "mha adds 2·B·L·E² per projection.")
