@@ -283,57 +283,36 @@ def ort_session(model, args):
 
 
 def ort_sdpa(s, args):
-    """Best of ORT's contrib MultiHeadAttention ([B, L, H*D]) and ONNX Attention (opset 23)."""
+    """Best of ORT's contrib MultiHeadAttention ([B, L, H*D]) and ONNX Attention (opset 23, [B, H, L, D])."""
     from onnx import TensorProto, helper
 
     B, H, Lq, Lk, D, causal = s["B"], s["H"], s["Lq"], s["Lk"], s["D"], s["causal"]
     rng = np.random.default_rng(0)
+    variants = [  # (name, node, q / k / v / o shapes, opsets)
+        ("MultiHeadAttention",
+         helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft", num_heads=H,
+                          unidirectional=int(causal)),
+         [[B, Lq, H * D], [B, Lk, H * D], [B, Lk, H * D], [B, Lq, H * D]],
+         [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]),
+        ("Attention-23", helper.make_node("Attention", ["q", "k", "v"], ["o"], is_causal=int(causal)),
+         [[B, H, Lq, D], [B, H, Lk, D], [B, H, Lk, D], [B, H, Lq, D]], [helper.make_opsetid("", 23)]),
+    ]
     results = []
-    # contrib MultiHeadAttention
-    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft",
-                            num_heads=H, unidirectional=int(causal))
-    graph = helper.make_graph(
-        [node], "mha",
-        [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, Lq, H * D]),
-         helper.make_tensor_value_info("k", TensorProto.FLOAT, [B, Lk, H * D]),
-         helper.make_tensor_value_info("v", TensorProto.FLOAT, [B, Lk, H * D])],
-        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [B, Lq, H * D])])
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    feeds = {"q": rng.standard_normal((B, Lq, H * D), dtype=np.float32),
-             "k": rng.standard_normal((B, Lk, H * D), dtype=np.float32),
-             "v": rng.standard_normal((B, Lk, H * D), dtype=np.float32)}
-    try:
-        sess = ort_session(model, args)
-        out = np.zeros((B, Lq, H * D), np.float32)
-        meter = Meter()
-        del out
-        fn = lambda: sess.run(None, feeds)
-        results.append(("MultiHeadAttention", median_ms(fn, args.min_time), meter.extra_mb()))
-        del sess
-    except Exception as e:  # an op/shape ORT cannot run here is reported, not hidden
-        print(f"  ORT MultiHeadAttention failed on {s['name']}: {e}", file=sys.stderr)
-    # ONNX Attention (opset 23), 4-D inputs
-    node = helper.make_node("Attention", ["q", "k", "v"], ["o"], is_causal=int(causal))
-    graph = helper.make_graph(
-        [node], "attn",
-        [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, H, Lq, D]),
-         helper.make_tensor_value_info("k", TensorProto.FLOAT, [B, H, Lk, D]),
-         helper.make_tensor_value_info("v", TensorProto.FLOAT, [B, H, Lk, D])],
-        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [B, H, Lq, D])])
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 23)])
-    feeds = {"q": rng.standard_normal((B, H, Lq, D), dtype=np.float32),
-             "k": rng.standard_normal((B, H, Lk, D), dtype=np.float32),
-             "v": rng.standard_normal((B, H, Lk, D), dtype=np.float32)}
-    try:
-        sess = ort_session(model, args)
-        out = np.zeros((B, H, Lq, D), np.float32)
-        meter = Meter()
-        del out
-        fn = lambda: sess.run(None, feeds)
-        results.append(("Attention-23", median_ms(fn, args.min_time), meter.extra_mb()))
-    except Exception as e:
-        print(f"  ORT Attention failed on {s['name']}: {e}", file=sys.stderr)
+    for name, node, shapes, opsets in variants:
+        info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, sh) for n, sh in zip("qkvo", shapes)]
+        model = helper.make_model(helper.make_graph([node], name, info[:3], info[3:]), ir_version=10,
+                                  opset_imports=opsets)
+        feeds = {n: rng.standard_normal(sh, dtype=np.float32) for n, sh in zip("qkv", shapes)}
+        try:
+            sess = ort_session(model, args)
+            out = np.zeros(shapes[3], np.float32)
+            meter = Meter()
+            del out
+            fn = lambda: sess.run(None, feeds)
+            results.append((name, median_ms(fn, args.min_time), meter.extra_mb()))
+            del sess
+        except Exception as e:  # an op/shape ORT cannot run here is reported, not hidden
+            print(f"  ORT {name} failed on {s['name']}: {e}", file=sys.stderr)
     if not results:
         return None, None, None
     return min(results, key=lambda r: r[1])
