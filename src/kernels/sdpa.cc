@@ -10,6 +10,7 @@
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/sdpa_problem.h"
+#include "kernels/sdpa_split.h"
 
 namespace heads::kernels {
 
@@ -435,25 +436,15 @@ void sdpa_merge_(const Tensor& out, const Tensor& lse, const Tensor& out_b, cons
   const float* pb = ob.data<float>();
   const float* plb = lb.data<float>();
   const int64_t s0 = out.stride(0), s1 = out.stride(1), s2 = out.stride(2);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int n_threads = threads_for(4.0 * static_cast<double>(n_rows) * static_cast<double>(Dv), n_rows);
 #pragma omp parallel for num_threads(n_threads) schedule(static)
   for (int64_t r = 0; r < n_rows; ++r) {
-    const float la = l[r], lbr = plb[r];
-    if (lbr == kNegInf) continue;  // b saw nothing in this row: a stands (also when a saw nothing)
     float* orow = o + (r / (H * Lq)) * s0 + (r / Lq % H) * s1 + (r % Lq) * s2;
-    const float* brow = pb + r * Dv;
-    if (la == kNegInf) {  // a saw nothing: b alone
-      std::copy(brow, brow + Dv, orow);
-      l[r] = lbr;
-      continue;
-    }
-    // weights relative to the larger of the two, so that neither exponent overflows
-    const float m = std::max(la, lbr);
-    const float wa = std::exp(la - m), wb = std::exp(lbr - m), sum = wa + wb;
-    const float ca = wa / sum, cb = wb / sum;
-    for (int64_t c = 0; c < Dv; ++c) orow[c] = ca * orow[c] + cb * brow[c];
-    l[r] = m + std::log(sum);
+    const float* parts[2] = {orow, pb + r * Dv};
+    const float lses[2] = {l[r], plb[r]};
+    l[r] = kernels::merge_normalized_row(
+        2, [&](int64_t c) { return parts[c]; }, [&](int64_t c) { return lses[c]; }, Dv,
+        [&](int64_t d0, const float* vals, int64_t nd) { std::copy(vals, vals + nd, orow + d0); });
   }
 }
 

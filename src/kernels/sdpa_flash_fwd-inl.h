@@ -41,7 +41,6 @@ constexpr int kNQ = 2;               // query vectors per tile
 constexpr int64_t kTQ = kNQ * kW;    // queries per tile
 constexpr int64_t kTK = 128;         // keys per block
 constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr int64_t kMaxMergeDv = 64;  // merge_key_chunks sums a row's outputs this many at a time
 
 // Inputs are f32 or bf16 (uint16_t bits); widen() gives the f32 value.
 HEADS_INLINE float widen(float x) { return x; }
@@ -649,9 +648,8 @@ inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, cons
 }
 
 // Rows [r_begin, r_end) of [B, H, Lq] from n key chunks' partial outputs (part_o, chunk by chunk,
-// each [B·H·Lq][Dv]) and lse (part_l): out = sum_c e^(lse_c - M) O_c / sum_c e^(lse_c - M) and
-// lse = M + ln(sum) with M the largest lse_c, chunk by chunk in order. A row no chunk saw gives
-// zeros and -inf; a NaN chunk makes the row NaN. Rows of heads turned off are left alone.
+// each [B·H·Lq][Dv]) and lse (part_l), merged by merge_normalized_row (sdpa_split.h) into out
+// (rounded once for bf16) and lse. Rows of heads turned off are left alone.
 template <class T>
 inline void merge_key_chunks(const SdpaProblem& pb, int64_t n, const float* part_o, const float* part_l, T* out,
                              const int64_t* os, float* lse, int64_t r_begin, int64_t r_end) {
@@ -660,43 +658,17 @@ inline void merge_key_chunks(const SdpaProblem& pb, int64_t n, const float* part
     const int64_t b = r / (pb.H * pb.Lq), h = r / pb.Lq % pb.H, i = r % pb.Lq;
     if (!pb.head_on(b, h)) continue;
     T* orow = out + b * os[0] + h * os[1] + i * os[2];
-    float m = -kInf;
-    bool nan = false;
-    for (int64_t c = 0; c < n; ++c) {
-      const float l = part_l[c * rows + r];
-      nan = nan || std::isnan(l);
-      m = std::max(m, l);
-    }
-    float acc[kMaxMergeDv];
-    float sum = 0.0f;
-    const int64_t Dv = pb.Dv;
-    for (int64_t d0 = 0; d0 < Dv; d0 += kMaxMergeDv) {
-      const int64_t nd = std::min(Dv - d0, kMaxMergeDv);
-      std::fill(acc, acc + nd, 0.0f);
-      sum = 0.0f;
-      if (!nan && m != -kInf) {
-        for (int64_t c = 0; c < n; ++c) {
-          const float w = std::exp(part_l[c * rows + r] - m);  // 0 for a chunk that saw nothing
-          sum += w;
-          if (w == 0.0f) continue;
-          const float* pr = part_o + (c * rows + r) * Dv + d0;
-          for (int64_t d = 0; d < nd; ++d) acc[d] += w * pr[d];
-        }
-      }
-      const float inv = nan ? std::numeric_limits<float>::quiet_NaN() : sum > 0.0f ? 1.0f / sum : 0.0f;
-      for (int64_t d = 0; d < nd; ++d) {
-        const float x = acc[d] * inv;
-        if constexpr (std::is_same_v<T, float>) {
-          orow[d0 + d] = x;
-        } else {
-          orow[d0 + d] = f32_to_bf16(x);
-        }
-      }
-    }
-    if (Dv == 0) {
-      for (int64_t c = 0; !nan && m != -kInf && c < n; ++c) sum += std::exp(part_l[c * rows + r] - m);
-    }
-    lse[r] = nan ? std::numeric_limits<float>::quiet_NaN() : m == -kInf ? -kInf : m + std::log(sum);
+    lse[r] = merge_normalized_row(
+        n, [&](int64_t c) { return part_o + (c * rows + r) * pb.Dv; }, [&](int64_t c) { return part_l[c * rows + r]; },
+        pb.Dv, [&](int64_t d0, const float* vals, int64_t nd) {
+          for (int64_t d = 0; d < nd; ++d) {
+            if constexpr (std::is_same_v<T, float>) {
+              orow[d0 + d] = vals[d];
+            } else {
+              orow[d0 + d] = f32_to_bf16(vals[d]);
+            }
+          }
+        });
   }
 }
 

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kernels/sdpa_problem.h"
@@ -165,6 +167,45 @@ inline ForwardKeyChunks forward_key_chunks(const SdpaProblem& pb, int64_t tile_r
   const int64_t per = (pb.Lk + n - 1) / n;
   const int64_t chunk = std::max<int64_t>(1, (per + block - 1) / block) * block;
   return {chunk, std::max<int64_t>(1, (pb.Lk + chunk - 1) / chunk)};
+}
+
+// One query row from n normalized partial results of disjoint key sets: part c has the output row
+// o(c) (Dv floats) and the log-sum-exp l(c) of its scores (natural log). The row is
+//   out = sum_c e^(l_c - M) o_c / sum_c e^(l_c - M),   lse = M + ln(sum_c e^(l_c - M)),   M = max_c l_c,
+// summed part by part in order c = 0, 1, ..., so a row's bits depend on its parts alone. A part that
+// saw no key (l = -inf) adds nothing; a row no part saw gives zeros and returns -inf; a NaN l makes
+// the row NaN. store(d0, vals, nd) receives columns [d0, d0 + nd) when all parts have been read for
+// them, so out may be one of the parts (sdpa_merge_ merges into its first operand). Used by the
+// forward's key chunks (merge_key_chunks) and by sdpa_merge_.
+constexpr int64_t kMergeColumns = 64;  // columns summed at a time (a stack buffer)
+
+template <class PartRow, class PartLse, class Store>
+inline float merge_normalized_row(int64_t n, PartRow o, PartLse l, int64_t Dv, Store store) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float m = kNegInf;
+  bool nan = false;
+  for (int64_t c = 0; c < n; ++c) {
+    nan = nan || std::isnan(l(c));
+    m = std::max(m, l(c));
+  }
+  const bool live = !nan && m != kNegInf;
+  float sum = 0.0f;
+  for (int64_t c = 0; live && c < n; ++c) sum += std::exp(l(c) - m);
+  const float inv = nan ? std::numeric_limits<float>::quiet_NaN() : sum > 0.0f ? 1.0f / sum : 0.0f;
+  float acc[kMergeColumns];
+  for (int64_t d0 = 0; d0 < Dv; d0 += kMergeColumns) {
+    const int64_t nd = std::min(Dv - d0, kMergeColumns);
+    std::fill(acc, acc + nd, 0.0f);
+    for (int64_t c = 0; live && c < n; ++c) {
+      const float w = std::exp(l(c) - m);  // 0 for a part that saw nothing
+      if (w == 0.0f) continue;
+      const float* pr = o(c) + d0;
+      for (int64_t d = 0; d < nd; ++d) acc[d] += w * pr[d];
+    }
+    for (int64_t d = 0; d < nd; ++d) acc[d] *= inv;
+    store(d0, acc, nd);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m == kNegInf ? kNegInf : m + std::log(sum);
 }
 
 }  // namespace heads::kernels

@@ -356,7 +356,8 @@ TEST(SdpaBackward, KeyBlocksMergeToTheWholeRow) {
   IsaGuard guard;
   struct Case { int64_t B, H, Hkv, Lq, D, Dv; std::vector<int64_t> blocks; };
   for (const Case& c : {Case{1, 1, 1, 1, 8, 8, {1, 7}}, Case{2, 4, 2, 33, 63, 20, {5, 64, 1, 60}},
-                        Case{1, 2, 1, 129, 64, 64, {129, 129}}, Case{2, 2, 2, 7, 80, 17, {300, 29}}}) {
+                        Case{1, 2, 1, 129, 64, 64, {129, 129}}, Case{2, 2, 2, 7, 80, 17, {300, 29}},
+                        Case{1, 1, 1, 5, 16, 150, {40, 9, 3}}}) {  // Dv past the merge's 64-column blocks
     int64_t Lk = 0;
     for (int64_t n : c.blocks) Lk += n;
     const Tensor q = randn({c.B, c.H, c.Lq, c.D}), k = randn({c.B, c.Hkv, Lk, c.D}), v = randn({c.B, c.Hkv, Lk, c.Dv});
