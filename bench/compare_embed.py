@@ -5,7 +5,8 @@ vs ONNX Runtime, on bench/sentences.txt (1,000 mixed-length sentences), in one r
     python3 bench/compare_embed.py [--threads 2] [--repeats 3] [--dtype f32|bf16|int8]
 
 Each runner works in its own process with the same thread count and computes the whole pipeline
-(tokenize, encode, mean-pool, normalise) over the file. The runners load and warm up first, then
+(tokenize, encode, mean-pool, normalise) over the file. The runners load and warm up first (one
+pass over the whole file, so that no runner meets a batch shape for the first time while timed), then
 take turns, one pass each per round (the first runner of a round changes from round to round), so
 that a slow spell of a shared machine weighs on every runner alike; the time is the median of a
 runner's passes. ONNX Runtime runs the model exported from transformers' BertModel
@@ -140,7 +141,8 @@ def worker(texts, args):
     """Loads one runner, warms it up, then answers the parent on stdin: "run" times one pass over
     the texts (prints {"seconds": s}), "save PATH" writes the last pass's embeddings, "quit"."""
     encode = (run_reference if args.worker == "reference" else RUNNERS[args.worker])(texts, args)
-    encode(texts[:64])
+    if args.worker != "reference":
+        encode(texts)  # warm-up over every batch shape (heads' GEMM primitives, ORT's arena, torch's allocator)
     emb = None
     print("ready", flush=True)
     for line in sys.stdin:
