@@ -1,7 +1,8 @@
 // sdpa_split.h — how the SDPA kernels cut a problem into tasks finer than (batch, head) when there
 // are too few of those to feed many threads, and how the forward groups its query tiles. Each cut is a function of the problem's shape alone
 // (never of the thread count), so results stay bitwise independent of the thread count; it changes
-// only which partial sums are added in which order.
+// only which partial sums are added in which order. Also the merge of normalized partial rows
+// (merge_normalized_row) that the forward's key chunks and sdpa_merge_ share.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "kernels/sdpa_problem.h"
+#include "kernels/simd/common.h"
 
 namespace heads::kernels {
 
@@ -179,8 +181,9 @@ inline ForwardKeyChunks forward_key_chunks(const SdpaProblem& pb, int64_t tile_r
 // forward's key chunks (merge_key_chunks) and by sdpa_merge_.
 constexpr int64_t kMergeColumns = 64;  // columns summed at a time (a stack buffer)
 
+// (always inlined: compiled for the caller's ISA, as the code it replaced was)
 template <class PartRow, class PartLse, class Store>
-inline float merge_normalized_row(int64_t n, PartRow o, PartLse l, int64_t Dv, Store store) {
+HEADS_INLINE float merge_normalized_row(int64_t n, PartRow o, PartLse l, int64_t Dv, Store store) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   float m = kNegInf;
   bool nan = false;

@@ -535,7 +535,7 @@ TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
-  for (int n = 0; n < 9; ++n) {
+  for (int n = 0; n < 10; ++n) {
     SdpaCase c{.B = 1, .H = 2, .Hkv = 1, .Lq = 20, .Lk = 3000, .D = 40, .Dv = 33, .seed = seed + n};
     switch (n) {
       case 1: c.causal = true; break;  // top-left: every row within the first chunk, the others see nothing
@@ -544,6 +544,7 @@ TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
       case 4: c.mask = SdpaMask::Float; c.dropout_p = 0.2; break;
       case 5: c.dtype = DType::BF16; break;
       case 6: c.dtype = DType::BF16; c.causal = true; c.causal_align = CausalAlign::BottomRight; c.D = 64; c.Dv = 64; break;
+      case 9: c.Dv = 150; c.mask = SdpaMask::Bool; break;  // merged in blocks of 64 columns
       default: break;
     }
     const SdpaCase::Inputs in = c.draw();
