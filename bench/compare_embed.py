@@ -137,23 +137,32 @@ def run_reference(texts, args):
     return run_st(texts, args)
 
 
+PROTOCOL = "@compare_embed "  # prefix of the worker's answers, apart from anything a library prints
+
+
 def worker(texts, args):
     """Loads one runner, warms it up, then answers the parent on stdin: "run" times one pass over
-    the texts (prints {"seconds": s}), "save PATH" writes the last pass's embeddings, "quit"."""
+    the texts (answers {"seconds": s}), "save PATH" writes the last pass's embeddings, "quit". The
+    answers go to the original stdout; whatever the libraries print to file descriptor 1 goes to
+    stderr instead, so it can never run into an answer."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    answer = lambda text: print(PROTOCOL + text, file=answers, flush=True)
     encode = (run_reference if args.worker == "reference" else RUNNERS[args.worker])(texts, args)
     if args.worker != "reference":
         encode(texts)  # warm-up over every batch shape (heads' GEMM primitives, ORT's arena, torch's allocator)
     emb = None
-    print("ready", flush=True)
+    answer("ready")
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "run":
             t0 = time.perf_counter()
             emb = encode(texts)
-            print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+            answer(json.dumps({"seconds": time.perf_counter() - t0}))
         elif cmd == "save":
             np.save(arg, emb if emb is not None else encode(texts))
-            print("saved", flush=True)
+            answer("saved")
         else:
             return
 
@@ -170,16 +179,20 @@ class Worker:
         self.ok = self._answer() == "ready"
 
     def _answer(self):
+        """The worker's next answer, or None once it has exited."""
         while True:
             line = self.proc.stdout.readline()
             if not line:
                 return None
-            if line.startswith("{") or line.strip() in ("ready", "saved"):
-                return line.strip()
+            if line.startswith(PROTOCOL):
+                return line[len(PROTOCOL):].strip()
 
     def ask(self, cmd):
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):  # it died while idle
+            return None
         return self._answer()
 
     def error(self):
@@ -191,20 +204,26 @@ class Worker:
 
     def close(self):
         if self.proc.poll() is None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-            self.proc.wait()
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
         self.log.close()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per runner (at least 1)")
     ap.add_argument("--input", default=str(HERE / "sentences.txt"))
     ap.add_argument("--dtype", choices=["f32", "bf16", "int8"], default="f32")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     texts = Path(args.input).read_text().splitlines()
     if args.worker:
         return worker(texts, args)
@@ -217,6 +236,10 @@ def main():
         else:
             print(f"{name} failed: {w.error()}", file=sys.stderr)
     timed = [w for w in workers if w.name != "reference"]
+    if not timed:
+        for w in workers:
+            w.close()
+        raise SystemExit("compare_embed: no runner loaded")
     seconds = {w.name: [] for w in timed}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,11 +45,12 @@ echo "setup: checking Python packages"
   grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" || true
 # ggml-python: the ggml peer of bench/compare.py only, built from source for this CPU (about a minute);
 # nothing else needs it, so a failed build is reported and set-up goes on.
-"$PYTHON" -c "import ggml" 2>/dev/null ||
+GGML_OK='import importlib.metadata as m, ggml; assert m.version("ggml-python") == "0.0.45"'
+"$PYTHON" -c "$GGML_OK" 2>/dev/null ||
   "$PYTHON" -m pip install -q --disable-pip-version-check ggml-python==0.0.45 2>&1 |
   grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" ||
   true
-"$PYTHON" -c "import ggml" 2>/dev/null || echo "setup: ggml-python did not install; bench/compare.py will leave ggml out" >&2
+"$PYTHON" -c "$GGML_OK" 2>/dev/null || echo "setup: ggml-python 0.0.45 did not install; bench/compare.py will leave ggml out" >&2
 
 echo "setup: building (build/)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
