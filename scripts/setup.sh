@@ -6,8 +6,13 @@
 # The C++ library, CLI and tests need only the Debian packages (and the tests, the all-MiniLM-L6-v2 model:
 # $HEADS_MODEL_DIR or the pip package): `setup.sh --apt-only` installs those and stops
 # (CI runs it in a bare Debian 12 root to prove that list complete: scripts/fresh-system.sh).
+# C++ compiles (g++, or $CXX) go through ccache (a Debian package of the list): the Python module's
+# build reuses the library objects of the CLI's build, and a second run rebuilds only what changed;
+# CCACHE_DIR moves its cache, CMAKE_CXX_COMPILER_LAUNCHER= (empty) turns it off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/steps.sh
+trap steps_cleanup EXIT
 
 APT_ONLY=0
 case "${1:-}" in
@@ -18,7 +23,7 @@ esac
 
 PYTHON=${PYTHON:-python3}
 PREFIX=${PREFIX:-/usr/local}
-APT_PACKAGES=(g++ make cmake ninja-build libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev ocl-icd-opencl-dev libicu-dev libcairo2-dev fonts-dejavu-core pkg-config
+APT_PACKAGES=(g++ make cmake ninja-build ccache libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev ocl-icd-opencl-dev libicu-dev libcairo2-dev fonts-dejavu-core pkg-config
               libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libcpp-httplib-dev liblmdb-dev
               libssl-dev openssl
               iproute2)  # iproute2: `ip netns`, for the test of DDP across two network namespaces
@@ -27,6 +32,7 @@ PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2
               fastapi uvicorn  # fastapi, uvicorn: the peer server of bench/serve_load.py
               "ray[data,serve]==2.60.0")  # heads.ray and its tests (docs/distributed.md)
 
+step setup:apt "setup: Debian packages"
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -38,13 +44,15 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+step_end
 ((APT_ONLY)) && exit 0
 
-echo "setup: checking Python packages"
+step setup:pip "setup: checking Python packages"
 "$PYTHON" -m pip install -q --disable-pip-version-check "${PIP_PACKAGES[@]}" 2>&1 |
   grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" || true
 # ggml-python: the ggml peer of bench/compare.py only, built from source for this CPU (about a minute);
 # nothing else needs it, so a failed build is reported and set-up goes on.
+step setup:ggml "setup: ggml-python (bench/compare.py only)"
 GGML_OK='import importlib.metadata as m, ggml; assert m.version("ggml-python") == "0.0.45"'
 "$PYTHON" -c "$GGML_OK" 2>/dev/null ||
   "$PYTHON" -m pip install -q --disable-pip-version-check ggml-python==0.0.45 2>&1 |
@@ -52,13 +60,20 @@ GGML_OK='import importlib.metadata as m, ggml; assert m.version("ggml-python") =
   true
 "$PYTHON" -c "$GGML_OK" 2>/dev/null || echo "setup: ggml-python 0.0.45 did not install; bench/compare.py will leave ggml out" >&2
 
-echo "setup: building (build/)"
+if [ -z "${CMAKE_CXX_COMPILER_LAUNCHER+set}" ] && command -v ccache >/dev/null; then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache
+fi
+# One compiler name for both builds (pip's build would take Python's "g++", CMake "c++"; ccache keys
+# on the name): the library's objects then come out of the cache the second time.
+export CXX=${CXX:-g++}
+step setup:build "setup: building (build/)${CMAKE_CXX_COMPILER_LAUNCHER:+ through $CMAKE_CXX_COMPILER_LAUNCHER}"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build
 cmake --install build --prefix "$PREFIX" >/dev/null
 echo "setup: installed $PREFIX/bin/heads and the CMake package under $PREFIX"
 
-echo "setup: building the Python module"
+step setup:python "setup: building the Python module"
 "$PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation . 2>&1 |
   grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" || true
 "$PYTHON" -c "import heads; print('setup: import heads OK from', heads.__file__)"
+step_end

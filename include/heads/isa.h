@@ -33,5 +33,9 @@ double measure_amx_peak_gflops(int threads, double seconds = 0.2);
 // "widen" (bf16 widened to f32, f32 FMAs). avx512bf16 picks dot or widen by measuring both rates
 // once (HEADS_BF16_DOT=1|0 forces one).
 const char* bf16_attention_products();
+// Forces avx512bf16's choice for the whole process: "dot" or "widen"; "auto" returns to the
+// measured choice (or HEADS_BF16_DOT's). Both give results within bf16's rounding of P of each
+// other; the tests run their bf16 cases under both. Throws heads::Error for another name.
+void set_bf16_attention_products(const std::string& how);
 
 }  // namespace heads

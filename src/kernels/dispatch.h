@@ -76,7 +76,8 @@ namespace amx { extern const KernelTable kTable; }         // avx512bf16 + AMX-T
 const KernelTable& active();
 
 // Whether the avx512bf16 path's bf16 attention uses vdpbf16ps (true) or widens bf16 to f32 and runs
-// the f32 products (false): HEADS_BF16_DOT=1|0 when set, else measured once (first call) on one
+// the f32 products (false): set_bf16_attention_products's choice when forced, else HEADS_BF16_DOT=1|0
+// when set, else measured once (first call) on one
 // thread: vdpbf16ps pays where its flops per second beat the f32 FMA's (Zen 4: about 2x; Intel
 // Xeons: about 0.5x, where the amx path covers bf16 anyway). The two give the same results within
 // bf16's rounding of P (docs/numerics.md).

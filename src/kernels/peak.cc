@@ -3,6 +3,7 @@
 #include "heads/isa.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -40,7 +41,13 @@ double measure_probe(float (*probe)(int64_t), int flops_per_iter, int threads, d
 
 namespace kernels {
 
+namespace {
+// set_bf16_attention_products: -1 auto, 0 widen, 1 dot.
+std::atomic<int> forced_bf16_dot{-1};
+}  // namespace
+
 bool bf16_dot_pays() {
+  if (const int forced = forced_bf16_dot.load(std::memory_order_relaxed); forced >= 0) return forced == 1;
   static const bool pays = [] {
     if (const char* env = std::getenv("HEADS_BF16_DOT"); env != nullptr && *env != '\0') {
       const std::string v = env;
@@ -64,6 +71,12 @@ const char* bf16_attention_products() {
     case Isa::Avx512Bf16: return kernels::bf16_dot_pays() ? "dot" : "widen";
     default: return "widen";
   }
+}
+
+void set_bf16_attention_products(const std::string& how) {
+  HEADS_CHECK(how == "auto" || how == "dot" || how == "widen",
+              "set_bf16_attention_products: how must be \"auto\", \"dot\" or \"widen\", got \"", how, "\"");
+  kernels::forced_bf16_dot.store(how == "auto" ? -1 : how == "dot" ? 1 : 0, std::memory_order_relaxed);
 }
 
 double measure_fma_peak_gflops(int threads, double seconds) {

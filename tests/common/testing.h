@@ -6,17 +6,53 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <vector>
 
+#include "heads/isa.h"
 #include "heads/runtime.h"
 #include "heads/tensor.h"
 
 namespace heads::testing {
 
-// Restores the active ISA path at scope exit (tests loop over every path).
+// Restores the active ISA path, and avx512bf16's choice of bf16 products, at scope exit (tests loop
+// over every path).
 struct IsaGuard {
   Isa saved = active_isa();
-  ~IsaGuard() { set_isa(saved); }
+  ~IsaGuard() {
+    set_isa(saved);
+    set_bf16_attention_products("auto");
+  }
 };
+
+// A path of the bf16 attention forward: an ISA and, on avx512bf16, how it multiplies bf16 ("dot":
+// vdpbf16ps, or "widen" to f32), which that ISA otherwise picks once per process by measuring.
+struct KernelPath {
+  Isa isa;
+  const char* bf16_products;  // "auto" where the ISA has a single way
+  void select() const {
+    set_isa(isa);
+    set_bf16_attention_products(bf16_products);
+  }
+  std::string name() const {
+    return isa_name(isa) + (std::string(bf16_products) == "auto" ? "" : std::string("/") + bf16_products);
+  }
+};
+
+// Every path this CPU runs, best last: supported_isas(), with avx512bf16 once per bf16 product.
+// Use it where bf16 inputs reach the tiled forward (under an IsaGuard); f32 and the backward
+// depend on the ISA alone.
+inline std::vector<KernelPath> kernel_paths() {
+  std::vector<KernelPath> paths;
+  for (Isa isa : supported_isas()) {
+    if (isa == Isa::Avx512Bf16) {
+      paths.push_back({isa, "widen"});
+      paths.push_back({isa, "dot"});
+    } else {
+      paths.push_back({isa, "auto"});
+    }
+  }
+  return paths;
+}
 
 // The message of the heads::Error that f() throws, or "<no error>".
 template <class F>

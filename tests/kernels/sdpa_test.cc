@@ -24,6 +24,7 @@ using testing::randn;
 
 constexpr double kRtol = 1e-5, kAtol = 1e-6;
 
+using testing::error_of;
 using testing::IsaGuard;
 
 // Every ISA path this CPU runs, with and without weights, against the float64 reference.
@@ -223,11 +224,11 @@ TEST(Sdpa, FullyMaskedRowsGiveZeros) {
 // by a chunk size of 0) and the tiled one, in f32 and bf16, with and without weights.
 TEST(Sdpa, ZeroKeysGiveZeroRowsOnEveryPath) {
   IsaGuard guard;
-  for (Isa isa : supported_isas()) {
-    set_isa(isa);
+  for (const testing::KernelPath& path : testing::kernel_paths()) {
+    path.select();
     for (int64_t Lq : {1, 3, 4, 5, 40}) {
       for (DType dt : {DType::F32, DType::BF16}) {
-        const std::string where = "Lq=" + std::to_string(Lq) + " " + std::string(dtype_name(dt)) + " isa=" + isa_name(isa);
+        const std::string where = "Lq=" + std::to_string(Lq) + " " + std::string(dtype_name(dt)) + " isa=" + path.name();
         const Tensor q = randn({2, 2, Lq, 8}).to(dt), k = Tensor::empty({2, 2, 0, 8}, dt), v = Tensor::empty({2, 2, 0, 6}, dt);
         SdpaOptions o;
         o.need_weights = true;
@@ -263,11 +264,12 @@ TEST(Sdpa, NonFiniteInputsReachTheRowsTheyTouch) {
   // Lq = 3: the decode path (Lk = 1300: keys split in chunks); Lq = 40: the tiled path.
   for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{3, 70}, {3, 1300}, {40, 70}, {40, 300}}) {
     const int64_t nk = Lk - 5;  // the poisoned key
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
+    const std::vector<testing::KernelPath> paths = testing::kernel_paths();
+    for (const testing::KernelPath& path : paths) {
+      path.select();
       for (DType dt : {DType::F32, DType::BF16}) {
         const std::string where = "Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) + " " +
-                                  std::string(dtype_name(dt)) + " isa=" + isa_name(isa);
+                                  std::string(dtype_name(dt)) + " isa=" + path.name();
         const Tensor q0 = randn({1, 2, Lq, 8}), k0 = randn({1, 2, Lk, 8}), v0 = randn({1, 2, Lk, 8});
         auto set = [](Tensor t, Shape i, float x) {
           t.data<float>()[((i[0] * t.size(1) + i[1]) * t.size(2) + i[2]) * t.size(3) + i[3]] = x;
@@ -276,7 +278,11 @@ TEST(Sdpa, NonFiniteInputsReachTheRowsTheyTouch) {
         auto run = [&](const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o, const std::string& what) {
           o.need_weights = true;
           const SdpaResult r = sdpa(q.to(dt), k.to(dt), v.to(dt), o);
-          if (dt == DType::F32) expect_matches_ref(q, k, v, o, where + " " + what);
+          // The reference check visits every path itself: once, from the first path's loop.
+          if (dt == DType::F32 && &path == &paths.front()) {
+            expect_matches_ref(q, k, v, o, where + " " + what);
+            path.select();
+          }
           return r;
         };
         {  // NaN in one query row: that row (out, lse, every weight), nothing else
@@ -418,13 +424,13 @@ TEST(Sdpa, KeysNoQuerySeesNeverReachTheOutput) {
     const Tensor q = randn({1, 2, Lq, 24});
     SdpaOptions o;
     o.is_causal = true;
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
+    for (const testing::KernelPath& path : testing::kernel_paths()) {
+      path.select();
       for (DType dt : {DType::F32, DType::BF16}) {
         const SdpaResult r = sdpa(q.to(dt), k.to(dt), v.to(dt), o);
         const Tensor out = r.out.to(DType::F32);
         for (int64_t i = 0; i < out.numel(); ++i) {
-          ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << "Lq=" << Lq << " " << dtype_name(dt) << " isa=" << isa_name(isa);
+          ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << "Lq=" << Lq << " " << dtype_name(dt) << " isa=" << path.name();
         }
       }
     }
@@ -462,13 +468,14 @@ TEST(Sdpa, TilesSharingAKeySweep) {
     }
     set_num_threads(1);
     if (c.dtype == DType::F32) expect_case_matches_ref(c);
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
+    for (const testing::KernelPath& path : testing::kernel_paths()) {
+      if (c.dtype == DType::F32 && std::string(path.bf16_products) == "dot") continue;  // f32: the same kernel
+      path.select();
       set_num_threads(1);
       const SdpaResult grouped = sdpa(in.q, in.k, in.v, o);
       set_num_threads(64);
       const SdpaResult single = sdpa(in.q, in.k, in.v, o);
-      const std::string where = c.str() + " isa=" + isa_name(isa);
+      const std::string where = c.str() + " isa=" + path.name();
       EXPECT_TRUE(testing::bitwise_equal(grouped.out, single.out)) << where;
       EXPECT_TRUE(testing::bitwise_equal(grouped.lse, single.lse)) << where;
       EXPECT_TRUE(testing::bitwise_equal(grouped.weights, single.weights)) << where;
@@ -504,13 +511,13 @@ TEST(Sdpa, Bf16WideningIsTheF32KernelRoundedOnce) {
       SdpaOptions o = in.options;
       o.need_weights = true;
       if (window) o.window_left = 50, o.window_right = c.causal ? -1 : 9;  // tiles start past key 0
-      for (Isa isa : supported_isas()) {
-        set_isa(isa);
+      for (const testing::KernelPath& path : testing::kernel_paths()) {
+        path.select();
         if (std::string(bf16_attention_products()) != "widen") continue;
         for (int threads : {1, 2, 3}) {
           set_num_threads(threads);
           const SdpaResult rb = sdpa(in.q, in.k, in.v, o), rf = sdpa(q32, k32, v32, o);
-          const std::string where = c.str() + (window ? " window" : "") + " isa=" + isa_name(isa) +
+          const std::string where = c.str() + (window ? " window" : "") + " isa=" + path.name() +
                                     " threads=" + std::to_string(threads);
           ASSERT_EQ(rb.out.dtype(), DType::BF16) << where;
           EXPECT_TRUE(testing::bitwise_equal(rb.out, rf.out.to(DType::BF16))) << where;
@@ -556,9 +563,10 @@ TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
     for (int64_t tile : {16, 32}) ASSERT_GT(kernels::forward_key_chunks(pb, tile, 128).n, 1) << c.str();
     const SdpaResult ref = ref::sdpa_fwd_f64(in.q, in.k, in.v, o);
     const double tol = c.dtype == DType::BF16 ? 8e-3 : kRtol;
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
-      const std::string where = c.str() + " case " + std::to_string(n) + " isa=" + isa_name(isa);
+    for (const testing::KernelPath& path : testing::kernel_paths()) {
+      if (c.dtype == DType::F32 && std::string(path.bf16_products) == "dot") continue;  // f32: the same kernel
+      path.select();
+      const std::string where = c.str() + " case " + std::to_string(n) + " isa=" + path.name();
       set_num_threads(1);
       const SdpaResult r1 = sdpa(in.q, in.k, in.v, o);
       set_num_threads(3);
@@ -610,9 +618,10 @@ TEST(Sdpa, BatchInvariantSequenceAloneOrPadded) {
   const bool saved = batch_invariant();
   set_batch_invariant(true);
   constexpr int64_t H = 3, D = 20, B = 3;
-  for (Isa isa : supported_isas()) {
-    set_isa(isa);
+  for (const testing::KernelPath& path : testing::kernel_paths()) {
+    path.select();
     for (DType dt : {DType::F32, DType::BF16}) {
+      if (dt == DType::F32 && std::string(path.bf16_products) == "dot") continue;  // f32: the same kernel
       for (int64_t L : {1, 2, 4, 5, 9}) {
         for (int64_t Lp : {L, L + 1, int64_t{7}, int64_t{133}}) {
           if (Lp < L) continue;
@@ -634,7 +643,7 @@ TEST(Sdpa, BatchInvariantSequenceAloneOrPadded) {
           o.attn_mask = mask;
           const Tensor batched = sdpa(qb, kb, vb, o).out.select(0, 1).slice(1, 0, L).contiguous();
           EXPECT_TRUE(testing::bitwise_equal(alone.select(0, 0), batched))
-              << "isa=" << isa_name(isa) << " dtype=" << dtype_name(dt) << " L=" << L << " padded to " << Lp;
+              << "isa=" << path.name() << " dtype=" << dtype_name(dt) << " L=" << L << " padded to " << Lp;
         }
       }
     }
@@ -664,10 +673,11 @@ TEST(Sdpa, BatchInvariantCrossAttentionOfLongKeys) {
       ASSERT_NE(kernels::forward_key_chunks(alone_pb, tile, 128).n, kernels::forward_key_chunks(batch_pb, tile, 128).n);
     }
     set_batch_invariant(true);
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
+    for (const testing::KernelPath& path : testing::kernel_paths()) {
+      if (dt == DType::F32 && std::string(path.bf16_products) == "dot") continue;  // f32: the same kernel
+      path.select();
       const Tensor alone = sdpa(q, k, v).out, batched = sdpa(qb, kb, vb).out.select(0, 1).contiguous();
-      EXPECT_TRUE(testing::bitwise_equal(alone.select(0, 0), batched)) << "isa=" << isa_name(isa) << " " << dtype_name(dt);
+      EXPECT_TRUE(testing::bitwise_equal(alone.select(0, 0), batched)) << "isa=" << path.name() << " " << dtype_name(dt);
     }
     set_batch_invariant(saved);
   }
@@ -748,9 +758,9 @@ TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
       const SdpaResult ref = ref::sdpa_fwd_f64(in.q, in.k, in.v, o);  // float64 on the bf16 inputs
       const double naive = naive_bf16_error(in.q, in.k, in.v, o, ref);
       const double scale = testing::compare(ref.out, ref.out).max_ref;
-      for (Isa isa : supported_isas()) {
-        set_isa(isa);
-        const std::string what = c.str() + " isa=" + isa_name(isa);
+      for (const testing::KernelPath& path : testing::kernel_paths()) {
+        path.select();
+        const std::string what = c.str() + " isa=" + path.name();
         const SdpaResult r = sdpa(in.q, in.k, in.v, o);
         ASSERT_EQ(r.out.dtype(), DType::BF16);
         const auto e = testing::compare(r.out, ref.out);
@@ -779,6 +789,22 @@ TEST(Dispatch, EveryPathIsSelectableAndNamed) {
     EXPECT_EQ(isa_from_name(isa_name(isa)), isa);
   }
   EXPECT_THROW(isa_from_name("sse9"), Error);
+  // The bf16 forward's paths: avx512bf16 under both of its products, each named as it runs.
+  std::vector<std::string> names;
+  for (const testing::KernelPath& path : testing::kernel_paths()) {
+    path.select();
+    names.push_back(path.name());
+    EXPECT_EQ(active_isa(), path.isa);
+    const std::string products = bf16_attention_products();
+    if (path.isa == Isa::Avx512Bf16) {
+      EXPECT_EQ(products, path.bf16_products);
+    } else {
+      EXPECT_EQ(products, path.isa == Isa::Amx ? "amx" : "widen") << path.name();
+    }
+  }
+  EXPECT_EQ(names.size(), isas.size() + (isa_supported(Isa::Avx512Bf16) ? 1 : 0));
+  EXPECT_THAT(error_of([] { set_bf16_attention_products("fast"); }),
+              ::testing::HasSubstr("set_bf16_attention_products: how must be \"auto\", \"dot\" or \"widen\", got \"fast\""));
 }
 
 TEST(Sdpa, WritesIntoStridedOutput) {
@@ -789,8 +815,6 @@ TEST(Sdpa, WritesIntoStridedOutput) {
   const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v);
   EXPECT_TRUE(compare(buf.permute({0, 2, 1, 3}), ref.out).within(kRtol, kAtol));
 }
-
-using testing::error_of;
 
 TEST(Sdpa, BadInputNamesArgumentAndShapes) {
   const Tensor q = randn({2, 4, 7, 16}), k = randn({2, 4, 5, 16}), v = randn({2, 4, 5, 16});

@@ -117,19 +117,22 @@ TEST(SdpaVariants, ForwardMatchesReferenceOnEveryPath) {
       // bf16: the same call on bf16-rounded inputs against float64 on those inputs.
       const Tensor qb = q.to(DType::BF16), kb = k.to(DType::BF16), vb = v.to(DType::BF16);
       const SdpaResult ref_b = ref::sdpa_fwd_f64(qb, kb, vb, o);
-      for (Isa isa : supported_isas()) {
-        set_isa(isa);
-        const std::string where = what + " isa=" + isa_name(isa);
-        o.need_weights = true;
-        const SdpaResult r = sdpa(q, k, v, o);
-        const auto e = testing::compare(r.out, ref.out), ew = testing::compare(r.weights, ref.weights),
-                   el = testing::compare(r.lse, ref.lse);
-        ASSERT_TRUE(e.within(1e-5, 1e-6)) << where << ": out max err " << e.max_abs << " (ref max " << e.max_ref << ")";
-        ASSERT_TRUE(ew.within(1e-5, 1e-6)) << where << ": weights max err " << ew.max_abs;
-        ASSERT_TRUE(el.within(1e-5, 1e-6) || el.max_abs == 0) << where << ": lse max err " << el.max_abs;
+      for (const testing::KernelPath& path : testing::kernel_paths()) {
+        path.select();
+        const std::string where = what + " isa=" + path.name();
+        if (std::string(path.bf16_products) != "dot") {  // f32: the same kernel on both bf16 products
+          o.need_weights = true;
+          const SdpaResult r = sdpa(q, k, v, o);
+          const auto e = testing::compare(r.out, ref.out), ew = testing::compare(r.weights, ref.weights),
+                     el = testing::compare(r.lse, ref.lse);
+          ASSERT_TRUE(e.within(1e-5, 1e-6)) << where << ": out max err " << e.max_abs << " (ref max " << e.max_ref << ")";
+          ASSERT_TRUE(ew.within(1e-5, 1e-6)) << where << ": weights max err " << ew.max_abs;
+          ASSERT_TRUE(el.within(1e-5, 1e-6) || el.max_abs == 0) << where << ": lse max err " << el.max_abs;
+          o.need_weights = false;
+          const SdpaResult r2 = sdpa(q, k, v, o);
+          ASSERT_TRUE(testing::bitwise_equal(r.out, r2.out)) << where << ": need_weights changed the output";
+        }
         o.need_weights = false;
-        const SdpaResult r2 = sdpa(q, k, v, o);
-        ASSERT_TRUE(testing::bitwise_equal(r.out, r2.out)) << where << ": need_weights changed the output";
         const SdpaResult rb = sdpa(qb, kb, vb, o);
         const auto eb = testing::compare(rb.out, ref_b.out);
         ASSERT_TRUE(eb.within(8e-3, 4e-3)) << where << " bf16: out max err " << eb.max_abs << " (ref max "
@@ -415,9 +418,15 @@ TEST(SdpaVariants, BlockSparseLayouts) {
       m.block_mask = Tensor();
       m.attn_mask = dense;
       EXPECT_TRUE(testing::compare(sdpa(q, k, v, m).out, ref.out).within(1e-5, 1e-6)) << what << " as a bool mask";
-      for (Isa isa : supported_isas()) {
-        set_isa(isa);
-        const std::string where = what + " isa=" + isa_name(isa);
+      const Tensor qb = q.to(DType::BF16), kb = k.to(DType::BF16), vb = v.to(DType::BF16);
+      const SdpaResult ref_b = ref::sdpa_fwd_f64(qb, kb, vb, o);
+      for (const testing::KernelPath& path : testing::kernel_paths()) {
+        path.select();
+        const std::string where = what + " isa=" + path.name();
+        o.need_weights = false;
+        const auto eb = testing::compare(sdpa(qb, kb, vb, o).out, ref_b.out);
+        ASSERT_TRUE(eb.within(8e-3, 4e-3)) << where << " bf16 max err " << eb.max_abs;
+        if (std::string(path.bf16_products) == "dot") continue;  // f32: the same kernel on both bf16 products
         o.need_weights = true;
         const SdpaResult r = sdpa(q, k, v, o);
         ASSERT_TRUE(testing::compare(r.out, ref.out).within(1e-5, 1e-6)) << where;
@@ -432,9 +441,6 @@ TEST(SdpaVariants, BlockSparseLayouts) {
           const auto e = testing::compare(*got, *want);
           ASSERT_TRUE(e.within(1e-5, 1e-5)) << where << ": " << name << " max err " << e.max_abs;
         }
-        const Tensor qb = q.to(DType::BF16), kb = k.to(DType::BF16), vb = v.to(DType::BF16);
-        const auto eb = testing::compare(sdpa(qb, kb, vb, o).out, ref::sdpa_fwd_f64(qb, kb, vb, o).out);
-        ASSERT_TRUE(eb.within(8e-3, 4e-3)) << where << " bf16 max err " << eb.max_abs;
       }
     }
   }
@@ -484,10 +490,11 @@ TEST(SdpaVariants, HeadMaskSkipsHeads) {
     for (int64_t h = 0; h < s.H; ++h) on[h] = 1;               // batch 0: every head
     for (int64_t h = 0; h < s.H; h += 2) on[s.H + h] = 1;      // batch 1: every other head
     if (s.B > 2) on[3 * s.H - 1] = 1;                        // batch 2: the last head only
-    for (Isa isa : supported_isas()) {
-      set_isa(isa);
+    for (const testing::KernelPath& path : testing::kernel_paths()) {
+      path.select();
       for (DType dt : {DType::F32, DType::BF16}) {
-        const std::string where = std::string("isa=") + isa_name(isa) + " " + std::string(dtype_name(dt)) + " Lq=" +
+        if (dt == DType::F32 && std::string(path.bf16_products) == "dot") continue;  // f32: the same kernel
+        const std::string where = std::string("isa=") + path.name() + " " + std::string(dtype_name(dt)) + " Lq=" +
                                   std::to_string(s.Lq) + " H=" + std::to_string(s.H) + "/" + std::to_string(s.Hkv);
         SdpaOptions o;
         o.enable_gqa = s.H != s.Hkv;
