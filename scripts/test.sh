@@ -2,7 +2,7 @@
 # test.sh — set up (scripts/setup.sh), then run every test:
 #   1. the C++ suite (GoogleTest via CTest, CLI exit codes, an install-tree consumer),
 #   2. the same C++ suite built with AddressSanitizer + UndefinedBehaviorSanitizer (-O1),
-#   3. the Python suite (pytest, in two processes) against live PyTorch 2.13, including the CLI.
+#   3. the Python suite (pytest, a process per core up to 4) against live PyTorch 2.13, including the CLI.
 # 2 and 3 run with HEADS_SCRATCH_POISON=1: the kernels' reused scratch is NaN-filled on every call.
 # Ends with a table of its steps' times.
 set -euo pipefail
@@ -43,5 +43,11 @@ HEADS_SCRATCH_POISON=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 LSAN_OPTIONS
 
 # As root (CI), the test of DDP across two network namespaces must run, not skip.
 [ "$(id -u)" -eq 0 ] && export HEADS_REQUIRE_NETNS=1
-step pytest "Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'))"
-HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" "$PYTHON" -m pytest -q tests/python
+# One process per core (at most 4: each holds PyTorch and a model), one thread each (OMP_NUM_THREADS,
+# which heads and PyTorch follow; the tests that compare thread counts set theirs); a test file stays
+# in one process, so its module fixtures (models, servers, the Ray cluster) are made once.
+WORKERS=$(nproc)
+((WORKERS <= 4)) || WORKERS=4
+step pytest "Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $WORKERS processes)"
+HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
+  "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile tests/python

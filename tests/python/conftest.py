@@ -39,6 +39,19 @@ def check():
     return _check
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its worst cases to the controller (pytest_testnodedown)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["heads_worst"] = dict(_worst)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for kind, (err, what) in getattr(node, "workeroutput", {}).get("heads_worst", {}).items():
+        record(kind, err, what)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _worst:
         return
