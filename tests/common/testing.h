@@ -115,29 +115,35 @@ struct Err {
   bool within(double rtol, double atol) const { return !nan && max_abs <= rtol * max_ref + atol; }
 };
 
+// Both comparisons read the tensors once as contiguous float64 (any dtype and layout; exact as
+// item_as_double is) and walk them flat: per-element indexing costs more than the checked kernel
+// under the sanitizers.
 inline Err compare(const Tensor& out, const Tensor& ref) {
   Err e;
   if (out.shape() != ref.shape()) {
     e.nan = true;
     return e;
   }
-  for_each_index(out.shape(), [&](const Shape& i) {
-    const double a = out.item_as_double(i), b = ref.item_as_double(i);
+  const Tensor x = out.to(DType::F64), y = ref.to(DType::F64);
+  const double *pa = x.data<double>(), *pb = y.data<double>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double a = pa[i], b = pb[i];
     if (std::isnan(a) != std::isnan(b)) e.nan = true;
     e.max_abs = std::max(e.max_abs, std::fabs(a - b));
     e.max_ref = std::max(e.max_ref, std::fabs(b));
-  });
+  }
   return e;
 }
 
+// Equal values (+0 equals -0, NaN equals NaN), shapes equal.
 inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
   if (a.shape() != b.shape()) return false;
-  bool eq = true;
-  for_each_index(a.shape(), [&](const Shape& i) {
-    const double x = a.item_as_double(i), y = b.item_as_double(i);
-    if (!(x == y || (std::isnan(x) && std::isnan(y)))) eq = false;
-  });
-  return eq;
+  const Tensor x = a.to(DType::F64), y = b.to(DType::F64);
+  const double *px = x.data<double>(), *py = y.data<double>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (!(px[i] == py[i] || (std::isnan(px[i]) && std::isnan(py[i])))) return false;
+  }
+  return true;
 }
 
 // Σ a·b in double over two tensors of the same size (read as f32).

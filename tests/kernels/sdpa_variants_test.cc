@@ -90,19 +90,25 @@ std::vector<Variant> variants() {
 
 struct Shape4 {
   int64_t B, H, Hkv, Lq, Lk, D, Dv;
+  bool forward = true, backward = true;  // which of the two tests below runs it
 };
 
 std::vector<Shape4> shapes() {
   return {{1, 1, 1, 1, 1, 8, 8},     {2, 4, 2, 1, 700, 16, 16},  {1, 3, 3, 3, 129, 17, 9},
           {2, 2, 1, 7, 7, 5, 5},     {1, 4, 4, 129, 129, 64, 64}, {1, 2, 2, 129, 33, 63, 66},
           {1, 2, 1, 33, 200, 32, 32}, {1, 2, 1, 150, 600, 24, 20},  // the backward cuts its keys
-          {1, 4, 2, 300, 1500, 24, 20},  // and the forward sweeps them with several query tiles at once
+          // the forward sweeps the keys with several query tiles at once (a head's K and V past 256 KB,
+          // tiles enough to group on 2 threads): a size for that rule, which the backward does not have
+          {1, 4, 2, 300, 1500, 24, 20, true, false},
+          // its backward counterpart: GQA, several query tiles, the keys cut into splits (4 of 275)
+          {1, 4, 2, 150, 1100, 24, 20, false, true},
           {1, 2, 1, 20, 2100, 24, 20}};  // few query tiles against long keys: the forward cuts the keys
 }
 
 TEST(SdpaVariants, ForwardMatchesReferenceOnEveryPath) {
   IsaGuard guard;
   for (const Shape4& s : shapes()) {
+    if (!s.forward) continue;
     const Tensor q = randn({s.B, s.H, s.Lq, s.D}), k = randn({s.B, s.Hkv, s.Lk, s.D}),
                  v = randn({s.B, s.Hkv, s.Lk, s.Dv});
     for (const Variant& var : variants()) {
@@ -278,6 +284,7 @@ Tensor nan_filled(const Shape& shape) {
 TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
   IsaGuard guard;
   for (const Shape4& s : shapes()) {
+    if (!s.backward) continue;
     const Tensor q = randn({s.B, s.H, s.Lq, s.D}), k = randn({s.B, s.Hkv, s.Lk, s.D}),
                  v = randn({s.B, s.Hkv, s.Lk, s.Dv}), dout = randn({s.B, s.H, s.Lq, s.Dv});
     for (const Variant& var : variants()) {
