@@ -35,6 +35,14 @@ class Buffer {
 
 constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (127 * 127);  // exact int32 sums
 
+// std::nearbyint in the default rounding mode (to nearest, ties to even) for |x| < 2^22: past
+// 1.5 * 2^23 a float's step is 1, so adding it rounds to an integer and subtracting it is exact. Inline,
+// so that the loops below vectorize (nearbyint is a library call); their values stay below 255 steps.
+inline float round_even(float x) {
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  return (x + kShift) - kShift;
+}
+
 // Symmetric int8 of one weight row: q = round(x / s), s = max|x| / 127 (s = 1 for an all-zero row);
 // NaN when the row holds NaN or ±inf. (Activations: the table's quantize_rows_i8.)
 float quantize_row(const float* x, int64_t K, int8_t* q) {
@@ -51,7 +59,7 @@ float quantize_row(const float* x, int64_t K, int8_t* q) {
   const float s = amax >= 127.0f * std::numeric_limits<float>::min() ? amax / 127.0f : 1.0f;  // as quantize-inl.h
   const float inv = 1.0f / s;
   for (int64_t k = 0; k < K; ++k) {
-    q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] * inv), -127.0f, 127.0f));
+    q[k] = static_cast<int8_t>(std::clamp(round_even(x[k] * inv), -127.0f, 127.0f));
   }
   return s;
 }
@@ -62,7 +70,7 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
   const auto error = [&](float t) {
     double e = 0;
     for (int64_t k = 0; k < K; ++k) {
-      const double d = w[k] - std::clamp(std::nearbyint(w[k] / t), -127.0f, 127.0f) * t;
+      const double d = w[k] - std::clamp(round_even(w[k] / t), -127.0f, 127.0f) * t;
       e += d * d;
     }
     return e;
@@ -74,7 +82,7 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
     const double e = error(t);
     if (e < best_error) best = t, best_error = e;
   }
-  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(w[k] / best), -127.0f, 127.0f));
+  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(std::clamp(round_even(w[k] / best), -127.0f, 127.0f));
   return best;
 }
 
@@ -308,31 +316,58 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
     const Tensor w = weight.to(DType::F32);
     data_ = Tensor::empty({N, K}, DType::I8);
     scales_ = Tensor::empty({N}, DType::F32);
-    std::vector<int64_t> heavy;  // rows that get the residual term
-    std::vector<float> residual(static_cast<size_t>(K));
-    std::vector<int8_t> rq;
-    std::vector<float> rs;
-    for (int64_t n = 0; n < N; ++n) {
-      const float* row = w.data<float>() + n * K;
-      int8_t* q = static_cast<int8_t*>(data_.raw_data()) + n * K;
-      const float s = quantize_row(row, K, q);
-      HEADS_CHECK(std::isfinite(s), "PackedLinear: weight row ", n, " holds NaN or inf");
-      const float sc = clip_row(row, K, s, q);
-      scales_.data<float>()[n] = sc;
-      double err = 0, norm = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        residual[k] = row[k] - static_cast<float>(q[k]) * sc;
-        err += static_cast<double>(residual[k]) * residual[k];
-        norm += static_cast<double>(row[k]) * row[k];
+    const float* rows = w.data<float>();
+    auto* q = static_cast<int8_t*>(data_.raw_data());
+    float* scales = scales_.data<float>();
+    // A row's residual after its int8 term: row - q * scale.
+    const auto residual_of = [&](int64_t n, float* r) {
+      for (int64_t k = 0; k < K; ++k) r[k] = rows[n * K + k] - static_cast<float>(q[n * K + k]) * scales[n];
+    };
+    // The rows are independent (a search over 51 scales each): in parallel, each row's result the same
+    // on any number of threads. First the int8 terms, and which rows need a residual term.
+    std::vector<uint8_t> needs_residual(static_cast<size_t>(N), 0);
+    const int threads = static_cast<int>(std::clamp<int64_t>(N, 1, get_num_threads()));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      std::vector<float> residual(static_cast<size_t>(K));
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t n = 0; n < N; ++n) {
+        const float* row = rows + n * K;
+        const float s = quantize_row(row, K, q + n * K);
+        scales[n] = s;
+        if (!std::isfinite(s)) continue;  // reported below
+        scales[n] = clip_row(row, K, s, q + n * K);
+        residual_of(n, residual.data());
+        double err = 0, norm = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          err += static_cast<double>(residual[k]) * residual[k];
+          norm += static_cast<double>(row[k]) * row[k];
+        }
+        needs_residual[n] = err > kInt8ResidualError * kInt8ResidualError * norm;
       }
-      if (err <= kInt8ResidualError * kInt8ResidualError * norm) continue;
-      heavy.push_back(n);
-      rq.resize(heavy.size() * K);
-      int8_t* r = rq.data() + (heavy.size() - 1) * K;
-      rs.push_back(clip_row(residual.data(), K, quantize_row(residual.data(), K, r), r));
     }
-    if (!heavy.empty()) {
-      const auto Nr = static_cast<int64_t>(heavy.size());
+    for (int64_t n = 0; n < N; ++n) {
+      HEADS_CHECK(std::isfinite(scales[n]), "PackedLinear: weight row ", n, " holds NaN or inf");
+    }
+    std::vector<int64_t> heavy;  // rows that get the residual term
+    for (int64_t n = 0; n < N; ++n) {
+      if (needs_residual[n]) heavy.push_back(n);
+    }
+    const auto Nr = static_cast<int64_t>(heavy.size());
+    std::vector<int8_t> rq(static_cast<size_t>(Nr * K));
+    std::vector<float> rs(static_cast<size_t>(Nr));
+    const int res_threads = static_cast<int>(std::clamp<int64_t>(Nr, 1, get_num_threads()));
+#pragma omp parallel num_threads(res_threads) if (res_threads > 1)
+    {
+      std::vector<float> residual(static_cast<size_t>(K));
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < Nr; ++i) {
+        residual_of(heavy[i], residual.data());
+        int8_t* r = rq.data() + i * K;
+        rs[i] = clip_row(residual.data(), K, quantize_row(residual.data(), K, r), r);
+      }
+    }
+    if (Nr > 0) {
       res_rows_ = Tensor::from_vector(heavy, {Nr});
       res_data_ = Tensor::from_vector(rq, {Nr, K});
       res_scales_ = Tensor::from_vector(rs, {Nr});

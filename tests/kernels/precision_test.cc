@@ -56,8 +56,21 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     for (int64_t n = 0; n < s.N; n += 2) {  // heavy tails on every other row: one large weight
       W.data<float>()[n * s.K + (n * 7) % s.K] *= 25.0f;
     }
+    const int saved_threads = get_num_threads();
+    set_num_threads(3);  // the rows are quantized in parallel: each the same on any number of threads
     const PackedLinear pw(W, Precision::Int8);
+    set_num_threads(1);
+    const PackedLinear serial(W, Precision::Int8);
+    set_num_threads(saved_threads);
     ASSERT_EQ(pw.data().dtype(), DType::I8);
+    EXPECT_TRUE(testing::bitwise_equal(pw.data(), serial.data()));
+    EXPECT_TRUE(testing::bitwise_equal(pw.scales(), serial.scales()));
+    ASSERT_EQ(pw.residual_rows().defined(), serial.residual_rows().defined());
+    if (pw.residual_rows().defined()) {
+      EXPECT_TRUE(testing::bitwise_equal(pw.residual_rows(), serial.residual_rows()));
+      EXPECT_TRUE(testing::bitwise_equal(pw.residual_data(), serial.residual_data()));
+      EXPECT_TRUE(testing::bitwise_equal(pw.residual_scales(), serial.residual_scales()));
+    }
     if (s.K >= 45) EXPECT_TRUE(pw.residual_rows().defined());  // the heavy rows need it
     // Rows with the residual term: exactly those whose rounding loses more than kInt8ResidualError.
     std::vector<int64_t> res_index(static_cast<size_t>(s.N), -1);
