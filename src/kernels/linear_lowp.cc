@@ -43,6 +43,10 @@ inline float round_even(float x) {
   return (x + kShift) - kShift;
 }
 
+// std::clamp(x, -127, 127) by value (its references put the operands in memory, which the
+// sanitizers then check on every use).
+inline float clamp127(float x) { return x < -127.0f ? -127.0f : (127.0f < x ? 127.0f : x); }
+
 // Symmetric int8 of one weight row: q = round(x / s), s = max|x| / 127 (s = 1 for an all-zero row);
 // NaN when the row holds NaN or ±inf. (Activations: the table's quantize_rows_i8.)
 float quantize_row(const float* x, int64_t K, int8_t* q) {
@@ -59,7 +63,7 @@ float quantize_row(const float* x, int64_t K, int8_t* q) {
   const float s = amax >= 127.0f * std::numeric_limits<float>::min() ? amax / 127.0f : 1.0f;  // as quantize-inl.h
   const float inv = 1.0f / s;
   for (int64_t k = 0; k < K; ++k) {
-    q[k] = static_cast<int8_t>(std::clamp(round_even(x[k] * inv), -127.0f, 127.0f));
+    q[k] = static_cast<int8_t>(clamp127(round_even(x[k] * inv)));
   }
   return s;
 }
@@ -76,7 +80,7 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
   for (int64_t k = 0; k < K; ++k) {
     const float x = w[k];
     for (int i = 0; i < kScales; ++i) {
-      const double d = x - std::clamp(round_even(x / t[i]), -127.0f, 127.0f) * t[i];
+      const double d = x - clamp127(round_even(x / t[i])) * t[i];
       error[i] += d * d;
     }
   }
@@ -85,7 +89,7 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
     if (error[i] < error[best]) best = i;
   }
   const float scale = t[best];
-  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(std::clamp(round_even(w[k] / scale), -127.0f, 127.0f));
+  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(clamp127(round_even(w[k] / scale)));
   return scale;
 }
 
