@@ -236,7 +236,8 @@ def test_reduced_precision_embeddings_beside_pytorch(enc, st):
         e = np.asarray(e, dtype=np.float64)
         return float(((e * f32).sum(1) / np.linalg.norm(e, axis=1) / np.linalg.norm(f32, axis=1)).min())
 
-    ours = {d: worst(heads.SentenceEncoder(dtype=d).encode(texts)) for d in ("bf16", "int8")}
+    encoders = {d: heads.SentenceEncoder(dtype=d) for d in ("bf16", "int8")}
+    ours = {d: worst(e.encode(texts)) for d, e in encoders.items()}
     st_bf16 = copy.deepcopy(st).to(torch.bfloat16)
     theirs_bf16 = worst(st_bf16.encode(texts, convert_to_tensor=True).float().numpy())
     st_int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(st), {torch.nn.Linear}, dtype=torch.qint8)
@@ -249,7 +250,7 @@ def test_reduced_precision_embeddings_beside_pytorch(enc, st):
     # 0.9%, 0.99814 without it; 0.99964 on the 1,000 sentences of bench/sentences.txt), against 0.72
     # for quantize_dynamic.
     assert ours["int8"] >= 0.999 and ours["int8"] > theirs_int8
-    assert heads.SentenceEncoder(dtype="int8").dtype == "int8"
+    assert encoders["int8"].dtype == "int8"
     with pytest.raises(ValueError, match="dtype: expected f32, bf16 or int8"):
         heads.SentenceEncoder(dtype="fp8")
 
