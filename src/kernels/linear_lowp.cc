@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <omp.h>
 #include <vector>
 
 #include "heads/error.h"
@@ -34,6 +35,13 @@ class Buffer {
 };
 
 constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (127 * 127);  // exact int32 sums
+
+// The int8 weights are the same bits on every machine: this file's float arithmetic is evaluated as
+// written (CMakeLists.txt compiles it with -ffp-contract=off: no fused multiply-adds), never
+// reassociated.
+#ifdef __FAST_MATH__
+#error "linear_lowp.cc must not be compiled with -ffast-math: round_even() depends on IEEE rounding"
+#endif
 
 // std::nearbyint in the default rounding mode (to nearest, ties to even) for |x| < 2^22: past
 // 1.5 * 2^23 a float's step is 1, so adding it rounds to an integer and subtracting it is exact. Inline,
@@ -327,31 +335,28 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
     auto* q = static_cast<int8_t*>(data_.raw_data());
     float* scales = scales_.data<float>();
     // A row's residual after its int8 term: row - q * scale.
-    const auto residual_of = [&](int64_t n, float* r) {
-      for (int64_t k = 0; k < K; ++k) r[k] = rows[n * K + k] - static_cast<float>(q[n * K + k]) * scales[n];
+    const auto residual = [&](int64_t n, int64_t k) {
+      return rows[n * K + k] - static_cast<float>(q[n * K + k]) * scales[n];
     };
     // The rows are independent (a search over 51 scales each): in parallel, each row's result the same
-    // on any number of threads. First the int8 terms, and which rows need a residual term.
+    // on any number of threads. First the int8 terms, and which rows need a residual term. Nothing in
+    // the parallel loops throws (buffers are allocated before them, errors reported after them).
     std::vector<uint8_t> needs_residual(static_cast<size_t>(N), 0);
     const int threads = static_cast<int>(std::clamp<int64_t>(N, 1, get_num_threads()));
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-      std::vector<float> residual(static_cast<size_t>(K));
-#pragma omp for schedule(dynamic, 4)
-      for (int64_t n = 0; n < N; ++n) {
-        const float* row = rows + n * K;
-        const float s = quantize_row(row, K, q + n * K);
-        scales[n] = s;
-        if (!std::isfinite(s)) continue;  // reported below
-        scales[n] = clip_row(row, K, s, q + n * K);
-        residual_of(n, residual.data());
-        double err = 0, norm = 0;
-        for (int64_t k = 0; k < K; ++k) {
-          err += static_cast<double>(residual[k]) * residual[k];
-          norm += static_cast<double>(row[k]) * row[k];
-        }
-        needs_residual[n] = err > kInt8ResidualError * kInt8ResidualError * norm;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = rows + n * K;
+      const float s = quantize_row(row, K, q + n * K);
+      scales[n] = s;
+      if (!std::isfinite(s)) continue;  // reported below
+      scales[n] = clip_row(row, K, s, q + n * K);
+      double err = 0, norm = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const float r = residual(n, k);
+        err += static_cast<double>(r) * r;
+        norm += static_cast<double>(row[k]) * row[k];
       }
+      needs_residual[n] = err > kInt8ResidualError * kInt8ResidualError * norm;
     }
     for (int64_t n = 0; n < N; ++n) {
       HEADS_CHECK(std::isfinite(scales[n]), "PackedLinear: weight row ", n, " holds NaN or inf");
@@ -364,14 +369,15 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
     std::vector<int8_t> rq(static_cast<size_t>(Nr * K));
     std::vector<float> rs(static_cast<size_t>(Nr));
     const int res_threads = static_cast<int>(std::clamp<int64_t>(Nr, 1, get_num_threads()));
+    std::vector<float> residuals(static_cast<size_t>(res_threads * K));  // a row per thread
 #pragma omp parallel num_threads(res_threads) if (res_threads > 1)
     {
-      std::vector<float> residual(static_cast<size_t>(K));
+      float* r = residuals.data() + omp_get_thread_num() * K;
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < Nr; ++i) {
-        residual_of(heavy[i], residual.data());
-        int8_t* r = rq.data() + i * K;
-        rs[i] = clip_row(residual.data(), K, quantize_row(residual.data(), K, r), r);
+        for (int64_t k = 0; k < K; ++k) r[k] = residual(heavy[i], k);
+        int8_t* rqi = rq.data() + i * K;
+        rs[i] = clip_row(r, K, quantize_row(r, K, rqi), rqi);
       }
     }
     if (Nr > 0) {

@@ -56,21 +56,8 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     for (int64_t n = 0; n < s.N; n += 2) {  // heavy tails on every other row: one large weight
       W.data<float>()[n * s.K + (n * 7) % s.K] *= 25.0f;
     }
-    const int saved_threads = get_num_threads();
-    set_num_threads(3);  // the rows are quantized in parallel: each the same on any number of threads
     const PackedLinear pw(W, Precision::Int8);
-    set_num_threads(1);
-    const PackedLinear serial(W, Precision::Int8);
-    set_num_threads(saved_threads);
     ASSERT_EQ(pw.data().dtype(), DType::I8);
-    EXPECT_TRUE(testing::bitwise_equal(pw.data(), serial.data()));
-    EXPECT_TRUE(testing::bitwise_equal(pw.scales(), serial.scales()));
-    ASSERT_EQ(pw.residual_rows().defined(), serial.residual_rows().defined());
-    if (pw.residual_rows().defined()) {
-      EXPECT_TRUE(testing::bitwise_equal(pw.residual_rows(), serial.residual_rows()));
-      EXPECT_TRUE(testing::bitwise_equal(pw.residual_data(), serial.residual_data()));
-      EXPECT_TRUE(testing::bitwise_equal(pw.residual_scales(), serial.residual_scales()));
-    }
     if (s.K >= 45) EXPECT_TRUE(pw.residual_rows().defined());  // the heavy rows need it
     // Rows with the residual term: exactly those whose rounding loses more than kInt8ResidualError.
     std::vector<int64_t> res_index(static_cast<size_t>(s.N), -1);
@@ -180,6 +167,96 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
         EXPECT_LE(std::fabs(got - exact), bound * (1 + 1e-6) + 1e-6) << "m=" << m << " n=" << n;
       }
     }
+  }
+}
+
+// A weight row's int8 scale as defined, one pass per candidate in f32 as specified: of s·c for
+// c = 1, 0.99, ..., 0.50 (s = max|w| / 127, or 1 for a row below 127 of the smallest normal), the
+// first with the least squared error of w - clamp(round_even(w / t), ±127)·t, summed in double.
+float reference_scale(const float* w, int64_t K) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(w[k]));
+  const float s = amax >= 127.0f * std::numeric_limits<float>::min() ? amax / 127.0f : 1.0f;
+  float best = s;
+  double best_error = std::numeric_limits<double>::infinity();
+  for (int c = 100; c >= 50; --c) {
+    const float t = c == 100 ? s : s * static_cast<float>(c) / 100.0f;
+    double e = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const float step = std::clamp(std::nearbyint(w[k] / t), -127.0f, 127.0f) * t;
+      const double d = w[k] - step;
+      e += d * d;
+    }
+    if (e < best_error) best = t, best_error = e;
+  }
+  return best;
+}
+
+struct ThreadsGuard {
+  int saved = get_num_threads();
+  ~ThreadsGuard() { set_num_threads(saved); }
+};
+
+TEST(Precision, Int8ScaleSearchFollowsItsDefinitionOnAnyThreadCount) {
+  // Rows of every kind the search meets: ordinary, all zero, below 127 of the smallest normal (scale 1),
+  // candidate scales past the smallest normal, ±FLT_MAX beside 1e30s, heavy tails; K = 37 (not a
+  // multiple of any vector width), 41 rows (several chunks of rows per thread).
+  constexpr int64_t N = 41, K = 37;
+  const float tiny = std::numeric_limits<float>::min(), huge = std::numeric_limits<float>::max();
+  Tensor W = randn({N, K});
+  float* w = W.data<float>();
+  for (int64_t k = 0; k < K; ++k) {
+    w[1 * K + k] = 0.0f;
+    w[2 * K + k] *= 1e-3f * tiny;
+    w[3 * K + k] *= 60.0f * tiny;
+    w[4 * K + k] *= 1e30f;
+  }
+  w[4 * K + 5] = huge;
+  w[4 * K + 9] = -huge;
+  for (int64_t n = 5; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) w[n * K + k] *= std::ldexp(1.0f, static_cast<int>(n % 9) - 4);
+    if (n % 3 == 0) w[n * K + (n * 5) % K] *= 30.0f;  // a heavy tail: the residual term
+  }
+  ThreadsGuard threads;
+  set_num_threads(3);
+  const PackedLinear pw(W, Precision::Int8);
+  set_num_threads(1);
+  const PackedLinear serial(W, Precision::Int8);
+  set_num_threads(3);
+  for (const PackedLinear* p : {&pw, &serial}) {
+    const auto* q = static_cast<const int8_t*>(p->data().raw_data());
+    for (int64_t n = 0; n < N; ++n) {
+      const float sw = p->scales().data<float>()[n];
+      ASSERT_EQ(sw, reference_scale(w + n * K, K)) << "row " << n;
+      for (int64_t k = 0; k < K; ++k) {
+        ASSERT_EQ(q[n * K + k], std::clamp(std::nearbyint(w[n * K + k] / sw), -127.0f, 127.0f)) << n << ", " << k;
+      }
+    }
+    // The residual rows: their residual w - q·scale (f32) searched the same way.
+    ASSERT_TRUE(p->residual_rows().defined());
+    const auto* rq = static_cast<const int8_t*>(p->residual_data().raw_data());
+    for (int64_t j = 0; j < p->residual_rows().numel(); ++j) {
+      const int64_t n = p->residual_rows().data<int64_t>()[j];
+      std::vector<float> r(static_cast<size_t>(K));
+      for (int64_t k = 0; k < K; ++k) {
+        r[static_cast<size_t>(k)] = w[n * K + k] - static_cast<float>(q[n * K + k]) * p->scales().data<float>()[n];
+      }
+      const float sr = p->residual_scales().data<float>()[j];
+      ASSERT_EQ(sr, reference_scale(r.data(), K)) << "residual of row " << n;
+      for (int64_t k = 0; k < K; ++k) {
+        ASSERT_EQ(rq[j * K + k], std::clamp(std::nearbyint(r[static_cast<size_t>(k)] / sr), -127.0f, 127.0f));
+      }
+    }
+  }
+  EXPECT_TRUE(testing::bitwise_equal(pw.residual_rows(), serial.residual_rows()));
+  // Rows 1 and 9 not finite: the error names the first, on any thread count.
+  w[1 * K + 3] = std::numeric_limits<float>::quiet_NaN();
+  w[9 * K + 0] = -std::numeric_limits<float>::infinity();
+  for (int t : {1, 3}) {
+    set_num_threads(t);
+    EXPECT_THAT(testing::error_of([&] { PackedLinear bad(W, Precision::Int8); }),
+                HasSubstr("PackedLinear: weight row 1 holds NaN or inf"))
+        << t << " threads";
   }
 }
 
