@@ -25,6 +25,10 @@ const nlohmann::json* json_field(const nlohmann::json& j, const char* key, const
 }  // namespace
 
 nlohmann::json read_json(const fs::path& p, bool required, bool array) {
+  // Only a regular file (or a link to one) is read: opening a FIFO would wait for a writer forever.
+  std::error_code ec;
+  const fs::file_status st = fs::status(p, ec);
+  HEADS_CHECK(!fs::exists(st) || fs::is_regular_file(st), p.string(), ": not a regular file");
   std::ifstream in(p);
   if (!in) {
     HEADS_CHECK(!required, p.string(), ": cannot open");
@@ -49,13 +53,19 @@ int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback, con
   };
   const std::string must = "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   const nlohmann::json* v = json_field(j, key, file, in_range, must);
+  // A fallback outside the range marks a field without a default: it must be there.
+  HEADS_CHECK(v != nullptr || (fallback >= lo && fallback <= hi), file.string(), ": \"", key,
+              "\" is missing (", must, "; no default)");
   return v == nullptr ? fallback : v->is_number_unsigned() ? static_cast<int64_t>(v->get<uint64_t>()) : v->get<int64_t>();
 }
 
 double json_real(const nlohmann::json& j, const char* key, double fallback, const fs::path& file, double lo,
                  double hi) {
   const auto in_range = [&](const nlohmann::json& v) { return v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi; };
-  const nlohmann::json* v = json_field(j, key, file, in_range, "a number in [" + detail::concat(lo, ", ", hi) + "]");
+  const std::string must = "a number in [" + detail::concat(lo, ", ", hi) + "]";
+  const nlohmann::json* v = json_field(j, key, file, in_range, must);
+  HEADS_CHECK(v != nullptr || (fallback >= lo && fallback <= hi), file.string(), ": \"", key, "\" is missing (", must,
+              "; no default)");
   return v == nullptr ? fallback : v->get<double>();
 }
 

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "heads/error.h"
@@ -180,6 +181,10 @@ const icu::Normalizer2* nfd_instance() {
 }  // namespace
 
 WordPieceTokenizer WordPieceTokenizer::from_vocab_file(const std::string& path, bool lowercase) {
+  std::error_code ec;  // only a regular file: opening a FIFO would wait for a writer forever
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  HEADS_CHECK(!std::filesystem::exists(st) || std::filesystem::is_regular_file(st), path,
+              ": cannot open vocabulary: not a regular file");
   std::ifstream in(path, std::ios::binary);
   HEADS_CHECK(in.good(), path, ": cannot open vocabulary");
   WordPieceTokenizer t;

@@ -208,6 +208,25 @@ def test_unsupported_configs_are_errors(models, tmp_path):
         os.symlink(os.path.join(d, "model.safetensors"), bad / "model.safetensors")
         with pytest.raises(ValueError, match=msg):
             heads.CausalLM.from_pretrained(bad)
+    # Fields without a default are required (a llama config without its head counts divided by zero).
+    for drop in (("num_attention_heads", "num_key_value_heads"), ("hidden_size",), ("vocab_size",)):
+        bad = tmp_path / ("without_" + drop[0])
+        bad.mkdir()
+        json.dump({k: v for k, v in cfg.items() if k not in drop}, open(bad / "config.json", "w"))
+        os.symlink(os.path.join(d, "model.safetensors"), bad / "model.safetensors")
+        with pytest.raises(ValueError, match=f'config.json: "{drop[0]}" is missing \\(an integer in \\[1, '):
+            heads.CausalLM.from_pretrained(bad)
+    # Only regular files are read: a FIFO fails at once (it would wait for a writer), a directory is named.
+    for name in ("config.json", "model.safetensors"):
+        for kind in ("fifo", "dir"):
+            bad = tmp_path / f"{kind}_{name}"
+            bad.mkdir()
+            for other in ("config.json", "model.safetensors"):
+                if other != name:
+                    os.symlink(os.path.join(d, other), bad / other)
+            os.mkfifo(bad / name) if kind == "fifo" else os.mkdir(bad / name)
+            with pytest.raises(ValueError, match=f"{name}: not a regular file"):
+                heads.CausalLM.from_pretrained(bad)
     lm = heads.CausalLM.from_pretrained(d)
     with pytest.raises(ValueError, match="token id 999 outside the vocabulary"):
         lm(np.array([[1, 999]]))
