@@ -25,7 +25,7 @@ esac
 PYTHON=${PYTHON:-python3}
 PREFIX=${PREFIX:-/usr/local}
 APT_PACKAGES=(g++ make cmake ninja-build ccache libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev ocl-icd-opencl-dev libicu-dev libcairo2-dev fonts-dejavu-core pkg-config
-              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libcpp-httplib-dev liblmdb-dev
+              libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libboost-dev liblmdb-dev
               libssl-dev openssl
               iproute2)  # iproute2: `ip netns`, for the test of DDP across two network namespaces
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest pytest-xdist safetensors torch==2.13.0

@@ -4,7 +4,6 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <httplib.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -14,6 +13,7 @@
 
 #include "common/testing.h"
 #include "heads/v1/heads.grpc.pb.h"
+#include "serve/http_client.h"
 #include "server.h"
 
 namespace heads::serve {
@@ -24,6 +24,7 @@ using ::testing::HasSubstr;
 using heads::testing::error_of;
 using heads::testing::model_dir;
 using heads::testing::rng;
+namespace http = boost::beast::http;
 
 // A directory of its own under the system's temporary directory, removed at the end.
 struct TempDir {
@@ -258,35 +259,39 @@ TEST(ServeFrontEnds, HttpAndGrpcOnLoopback) {
   const auto texts = sentences(5, "front");
   const auto want = encode(enc, texts);
 
-  httplib::Client c("127.0.0.1", hp);
+  testing::HttpClient c(hp);  // one keep-alive connection for every request below
   nlohmann::json body = {{"input", texts}};
-  auto res = c.Post("/v1/embeddings", body.dump(), "application/json");
-  ASSERT_TRUE(res);
-  ASSERT_EQ(res->status, 200) << res->body;
-  const auto j = nlohmann::json::parse(res->body);
+  auto res = c.call(http::verb::post, "/v1/embeddings", body.dump());
+  ASSERT_EQ(res.status, 200) << res.body;
+  const auto j = nlohmann::json::parse(res.body);
   for (size_t i = 0; i < texts.size(); ++i) {
     const auto row = j["data"][i]["embedding"].get<std::vector<float>>();
     ASSERT_EQ(row, std::vector<float>(want.begin() + i * 384, want.begin() + (i + 1) * 384));
   }
-  EXPECT_EQ(res->get_header_value("X-Heads-Model-Version"), s.model()->version);
-  res = c.Post("/v1/embeddings", "{\"input\": 3}", "application/json");
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 400);
-  EXPECT_THAT(res->body, HasSubstr("input: expected a string or a list of strings, got number"));
-  res = c.Post("/admin/reload", {{"Origin", "http://example.com"}}, "{}", "text/plain");  // from a web page
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 403);
-  EXPECT_THAT(res->body, HasSubstr("web pages"));
-  res = c.Post("/admin/reload", {{"Host", "rebound.example.com:80"}}, "{}", "application/json");
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 403);
-  EXPECT_THAT(res->body, HasSubstr("loopback Host"));
-  res = c.Post("/admin/reload", "", "application/x-www-form-urlencoded");  // as `curl -X POST`
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200) << res->body;
-  res = c.Get("/metrics");
-  ASSERT_TRUE(res);
-  EXPECT_THAT(res->body, HasSubstr("heads_requests_total{route=\"/v1/embeddings\",code=\"400\"} 1"));
+  EXPECT_EQ(res.header("X-Heads-Model-Version"), s.model()->version);
+  res = c.call(http::verb::post, "/v1/embeddings", "{\"input\": 3}");
+  EXPECT_EQ(res.status, 400);
+  EXPECT_THAT(res.body, HasSubstr("input: expected a string or a list of strings, got number"));
+  res = c.call(http::verb::post, "/v1/embeddings", "{\"input\": \"a\", \"x\": 1e400}");  // out of double's range
+  EXPECT_EQ(res.status, 400);
+  EXPECT_THAT(res.body, HasSubstr("request body: not JSON"));
+  res = c.call(http::verb::post, "/v1/embeddings", std::string(100000, '['));
+  EXPECT_EQ(res.status, 400);
+  EXPECT_THAT(res.body, HasSubstr("nested deeper than 64 levels"));
+  res = c.call(http::verb::post, "/admin/reload", "{}", {{"Origin", "http://example.com"}});  // from a web page
+  EXPECT_EQ(res.status, 403);
+  EXPECT_THAT(res.body, HasSubstr("web pages"));
+  res = c.call(http::verb::post, "/admin/reload", "{}", {{"Host", "rebound.example.com:80"}});
+  EXPECT_EQ(res.status, 403);
+  EXPECT_THAT(res.body, HasSubstr("loopback Host"));
+  res = c.call(http::verb::post, "/admin/reload", "", {{"Content-Type", "application/x-www-form-urlencoded"}});
+  EXPECT_EQ(res.status, 200) << res.body;  // as `curl -X POST`
+  res = c.call(http::verb::get, "/metrics");
+  EXPECT_THAT(res.body, HasSubstr("heads_requests_total{route=\"/v1/embeddings\",code=\"400\"} 3"));
+  EXPECT_THAT(res.body, HasSubstr("heads_http_connections 1"));
+  res = c.call(http::verb::get, "/nowhere");
+  EXPECT_EQ(res.status, 404);
+  EXPECT_THAT(res.body, HasSubstr("no route GET /nowhere"));
 
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(gp), grpc::InsecureChannelCredentials());
   auto stub = heads::v1::Embedder::NewStub(channel);

@@ -101,9 +101,20 @@ void add_serve_command(CLI::App& app, Action* action) {
   c->add_option("--cache-dir", a->cache_dir, "directory of the on-disk cache (LMDB; kept across restarts)");
   c->add_option("--disk-cache-mb", a->disk_cache_mb, "cap of the on-disk cache, MiB (emptied when full)")
       ->capture_default_str()->check(int_in(1, 1 << 24));
-  c->add_option("--http-threads", a->o.http_threads, "HTTP worker threads: each serves one keep-alive connection at a time, so more open connections than "
-                "threads wait for one")
+  c->add_option("--http-threads", a->o.http_threads,
+                "HTTP worker threads: they parse request bodies and wait for batches; connections themselves "
+                "cost no thread")
       ->capture_default_str()->check(int_in(1, 1024));
+  c->add_option("--http-max-connections", a->o.http_max_connections,
+                "open HTTP connections at most; more are answered 503 with Retry-After and closed")
+      ->capture_default_str()->check(int_in(1, 1 << 20));
+  c->add_option("--http-read-timeout", a->o.http_read_timeout_s,
+                "seconds a client has to send a request's header in full (and the TLS handshake); the body gets "
+                "as long plus one second per MiB. Slower clients are closed")
+      ->capture_default_str()->check(CLI::Range(0.05, 3600.0));
+  c->add_option("--http-idle-timeout", a->o.http_idle_timeout_s,
+                "seconds a keep-alive connection may wait for its next request")
+      ->capture_default_str()->check(CLI::Range(0.05, 3600.0));
   c->add_option("--tls-cert", a->o.tls_cert, "PEM certificate chain: serve HTTPS and gRPC over TLS");
   c->add_option("--tls-key", a->o.tls_key, "PEM private key of --tls-cert");
   c->add_option("--admin-token-file", a->admin_token_file,

@@ -16,7 +16,10 @@ struct ServerOptions {
   std::string bind = "127.0.0.1";
   int http_port = 8080;   // 0: any free port; -1: no HTTP
   int grpc_port = 50051;  // 0: any free port; -1: no gRPC
-  int http_threads = 64;  // each serves one connection at a time (cpp-httplib)
+  int http_threads = 64;               // run HTTP requests that parse bodies or wait for a batch
+  int64_t http_max_connections = 1024;  // open HTTP connections; more get a 503
+  double http_read_timeout_s = 10;      // an HTTP request's header in full (its body: plus 1 s per MiB)
+  double http_idle_timeout_s = 5;       // a keep-alive connection between requests
   std::string tls_cert, tls_key;  // PEM files: HTTPS and gRPC over TLS when both are set
   std::string admin_token;        // required (as "Authorization: Bearer TOKEN") on /admin/* when set
   bool access_log = false;        // one JSON line per request on stderr
