@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing as mp
 import os
 import random
 import re
@@ -213,6 +214,23 @@ def sample_server(pid, stop, st: Stats):
         time.sleep(1)
 
 
+def run_kind(kind, args, deadline, results):
+    st, stop = Stats(), threading.Event()
+    if kind == "normal":
+        port, ref, n = args
+        threads = [threading.Thread(target=normal_client, args=(port, ref, stop, st, i)) for i in range(n)]
+    else:
+        fn = {"hangups": hangups, "slowloris": slowloris, "health": health_probe, "sample": sample_server}[kind]
+        threads = [threading.Thread(target=fn, args=(*args, stop, st))]
+    for t in threads:
+        t.start()
+    time.sleep(max(0.0, deadline - time.time()))
+    stop.set()
+    for t in threads:
+        t.join()
+    results.put({k: v for k, v in vars(st).items() if k != "lock"})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default=os.environ.get("HEADS_CLI") or shutil.which("heads"))
@@ -225,18 +243,20 @@ def main():
     a = ap.parse_args()
     ref = reference(a.heads, a.model)
     proc, port, log = start_server(a.heads, a.model, a.server_args.split())
-    st, stop = Stats(), threading.Event()
-    threads = [threading.Thread(target=normal_client, args=(port, ref, stop, st, i)) for i in range(a.clients)]
-    threads += [threading.Thread(target=hangups, args=(port, a.hangups, stop, st)),
-                threading.Thread(target=slowloris, args=(port, a.slowloris, stop, st)),
-                threading.Thread(target=health_probe, args=(port, stop, st)),
-                threading.Thread(target=sample_server, args=(proc.pid, stop, st))]
-    for t in threads:
-        t.start()
-    time.sleep(a.seconds)
-    stop.set()
-    for t in threads:
-        t.join()
+    # One process per kind of client, so that none waits for another's share of the interpreter.
+    results = mp.Queue()
+    kinds = [("normal", (port, ref, a.clients)), ("hangups", (port, a.hangups)), ("slowloris", (port, a.slowloris)),
+             ("health", (port,)), ("sample", (proc.pid,))]
+    deadline = time.time() + a.seconds
+    procs = [mp.Process(target=run_kind, args=(k, args, deadline, results)) for k, args in kinds]
+    for p in procs:
+        p.start()
+    st = Stats()
+    for _ in procs:
+        for k, v in results.get().items():
+            setattr(st, k, getattr(st, k) + v if isinstance(v, (int, list)) else v)
+    for p in procs:
+        p.join()
     alive = proc.poll() is None
     proc.terminate()
     code = proc.wait(120)

@@ -5,9 +5,15 @@
 // returns views of everything seen, which heads::sdpa reads in place (bottom-right causal
 // alignment puts the new queries after the cached keys). truncate() drops the last positions
 // (speculative decoding, re-prompting); reorder() permutes the batch (beam search).
+//
+// Threads: a cache holds one sequence of steps, taken one call at a time. CausalLM::forward holds
+// hold() for its whole step (a failed step leaves the cache as it was), so threads that share a
+// cache take turns; the Python binding holds it in every method. Copies share the lock.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -42,6 +48,9 @@ class KVCache {
   // Batch entry b becomes the old entry index[b] (index has B entries in [0, B)).
   void reorder(const std::vector<int64_t>& index);
 
+  // Waits until no other call uses the cache; the caller has it while the lock lives.
+  std::unique_lock<std::mutex> hold() const { return std::unique_lock<std::mutex>(*use_); }
+
  private:
   struct Layer {
     Tensor k, v;  // [B, Hkv, cap, D]
@@ -51,6 +60,7 @@ class KVCache {
   int64_t B_ = 0, Hkv_ = 0, D_ = 0, Dv_ = 0;
   DType dtype_ = DType::F32;
   std::vector<Layer> layers_;
+  std::shared_ptr<std::mutex> use_ = std::make_shared<std::mutex>();
 };
 
 }  // namespace heads

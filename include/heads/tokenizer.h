@@ -7,7 +7,7 @@
 // NFD and removal of non-spacing marks; lower case), split on whitespace and around
 // punctuation, then WordPiece (greedy longest match, "##" continuations, [UNK] for a word with
 // an unknown piece or more than 100 characters). Truncated to max_length - 2 pieces, then
-// [CLS] ... [SEP]; the text past what fits is not read (up to the next whitespace). Unicode properties come from ICU, restricted to the Unicode versions the
+// [CLS] ... [SEP]; the text past what fits is not read (a few KiB past it at most). Unicode properties come from ICU, restricted to the Unicode versions the
 // reference uses (categories 8.0, decompositions 9.0), so results match it exactly.
 // Input is UTF-8; invalid bytes are read as U+FFFD, which normalisation removes (as Python's
 // errors="replace" followed by tokenizers would).
@@ -45,8 +45,11 @@ class WordPieceTokenizer {
 
  private:
   void wordpiece(const std::u32string& word, std::vector<int64_t>& out) const;
-  void encode_pieces(std::string_view text, std::vector<int64_t>& pieces) const;
-  void normalize_and_split(std::u32string_view segment, std::vector<std::u32string>& words) const;
+  void encode_pieces(std::string_view text, std::vector<int64_t>& pieces, std::u32string& word) const;
+  // Appends the segment's finished words to `words`; `cur` is the unfinished word (continued from
+  // before, left for after), kept at most `cap` characters.
+  void normalize_and_split(std::u32string_view segment, std::vector<std::u32string>& words, std::u32string& cur,
+                           size_t cap) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> tokens_;

@@ -48,6 +48,12 @@ RopeOptions rope_options(double theta, bool interleaved, int64_t rotary_dim, con
   return o;
 }
 
+// The cache for this call (other threads' calls on it finish first), waited for without the GIL.
+std::unique_lock<std::mutex> hold(const heads::KVCache& c) {
+  nb::gil_scoped_release release;
+  return c.hold();
+}
+
 }  // namespace
 
 void bind_decoder(nb::module_& m) {
@@ -58,24 +64,52 @@ void bind_decoder(nb::module_& m) {
              new (self) heads::KVCache(layers, batch, kv_heads, head_dim, cache_dtype(dtype), capacity);
            },
            "num_layers"_a, "batch"_a, "kv_heads"_a, "head_dim"_a, "dtype"_a = "f32", "capacity"_a = 0)
-      .def("__len__", [](const heads::KVCache& c) { return c.length(); })
+      .def("__len__",
+           [](const heads::KVCache& c) {
+             const auto held = hold(c);
+             return c.length();
+           })
       .def_prop_ro("num_layers", &heads::KVCache::num_layers)
       .def_prop_ro("batch", &heads::KVCache::batch)
       .def_prop_ro("capacity", &heads::KVCache::capacity)
       .def_prop_ro("dtype", [](const heads::KVCache& c) { return std::string(dtype_name(c.dtype())); })
-      .def("length", [](const heads::KVCache& c, int64_t layer) { return c.length(layer); }, "layer"_a)
+      .def("length",
+           [](const heads::KVCache& c, int64_t layer) {
+             const auto held = hold(c);
+             return c.length(layer);
+           },
+           "layer"_a)
       .def("append",
            [](heads::KVCache& c, int64_t layer, const InArray& k, const InArray& v, bool torch_out) {
+             const auto held = hold(c);
              const auto [K, V] = c.append(layer, view_of(k, "key"), view_of(v, "value"));
              return nb::make_tuple(to_array(K, torch_out), to_array(V, torch_out));
            },
            "layer"_a, "key"_a, "value"_a, "torch_out"_a = false)
-      .def("keys", [](const heads::KVCache& c, int64_t layer, bool t) { return to_array(c.keys(layer), t); },
+      .def("keys",
+           [](const heads::KVCache& c, int64_t layer, bool t) {
+             const auto held = hold(c);
+             return to_array(c.keys(layer), t);
+           },
            "layer"_a, "torch_out"_a = false)
-      .def("values", [](const heads::KVCache& c, int64_t layer, bool t) { return to_array(c.values(layer), t); },
+      .def("values",
+           [](const heads::KVCache& c, int64_t layer, bool t) {
+             const auto held = hold(c);
+             return to_array(c.values(layer), t);
+           },
            "layer"_a, "torch_out"_a = false)
-      .def("truncate", &heads::KVCache::truncate, "length"_a)
-      .def("reorder", &heads::KVCache::reorder, "index"_a);
+      .def("truncate",
+           [](heads::KVCache& c, int64_t length) {
+             const auto held = hold(c);
+             c.truncate(length);
+           },
+           "length"_a)
+      .def("reorder",
+           [](heads::KVCache& c, const std::vector<int64_t>& index) {
+             const auto held = hold(c);
+             c.reorder(index);
+           },
+           "index"_a);
 
   nb::class_<heads::CausalLM>(m, "CausalLM")
       .def_static("load", &heads::CausalLM::load, "model_dir"_a)

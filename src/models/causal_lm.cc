@@ -351,9 +351,12 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   const int64_t B = ids.size(0), L = ids.size(1);
   const CausalLMConfig& c = cfg_;
   KVCache local;
+  std::unique_lock<std::mutex> held;  // a caller's cache: one call at a time
   if (cache == nullptr) {
     local = new_cache(B, DType::F32, L);
     cache = &local;
+  } else {
+    held = cache->hold();
   }
   HEADS_CHECK(cache->num_layers() == c.num_layers && cache->batch() == B && cache->kv_heads() == c.num_kv_heads &&
                   cache->head_dim() == c.head_dim,
@@ -367,6 +370,15 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   }
   HEADS_CHECK(pos_ != Pos::Learned || past + L <= c.max_positions, op, ": positions ", past, " + ", L,
               " exceed the model's ", c.max_positions, " learned positions");
+  // A step that fails part-way (out of memory, a bad id found late) leaves the cache as it was.
+  struct Rollback {
+    KVCache* cache;
+    int64_t length;
+    bool done = false;
+    ~Rollback() {
+      if (!done) cache->truncate(length);
+    }
+  } rollback{cache, past};
   const Tensor idc = ids.contiguous();
   for (int64_t i = 0; i < idc.numel(); ++i) {
     const int64_t id = idc.data<int64_t>()[i];
@@ -430,6 +442,7 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   x = norm(x, final_w_, final_b_);
   Tensor logits = proj(x, lm_head_, pk_head_, Tensor());
   if (c.final_softcap > 0) softcap_(logits, c.final_softcap);
+  rollback.done = true;
   return logits;
 }
 
@@ -437,7 +450,9 @@ std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int6
                                         int64_t eos_token_id, DType cache_dtype) const {
   HEADS_CHECK(!prompt.empty(), "CausalLM::generate: the prompt is empty");
   HEADS_CHECK(max_new_tokens >= 0, "CausalLM::generate: max_new_tokens must be >= 0, got ", max_new_tokens);
-  KVCache cache = new_cache(1, cache_dtype, static_cast<int64_t>(prompt.size()) + max_new_tokens);
+  // Room for the prompt and the first 512 new tokens; past that the cache grows by doubling, so a
+  // generous max_new_tokens that ends early at eos reserves nothing it does not use.
+  KVCache cache = new_cache(1, cache_dtype, static_cast<int64_t>(prompt.size()) + std::min<int64_t>(max_new_tokens, 512));
   std::vector<int64_t> out;
   Tensor ids = Tensor::from_vector(prompt, {1, static_cast<int64_t>(prompt.size())});
   for (int64_t n = 0; n < max_new_tokens; ++n) {

@@ -76,6 +76,7 @@ Tensor cat_rows(const std::vector<Tensor>& parts) {
 }
 
 nlohmann::json without_nulls(const nlohmann::json& j) {
+  if (!j.is_object()) return j;  // the caller's type check names it ("rope_scaling": 5)
   nlohmann::json c = nlohmann::json::object();
   for (const auto& [k, v] : j.items()) {
     if (!v.is_null()) c[k] = v;

@@ -17,6 +17,16 @@ KVCache::KVCache(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t he
   HEADS_CHECK(dtype == DType::F32 || dtype == DType::BF16, "KVCache: dtype must be f32 or bf16, got ",
               dtype_name(dtype));
   HEADS_CHECK(capacity >= 0, "KVCache: capacity must be >= 0, got ", capacity);
+  // Bounds that no model reaches, checked before anything is allocated (2^26 layers once took 11 GB).
+  HEADS_CHECK(num_layers <= (1 << 16) && batch <= (1 << 24) && kv_heads <= (1 << 16) && head_dim <= (1 << 16) &&
+                  value_dim <= (1 << 16),
+              "KVCache: layers ", num_layers, " (at most 65536), batch ", batch, " (at most 2^24), kv_heads ", kv_heads,
+              " (at most 65536), head_dim ", head_dim, " and value_dim ", value_dim, " (at most 65536)");
+  const double bytes = static_cast<double>(num_layers) * static_cast<double>(batch) * static_cast<double>(kv_heads) *
+                       static_cast<double>(head_dim + (value_dim > 0 ? value_dim : head_dim)) *
+                       static_cast<double>(capacity) * (dtype == DType::BF16 ? 2.0 : 4.0);
+  HEADS_CHECK(bytes <= 0x1p40, "KVCache: capacity ", capacity, " would reserve ", bytes / 0x1p30,
+              " GiB up front (at most 1 TiB); reserve less, the cache grows on demand");
   layers_.resize(static_cast<size_t>(num_layers));
   if (capacity > 0) {
     for (Layer& l : layers_) reserve(l, capacity);

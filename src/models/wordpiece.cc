@@ -170,6 +170,27 @@ std::string to_utf8(std::u32string_view s) {
   return out;
 }
 
+const icu::Normalizer2* nfd_instance();
+
+// Whether reading text[..p) and text[p..) apart gives the pieces the whole would: text[p] starts a
+// character (not a UTF-8 continuation byte), that character survives cleaning and decomposes to
+// a starter (no run of combining marks to reorder crosses p), and p does not fall inside a
+// special token ("[UNK]": both sides in its alphabet). The word p may cut is carried over.
+bool cut_is_exact(std::string_view text, size_t p) {
+  static const icu::Normalizer2* nfd = nfd_instance();
+  const auto b = static_cast<uint8_t>(text[p]);
+  if ((b & 0xC0) == 0x80) return false;
+  constexpr std::string_view kSpecial = "[]PADUNKCLSEM";
+  if (kSpecial.find(text[p - 1]) != std::string_view::npos && kSpecial.find(text[p]) != std::string_view::npos) {
+    return false;
+  }
+  const std::u32string c = decode_utf8(text.substr(p, 4));
+  if (c[0] == 0 || c[0] == 0xFFFD || is_control(c[0])) return false;
+  std::u32string d;
+  decompose(c[0], d, nfd);
+  return combining_class(d[0]) == 0;
+}
+
 const icu::Normalizer2* nfd_instance() {
   UErrorCode status = U_ZERO_ERROR;
   const icu::Normalizer2* n = icu::Normalizer2::getNFDInstance(status);
@@ -223,8 +244,8 @@ int64_t WordPieceTokenizer::id(const std::string& token) const {
   return it == vocab_.end() ? -1 : it->second;
 }
 
-void WordPieceTokenizer::normalize_and_split(std::u32string_view segment,
-                                             std::vector<std::u32string>& words) const {
+void WordPieceTokenizer::normalize_and_split(std::u32string_view segment, std::vector<std::u32string>& words,
+                                             std::u32string& cur, size_t cap) const {
   static const icu::Normalizer2* nfd = nfd_instance();
   // 1. clean text; 2. space around CJK ideographs
   std::u32string a;
@@ -267,8 +288,7 @@ void WordPieceTokenizer::normalize_and_split(std::u32string_view segment,
   } else {
     d = a;
   }
-  // 5. split on whitespace, isolate punctuation
-  std::u32string cur;
+  // 5. split on whitespace, isolate punctuation; the word at the end stays in `cur`
   auto flush = [&] {
     if (!cur.empty()) words.push_back(cur);
     cur.clear();
@@ -279,11 +299,10 @@ void WordPieceTokenizer::normalize_and_split(std::u32string_view segment,
     } else if (is_punctuation(c)) {
       flush();
       words.emplace_back(1, c);
-    } else {
+    } else if (cur.size() < cap) {
       cur.push_back(c);
     }
   }
-  flush();
 }
 
 void WordPieceTokenizer::wordpiece(const std::u32string& word, std::vector<int64_t>& out) const {
@@ -318,14 +337,18 @@ void WordPieceTokenizer::wordpiece(const std::u32string& word, std::vector<int64
 
 std::vector<std::string> WordPieceTokenizer::pre_tokenize(std::string_view text) const {
   std::vector<std::u32string> words;
-  normalize_and_split(decode_utf8(text), words);
+  std::u32string last;
+  normalize_and_split(decode_utf8(text), words, last, SIZE_MAX);
+  if (!last.empty()) words.push_back(last);
   std::vector<std::string> out;
   for (const auto& w : words) out.push_back(to_utf8(w));
   return out;
 }
 
-// Pieces of one stretch of raw text, appended to `pieces`.
-void WordPieceTokenizer::encode_pieces(std::string_view text, std::vector<int64_t>& pieces) const {
+// Pieces of one stretch of raw text, appended to `pieces`. `word` is the word the stretch before
+// ended inside (continued here); the word this one ends inside is left in it.
+void WordPieceTokenizer::encode_pieces(std::string_view text, std::vector<int64_t>& pieces,
+                                       std::u32string& word) const {
   static const std::pair<const char32_t*, int64_t WordPieceTokenizer::*> kSpecial[] = {
       {U"[PAD]", &WordPieceTokenizer::pad_}, {U"[UNK]", &WordPieceTokenizer::unk_},
       {U"[CLS]", &WordPieceTokenizer::cls_}, {U"[SEP]", &WordPieceTokenizer::sep_},
@@ -333,10 +356,16 @@ void WordPieceTokenizer::encode_pieces(std::string_view text, std::vector<int64_
   const std::u32string s = decode_utf8(text);
   std::vector<std::u32string> words;
   size_t seg = 0, i = 0;
-  auto emit_segment = [&](size_t end) {
+  // A word longer than max_chars_per_word_ is [UNK] whatever follows: it is kept at one more.
+  const size_t cap = static_cast<size_t>(max_chars_per_word_) + 1;
+  auto emit_segment = [&](size_t end, bool word_ends) {
     words.clear();
-    normalize_and_split(std::u32string_view(s).substr(seg, end - seg), words);
+    normalize_and_split(std::u32string_view(s).substr(seg, end - seg), words, word, cap);
     for (const auto& w : words) wordpiece(w, pieces);
+    if (word_ends && !word.empty()) {
+      wordpiece(word, pieces);
+      word.clear();
+    }
   };
   while (i < s.size()) {
     // special tokens are matched on the raw text, exactly (leftmost-longest)
@@ -352,7 +381,7 @@ void WordPieceTokenizer::encode_pieces(std::string_view text, std::vector<int64_
       }
     }
     if (matched >= 0) {
-      emit_segment(i);
+      emit_segment(i, true);
       pieces.push_back(matched);
       i += len;
       seg = i;
@@ -360,23 +389,29 @@ void WordPieceTokenizer::encode_pieces(std::string_view text, std::vector<int64_
       ++i;
     }
   }
-  emit_segment(s.size());
+  emit_segment(s.size(), false);
 }
 
 WordPieceTokenizer::Encoding WordPieceTokenizer::encode(std::string_view text, int64_t max_length) const {
-  // The text is read in stretches that end just after an ASCII space, tab or newline: whitespace
-  // ends every word and no special token contains it, so stretches give the pieces the whole text
-  // would. Once there are more pieces than fit, the rest is never looked at (a 50 MB text costs
-  // what its first stretches cost).
+  // The text is read in stretches of about 4 KiB, so that what it costs does not grow with its
+  // length: once there are more pieces than fit, the rest is never looked at (a 60 MB text costs
+  // what its first stretches cost). A stretch ends just after an ASCII space, tab or newline, or,
+  // in a text with none for 8 KiB, at a cut that changes nothing (cut_is_exact); a word cut in two
+  // is carried into the next stretch.
   const size_t limit = max_length > 0 ? static_cast<size_t>(std::max<int64_t>(max_length - 2, 0)) : SIZE_MAX;
   constexpr size_t kStretch = 4096;  // bytes, at least (a stretch of ordinary text holds ~800 pieces)
   std::vector<int64_t> pieces;
+  std::u32string word;
   for (size_t pos = 0; pos < text.size() && pieces.size() <= limit;) {
     size_t end = std::min(text.size(), pos + kStretch);
-    while (end < text.size() && text[end - 1] != ' ' && text[end - 1] != '\n' && text[end - 1] != '\t') ++end;
-    encode_pieces(text.substr(pos, end - pos), pieces);
+    while (end < text.size() && text[end - 1] != ' ' && text[end - 1] != '\n' && text[end - 1] != '\t' &&
+           !(end - pos >= 2 * kStretch && cut_is_exact(text, end))) {
+      ++end;
+    }
+    encode_pieces(text.substr(pos, end - pos), pieces, word);
     pos = end;
   }
+  if (!word.empty()) wordpiece(word, pieces);
   Encoding e;
   if (pieces.size() > limit) {
     pieces.resize(limit);

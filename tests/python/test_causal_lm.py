@@ -163,6 +163,41 @@ def test_kv_cache_operations():
         c.append(0, k[:, :1], v[:, :1])
     with pytest.raises(ValueError, match=r"KVCache::reorder: index 5 outside the batch \[0, 3\)"):
         c.reorder([0, 1, 5])
+    # bounds checked before anything is allocated (2**26 layers once took 11 GB)
+    with pytest.raises(ValueError, match=r"KVCache: layers 67108864 \(at most 65536\)"):
+        heads.KVCache(2**26, 1, 1, 8)
+    with pytest.raises(ValueError, match=r"KVCache: capacity 1099511627776 would reserve .* GiB up front"):
+        heads.KVCache(2, 1, 1, 8, capacity=2**40)
+
+
+def test_threads_sharing_a_cache_take_turns(models):
+    """Four threads stepping one cache: each call runs whole (no error, every layer as long as the
+    others), and the cache ends as long as all their tokens; a failed step leaves it as it was."""
+    import threading
+
+    _, d = models["llama-gqa2"]
+    lm = heads.CausalLM.from_pretrained(d)
+    cache = lm.new_cache()
+    errors = []
+
+    def steps(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(6):
+            try:
+                lm(rng.integers(0, V, size=(1, 3)), cache=cache, last_only=True)
+            except Exception as e:  # noqa: BLE001 - any error fails the test below
+                errors.append(e)
+
+    threads = [threading.Thread(target=steps, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(cache) == 4 * 6 * 3 and all(cache.length(i) == 72 for i in range(lm.num_layers))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm(np.array([[1, V + 5]]), cache=cache)
+    assert len(cache) == 72
 
 
 def test_rope_matches_transformers():
@@ -201,8 +236,10 @@ def test_unsupported_configs_are_errors(models, tmp_path):
     for change, msg in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
                          'rope_type "yarn" is not supported'),
                         ({"model_type": "falcon"}, 'model_type "falcon" is not supported'),
-                        ({"num_key_value_heads": 4}, "num_attention_heads 6 is not a multiple of num_key_value_heads 4")):
-        bad = tmp_path / change.get("model_type", "x") / str(len(msg))
+                        ({"num_key_value_heads": 4}, "num_attention_heads 6 is not a multiple of num_key_value_heads 4"),
+                        ({"rope_scaling": 5}, '"rope_scaling" must be an object'),
+                        ({"rope_scaling": ["linear"]}, '"rope_scaling" must be an object')):
+        bad = tmp_path / str(change.get("model_type", "x")) / f"{len(msg)}-{len(json.dumps(change))}"
         bad.mkdir(parents=True)
         json.dump({**cfg, **change}, open(bad / "config.json", "w"))
         os.symlink(os.path.join(d, "model.safetensors"), bad / "model.safetensors")
