@@ -37,6 +37,10 @@ constexpr int64_t kMaxCount = int64_t{1} << 24;
 // RoPE settings from rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x).
 RopeOptions read_rope(const nlohmann::json& j, const fs::path& file) {
   RopeOptions r;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {  // either, even the one not read
+    HEADS_CHECK(!j.contains(key) || j.at(key).is_object(), file.string(), ": \"", key, "\" must be an object, got ",
+                j.contains(key) ? j.at(key).type_name() : "");
+  }
   nlohmann::json p = j.contains("rope_parameters") ? without_nulls(j.at("rope_parameters"))
                      : j.contains("rope_scaling")  ? without_nulls(j.at("rope_scaling"))
                                                    : nlohmann::json::object();

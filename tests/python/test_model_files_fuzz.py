@@ -137,5 +137,6 @@ def test_mutated_decoder_configs_and_safetensors_headers_load_or_raise_value_err
     last = (tmp_path / "case.txt").read_text() if (tmp_path / "case.txt").exists() else ""
     assert r.returncode == 0, f"seed {seed}: exit {r.returncode} at\n{last}\nstderr:\n{r.stderr[-3000:]}"
     outcomes = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"seed {seed}: {outcomes}")
     assert outcomes["loaded"] > 0 and outcomes["ValueError"] > 0, outcomes
     assert sum(outcomes.values()) == CASES

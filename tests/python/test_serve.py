@@ -582,6 +582,47 @@ def test_oversized_body_is_413():
         assert s.stop() == 0
 
 
+def test_malformed_grpc_messages_are_invalid_argument(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        for method in ("Embed", "Tokenize", "Attend", "Info"):
+            call = ch.unary_unary(f"/heads.v1.Embedder/{method}", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+            for raw in (b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f"):  # no field 31; a length past the end
+                with pytest.raises(grpc.RpcError) as e:
+                    call(raw, timeout=60)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+                assert f"Embedder/{method}: the request is not a valid protobuf message" in e.value.details()
+
+
+def _peak_growth_mb(s, send):
+    """How far the server's resident size peaks above where it was, while `send` runs (the peak is
+    reset first through /proc/PID/clear_refs)."""
+    status = Path(f"/proc/{s.proc.pid}/status")
+    field = lambda name: next(int(line.split()[1]) for line in status.read_text().splitlines()  # noqa: E731
+                              if line.startswith(name + ":"))
+    Path(f"/proc/{s.proc.pid}/clear_refs").write_text("5")
+    before = field("VmRSS")
+    result = send()
+    return (field("VmHWM") - before) / 1024, result
+
+
+def test_a_huge_request_costs_a_few_times_its_bytes():
+    """A 30 MB text without spaces (one word: [UNK]) and 30 MB of unclosed brackets: the server's
+    peak grows by at most 8x the body (a 16 MB text once took 1.05 GB, 60 MB of brackets 4.35 GB)."""
+    s = Server("--cache-mb", 0)
+    try:
+        assert s.post("/v1/embeddings", {"input": ["warm up"]})[0] == 200
+        n = 30 << 20
+        grew, (status, reply, _) = _peak_growth_mb(s, lambda: s.post("/v1/embeddings", {"input": "a" * n}))
+        assert status == 200 and reply["usage"]["prompt_tokens"] == 3
+        assert grew < 8 * 30 + 64, f"a {n >> 20} MB text raised the server's peak by {grew:.0f} MB"
+        grew, (status, raw, _) = _peak_growth_mb(s, lambda: s.request("POST", "/v1/embeddings", b"[" * n))
+        assert status == 400 and b"nested deeper than 64 levels" in raw
+        assert grew < 8 * 30 + 64, f"{n >> 20} MB of brackets raised the server's peak by {grew:.0f} MB"
+    finally:
+        assert s.stop() == 0
+
+
 def test_bad_flags_and_model():
     r = subprocess.run([HEADS, "serve", "--model", "/nonexistent", "--http-port", "0", "--grpc-port", "0"],
                        capture_output=True, text=True, timeout=60)

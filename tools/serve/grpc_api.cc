@@ -4,6 +4,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/support/server_interceptor.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -99,6 +100,37 @@ void from_tensor(const Tensor& t, heads::v1::Tensor* out) {
   out->mutable_data()->Resize(static_cast<int>(c.numel()), 0.0f);
   if (c.numel()) std::memcpy(out->mutable_data()->mutable_data(), c.raw_data(), static_cast<size_t>(c.numel()) * 4);
 }
+
+// A request gRPC could not parse is the client's error: INVALID_ARGUMENT naming the method, not the
+// bare INTERNAL that gRPC answers when a message fails to deserialize (before any handler runs).
+// Every status this server sets itself carries a message, so an empty INTERNAL is that failure.
+class BadMessageInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit BadMessageInterceptor(std::string method) : method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    using Point = grpc::experimental::InterceptionHookPoints;
+    if (m->QueryInterceptionHookPoint(Point::POST_RECV_MESSAGE) && m->GetRecvMessage() == nullptr) unparsed_ = true;
+    if (m->QueryInterceptionHookPoint(Point::PRE_SEND_STATUS)) {
+      const grpc::Status s = m->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::INTERNAL && (unparsed_ || s.error_message().empty())) {
+        m->ModifySendStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                         method_ + ": the request is not a valid protobuf message of its type"));
+      }
+    }
+    m->Proceed();
+  }
+
+ private:
+  std::string method_;
+  bool unparsed_ = false;
+};
+
+class BadMessageInterceptorFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    return new BadMessageInterceptor(info->method());
+  }
+};
 
 class EmbedderImpl final : public heads::v1::Embedder::Service {
  public:
@@ -361,6 +393,9 @@ class GrpcFrontEnd : public FrontEnd {
     const std::string host = opt_.bind.find(':') != std::string::npos ? "[" + opt_.bind + "]" : opt_.bind;
     builder.AddListeningPort(host + ":" + std::to_string(opt_.grpc_port), creds, &port);
     builder.RegisterService(&impl_);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<BadMessageInterceptorFactory>());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.SetMaxSendMessageSize(64 << 20);
     server_ = builder.BuildAndStart();

@@ -82,9 +82,9 @@ std::string base64(const void* data, size_t n) {
   return out;
 }
 
-// The texts of an "input" / "inputs" field: a string or a list of strings. More than `limit`
-// texts is *too_many (nothing is copied).
-bool read_texts(const json& body, const char* field, int64_t limit, std::vector<std::string>* texts,
+// The texts of an "input" / "inputs" field: a string or a list of strings, moved out of the body.
+// More than `limit` texts is *too_many (nothing is taken).
+bool read_texts(json& body, const char* field, int64_t limit, std::vector<std::string>* texts,
                 std::string* error, bool* too_many) {
   *too_many = false;
   auto it = body.find(field);
@@ -93,7 +93,7 @@ bool read_texts(const json& body, const char* field, int64_t limit, std::vector<
     return false;
   }
   if (it->is_string()) {
-    texts->push_back(it->get<std::string>());
+    texts->push_back(std::move(it->get_ref<std::string&>()));
     return true;
   }
   if (!it->is_array()) {
@@ -107,13 +107,13 @@ bool read_texts(const json& body, const char* field, int64_t limit, std::vector<
     return false;
   }
   for (size_t i = 0; i < it->size(); ++i) {
-    const json& t = (*it)[i];
+    json& t = (*it)[i];
     if (!t.is_string()) {
       *error = std::string(field) + "[" + std::to_string(i) + "]: expected a string, got " + t.type_name() +
                (t.is_number() || t.is_array() ? " (token ids are not accepted: send text)" : "");
       return false;
     }
-    texts->push_back(t.get<std::string>());
+    texts->push_back(std::move(t.get_ref<std::string&>()));
   }
   return true;
 }
@@ -227,7 +227,7 @@ class HttpFrontEnd : public FrontEnd {
   }
 
   // Embeddings of the texts in body[field]; false (and an error response) on failure.
-  bool embed(const HttpRequest& req, const HttpCall& call, HttpResponse& res, const json& body, const char* field,
+  bool embed(const HttpRequest& req, const HttpCall& call, HttpResponse& res, json& body, const char* field,
              std::vector<std::string>* texts, EmbedResult* r) {
     std::string error;
     bool too_many = false;
@@ -235,7 +235,9 @@ class HttpFrontEnd : public FrontEnd {
       send_error(res, too_many ? 429 : 400, too_many ? "resource_exhausted" : "invalid_request_error", error);
       return false;
     }
-    *r = service_->embed_sync(*texts, context(req, call));
+    const size_t n = texts->size();
+    *r = service_->embed_sync(std::move(*texts), context(req, call));  // a text's bytes are held once
+    texts->assign(n, std::string());  // the routes count their rows by it
     if (r->code != Code::Ok) {
       send_error(res, http_status(r->code), code_name(r->code), r->message);
       return false;
