@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config_json.h"
 #include "heads/bert.h"
 #include "heads/error.h"
 #include "heads/precision.h"
@@ -196,9 +197,7 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
         continue;
       }
       if (rel == "model.safetensors.index.json") {
-        std::ifstream in(it->path());
-        nlohmann::json index = nlohmann::json::parse(in, nullptr, false);
-        HEADS_CHECK(!index.is_discarded() && index.is_object(), it->path().string(), ": not valid JSON");
+        nlohmann::json index = models::read_json(it->path(), true);  // a regular file holding an object
         if (index.contains("metadata") && index["metadata"].is_object()) index["metadata"]["total_size"] = shard_bytes;
         std::ofstream out(tmp / rel);
         out << index.dump(2) << "\n";

@@ -56,7 +56,10 @@ std::string model_digest(const std::string& dir) {
   HEADS_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1, "sha256 failed");
   std::vector<char> buf(1 << 20);
   for (const char* name : kFiles) {
-    std::ifstream in(fs::path(dir) / name, std::ios::binary);
+    const fs::path path = fs::path(dir) / name;
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) continue;  // absent; anything else the loader has refused
+    std::ifstream in(path, std::ios::binary);
     if (!in) continue;
     EVP_DigestUpdate(ctx.get(), name, std::strlen(name) + 1);
     while (in) {
