@@ -21,6 +21,10 @@ std::vector<Isa> supported_isas();        // best last
 Isa active_isa();
 // Forces a path (throws heads::Error if this CPU cannot run it).
 void set_isa(Isa isa);
+// Why the amx path is or is not offered, in words (`heads bench peak` prints it): "tiles" when the
+// CPU, the OS and Linux's permission all allow them; "emulated (HEADS_AMX_EMULATE=1)" when the
+// kernels run over the scalar tile emulator; otherwise the first check that failed.
+std::string amx_status();
 
 // Measured f32 FMA throughput of the active path on `threads` threads (GFLOP/s): independent
 // FMA chains on every thread at once, best of a few runs of about `seconds` each.

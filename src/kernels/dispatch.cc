@@ -20,25 +20,59 @@ namespace {
 constexpr Isa kAllIsas[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
 
 #if defined(__x86_64__) && defined(__linux__)
-// AMX-TILE and AMX-BF16 in CPUID, the tile state enabled by the OS (XCR0 bits 17, 18), and this
-// process granted it (Linux keeps the 8 KB tile data out of a process until it asks, once).
-bool amx_usable() {
-  static const bool ok = [] {
+// Whether the AMX kernels can run on the tiles, or the first reason they cannot: AMX-TILE and
+// AMX-BF16 in CPUID; the OS enabling the tile state (XSAVE enabled, XCR0 bits 17 and 18); palette 1
+// of CPUID leaf 0x1D offering the 8 tiles of 16 rows x 64 bytes the kernels configure (a VM can
+// advertise AMX and give no usable palette); and Linux granting this process the 8 KB tile data
+// (ARCH_REQ_XCOMP_PERM, asked once). An empty string: usable.
+const std::string& amx_unusable_reason() {
+  static const std::string reason = []() -> std::string {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-    if (!tile || !bf16 || !__builtin_cpu_supports("osxsave")) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "no CPUID leaf 7";
+    if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return "no AMX-TILE / AMX-BF16 in CPUID";
+    if (!__builtin_cpu_supports("osxsave")) return "the OS has not enabled XSAVE";
     unsigned lo = 0, hi = 0;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if (((lo >> 17) & 3u) != 3u) return false;
+    if (((lo >> 17) & 3u) != 3u) return "the OS has not enabled the tile state (XCR0 bits 17, 18)";
+    if (__get_cpuid_max(0, nullptr) < 0x1d || !__get_cpuid_count(0x1d, 0, &a, &b, &c, &d) || a < 1) {
+      return "no tile palette in CPUID leaf 0x1D";
+    }
+    __get_cpuid_count(0x1d, 1, &a, &b, &c, &d);
+    const unsigned bytes_per_row = b & 0xffffu, names = b >> 16, rows = c & 0xffffu;
+    if (bytes_per_row < 64 || names < 8 || rows < 16) {
+      return "palette 1 has " + std::to_string(names) + " tiles of " + std::to_string(rows) + " rows x " +
+             std::to_string(bytes_per_row) + " bytes (the kernels use 8 of 16 x 64)";
+    }
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+      return "Linux refused the tile state (ARCH_REQ_XCOMP_PERM)";
+    }
+    return "";
   }();
-  return ok;
+  return reason;
 }
 #else
-[[maybe_unused]] bool amx_usable() { return false; }  // the tile state is requested from Linux
+const std::string& amx_unusable_reason() {
+  static const std::string reason = "the tile state is requested from Linux on x86-64 only";
+  return reason;
+}
 #endif
+
+bool amx_usable() { return amx_unusable_reason().empty(); }
+
+// HEADS_AMX_EMULATE=1 on a CPU without usable AMX: the `amx` ISA runs over the tile emulator
+// (isa_amx_emu.cc), where the kernels' AVX-512 + AVX512_BF16 vector code can run. Tests may force
+// it on or off (kernels::set_amx_emulation): -1 reads the environment.
+std::atomic<int> g_amx_emulation{-1};
+
+bool amx_emulated() {
+  static const bool from_env = [] {
+    const char* e = std::getenv("HEADS_AMX_EMULATE");
+    return e != nullptr && std::string(e) == "1" && !amx_usable();
+  }();
+  const int forced = g_amx_emulation.load(std::memory_order_relaxed);
+  return forced < 0 ? from_env : forced == 1;
+}
 
 }  // namespace
 
@@ -73,12 +107,19 @@ bool isa_supported(Isa isa) {
     case Isa::Avx512Bf16:
       return isa_supported(Isa::Avx512) && __builtin_cpu_supports("avx512bf16");
     case Isa::Amx:
-      return isa_supported(Isa::Avx512Bf16) && amx_usable();
+      return isa_supported(Isa::Avx512Bf16) && (amx_usable() || amx_emulated());
 #else
     default: return false;
 #endif
   }
   return false;
+}
+
+std::string amx_status() {
+  if (amx_usable()) return "tiles";
+  if (amx_emulated()) return isa_supported(Isa::Amx) ? "emulated (HEADS_AMX_EMULATE=1)"
+                                                     : "HEADS_AMX_EMULATE=1, but the CPU lacks AVX512_BF16";
+  return "unusable: " + amx_unusable_reason();
 }
 
 std::vector<Isa> supported_isas() {
@@ -97,7 +138,7 @@ const kernels::KernelTable* table_of(Isa isa) {
     case Isa::Avx2: return &kernels::avx2::kTable;
     case Isa::Avx512: return &kernels::avx512::kTable;
     case Isa::Avx512Bf16: return &kernels::avx512bf16::kTable;
-    case Isa::Amx: return &kernels::amx::kTable;
+    case Isa::Amx: return amx_emulated() ? &kernels::amx_emu::kTable : &kernels::amx::kTable;
   }
   return &kernels::scalar::kTable;
 }
@@ -109,7 +150,9 @@ Isa initial_isa() {
                 " kernels");
     return isa;
   }
-  return supported_isas().back();
+  // The best the CPU runs natively: the emulated tiles only when asked for by name.
+  const std::vector<Isa> isas = supported_isas();
+  return isas.back() == Isa::Amx && amx_emulated() ? isas[isas.size() - 2] : isas.back();
 }
 
 std::atomic<const kernels::KernelTable*> g_table{nullptr};
@@ -124,6 +167,8 @@ void set_isa(Isa isa) {
 }
 
 namespace kernels {
+
+void set_amx_emulation(int mode) { g_amx_emulation.store(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
 
 const KernelTable& active() {
   const KernelTable* t = g_table.load(std::memory_order_acquire);

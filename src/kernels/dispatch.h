@@ -72,6 +72,11 @@ namespace avx2 { extern const KernelTable kTable; }
 namespace avx512 { extern const KernelTable kTable; }
 namespace avx512bf16 { extern const KernelTable kTable; }  // avx512 + AVX512_BF16
 namespace amx { extern const KernelTable kTable; }         // avx512bf16 + AMX-TILE, AMX-BF16
+namespace amx_emu { extern const KernelTable kTable; }     // amx over the tile emulator (amx_emulator.h)
+
+// For tests: 1 runs the amx ISA over the tile emulator even where the tiles exist (so that the two
+// can be compared), 0 never, -1 as HEADS_AMX_EMULATE says. Takes effect at the next set_isa().
+void set_amx_emulation(int mode);
 
 const KernelTable& active();
 

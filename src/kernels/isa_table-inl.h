@@ -33,7 +33,7 @@ const KernelTable kTable{
     .bf16_probe = &bf16_probe,
     .bf16_probe_flops_per_iter = &bf16_probe_flops_per_iter,
 #endif
-#ifdef HEADS_AMX
+#if defined(HEADS_AMX) && !defined(HEADS_AMX_EMULATED)  // no throughput to measure in the emulator
     .tile_probe = &amx::tile_probe,
     .tile_probe_flops_per_iter = &amx::tile_probe_flops_per_iter,
 #endif

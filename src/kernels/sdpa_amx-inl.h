@@ -40,12 +40,24 @@ constexpr int64_t kBQ = 32;   // query rows per task: two row tiles
 constexpr int64_t kBK = 128;  // keys per softmax block
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+#ifdef HEADS_AMX_EMULATED  // isa_amx_emu.cc: the same kernel over amx_emulator.h
+#define HEADS_TILE_LOAD(t, base, stride) amx_emulator::load(t, base, static_cast<int64_t>(stride))
+#define HEADS_TILE_STORE(t, base, stride) amx_emulator::store(t, base, static_cast<int64_t>(stride))
+#define HEADS_TILE_ZERO(t) amx_emulator::zero(t)
+#define HEADS_TILE_DP(c, a, b) amx_emulator::dpbf16ps(c, a, b)
+#define HEADS_TILE_CONFIG(cfg) amx_emulator::configure(&(cfg))
+#define HEADS_TILE_RELEASE() amx_emulator::release()
+#else
 #define HEADS_TILE_LOAD(t, base, stride)                                                   \
   __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}" \
                    : : "r"(static_cast<const void*>(base)), "r"(static_cast<int64_t>(stride)) : "memory")
 #define HEADS_TILE_STORE(t, base, stride) _tile_stored(t, base, static_cast<int64_t>(stride))
 #define HEADS_TILE_ZERO(t) _tile_zero(t)
 #define HEADS_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+// ldtilecfg reads all 64 bytes (GCC's _tile_loadconfig declares an 8-byte operand).
+#define HEADS_TILE_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory")
+#define HEADS_TILE_RELEASE() _tile_release()
+#endif
 
 // Palette 1, tiles 0-7 all 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
@@ -62,8 +74,7 @@ inline void configure_tiles() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  // ldtilecfg reads all 64 bytes (GCC's _tile_loadconfig declares an 8-byte operand).
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+  HEADS_TILE_CONFIG(cfg);
 }
 
 // The four tdpbf16ps of a 32 x 32 block: C[rt][ct] += A[rt] · B[ct].
@@ -497,7 +508,7 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
                op + b * out.stride(0) + h * out.stride(1) + i0 * out.stride(2), out.stride(2),
                lp + (b * pb.H + h) * pb.Lq + i0, wp ? wp + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr);
     }
-    _tile_release();
+    HEADS_TILE_RELEASE();
   }
 }
 
@@ -518,7 +529,7 @@ inline float tile_probe(int64_t iters) {
   HEADS_TILE_LOAD(7, ab, 64);
   for (int64_t i = 0; i < iters; ++i) dp_2x2();
   HEADS_TILE_STORE(0, c, 64);
-  _tile_release();
+  HEADS_TILE_RELEASE();
   return c[0];
 }
 inline int tile_probe_flops_per_iter() { return 4 * 16 * 16 * 32 * 2; }
@@ -527,5 +538,7 @@ inline int tile_probe_flops_per_iter() { return 4 * 16 * 16 * 32 * 2; }
 #undef HEADS_TILE_STORE
 #undef HEADS_TILE_ZERO
 #undef HEADS_TILE_DP
+#undef HEADS_TILE_CONFIG
+#undef HEADS_TILE_RELEASE
 
 }  // namespace amx

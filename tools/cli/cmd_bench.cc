@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "options.h"
 #include "heads/mha.h"
 #include "heads/runtime.h"
@@ -359,14 +361,16 @@ void run_peak(const BenchArgs& a) {
   const char* products = bf16_attention_products();
   if (a.json) {
     std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f,"
-                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"bf16_attention\":\"%s\"}\n",
-                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles, products);
+                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"bf16_attention\":\"%s\",\"amx\":%s}\n",
+                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles, products,
+                nlohmann::json(amx_status()).dump().c_str());
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
     if (bf > 0) std::printf("bf16 dot peak (vdpbf16ps): %.1f GFLOP/s on %d threads\n", bf, threads);
     if (tiles > 0) std::printf("bf16 AMX tile peak (tdpbf16ps): %.1f GFLOP/s on %d threads\n", tiles, threads);
     std::printf("bf16 attention products: %s\n", products);
+    std::printf("AMX: %s\n", amx_status().c_str());
   }
 }
 

@@ -1,0 +1,124 @@
+// amx_emulator.h — the AMX tile operations the kernels use (ldtilecfg, tileloadd, tilestored,
+// tilezero, tdpbf16ps, tilerelease), in scalar C++, for isa_amx_emu.cc: sdpa_amx-inl.h compiled
+// over these instead of the instructions, from the same text, so that the AMX kernels run (slowly,
+// with the instruction's numerics) on a CPU without tiles. HEADS_AMX_EMULATE=1 offers that build
+// as the `amx` ISA where the CPU has AVX512_BF16 (the kernels' vector code) and no usable AMX.
+//
+// Numerics of tdpbf16ps, as the Intel SDM's pseudo-code and notes for it give them: for each
+// destination element, the pairs k = 0, 1, ... in order, and within a pair its even then its odd
+// element, each added to the f32 accumulator (tmp += a·b, one rounding to nearest even of the exact
+// sum); bf16 inputs that are denormal read as zero (DAZ), a denormal result is flushed to a zero of
+// its sign (FTZ), and MXCSR is neither read nor written: the host's FTZ / DAZ bits change nothing
+// here (add_product never hands the FPU a denormal f32 operand, and flushes by hand).
+// Tile state is per thread, as the hardware's is per logical CPU; using a tile before ldtilecfg, or
+// a configuration other than palette 1 with rows <= 16 and colsb <= 64 (multiples of 4), is an error
+// (the instruction would fault).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "heads/error.h"
+
+namespace heads::kernels::amx_emulator {
+
+struct Tiles {
+  alignas(64) uint8_t reg[8][16 * 64];
+  uint8_t rows[8] = {};
+  uint16_t colsb[8] = {};
+  bool configured = false;
+};
+
+inline Tiles& tiles() {
+  thread_local Tiles t;
+  return t;
+}
+
+// The 64-byte ldtilecfg operand: palette, start_row, 14 reserved, colsb[16], rows[16].
+inline void configure(const void* cfg) {
+  const auto* b = static_cast<const uint8_t*>(cfg);
+  Tiles& t = tiles();
+  HEADS_CHECK(b[0] == 1, "AMX emulator: ldtilecfg: palette ", int{b[0]}, " (only palette 1 exists)");
+  for (int i = 0; i < 8; ++i) {
+    uint16_t colsb;
+    std::memcpy(&colsb, b + 16 + 2 * i, 2);
+    const uint8_t rows = b[48 + i];
+    HEADS_CHECK(rows <= 16 && colsb <= 64 && colsb % 4 == 0 && (rows == 0) == (colsb == 0),
+                "AMX emulator: ldtilecfg: tile ", i, " of ", int{rows}, " rows x ", colsb,
+                " bytes (palette 1: at most 16 x 64, a multiple of 4 bytes)");
+    t.rows[i] = rows;
+    t.colsb[i] = colsb;
+  }
+  std::memset(t.reg, 0, sizeof t.reg);  // ldtilecfg zeroes the tiles
+  t.configured = true;
+}
+
+inline Tiles& configured(int tile) {
+  Tiles& t = tiles();
+  HEADS_CHECK(t.configured && tile >= 0 && tile < 8 && t.rows[tile] > 0,
+              "AMX emulator: tile ", tile, " used without a configuration that gives it rows");
+  return t;
+}
+
+inline void load(int tile, const void* base, int64_t stride) {
+  Tiles& t = configured(tile);
+  const auto* p = static_cast<const uint8_t*>(base);
+  std::memset(t.reg[tile], 0, sizeof t.reg[tile]);
+  for (int r = 0; r < t.rows[tile]; ++r) std::memcpy(t.reg[tile] + r * 64, p + r * stride, t.colsb[tile]);
+}
+
+inline void store(int tile, void* base, int64_t stride) {
+  const Tiles& t = configured(tile);
+  auto* p = static_cast<uint8_t*>(base);
+  for (int r = 0; r < t.rows[tile]; ++r) std::memcpy(p + r * stride, t.reg[tile] + r * 64, t.colsb[tile]);
+}
+
+inline void zero(int tile) { std::memset(configured(tile).reg[tile], 0, sizeof(Tiles::reg[0])); }
+
+inline void release() { tiles() = Tiles{}; }
+
+// bf16 (its 16 bits) as f32, a denormal as a zero of its sign.
+inline float bf16_in(uint16_t h) {
+  if ((h & 0x7f80u) == 0) h &= 0x8000u;
+  const uint32_t bits = uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float flush(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
+
+// acc + a·b rounded once to f32, then flushed. The product of two bf16 is exact in double (and may
+// lie below f32's range, where f32 arithmetic under the host's FTZ would flush it before the
+// addition); the double sum rounded to f32 is the correctly rounded sum (53 >= 2·24 + 2 bits).
+inline float add_product(float acc, uint16_t a, uint16_t b) {
+  const double s = static_cast<double>(acc) + static_cast<double>(bf16_in(a)) * static_cast<double>(bf16_in(b));
+  return flush(static_cast<float>(s));
+}
+
+// C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] (bf16 pairs, f32 C).
+inline void dpbf16ps(int c, int a, int b) {
+  Tiles& t = configured(c);
+  configured(a);
+  configured(b);
+  const int M = t.rows[c], N = t.colsb[c] / 4, K = t.colsb[a] / 4;
+  HEADS_CHECK(t.rows[a] == M && t.rows[b] == K && t.colsb[b] == t.colsb[c],
+              "AMX emulator: tdpbf16ps: shapes do not chain (C ", M, " x ", N, ", A ", int{t.rows[a]}, " x ", K,
+              ", B ", int{t.rows[b]}, " x ", t.colsb[b] / 4, ")");
+  for (int m = 0; m < M; ++m) {
+    float* crow = reinterpret_cast<float*>(t.reg[c] + m * 64);
+    const auto* arow = reinterpret_cast<const uint16_t*>(t.reg[a] + m * 64);
+    for (int n = 0; n < N; ++n) {
+      float acc = crow[n];
+      for (int k = 0; k < K; ++k) {
+        const auto* brow = reinterpret_cast<const uint16_t*>(t.reg[b] + k * 64);
+        acc = add_product(acc, arow[2 * k], brow[2 * n]);
+        acc = add_product(acc, arow[2 * k + 1], brow[2 * n + 1]);
+      }
+      crow[n] = acc;
+    }
+  }
+}
+
+}  // namespace heads::kernels::amx_emulator

@@ -1,0 +1,132 @@
+// The tile emulator (src/kernels/amx_emulator.h) against the definition of the instructions it
+// stands for, and, on a CPU with AMX tiles, the AMX kernels over it against the same kernels on the
+// tiles, bit for bit. The AMX kernels themselves run over it in the suite's bf16 SDPA tests under
+// HEADS_AMX_EMULATE=1 (ctest: sdpa_amx_emulated).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/testing.h"
+#include "heads/isa.h"
+#include "heads/sdpa.h"
+#include "heads/sdpa_case.h"
+#include "kernels/amx_emulator.h"
+#include "kernels/dispatch.h"
+
+namespace heads {
+namespace {
+
+namespace emu = kernels::amx_emulator;
+using ::testing::HasSubstr;
+using testing::error_of;
+
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);  // the values below are exact in bf16
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C (rows x n f32) += A (rows x 2k bf16) · B (k pairs x n), through the emulator's tiles 0, 1, 2.
+std::vector<float> dp(const std::vector<float>& c, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
+                      int rows, int n, int k) {
+  Config cfg;
+  cfg.rows[0] = static_cast<uint8_t>(rows), cfg.colsb[0] = static_cast<uint16_t>(4 * n);
+  cfg.rows[1] = static_cast<uint8_t>(rows), cfg.colsb[1] = static_cast<uint16_t>(4 * k);
+  cfg.rows[2] = static_cast<uint8_t>(k), cfg.colsb[2] = static_cast<uint16_t>(4 * n);
+  emu::configure(&cfg);
+  emu::load(0, c.data(), 4 * n);
+  emu::load(1, a.data(), 4 * k);
+  emu::load(2, b.data(), 4 * n);
+  emu::dpbf16ps(0, 1, 2);
+  std::vector<float> out(static_cast<size_t>(rows * n));
+  emu::store(0, out.data(), 4 * n);
+  emu::release();
+  return out;
+}
+
+TEST(AmxEmulator, DotProductFollowsTheInstructionsDefinition) {
+  // Random bf16 pairs against the definition written out in double: pair by pair, even then odd,
+  // each sum rounded to f32 (products of bf16 are exact in f32, so float arithmetic is that).
+  auto& g = testing::rng();
+  std::uniform_real_distribution<float> u(-4, 4);
+  const int rows = 13, n = 11, k = 7;  // not the kernels' 16 x 16 x 16: every size is read from the config
+  std::vector<float> c(rows * n);
+  std::vector<uint16_t> a(rows * 2 * k), b(k * 2 * n);
+  for (auto& x : c) x = u(g);
+  for (auto& x : a) x = bf16_bits(u(g));
+  for (auto& x : b) x = bf16_bits(u(g));
+  const auto got = dp(c, a, b, rows, n, k);
+  for (int m = 0; m < rows; ++m) {
+    for (int j = 0; j < n; ++j) {
+      float acc = c[m * n + j];
+      for (int p = 0; p < k; ++p) {
+        for (int e = 0; e < 2; ++e) {
+          const double prod = static_cast<double>(emu::bf16_in(a[m * 2 * k + 2 * p + e])) *
+                              static_cast<double>(emu::bf16_in(b[p * 2 * n + 2 * j + e]));
+          acc = static_cast<float>(static_cast<double>(acc) + prod);  // exact sum, one rounding
+        }
+      }
+      ASSERT_EQ(got[m * n + j], acc) << m << "," << j;
+    }
+  }
+}
+
+TEST(AmxEmulator, OrderDenormalsAndErrors) {
+  // Sequential rounding: 2^25 + 1 rounds back to 2^25 before -2^25 arrives, so the result is 0, not 1.
+  std::vector<uint16_t> a = {bf16_bits(0x1p25f), bf16_bits(1.0f), bf16_bits(-0x1p25f), bf16_bits(0.0f)};
+  std::vector<uint16_t> b = {bf16_bits(1.0f), bf16_bits(1.0f), bf16_bits(1.0f), bf16_bits(1.0f)};
+  EXPECT_EQ(dp({0.0f}, a, b, 1, 1, 2)[0], 0.0f);
+  // A denormal bf16 input is read as zero; a denormal result is flushed to zero (with its sign).
+  const uint16_t denormal = 0x0001;  // 2^-133
+  EXPECT_EQ(dp({1.0f}, {denormal, 0}, {bf16_bits(0x1p100f), 0}, 1, 1, 1)[0], 1.0f);
+  // (-0 and +0 in the odd slot: -0 + -0 keeps the sign a +0 product would take away)
+  const float tiny = dp({0.0f}, {bf16_bits(-0x1p-70f), 0x8000}, {bf16_bits(0x1p-70f), 0}, 1, 1, 1)[0];
+  EXPECT_EQ(tiny, 0.0f);
+  EXPECT_TRUE(std::signbit(tiny));
+  // Faults of the instructions are errors.
+  Config bad;
+  bad.palette = 2;
+  EXPECT_THAT(error_of([&] { emu::configure(&bad); }), HasSubstr("palette 2"));
+  Config wide;
+  wide.rows[0] = 16, wide.colsb[0] = 128;
+  EXPECT_THAT(error_of([&] { emu::configure(&wide); }), HasSubstr("tile 0 of 16 rows x 128 bytes"));
+  emu::release();
+  EXPECT_THAT(error_of([] { emu::zero(3); }), HasSubstr("tile 3 used without a configuration"));
+}
+
+TEST(AmxEmulator, KernelsOverTheEmulatorGiveTheTilesBits) {
+  if (amx_status() != "tiles") GTEST_SKIP() << "needs AMX tiles to compare with: " << amx_status();
+  const testing::IsaGuard guard;
+  std::vector<SdpaCase> cases(2);
+  cases[0].H = 2, cases[0].Lq = 129, cases[0].causal = true;
+  cases[1].B = 2, cases[1].H = 4, cases[1].Hkv = 2, cases[1].Lq = 7, cases[1].Lk = 300, cases[1].D = 80,
+  cases[1].Dv = 48, cases[1].mask = SdpaMask::Bool;
+  for (SdpaCase& c : cases) {
+    c.dtype = DType::BF16;
+    c.seed = testing::rng()();
+    SdpaCase::Inputs in = c.draw();
+    in.options.need_weights = true;
+    kernels::set_amx_emulation(0);
+    set_isa(Isa::Amx);
+    const SdpaResult tiles = sdpa(in.q, in.k, in.v, in.options);
+    kernels::set_amx_emulation(1);
+    set_isa(Isa::Amx);
+    const SdpaResult emulated = sdpa(in.q, in.k, in.v, in.options);
+    kernels::set_amx_emulation(-1);
+    set_isa(Isa::Amx);
+    EXPECT_TRUE(testing::bitwise_equal(tiles.out, emulated.out)) << c.str();
+    EXPECT_TRUE(testing::bitwise_equal(tiles.weights, emulated.weights)) << c.str();
+  }
+}
+
+}  // namespace
+}  // namespace heads
