@@ -48,6 +48,7 @@ __all__ = [
     "TransformerEncoderLayer",
     "TransformerEncoder",
     "SentenceEncoder",
+    "WordPieceTokenizer",
     "Encoder",
     "quantize",
     "Tape",
@@ -854,6 +855,13 @@ class Encoder:
         ids = [[int(t) for t in row] for row in input_ids]
         return self._s.hidden_states(ids)
 
+
+WordPieceTokenizer = _heads.WordPieceTokenizer
+WordPieceTokenizer.__doc__ = """The BERT WordPiece tokenizer (uncased by default) of a ``vocab.txt``, giving the ids of Hugging
+Face's ``tokenizers`` for it: ``WordPieceTokenizer.from_vocab_file(path, lowercase=True)``;
+``encode(text_bytes, max_length=0)`` gives ``[CLS] pieces [SEP]`` (UTF-8 bytes in; ``max_length`` counts
+both specials, 0: no limit), ``pre_tokenize(text_bytes)`` the normalised words, ``token(id)``,
+``vocab_size``. ``SentenceEncoder.tokenize`` is this with the model's length."""
 
 KVCache = _heads.KVCache
 KVCache.__doc__ = """Keys and values of a decoder, per layer, for incremental decoding:

@@ -174,15 +174,16 @@ const icu::Normalizer2* nfd_instance();
 
 // Whether reading text[..p) and text[p..) apart gives the pieces the whole would: text[p] starts a
 // character (not a UTF-8 continuation byte), that character survives cleaning and decomposes to
-// a starter (no run of combining marks to reorder crosses p), and p does not fall inside a
-// special token ("[UNK]": both sides in its alphabet). The word p may cut is carried over.
+// a starter (no run of combining marks to reorder crosses p), and no special token ("[UNK]") of
+// the text spans p. The word p may cut is carried over.
 bool cut_is_exact(std::string_view text, size_t p) {
   static const icu::Normalizer2* nfd = nfd_instance();
   const auto b = static_cast<uint8_t>(text[p]);
   if ((b & 0xC0) == 0x80) return false;
-  constexpr std::string_view kSpecial = "[]PADUNKCLSEM";
-  if (kSpecial.find(text[p - 1]) != std::string_view::npos && kSpecial.find(text[p]) != std::string_view::npos) {
-    return false;
+  for (std::string_view special : {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}) {
+    for (size_t j = 1; j < special.size() && j <= p; ++j) {  // an occurrence starting j bytes before p
+      if (text.substr(p - j, special.size()) == special) return false;
+    }
   }
   const std::u32string c = decode_utf8(text.substr(p, 4));
   if (c[0] == 0 || c[0] == 0xFFFD || is_control(c[0])) return false;

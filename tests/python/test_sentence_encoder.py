@@ -145,7 +145,9 @@ def test_huge_text_is_read_only_as_far_as_it_fits(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     grew_mb = int(r.stdout.split()[-1])
-    assert grew_mb < 300, f"tokenizing 50 MB texts grew the process by {grew_mb} MB"
+    # encode() takes the four texts at once: its UTF-8 copies of them are 200 MB of the growth (263 MB
+    # on a Zen 4); 50 M brackets in one stretch once grew it by 2.2 GB, one 50 MB word in the server by 3.4 GB
+    assert grew_mb < 450, f"tokenizing 50 MB texts grew the process by {grew_mb} MB"
 
 
 def test_empty_list_and_single_string(enc):
