@@ -43,7 +43,26 @@ const bool kRegistered = [] {
   return true;
 }();
 
+// HEADS_TEST_ISA=<name> (ctest sdpa_amx_emulated): a CPU that cannot run that path skips the whole
+// run, exit 77, which ctest reports as skipped, rather than passing with nothing visited.
+const bool kIsaChecked = [] {
+  const char* e = std::getenv("HEADS_TEST_ISA");
+  if (e == nullptr || *e == '\0' || isa_supported(isa_from_name(e))) return true;
+  std::fprintf(stderr, "HEADS_TEST_ISA=%s: this CPU cannot run it (AMX: %s); nothing to test\n", e,
+               amx_status().c_str());
+  std::exit(77);
+}();
+
 }  // namespace
+
+std::vector<Isa> test_isas() {
+  std::vector<Isa> isas = supported_isas();
+  if (const char* e = std::getenv("HEADS_TEST_ISA"); e != nullptr && *e != '\0') {
+    const Isa only = isa_from_name(e);
+    isas.assign(1, only);
+  }
+  return isas;
+}
 
 std::string model_dir() {
   if (const char* env = std::getenv("HEADS_MODEL_DIR"); env != nullptr && *env != '\0') return env;

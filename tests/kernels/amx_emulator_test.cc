@@ -103,6 +103,24 @@ TEST(AmxEmulator, OrderDenormalsAndErrors) {
   EXPECT_THAT(error_of([] { emu::zero(3); }), HasSubstr("tile 3 used without a configuration"));
 }
 
+TEST(AmxEmulator, OfferedAsAmxOnlyWhenAskedFor) {
+  const testing::IsaGuard guard;
+  const bool tiles = amx_status() == "tiles";
+  kernels::set_amx_emulation(0);
+  EXPECT_EQ(isa_supported(Isa::Amx), tiles);
+  kernels::set_amx_emulation(1);
+  EXPECT_EQ(isa_supported(Isa::Amx), tiles || isa_supported(Isa::Avx512Bf16));
+  if (isa_supported(Isa::Amx)) {
+    set_isa(Isa::Amx);
+    EXPECT_EQ(active_isa(), Isa::Amx);
+    EXPECT_STREQ(bf16_attention_products(), "amx");
+  }
+  if (!tiles) {
+    EXPECT_THAT(amx_status(), HasSubstr(isa_supported(Isa::Avx512Bf16) ? "emulated" : "lacks AVX512_BF16"));
+  }
+  kernels::set_amx_emulation(-1);
+}
+
 TEST(AmxEmulator, KernelsOverTheEmulatorGiveTheTilesBits) {
   if (amx_status() != "tiles") GTEST_SKIP() << "needs AMX tiles to compare with: " << amx_status();
   const testing::IsaGuard guard;

@@ -34,7 +34,7 @@ void expect_matches_ref(const Tensor& q, const Tensor& k, const Tensor& v, SdpaO
   o.need_weights = true;
   if (o.dropout_p > 0 && !o.dropout_seed) o.dropout_seed = 1234;
   const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
-  for (Isa isa : supported_isas()) {
+  for (Isa isa : testing::test_isas()) {
     set_isa(isa);
     const std::string where = what + " isa=" + isa_name(isa);
     o.need_weights = true;
@@ -201,7 +201,7 @@ TEST(Sdpa, FullyMaskedRowsGiveZeros) {
     od.attn_mask = md;
     od.enable_gqa = true;
     IsaGuard guard;
-    for (Isa isa : supported_isas()) {
+    for (Isa isa : testing::test_isas()) {
       set_isa(isa);
       const SdpaResult rd = sdpa(qd, kd, vd, od);
       for (int64_t h = 0; h < 2; ++h) {
@@ -354,7 +354,7 @@ TEST(Sdpa, NonFiniteInputsReachTheRowsTheyTouch) {
 
 TEST(Sdpa, DropoutOfOneDropsEverything) {
   IsaGuard guard;
-  for (Isa isa : supported_isas()) {
+  for (Isa isa : testing::test_isas()) {
     set_isa(isa);
     for (int64_t Lq : {2, 40}) {
       SdpaOptions o;
@@ -596,7 +596,7 @@ TEST(Sdpa, ResultIndependentOfThreadCount) {
   o.need_weights = true;
   IsaGuard guard;
   const int saved = get_num_threads();
-  for (Isa isa : supported_isas()) {
+  for (Isa isa : testing::test_isas()) {
     set_isa(isa);
     set_num_threads(1);
     const SdpaResult r1 = sdpa(q, k, v, o);

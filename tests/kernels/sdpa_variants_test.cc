@@ -215,7 +215,7 @@ TEST(SdpaVariants, LongWindowsSkipBlocksAndStayExact) {
     const SdpaResult ref = ref::sdpa_fwd_f64(q, k, v, o);
     const Tensor dout = randn({1, 2, Lq, 24});
     const SdpaGrads gref = ref::sdpa_bwd_f64(dout, q, k, v, o);
-    for (Isa isa : supported_isas()) {
+    for (Isa isa : testing::test_isas()) {
       set_isa(isa);
       const std::string where = "Lq=" + std::to_string(Lq) + " Lk=" + std::to_string(Lk) + " window(" +
                                 std::to_string(left) + "," + std::to_string(right) + ") isa=" + isa_name(isa);
@@ -293,7 +293,7 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
       var.set(o, s.H, s.Lq, s.Lk);
       const bool mask_grad = o.attn_mask.defined() && is_floating(o.attn_mask.dtype());
       const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
-      for (Isa isa : supported_isas()) {
+      for (Isa isa : testing::test_isas()) {
         set_isa(isa);
         const std::string where = var.name + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
                                   " H=" + std::to_string(s.H) + "/" + std::to_string(s.Hkv) + " D=" +
@@ -469,7 +469,7 @@ TEST(SdpaVariants, EdgeCases) {
   // a -inf sink is no term: a row that sees nothing gives zeros and lse = -inf on every path
   s.sinks.data<float>()[0] = -std::numeric_limits<float>::infinity();
   s.attn_mask = Tensor::zeros({3, 5}, DType::Bool);
-  for (Isa isa : supported_isas()) {
+  for (Isa isa : testing::test_isas()) {
     set_isa(isa);
     for (int64_t Lq : {1, 9}) {  // decode and tiled kernels
       const SdpaResult r = sdpa(randn({1, 2, Lq, 8}), k, v, [&] {
