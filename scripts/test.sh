@@ -2,7 +2,8 @@
 # test.sh — set up (scripts/setup.sh), then run every test:
 #   1. the C++ suite (GoogleTest via CTest, CLI exit codes, an install-tree consumer),
 #   2. the same C++ suite built with AddressSanitizer + UndefinedBehaviorSanitizer (-O1),
-#   3. the Python suite (pytest, a process per core up to 4) against live PyTorch 2.13, including the CLI.
+#   3. the Python suite (pytest, a process per core up to 4) against live PyTorch 2.13, including the CLI,
+#   4. its bf16 tests again on the AMX kernels (over the tile emulator where the CPU has no tiles).
 # 2 and 3 run with HEADS_SCRATCH_POISON=1: the kernels' reused scratch is NaN-filled on every call.
 # Ends with a table of its steps' times.
 set -euo pipefail
@@ -51,3 +52,13 @@ WORKERS=$(nproc)
 step pytest "Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $WORKERS processes)"
 HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
   "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile tests/python
+
+# The Python bf16 tests again on the AMX kernels: over the tile emulator where the CPU has
+# AVX512_BF16 and no tiles (docs/architecture.md), on the tiles where it has them.
+if grep -q -w 'avx512_bf16' /proc/cpuinfo; then
+  step pytest:amx "Python bf16 tests on the amx path (HEADS_ISA=amx, HEADS_AMX_EMULATE=1)"
+  HEADS_SCRATCH_POISON=1 HEADS_AMX_EMULATE=1 HEADS_ISA=amx HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
+    "$PYTHON" -m pytest -q -p no:cacheprovider -k bf16 tests/python
+else
+  echo "== Python bf16 tests on the amx path: skipped, this CPU has no AVX512_BF16 (the AMX kernel's vector code)"
+fi
