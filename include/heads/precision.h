@@ -3,23 +3,24 @@
 //
 //   F32   y = x Wᵀ + b                                           (as torch.nn.functional.linear)
 //   BF16  y = bf16(x) bf16(W)ᵀ + b, products summed in f32, y in f32 (or rounded once to bf16)
-//   Int8  dynamic quantization, symmetric, integer products: W row n ≈ Wq[n]·sw[n] once (per output
+//   Int8  dynamic quantization, integer products: W row n ≈ Wq[n]·sw[n] once (symmetric, per output
 //         channel; sw[n] = c·max|W[n,:]| / 127 with c in {1, 0.99, ..., 0.5} the least squared
-//         error, values past ±127 steps clipped); at every call each row of x in two int8 terms,
-//         x[m] ≈ xq[m]·sx[m] + rq[m]·sr[m]: q(v) = round(v · (1/s)), s = max|v| / 127 (1 when that is
-//         below 127·FLT_MIN), first of x, then of
-//         its residual r = x − xq·sx (one fused multiply-add; about 15 bits in all: one int8 step on activations lost 0.3%
-//         of cosine on all-MiniLM-L6-v2, the residual term wins it back);
-//         y[m, n] = (Σ_k xq·Wq · sx + Σ_k rq·Wq · sr) · sw[n] + b[n], sums exact in int32
-//         (K ≤ 2^31 / 127² = 133,144). A row of x holding NaN or ±inf gives a NaN row.
+//         error, values past ±127 steps clipped); at every call each row of x asymmetric,
+//         x[m] ≈ (xq[m] − z[m])·sx[m] with sx = (max(0, max x) − min(0, min x)) / 255 and the zero
+//         point z chosen so that 0 is exact (xq, z int8: 255 steps over the row's range; 1 for a row
+//         whose range is below 255·FLT_MIN), and a second symmetric term of the residual r = x −
+//         (xq − z)·sx: x[m] ≈ (xq − z)·sx + rq·sr, sr = max|r| / 127 (about 15 bits in all), on every
+//         row, or, with a weight's activation_error τ > 0, on the rows whose rounding is estimated to
+//         lose more than τ of their norm (sqrt(K / (12·Σ (xq − z)²)), from the exact integer sum). Then
+//         y[m, n] = (Σ_k (xq − z)·Wq · sx + Σ_k rq·Wq · sr) · sw[n] + b[n], sums exact in int32
+//         (K ≤ 2^31 / (255·127) = 66,313). A row of x holding NaN or ±inf gives a NaN row.
 //         Weight rows whose rounding loses more than kInt8ResidualError of the row's norm
 //         (heavy-tailed rows, where a few large weights set a coarse step, and the upper tail of
 //         ordinary ones) carry a second int8 term,
 //         the residual of the first quantized the same way: W[n] ≈ Wq[n]·sw[n] + Wr[j]·swr[j] for
-//         n = residual_rows[j], y[m, n] += Σ_k xq·Wr · sx · swr[j] (with the activations' first term
-//         only: the product of the two residuals is below either's rounding). In all-MiniLM-L6-v2 these
-//         are 62–90% of the feed-forward output rows and 5–26% of the others; without them the
-//         worst embedding cosine against f32 was 0.9988, with them 0.9996 (docs/numerics.md).
+//         n = residual_rows[j], y[m, n] += Σ_k (xq − z)·Wr · sx · swr[j] (with the activations' first
+//         term only: the product of the two residuals is below either's rounding). In all-MiniLM-L6-v2
+//         these are 62–90% of the feed-forward output rows and 5–26% of the others (docs/numerics.md).
 // Rounding is to nearest even everywhere. In a bf16 MultiheadAttention q, k, v and the attention
 // output are bf16 and attention runs its bf16 kernel (f32 softmax and sums, P rounded to bf16);
 // otherwise attention, LayerNorm, softmax and activations stay f32.
@@ -36,6 +37,11 @@
 namespace heads {
 
 enum class Precision { F32, BF16, Int8 };
+
+// A weight row whose int8 rounding loses more than this fraction of its norm gets the residual term.
+// Rows of Gaussian weights lose 0.6–1.0% (K from 384 to 4096; all-MiniLM-L6-v2's median row 0.76%):
+// the upper tail of those gets it too, which the worst embeddings need (docs/numerics.md).
+constexpr double kInt8ResidualError = 0.009;
 
 std::string precision_name(Precision p);            // "f32", "bf16", "int8"
 Precision precision_from_name(const std::string& s);  // throws heads::Error naming the choices
@@ -54,8 +60,10 @@ Precision precision_from_name(const std::string& s);  // throws heads::Error nam
 class PackedLinear {
  public:
   PackedLinear() = default;
-  // weight: a floating [N, K] tensor (any strides).
-  PackedLinear(const Tensor& weight, Precision precision);
+  // weight: a floating [N, K] tensor (any strides). activation_error (Int8): the estimated loss of an
+  // activation row's first term past which the row gets the second (above); 0, the default: every
+  // row gets both (docs/numerics.md has what larger values cost and gain).
+  PackedLinear(const Tensor& weight, Precision precision, double activation_error = 0);
   // Int8 from stored parts (e.g. weights saved from data() and scales()): data i8 [N, K], scales f32 [N],
   // finite and positive; the residual term, when given: residual_rows i64 [N'] increasing in [0, N),
   // residual_data i8 [N', K], residual_scales f32 [N'] finite and positive. Errors name `name`.
@@ -64,6 +72,7 @@ class PackedLinear {
                                 const Tensor& residual_scales = {});
 
   bool defined() const { return data_.defined(); }
+  double activation_error() const { return act_error_; }
   Precision precision() const { return precision_; }
   int64_t out_features() const { return data_.size(0); }
   int64_t in_features() const { return data_.size(1); }
@@ -73,6 +82,10 @@ class PackedLinear {
   const Tensor& residual_rows() const { return res_rows_; }      // i64 [N'], increasing
   const Tensor& residual_data() const { return res_data_; }      // i8 [N', K]
   const Tensor& residual_scales() const { return res_scales_; }  // f32 [N']
+  // Int8: Σ_k of each row of data() and residual_data(), f32 [N] and [N'] (exact), with which the
+  // activations' zero points are taken out of the integer sums.
+  const Tensor& row_sums() const { return sums_; }
+  const Tensor& residual_row_sums() const { return res_sums_; }
   // The weight's value in f32 where oneDNN has no native matmul for the precision on this CPU
   // (whichever kernel path is active: set_isa may pick the f32 route later); undefined elsewhere.
   const Tensor& wide() const { return wide_; }
@@ -80,12 +93,15 @@ class PackedLinear {
   PackedLinear rows(int64_t n0, int64_t n1) const;
 
  private:
-  void widen_if_needed();
+  void finish();  // the derived members below
+  friend PackedLinear cat_rows(const std::vector<PackedLinear>& parts);
 
   Precision precision_ = Precision::F32;
+  double act_error_ = 0;
   Tensor data_, scales_;
   Tensor res_rows_, res_data_, res_scales_;
   Tensor wide_;  // f32 [N, K], dequantize(*this), where this CPU has no native GEMM for the precision
+  Tensor sums_, res_sums_;
 };
 
 // How linear() computes with a weight of this precision on the active kernel path: "native"
@@ -112,11 +128,6 @@ std::vector<std::string> int8_part_names(const std::string& name);
 // with `label` and name the tensor.
 PackedLinear int8_from_tensors(const std::string& name, const std::function<const Tensor*(const std::string&)>& get,
                                const std::string& label);
-
-// A weight row whose int8 rounding loses more than this fraction of its norm gets the residual term.
-// Rows of Gaussian weights lose 0.6–1.0% (K from 384 to 4096; all-MiniLM-L6-v2's median row 0.76%):
-// the upper tail of those gets it too, which the worst embeddings need (docs/numerics.md).
-constexpr double kInt8ResidualError = 0.009;
 
 // The weight as f32 [N, K]: F32 as it is, BF16 widened, Int8 data[n, k] · scales[n] (plus the
 // residual term's residual_data[j, k] · residual_scales[j] on its rows), computed in double, rounded once.

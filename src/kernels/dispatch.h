@@ -54,8 +54,15 @@ struct KernelTable {
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
   // dx = dy · act'(x), n values; act 0 ReLU, 1 GELU (erf), 2 GELU (tanh form).
   void (*activation_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n, int act);
-  // Rows of x as two int8 terms each, value and residual (quantize-inl.h): q [2·rows, n], s [2·rows].
-  void (*quantize_rows_i8)(const float* x, int64_t rows, int64_t n, int64_t xs, int8_t* q, float* s);
+  // Rows of x (times c per column, when given) as an asymmetric int8 term q [rows, n] with scales s and
+  // zero points z [rows], and a second term r [rows, n] with scales sr [rows] (0: none) on the rows
+  // whose estimated error exceeds τ, tau2x12 = 12·τ² (quantize-inl.h).
+  void (*quantize_rows_i8)(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
+                           int8_t* q, float* s, int32_t* z, int8_t* r, float* sr);
+  // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
+  void (*int8_row_out)(const int32_t* a, const int32_t* a2, int32_t z, float s, float s2, const float* ws,
+                       const float* sw, const float* b, int64_t n, const int32_t* a3, const float* wrs,
+                       const float* swr, const int64_t* rows, int64_t nr, float* y);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

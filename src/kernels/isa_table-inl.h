@@ -27,6 +27,7 @@ const KernelTable kTable{
     .add_f32 = &add_f32,
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_i8 = &quantize_rows_i8,
+    .int8_row_out = &int8_row_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,
 #ifdef HEADS_NATIVE_BF16

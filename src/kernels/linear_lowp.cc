@@ -34,7 +34,8 @@ class Buffer {
   std::unique_ptr<T[]> p_;
 };
 
-constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (127 * 127);  // exact int32 sums
+// Exact int32 sums: Σ (q − z)·w with |q − z| ≤ 255 and |w| ≤ 127.
+constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (255 * 127);
 
 // The int8 weights are the same bits on every machine: this file's float arithmetic is evaluated as
 // written (CMakeLists.txt compiles it with -ffp-contract=off: no fused multiply-adds), never
@@ -201,71 +202,31 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
   }
 }
 
-// An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N], and the residual term's
-// Nr rows Wr [Nr, K] with scales swr [Nr] added to the outputs rrows[j].
+// An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N] and row sums ws [N] (Σ_k W[n, k],
+// exact in f32), and the residual term's Nr rows Wr [Nr, K] with scales swr [Nr] and sums wrs [Nr],
+// added to the outputs rrows[j].
 struct Int8Weight {
   const int8_t* W;
   const float* sw;
+  const float* ws;
   int64_t N;
   const int8_t* Wr = nullptr;
   const float* swr = nullptr;
+  const float* wrs = nullptr;
   const int64_t* rrows = nullptr;
   int64_t Nr = 0;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
+  double act_error = 0;
 };
 
-// The same through an int8 weight. Each row of x is quantized in two int8 terms (the kernel table's
-// quantize_rows_i8), x ≈ xq·sx + rq·sr with rq the rounding residual of the first (about 15 bits in
-// all); both go through one integer GEMM as rows [0, M) and [M, 2M), then y = (acc·sx + acc_r·sr)·
-// sw[n] + b[n]. The weight's residual rows go through a second GEMM with the value rows [0, M) only,
-// into columns [N, N + Nr), and add acc·sx·swr[j]: their product with the activations' residual is
-// below both terms' rounding (a step of one times a step of the other). On the f32 route the two
-// terms are summed back into f32 rows, xq·sx + rq·sr, and go through the f32 GEMM with the
-// dequantized weight (both terms of residual rows).
-void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
-                 int64_t ys) {
-  const Buffer<int8_t> xq(2 * M * K);
-  const Buffer<float> sx(2 * M);
-  kernels::active().quantize_rows_i8(x, M, K, xs, xq.data(), sx.data());
-  const Route route = route_of(Precision::Int8);
-  if (route == Route::F32) {
-    HEADS_CHECK(w.wide != nullptr, "linear (int8): the weight has no f32 copy for this CPU's f32 route");
-    const Buffer<float> xf(M * K);
-    const int threads = kernels::gemm_threads(M, K, 1);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* q1 = xq.data() + m * K;
-      const int8_t* q2 = xq.data() + (M + m) * K;
-      const float s1 = sx[m], s2 = sx[M + m];
-      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = static_cast<float>(q1[k]) * s1 + static_cast<float>(q2[k]) * s2;
-    }
-    linear_wide(xf.data(), M, K, w.wide, bias, w.N, y, false, ys);
-    return;
-  }
-  // The residual rows' GEMM runs over a multiple of kResidualBlock rows (zero rows after the last):
-  // one primitive shape for most layers' few rows instead of one per layer (oneDNN creates each
-  // shape once, in milliseconds).
-  constexpr int64_t kResidualBlock = 32;
-  const int64_t N = w.N, Nr = w.Nr, Nrp = (Nr + kResidualBlock - 1) / kResidualBlock * kResidualBlock, Nt = N + Nrp;
-  Buffer<int8_t> wr_padded(Nrp > Nr ? Nrp * K : 1);
-  const int8_t* Wr = w.Wr;
-  if (Nrp > Nr) {
-    std::copy(w.Wr, w.Wr + Nr * K, wr_padded.data());
-    std::fill(wr_padded.data() + Nr * K, wr_padded.data() + Nrp * K, int8_t{0});
-    Wr = wr_padded.data();
-  }
-  const Buffer<int32_t> acc(2 * M * Nt);
-  const int threads = kernels::gemm_threads(2 * M, Nt, K);
-  bool done = false;
-  if (route == Route::Native) {
+// The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (int8 operands, exact int32 sums) on the native
+// route, or plain loops; false where oneDNN turned out to have no int8 matmul (then nothing is written).
+void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native) {
+  const int threads = kernels::gemm_threads(M, N, K);
+  if (native) {
     try {
-      kernels::onednn_matmul({2 * M, K, N, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(), w.W,
-                             nullptr, acc.data());
-      if (Nr > 0) {  // the value rows only (below)
-        kernels::onednn_matmul({M, K, Nrp, K, 1, 1, K, Nt, false, threads, kernels::MatmulTypes::S8}, xq.data(), Wr,
-                               nullptr, acc.data() + N);
-      }
-      done = true;
+      kernels::onednn_matmul({M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, A, B, nullptr, acc);
+      return;
     } catch (const dnnl::error& e) {
       // oneDNN has no int8 matmul for this CPU after all: the portable loops below.
       if (e.status != dnnl_unimplemented) {
@@ -273,27 +234,107 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
       }
     }
   }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && !done)
-  for (int64_t m = 0; m < (done ? 0 : 2 * M); ++m) {
-    const int8_t* xr = xq.data() + m * K;
-    for (int64_t n = 0; n < (m < M ? N + Nr : N); ++n) {
-      const int8_t* wr = n < N ? w.W + n * K : w.Wr + (n - N) * K;
-      int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(wr[k]);
-      acc[m * Nt + n] = s;
-    }
-  }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
-    const int32_t* a = acc.data() + m * Nt;
-    const int32_t* ar = acc.data() + (M + m) * Nt;
-    const float s = sx[m], sr = sx[M + m];
-    float* yr = y + m * ys;
+    const int8_t* a = A + m * K;
     for (int64_t n = 0; n < N; ++n) {
-      yr[n] = (static_cast<float>(a[n]) * s + static_cast<float>(ar[n]) * sr) * w.sw[n] + (bias ? bias[n] : 0.0f);
+      const int8_t* b = B + n * K;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += static_cast<int32_t>(a[k]) * static_cast<int32_t>(b[k]);
+      acc[m * N + n] = sum;
     }
-    for (int64_t j = 0; j < Nr; ++j) yr[w.rrows[j]] += static_cast<float>(a[N + j]) * s * w.swr[j];
   }
+}
+
+// The same through an int8 weight. Rows of x are quantized by the kernel table's quantize_rows_i8: an
+// asymmetric term x ≈ (q − z)·s for every row and a second term r·sr for the rows whose estimated
+// error exceeds the weight's activation_error (0, the default: every row). The integer GEMMs: acc = q·Wᵀ over all rows with acc2 = r·Wᵀ over
+// the rows with a second term in the same GEMM (packed after them, a multiple of kRowBlock rows at most
+// M), acc3 = q·Wrᵀ for the
+// weight's residual rows (a multiple of kRowBlock of them); then, with the zero point taken out
+// exactly in int32 through the weight's row sums,
+//   y[m, n] = ((acc − z·ws[n])·s (+ acc2·sr)) · sw[n] + b[n],  y[m, rrows[j]] += (acc3 − z·wrs[j])·s·swr[j]
+// (the weight's residual meets the activations' first term only: their product with the second is
+// below both terms' rounding). On the f32 route the terms are summed back into f32 rows, (q − z)·s
+// (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
+void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
+                 int64_t ys) {
+  // Blocks of rows for the GEMMs whose row count varies (the second terms, the weight's residual rows):
+  // one primitive shape for a range of counts instead of one per count (oneDNN creates each shape once,
+  // in milliseconds).
+  constexpr int64_t kRowBlock = 32;
+  // Rows [0, M) of xq: the first terms; rows [M, 2M): the second terms (where a row has one).
+  const Buffer<int8_t> xq(2 * M * K);
+  const int8_t* xr = xq.data() + M * K;
+  const Buffer<float> sx(M), sr(M);
+  const Buffer<int32_t> zx(M);
+  kernels::active().quantize_rows_i8(x, M, K, xs, nullptr, 12.0 * w.act_error * w.act_error,
+                                     xq.data(), sx.data(), zx.data(), xq.data() + M * K, sr.data());
+  const Route route = route_of(Precision::Int8);
+  const int threads = kernels::gemm_threads(M, w.N, K);
+  if (route == Route::F32) {
+    HEADS_CHECK(w.wide != nullptr, "linear (int8): the weight has no f32 copy for this CPU's f32 route");
+    const Buffer<float> xf(M * K);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* q = xq.data() + m * K;
+      const int8_t* r = xr + m * K;
+      const float s = sx[m], s2 = sr[m];
+      const int32_t z = zx[m];
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = static_cast<float>(q[k] - z) * s;
+        xf[m * K + k] = s2 != 0.0f ? v + static_cast<float>(r[k]) * s2 : v;
+      }
+    }
+    linear_wide(xf.data(), M, K, w.wide, bias, w.N, y, false, ys);
+    return;
+  }
+  const bool native = route == Route::Native;
+  const int64_t N = w.N, Nr = w.Nr;
+  // The rows with a second term, packed after the first terms (in order: a row never moves down), so
+  // that one GEMM reads the weight once for both (a decoder's single row: 1 or 2 rows).
+  std::vector<int64_t> two;
+  for (int64_t m = 0; m < M; ++m) {
+    if (sr[m] != 0.0f) two.push_back(m);
+  }
+  const auto M2 = static_cast<int64_t>(two.size());
+  const int64_t Mt = M + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, M);
+  for (int64_t j = 0; j < M2; ++j) {
+    if (two[j] != j) std::copy(xr + two[j] * K, xr + (two[j] + 1) * K, xq.data() + (M + j) * K);
+  }
+  std::fill(xq.data() + (M + M2) * K, xq.data() + Mt * K, int8_t{0});
+  const Buffer<int32_t> acc(Mt * N);
+  gemm_s8(xq.data(), Mt, K, w.W, N, acc.data(), native);
+  const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const Buffer<int32_t> acc3(Nrp > 0 ? M * Nrp : 1);
+  if (Nr > 0) {  // the weight's residual rows, padded with zero rows to Nrp
+    const Buffer<int8_t> wr(Nrp * K);
+    std::copy(w.Wr, w.Wr + Nr * K, wr.data());
+    std::fill(wr.data() + Nr * K, wr.data() + Nrp * K, int8_t{0});
+    gemm_s8(xq.data(), M, K, wr.data(), Nrp, acc3.data(), native);
+  }
+  std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
+  for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
+  const auto row_out = kernels::active().int8_row_out;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t j2 = second[static_cast<size_t>(m)];
+    row_out(acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (M + j2) * N, zx[m], sx[m], sr[m], w.ws, w.sw, bias, N,
+            acc3.data() + m * Nrp, w.wrs, w.swr, w.rrows, Nr, y + m * ys);
+  }
+}
+
+// Σ_k data[n, k] of each row of an int8 [N, K] tensor, as f32 [N] (exact: |sum| ≤ 127·K < 2^24).
+Tensor int8_row_sums(const Tensor& data) {
+  const int64_t N = data.size(0), K = data.size(1);
+  Tensor out = Tensor::empty({N}, DType::F32);
+  const auto* q = static_cast<const int8_t*>(data.raw_data());
+  for (int64_t n = 0; n < N; ++n) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += q[n * K + k];
+    out.data<float>()[n] = static_cast<float>(sum);
+  }
+  return out;
 }
 
 }  // namespace
@@ -314,7 +355,10 @@ Precision precision_from_name(const std::string& s) {
   fail("precision must be f32, bf16 or int8, got \"", s, "\"");
 }
 
-PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precision_(precision) {
+PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double activation_error)
+    : precision_(precision), act_error_(activation_error) {
+  HEADS_CHECK(std::isfinite(activation_error) && activation_error >= 0, "PackedLinear: activation_error must be finite and ",
+              "at least 0, got ", activation_error);
   HEADS_CHECK(weight.defined() && weight.dim() == 2 && is_floating(weight.dtype()),
               "PackedLinear: weight: expected a floating [out, in] tensor, got ",
               weight.defined() ? std::string(dtype_name(weight.dtype())) + " " + shape_str(weight.shape())
@@ -386,10 +430,14 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision) : precisio
       res_scales_ = Tensor::from_vector(rs, {Nr});
     }
   }
-  widen_if_needed();
+  finish();
 }
 
-void PackedLinear::widen_if_needed() {
+void PackedLinear::finish() {
+  if (precision_ == Precision::Int8) {
+    sums_ = int8_row_sums(data_);
+    res_sums_ = res_data_.defined() ? int8_row_sums(res_data_) : Tensor();
+  }
   if (precision_ != Precision::F32 && !onednn_native(precision_)) wide_ = dequantize(*this);
 }
 
@@ -425,7 +473,7 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
   const int given = residual_rows.defined() + residual_data.defined() + residual_scales.defined();
   HEADS_CHECK(given == 0 || given == 3, name, ": the residual term needs its rows, data and scales together");
   if (given == 0) {
-    p.widen_if_needed();
+    p.finish();
     return p;
   }
   const int64_t N = data.size(0), K = data.size(1);
@@ -450,7 +498,7 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
     HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": residual scale ", j, " must be finite and positive, got ", s);
   }
   if (Nr == 0) p.res_rows_ = p.res_data_ = p.res_scales_ = Tensor();
-  p.widen_if_needed();
+  p.finish();
   return p;
 }
 
@@ -484,17 +532,19 @@ PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
   p.data_ = data_.slice(0, n0, n1);
   if (scales_.defined()) p.scales_ = scales_.slice(0, n0, n1);
   if (wide_.defined()) p.wide_ = wide_.slice(0, n0, n1);
+  if (sums_.defined()) p.sums_ = sums_.slice(0, n0, n1);
   if (res_rows_.defined()) {  // the residual rows in range, renumbered from n0
     const int64_t* r = res_rows_.data<int64_t>();
     const int64_t Nr = res_rows_.numel();
     const int64_t j0 = std::lower_bound(r, r + Nr, n0) - r, j1 = std::lower_bound(r, r + Nr, n1) - r;
-    p.res_rows_ = p.res_data_ = p.res_scales_ = Tensor();
+    p.res_rows_ = p.res_data_ = p.res_scales_ = p.res_sums_ = Tensor();
     if (j1 > j0) {
       std::vector<int64_t> rows(r + j0, r + j1);
       for (int64_t& v : rows) v -= n0;
       p.res_rows_ = Tensor::from_vector(rows, {j1 - j0});
       p.res_data_ = res_data_.slice(0, j0, j1);
       p.res_scales_ = res_scales_.slice(0, j0, j1);
+      p.res_sums_ = res_sums_.slice(0, j0, j1);
     }
   }
   return p;
@@ -531,7 +581,9 @@ PackedLinear cat_rows(const std::vector<PackedLinear>& parts) {
     }
     n += pn;
   }
-  return PackedLinear::from_int8(data, scales, "cat_rows", rrows, rdata, rscales);
+  PackedLinear out = PackedLinear::from_int8(data, scales, "cat_rows", rrows, rdata, rscales);
+  out.act_error_ = parts[0].act_error_;  // the parts' (the q, k, v projections of one module: all the same)
+  return out;
 }
 
 std::vector<std::string> int8_part_names(const std::string& name) {
@@ -611,11 +663,14 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
     linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()),
                 w.wide().defined() ? w.wide().data<float>() : nullptr, bias, N, y.raw_data(), out == DType::BF16, N);
   } else {
-    Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(), N};
+    Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
+                  w.row_sums().data<float>(), N};
     iw.wide = w.wide().defined() ? w.wide().data<float>() : nullptr;
+    iw.act_error = w.activation_error();
     if (w.residual_rows().defined()) {
       iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());
       iw.swr = w.residual_scales().data<float>();
+      iw.wrs = w.residual_row_sums().data<float>();
       iw.rrows = w.residual_rows().data<int64_t>();
       iw.Nr = w.residual_rows().numel();
     }

@@ -1,46 +1,11 @@
 // quantize-inl.h — dynamic int8 of activation rows for the int8 linear layers (linear_lowp.cc,
 // heads/precision.h), over the vector layer. Included by isa_table-inl.h.
-//
-// Row r of x in two int8 terms: q[r] = round(x · (1/s1)) with s1 = max|x| / 127, then q[rows + r] =
-// round(e · (1/s2)) of the residual e = x − q[r]·s1 (one fused rounding) with s2 = max|e| / 127; a
-// maximum below 127·FLT_MIN (zero, or too small to invert) gives the scale 1. Rounding to nearest
-// even; every path computes the same bits.
 
 namespace qz {
 
 using VR = Vec::R;
 constexpr int kW = Vec::W;
 constexpr float kLevels = 127.0f;
-
-// Max |v| over the row, v = x (kResidual false) or the residual of the first term; NaN when the row
-// holds NaN or ±inf (x·0 is NaN only for those).
-template <bool kResidual>
-HEADS_INLINE float row_amax(const float* x, int64_t n, float inv1, float s1) {
-  VR mx = Vec::zero(), probe = Vec::zero();
-  const VR vinv = Vec::set1(inv1), vneg = Vec::set1(-s1), lo = Vec::set1(-kLevels), hi = Vec::set1(kLevels);
-  for (int64_t i = 0; i < n; i += kW) {
-    const VR v = i + kW <= n ? Vec::loadu(x + i) : Vec::load_partial(x + i, n - i);
-    probe = Vec::add(probe, Vec::mul(v, Vec::zero()));
-    VR e = v;
-    if constexpr (kResidual) e = Vec::fma(Vec::min(Vec::max(Vec::round_even(Vec::mul(v, vinv)), lo), hi), vneg, v);
-    mx = Vec::max(mx, Vec::abs(e));
-  }
-  return Vec::reduce_add(probe) == 0.0f ? Vec::reduce_max(mx) : std::numeric_limits<float>::quiet_NaN();
-}
-
-// q = round(v · inv) clamped to ±127, v as in row_amax.
-template <bool kResidual>
-HEADS_INLINE void row_quantize(const float* x, int64_t n, float inv1, float s1, float inv, int8_t* q) {
-  const VR vinv1 = Vec::set1(inv1), vneg = Vec::set1(-s1), vinv = Vec::set1(inv);
-  const VR lo = Vec::set1(-kLevels), hi = Vec::set1(kLevels);
-  for (int64_t i = 0; i < n; i += kW) {
-    const int64_t m = std::min<int64_t>(kW, n - i);
-    const VR v = m == kW ? Vec::loadu(x + i) : Vec::load_partial(x + i, m);
-    VR e = v;
-    if constexpr (kResidual) e = Vec::fma(Vec::min(Vec::max(Vec::round_even(Vec::mul(v, vinv1)), lo), hi), vneg, v);
-    Vec::store_partial_i8(q + i, Vec::min(Vec::max(Vec::round_even(Vec::mul(e, vinv)), lo), hi), m);
-  }
-}
 
 // max/127; below 127 · FLT_MIN (where 1/scale would overflow) the row counts as zero, scale 1.
 HEADS_INLINE float scale_of(float amax) {
@@ -49,26 +14,105 @@ HEADS_INLINE float scale_of(float amax) {
 
 }  // namespace qz
 
-// x [rows, n] (row stride xs) -> q [2·rows, n] int8 and s [2·rows] (above). A row holding NaN or
-// ±inf gets q = 0 in both terms, s[r] = NaN and s[rows + r] = 0, so its outputs come out NaN.
-inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs, int8_t* q, float* s) {
-  ew::for_rows(rows, n, 8192, [&](int64_t r) {
-    const float* xr = x + r * xs;
-    int8_t* q1 = q + r * n;
-    int8_t* q2 = q + (rows + r) * n;
-    const float a1 = qz::row_amax<false>(xr, n, 0.0f, 0.0f);
-    if (!std::isfinite(a1)) {
-      std::fill(q1, q1 + n, int8_t{0});
-      std::fill(q2, q2 + n, int8_t{0});
-      s[r] = std::numeric_limits<float>::quiet_NaN();
-      s[rows + r] = 0.0f;
+// Activation rows for the int8 linear layers (heads/precision.h). Row r of v = x (or x·c[k] per
+// column when c is given; one rounding) as an asymmetric first term: lo = min(0, min v), hi = max(0,
+// max v), s = hi/255 − lo/255 (below FLT_MIN the row counts as zero: s 1, zp 0), zp = round(−lo/s) in [0, 255], t = clamp(round(v · (1/s)) + zp, 0, 255), stored as q = t − 128
+// (int8) with the zero point z = zp − 128, so that v ≈ (q − z)·s. Its relative error is estimated
+// from the exact integer E = Σ (q − z)²: a uniform rounding loses s²/12 per value, so the estimate is
+// sqrt(n / (12·E)); rows with E > 0 and n > 12·τ²·E (`tau2x12` = 12·τ²) also get a symmetric second term,
+// the residual e = v − (q − z)·s (one fused rounding) as r = clamp(round(e · (1/sr)), ±127), sr =
+// max|e| / 127 (scale_of), and sr = 0 marks the rows without one (r is not written there). A row
+// holding NaN or ±inf gets q = 0, z = 0, s = NaN and no second term, so its outputs come out NaN.
+// Rounding to nearest even; every path computes the same bits.
+inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
+                             int8_t* q, float* s, int32_t* z, int8_t* r, float* sr) {
+  ew::for_rows(rows, n, 8192, [&](int64_t row) {
+    const float* xr = x + row * xs;
+    int8_t* qr = q + row * n;
+    const auto value = [&](int64_t i, int64_t m) {  // v at [i, i + m), lanes past m zero
+      const qz::VR v = m == qz::kW ? Vec::loadu(xr + i) : Vec::load_partial(xr + i, m);
+      if (c == nullptr) return v;
+      return Vec::mul(v, m == qz::kW ? Vec::loadu(c + i) : Vec::load_partial(c + i, m));
+    };
+    qz::VR vmin = Vec::zero(), vmax = Vec::zero(), probe = Vec::zero();
+    for (int64_t i = 0; i < n; i += qz::kW) {
+      const qz::VR v = value(i, std::min<int64_t>(qz::kW, n - i));
+      probe = Vec::add(probe, Vec::mul(v, Vec::zero()));
+      vmin = Vec::min(vmin, v);
+      vmax = Vec::max(vmax, v);
+    }
+    sr[row] = 0.0f;
+    if (Vec::reduce_add(probe) != 0.0f) {  // NaN or ±inf in the row
+      std::fill(qr, qr + n, int8_t{0});
+      s[row] = std::numeric_limits<float>::quiet_NaN();
+      z[row] = 0;
       return;
     }
-    const float s1 = qz::scale_of(a1), inv1 = 1.0f / s1;
-    qz::row_quantize<false>(xr, n, inv1, s1, inv1, q1);
-    const float s2 = qz::scale_of(qz::row_amax<true>(xr, n, inv1, s1));
-    qz::row_quantize<true>(xr, n, inv1, s1, 1.0f / s2, q2);
-    s[r] = s1;
-    s[rows + r] = s2;
+    const float lo = -Vec::reduce_max(Vec::sub(Vec::zero(), vmin)), hi = Vec::reduce_max(vmax);
+    const float span = hi / 255.0f - lo / 255.0f;
+    const bool zero_row = !(span >= std::numeric_limits<float>::min());
+    const float scale = zero_row ? 1.0f : span, inv = 1.0f / scale;
+    const float zp = zero_row ? 0.0f : std::clamp(std::nearbyint(-lo * inv), 0.0f, 255.0f);
+    const qz::VR vinv = Vec::set1(inv), vzp = Vec::set1(zp), top = Vec::set1(255.0f), half = Vec::set1(128.0f);
+    const auto steps = [&](qz::VR v) {  // t − zp = q − z, an integer in [−255, 255]
+      return Vec::sub(Vec::min(Vec::max(Vec::add(Vec::round_even(Vec::mul(v, vinv)), vzp), Vec::zero()), top), vzp);
+    };
+    for (int64_t i = 0; i < n; i += qz::kW) {
+      const int64_t m = std::min<int64_t>(qz::kW, n - i);
+      Vec::store_partial_i8(qr + i, Vec::sub(Vec::add(steps(value(i, m)), vzp), half), m);
+    }
+    const auto zq = static_cast<int32_t>(zp) - 128;
+    s[row] = scale;
+    z[row] = zq;
+    if (zero_row) return;  // E = 0
+    if (tau2x12 > 0) {  // (τ = 0: every row with E > 0, which is every row but the zero ones)
+      int64_t e = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t d = static_cast<int64_t>(qr[i]) - zq;
+        e += d * d;
+      }
+      if (e == 0 || static_cast<double>(n) <= tau2x12 * static_cast<double>(e)) return;
+    }
+    const qz::VR vneg = Vec::set1(-scale), lo127 = Vec::set1(-qz::kLevels), hi127 = Vec::set1(qz::kLevels);
+    qz::VR emax = Vec::zero();
+    for (int64_t i = 0; i < n; i += qz::kW) {
+      const qz::VR v = value(i, std::min<int64_t>(qz::kW, n - i));
+      emax = Vec::max(emax, Vec::abs(Vec::fma(steps(v), vneg, v)));
+    }
+    const float s2 = qz::scale_of(Vec::reduce_max(emax));
+    const qz::VR vinv2 = Vec::set1(1.0f / s2);
+    int8_t* rr = r + row * n;
+    for (int64_t i = 0; i < n; i += qz::kW) {
+      const int64_t m = std::min<int64_t>(qz::kW, n - i);
+      const qz::VR v = value(i, m);
+      const qz::VR e2 = Vec::fma(steps(v), vneg, v);
+      Vec::store_partial_i8(rr + i, Vec::min(Vec::max(Vec::round_even(Vec::mul(e2, vinv2)), lo127), hi127), m);
+    }
+    sr[row] = s2;
   });
+}
+
+// One row of an int8 linear layer's output (heads/precision.h, linear_lowp.cc) from its exact integer
+// sums: y[n] = fma(v, sw[n], b[n]) (b null: 0) with v = float(a[n] − z·ws[n])·s, or, with a second
+// term (a2 given), v = fma(float(a2[n]), s2, float(a[n] − z·ws[n])·s); then for the weight's residual
+// rows y[rows[j]] = fma(float(a3[j] − z·wrs[j])·s, swr[j], y[rows[j]]). Every multiply-add is fused
+// explicitly, so that every path gives the same bits.
+inline void int8_row_out(const int32_t* a, const int32_t* a2, int32_t z, float s, float s2, const float* ws,
+                         const float* sw, const float* b, int64_t n, const int32_t* a3, const float* wrs,
+                         const float* swr, const int64_t* rows, int64_t nr, float* y) {
+  if (a2 == nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = static_cast<float>(a[i] - z * static_cast<int32_t>(ws[i])) * s;
+      y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = std::fma(static_cast<float>(a2[i]), s2, static_cast<float>(a[i] - z * static_cast<int32_t>(ws[i])) * s);
+      y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
+    }
+  }
+  for (int64_t j = 0; j < nr; ++j) {
+    const float v = static_cast<float>(a3[j] - z * static_cast<int32_t>(wrs[j])) * s;
+    y[rows[j]] = std::fma(v, swr[j], y[rows[j]]);
+  }
 }
