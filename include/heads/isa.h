@@ -33,6 +33,10 @@ double measure_fma_peak_gflops(int threads, double seconds = 0.2);
 double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
 // The same for AMX tiles (tdpbf16ps); 0 when the active path is not amx.
 double measure_amx_peak_gflops(int threads, double seconds = 0.2);
+// Measured memory read bandwidth of the active path on `threads` threads (GB/s, 10^9 bytes): each
+// thread sums its slice of a `bytes` buffer (far past the caches) with vector loads; best of the
+// passes made in about `seconds` (at least 3).
+double measure_read_bandwidth_gbs(int threads, double seconds = 0.2, int64_t bytes = int64_t{1} << 30);
 // How the active path computes bf16 attention's products: "amx" (tiles), "dot" (vdpbf16ps) or
 // "widen" (bf16 widened to f32, f32 FMAs). avx512bf16 picks dot or widen by measuring both rates
 // once (HEADS_BF16_DOT=1|0 forces one).

@@ -66,6 +66,8 @@ struct KernelTable {
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();
+  // Memory read probe (peak-inl.h): the sum of n floats.
+  float (*read_probe)(const float* x, int64_t n);
   // The same for the bf16 dot product (vdpbf16ps); null where the path has none.
   float (*bf16_probe)(int64_t iters) = nullptr;
   int (*bf16_probe_flops_per_iter)() = nullptr;

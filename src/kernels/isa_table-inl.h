@@ -30,6 +30,7 @@ const KernelTable kTable{
     .int8_row_out = &int8_row_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,
+    .read_probe = &read_probe,
 #ifdef HEADS_NATIVE_BF16
     .bf16_probe = &bf16_probe,
     .bf16_probe_flops_per_iter = &bf16_probe_flops_per_iter,

@@ -22,3 +22,16 @@ inline float fma_probe(int64_t iters) {
 }
 
 inline int fma_probe_flops_per_iter() { return peak::kChains * Vec::W * 2; }
+
+// Memory read probe: the sum of x[0, n) (n a multiple of 4·W, x 64-byte aligned), read with four
+// independent accumulators so that the loads, not the adds, set the pace.
+inline float read_probe(const float* x, int64_t n) {
+  Vec::R a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+  for (int64_t i = 0; i < n; i += 4 * Vec::W) {
+    a0 = Vec::add(a0, Vec::load(x + i));
+    a1 = Vec::add(a1, Vec::load(x + i + Vec::W));
+    a2 = Vec::add(a2, Vec::load(x + i + 2 * Vec::W));
+    a3 = Vec::add(a3, Vec::load(x + i + 3 * Vec::W));
+  }
+  return Vec::reduce_add(Vec::add(Vec::add(a0, a1), Vec::add(a2, a3)));
+}

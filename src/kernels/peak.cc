@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
+#include <omp.h>
 #include <string>
 
 #include "heads/error.h"
@@ -97,6 +99,38 @@ double measure_amx_peak_gflops(int threads, double seconds) {
   const kernels::KernelTable& k = kernels::active();
   if (k.tile_probe == nullptr) return 0.0;
   return measure_probe(k.tile_probe, k.tile_probe_flops_per_iter(), threads, seconds);
+}
+
+double measure_read_bandwidth_gbs(int threads, double seconds, int64_t bytes) {
+  HEADS_CHECK(threads >= 1, "measure_read_bandwidth_gbs: threads must be positive, got ", threads);
+  HEADS_CHECK(bytes >= (int64_t{1} << 20), "measure_read_bandwidth_gbs: bytes must be at least 1 MiB, got ", bytes);
+  using clock = std::chrono::steady_clock;
+  const kernels::KernelTable& k = kernels::active();
+  // One slice per thread, each a multiple of 4 KiB (so 64-byte aligned and whole 4·W blocks).
+  const int64_t slice = bytes / threads / 4096 * 4096 / static_cast<int64_t>(sizeof(float));
+  HEADS_CHECK(slice > 0, "measure_read_bandwidth_gbs: ", bytes, " bytes are too few for ", threads, " threads");
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  const size_t total = static_cast<size_t>(slice * threads) * sizeof(float);
+  std::unique_ptr<float, Free> buf(static_cast<float*>(std::aligned_alloc(4096, total)));
+  HEADS_CHECK(buf != nullptr, "measure_read_bandwidth_gbs: cannot allocate ", total, " bytes");
+  float* x = buf.get();
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int t = 0; t < threads; ++t) {  // each thread touches its own slice first (its pages near it)
+    std::fill(x + t * slice, x + (t + 1) * slice, 1.0f);
+  }
+  float sink = 0;
+  double best = 0, spent = 0;
+  for (int round = 0; round < 16 && (round < 3 || spent < seconds); ++round) {
+    const auto t0 = clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += k.read_probe(x + static_cast<int64_t>(omp_get_thread_num()) * slice, slice);
+    const double s = std::chrono::duration<double>(clock::now() - t0).count();
+    spent += s;
+    best = std::max(best, static_cast<double>(total) / s / 1e9);
+  }
+  return std::isnan(sink) ? 0.0 : best;
 }
 
 }  // namespace heads

@@ -158,6 +158,14 @@ def test_bench_json_contract():
     j = json.loads(r.stdout)
     assert j["op"] == "mha" and j["ms"] > 0
 
+    r = run("bench", "peak", "--threads", 2, "--min-time", 0.2, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["op"] == "peak" and j["threads"] == 2 and j["gflops"] > 0 and j["read_gbs"] > 0
+    assert set(j) >= {"isa", "gflops_1", "bf16_gflops", "amx_bf16_gflops", "bf16_attention", "amx"}
+    r = run("bench", "peak", "--threads", 1, "--min-time", 0.2)
+    assert r.returncode == 0 and "memory read bandwidth: " in r.stdout and "GB/s on 1 threads" in r.stdout
+
 
 def test_bench_sdpa_grid():
     """Comma-separated sizes time every combination: one JSON line each (last list fastest), or a table."""

@@ -358,17 +358,19 @@ void run_peak(const BenchArgs& a) {
   const double gn = threads > 1 ? measure_fma_peak_gflops(threads, a.min_time / 5) : g1;
   const double bf = measure_bf16_peak_gflops(threads, a.min_time / 5);
   const double tiles = measure_amx_peak_gflops(threads, a.min_time / 5);
+  const double read = measure_read_bandwidth_gbs(threads, a.min_time / 5);
   const char* products = bf16_attention_products();
   if (a.json) {
     std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f,"
-                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"bf16_attention\":\"%s\",\"amx\":%s}\n",
-                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles, products,
+                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"read_gbs\":%.1f,\"bf16_attention\":\"%s\",\"amx\":%s}\n",
+                isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles, read, products,
                 nlohmann::json(amx_status()).dump().c_str());
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
     if (bf > 0) std::printf("bf16 dot peak (vdpbf16ps): %.1f GFLOP/s on %d threads\n", bf, threads);
     if (tiles > 0) std::printf("bf16 AMX tile peak (tdpbf16ps): %.1f GFLOP/s on %d threads\n", tiles, threads);
+    std::printf("memory read bandwidth: %.1f GB/s on %d threads (1 GiB buffer)\n", read, threads);
     std::printf("bf16 attention products: %s\n", products);
     std::printf("AMX: %s\n", amx_status().c_str());
   }
@@ -449,7 +451,7 @@ void add_bench_command(CLI::App& app, Action* action) {
   e->add_flag("--json", args->json, "one JSON line");
   e->callback([args, action] { *action = [args] { run_embed(*args); }; });
 
-  CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine (and its bf16 dot product and AMX tiles, where the path has them).");
+  CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine (and its bf16 dot product and AMX tiles, where the path has them), and its memory read bandwidth.");
   add_threads_option(p, &args->threads);
   p->add_option("--min-time", args->min_time, "seconds of measurement")->capture_default_str()->check(real_in(0, 3600));
   p->add_flag("--json", args->json, "one JSON line");
