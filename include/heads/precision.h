@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,10 @@
 #include "heads/tensor.h"
 
 namespace heads {
+
+namespace kernels {
+class PackedB;
+}
 
 enum class Precision { F32, BF16, Int8 };
 
@@ -94,7 +99,9 @@ class PackedLinear {
 
  private:
   void finish();  // the derived members below
+  void make_gemm_layouts();
   friend PackedLinear cat_rows(const std::vector<PackedLinear>& parts);
+  friend Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias, DType out);
 
   Precision precision_ = Precision::F32;
   double act_error_ = 0;
@@ -102,6 +109,10 @@ class PackedLinear {
   Tensor res_rows_, res_data_, res_scales_;
   Tensor wide_;  // f32 [N, K], dequantize(*this), where this CPU has no native GEMM for the precision
   Tensor sums_, res_sums_;
+  // The GEMMs' weights in oneDNN's own layouts, made at first use (kernels/onednn.h); the residual
+  // rows padded with zero rows to a multiple of 32 (one GEMM shape for most layers' few rows).
+  std::shared_ptr<kernels::PackedB> gemm_b_, gemm_res_b_;
+  Tensor res_padded_;
 };
 
 // How linear() computes with a weight of this precision on the active kernel path: "native"

@@ -35,6 +35,11 @@ class Buffer {
 };
 
 // Exact int32 sums: Σ (q − z)·w with |q − z| ≤ 255 and |w| ≤ 127.
+// Blocks of rows for the GEMMs whose row count varies (the second terms, the weight's residual rows):
+// one primitive shape for a range of counts instead of one per count (oneDNN creates each shape once,
+// in milliseconds).
+constexpr int64_t kRowBlock = 32;
+
 constexpr int64_t kMaxInt8K = std::numeric_limits<int32_t>::max() / (255 * 127);
 
 // The int8 weights are the same bits on every machine: this file's float arithmetic is evaluated as
@@ -145,7 +150,7 @@ void linear_wide(const float* xf, int64_t M, int64_t K, const float* Wf, const f
 // y [M, N] (row stride ys; f32, or bf16 when y_bf16) from x [M, K] rows (stride xs; f32, or bf16 when
 // x_bf16) through bf16 W [N, K] and bias; Wf: W widened to f32, for the f32 route.
 void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* Wf,
-                 const float* bias, int64_t N, void* y, bool y_bf16, int64_t ys) {
+                 const float* bias, int64_t N, void* y, bool y_bf16, int64_t ys, kernels::PackedB* packed) {
   const Route route = route_of(Precision::BF16);
   if (route == Route::F32) {  // bf16(x) widened back: the products the native GEMM forms, exact in f32
     HEADS_CHECK(Wf != nullptr, "linear (bf16): the weight has no f32 copy for this CPU's f32 route");
@@ -178,7 +183,7 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
     try {
       kernels::onednn_matmul({M, K, N, xbs, 1, 1, K, ys, bias != nullptr, threads,
                               y_bf16 ? kernels::MatmulTypes::Bf16Out : kernels::MatmulTypes::Bf16},
-                             xb, W, bias, y);
+                             xb, W, bias, y, packed);
       return;
     } catch (const dnnl::error& e) {
       // oneDNN has no bf16 matmul for this CPU after all: the portable loops below.
@@ -217,15 +222,20 @@ struct Int8Weight {
   int64_t Nr = 0;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
   double act_error = 0;
+  kernels::PackedB* packed = nullptr;      // W in oneDNN's layouts
+  const int8_t* Wr_padded = nullptr;       // Wr with zero rows to a multiple of kRowBlock
+  kernels::PackedB* packed_r = nullptr;    // Wr_padded in oneDNN's layouts
 };
 
 // The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (int8 operands, exact int32 sums) on the native
 // route, or plain loops; false where oneDNN turned out to have no int8 matmul (then nothing is written).
-void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native) {
+void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native,
+             kernels::PackedB* packed) {
   const int threads = kernels::gemm_threads(M, N, K);
   if (native) {
     try {
-      kernels::onednn_matmul({M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, A, B, nullptr, acc);
+      kernels::onednn_matmul({M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, A, B, nullptr, acc,
+                             packed);
       return;
     } catch (const dnnl::error& e) {
       // oneDNN has no int8 matmul for this CPU after all: the portable loops below.
@@ -259,10 +269,6 @@ void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, 
 // (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys) {
-  // Blocks of rows for the GEMMs whose row count varies (the second terms, the weight's residual rows):
-  // one primitive shape for a range of counts instead of one per count (oneDNN creates each shape once,
-  // in milliseconds).
-  constexpr int64_t kRowBlock = 32;
   // Rows [0, M) of xq: the first terms; rows [M, 2M): the second terms (where a row has one).
   const Buffer<int8_t> xq(2 * M * K);
   const int8_t* xr = xq.data() + M * K;
@@ -304,15 +310,10 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   }
   std::fill(xq.data() + (M + M2) * K, xq.data() + Mt * K, int8_t{0});
   const Buffer<int32_t> acc(Mt * N);
-  gemm_s8(xq.data(), Mt, K, w.W, N, acc.data(), native);
+  gemm_s8(xq.data(), Mt, K, w.W, N, acc.data(), native, w.packed);
   const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
   const Buffer<int32_t> acc3(Nrp > 0 ? M * Nrp : 1);
-  if (Nr > 0) {  // the weight's residual rows, padded with zero rows to Nrp
-    const Buffer<int8_t> wr(Nrp * K);
-    std::copy(w.Wr, w.Wr + Nr * K, wr.data());
-    std::fill(wr.data() + Nr * K, wr.data() + Nrp * K, int8_t{0});
-    gemm_s8(xq.data(), M, K, wr.data(), Nrp, acc3.data(), native);
-  }
+  if (Nr > 0) gemm_s8(xq.data(), M, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto row_out = kernels::active().int8_row_out;
@@ -433,11 +434,24 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
   finish();
 }
 
+void PackedLinear::make_gemm_layouts() {
+  gemm_b_ = gemm_res_b_ = nullptr;
+  res_padded_ = Tensor();
+  if (precision_ == Precision::F32) return;
+  gemm_b_ = std::make_shared<kernels::PackedB>();
+  if (!res_data_.defined()) return;
+  const int64_t Nr = res_data_.size(0), K = res_data_.size(1), Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
+  res_padded_ = Tensor::zeros({Nrp, K}, DType::I8);
+  res_padded_.slice(0, 0, Nr).copy_from(res_data_);
+  gemm_res_b_ = std::make_shared<kernels::PackedB>();
+}
+
 void PackedLinear::finish() {
   if (precision_ == Precision::Int8) {
     sums_ = int8_row_sums(data_);
     res_sums_ = res_data_.defined() ? int8_row_sums(res_data_) : Tensor();
   }
+  make_gemm_layouts();
   if (precision_ != Precision::F32 && !onednn_native(precision_)) wide_ = dequantize(*this);
 }
 
@@ -547,6 +561,7 @@ PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
       p.res_sums_ = res_sums_.slice(0, j0, j1);
     }
   }
+  p.make_gemm_layouts();  // other weights: their own layouts
   return p;
 }
 
@@ -661,16 +676,20 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
   Tensor y = Tensor::empty(ys, out);
   if (w.precision() == Precision::BF16) {
     linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()),
-                w.wide().defined() ? w.wide().data<float>() : nullptr, bias, N, y.raw_data(), out == DType::BF16, N);
+                w.wide().defined() ? w.wide().data<float>() : nullptr, bias, N, y.raw_data(), out == DType::BF16, N,
+                w.gemm_b_.get());
   } else {
     Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
                   w.row_sums().data<float>(), N};
     iw.wide = w.wide().defined() ? w.wide().data<float>() : nullptr;
     iw.act_error = w.activation_error();
+    iw.packed = w.gemm_b_.get();
     if (w.residual_rows().defined()) {
       iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());
       iw.swr = w.residual_scales().data<float>();
       iw.wrs = w.residual_row_sums().data<float>();
+      iw.Wr_padded = static_cast<const int8_t*>(w.res_padded_.raw_data());
+      iw.packed_r = w.gemm_res_b_.get();
       iw.rrows = w.residual_rows().data<int64_t>();
       iw.Nr = w.residual_rows().numel();
     }

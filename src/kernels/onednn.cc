@@ -12,6 +12,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "heads/error.h"
 #include "heads/runtime.h"
@@ -51,17 +52,18 @@ struct Entry {
 // BERT encoder in int8). Callers hold a shared reference, so dropping an entry never frees a
 // primitive in use.
 constexpr size_t kCachedPrimitives = 512;
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int>;
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, bool>;
 
-Key key_of(const MatmulCall& c) {
-  return {c.M, c.K, c.N, c.a_rs, c.a_cs, c.b_rs, c.b_cs, c.c_rs, c.bias, c.threads, static_cast<int>(c.types)};
+Key key_of(const MatmulCall& c, bool any_b) {
+  return {c.M, c.K, c.N, c.a_rs, c.a_cs, c.b_rs, c.b_cs, c.c_rs, c.bias, c.threads, static_cast<int>(c.types), any_b};
 }
 
-std::shared_ptr<const Entry> primitive_for(const MatmulCall& call) {
+// any_b: B's layout left to oneDNN (PackedB).
+std::shared_ptr<const Entry> primitive_for(const MatmulCall& call, bool any_b) {
   static std::mutex mu;
   static std::map<Key, std::pair<std::shared_ptr<const Entry>, uint64_t>> cache;  // entry, last use
   static uint64_t clock = 0;
-  const Key key = key_of(call);
+  const Key key = key_of(call, any_b);
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) {
@@ -80,7 +82,8 @@ std::shared_ptr<const Entry> primitive_for(const MatmulCall& call) {
   const dt in = c.types == MatmulTypes::F32 ? dt::f32 : c.types == MatmulTypes::S8 ? dt::s8 : dt::bf16;
   const dt out = c.types == MatmulTypes::S8 ? dt::s32 : c.types == MatmulTypes::Bf16Out ? dt::bf16 : dt::f32;
   const dnnl::memory::desc src({c.M, c.K}, in, {c.a_rs, c.a_cs});
-  const dnnl::memory::desc wei({c.K, c.N}, in, {c.b_rs, c.b_cs});
+  const dnnl::memory::desc wei = any_b ? dnnl::memory::desc({c.K, c.N}, in, dnnl::memory::format_tag::any)
+                                        : dnnl::memory::desc({c.K, c.N}, in, {c.b_rs, c.b_cs});
   const dnnl::memory::desc dst({c.M, c.N}, out, {c.c_rs, 1});
   const dnnl::memory::desc bias({1, c.N}, dt::f32, {c.N, 1});
   const auto desc = c.bias ? dnnl::matmul::desc(src, wei, bias, dst) : dnnl::matmul::desc(src, wei, dst);
@@ -97,15 +100,46 @@ std::shared_ptr<const Entry> primitive_for(const MatmulCall& call) {
 
 }  // namespace
 
-void onednn_matmul(const MatmulCall& call, const void* a, const void* b, const float* bias, void* c) {
+struct PackedB::Impl {
+  std::mutex mu;
+  // B in each layout a primitive asked for (a few at most: oneDNN's choice depends on the shape).
+  std::vector<std::pair<dnnl::memory::desc, std::shared_ptr<char>>> layouts;
+};
+
+PackedB::PackedB() : impl_(std::make_unique<Impl>()) {}
+PackedB::~PackedB() = default;
+
+void onednn_matmul(const MatmulCall& call, const void* a, const void* b, const float* bias, void* c,
+                   PackedB* packed) {
   const OmpThreads threads(call.threads);
-  const std::shared_ptr<const Entry> entry = primitive_for(call);
+  const std::shared_ptr<const Entry> entry = primitive_for(call, packed != nullptr);
   const Entry& e = *entry;
   const auto& pd = e.pd;
   dnnl::engine& eng = cpu_engine();
   dnnl::stream stream(eng);
   dnnl::memory src(pd.src_desc(), eng, const_cast<void*>(a));
-  dnnl::memory wei(pd.weights_desc(), eng, const_cast<void*>(b));
+  std::shared_ptr<char> held;  // B in the primitive's layout, alive until the call returns
+  if (packed != nullptr) {
+    PackedB::Impl& p = *packed->impl_;
+    const dnnl::memory::desc want = pd.weights_desc();
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (const auto& [desc, data] : p.layouts) {
+      if (desc == want) held = data;
+    }
+    if (!held) {  // made once: B reordered from its plain layout
+      using dt = dnnl::memory::data_type;
+      const dt in = want.data_type();
+      const dnnl::memory::desc plain({call.K, call.N}, in, {call.b_rs, call.b_cs});
+      held = std::shared_ptr<char>(static_cast<char*>(std::aligned_alloc(64, (want.get_size() + 63) / 64 * 64)),
+                                   [](char* q) { std::free(q); });
+      HEADS_CHECK(held != nullptr, "linear: cannot allocate ", want.get_size(), " bytes for a packed weight");
+      dnnl::memory from(plain, eng, const_cast<void*>(b)), to(want, eng, held.get());
+      dnnl::reorder(from, to).execute(stream, from, to);
+      stream.wait();
+      p.layouts.emplace_back(want, held);
+    }
+  }
+  dnnl::memory wei(pd.weights_desc(), eng, held ? static_cast<void*>(held.get()) : const_cast<void*>(b));
   dnnl::memory dst(pd.dst_desc(), eng, c);
   std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
   if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), eng, const_cast<float*>(bias)));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 namespace heads::kernels {
 
@@ -21,8 +22,27 @@ struct MatmulCall {
   MatmulTypes types;
 };
 
-// Runs the call (M, N, K >= 1); throws dnnl::error when oneDNN refuses it.
-void onednn_matmul(const MatmulCall& call, const void* a, const void* b, const float* bias, void* c);
+// B in the layouts oneDNN's matmul picks for itself, made once from one constant B and kept: with B
+// given in a plain layout, oneDNN copies it into its own layout at every call, which at a decoder's
+// one or two rows costs several times the product (int8 [2048, 6144]: 0.65 against 0.10 ms).
+// Shared by the copies of a weight (heads::PackedLinear); thread-safe.
+class PackedB {
+ public:
+  PackedB();
+  ~PackedB();
+  PackedB(const PackedB&) = delete;
+  PackedB& operator=(const PackedB&) = delete;
+  struct Impl;
+
+ private:
+  friend void onednn_matmul(const MatmulCall&, const void*, const void*, const float*, void*, PackedB*);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs the call (M, N, K >= 1); throws dnnl::error when oneDNN refuses it. With `packed` (for a B
+// that never changes while it lives), B is read through its layouts there.
+void onednn_matmul(const MatmulCall& call, const void* a, const void* b, const float* bias, void* c,
+                   PackedB* packed = nullptr);
 
 // Threads a GEMM of these sizes is worth (threads_for on its FLOPs, M and N the tasks).
 int gemm_threads(int64_t M, int64_t N, int64_t K);
