@@ -130,6 +130,20 @@ Route route_of(Precision p) {
   return onednn_native(p) ? Route::Native : Route::F32;
 }
 
+// oneDNN's matmul for a bf16 / int8 call; false where oneDNN turns out to have none for this CPU after
+// all (the caller's portable loops then run), any other failure an error naming the shapes.
+bool native_matmul(const char* precision, const kernels::MatmulCall& call, const void* a, const void* b,
+                   const float* bias, void* c, kernels::PackedB* packed) {
+  try {
+    kernels::onednn_matmul(call, a, b, bias, c, packed);
+    return true;
+  } catch (const dnnl::error& e) {
+    if (e.status == dnnl_unimplemented) return false;
+    fail("linear (", precision, "): oneDNN matmul failed for x [", call.M, ", ", call.K, "] and weight [", call.N,
+         ", ", call.K, "]: ", e.what());
+  }
+}
+
 // y [M, N] (stride ys; f32, or bf16 when y_bf16) = xf [M, K] (contiguous) Wfᵀ + bias through the f32
 // GEMM: the route of a CPU without a native bf16 / int8 matmul.
 void linear_wide(const float* xf, int64_t M, int64_t K, const float* Wf, const float* bias, int64_t N, void* y,
@@ -179,18 +193,11 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
     xb = converted.data();
     xbs = K;
   }
-  if (route == Route::Native) {
-    try {
-      kernels::onednn_matmul({M, K, N, xbs, 1, 1, K, ys, bias != nullptr, threads,
-                              y_bf16 ? kernels::MatmulTypes::Bf16Out : kernels::MatmulTypes::Bf16},
-                             xb, W, bias, y, packed);
-      return;
-    } catch (const dnnl::error& e) {
-      // oneDNN has no bf16 matmul for this CPU after all: the portable loops below.
-      if (e.status != dnnl_unimplemented) {
-        fail("linear (bf16): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
-      }
-    }
+  if (route == Route::Native &&
+      native_matmul("bf16", {M, K, N, xbs, 1, 1, K, ys, bias != nullptr, threads,
+                             y_bf16 ? kernels::MatmulTypes::Bf16Out : kernels::MatmulTypes::Bf16},
+                    xb, W, bias, y, packed)) {
+    return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
@@ -228,21 +235,13 @@ struct Int8Weight {
 };
 
 // The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (int8 operands, exact int32 sums) on the native
-// route, or plain loops; false where oneDNN turned out to have no int8 matmul (then nothing is written).
+// route, or plain loops (also where oneDNN turns out to have no int8 matmul for this CPU).
 void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native,
              kernels::PackedB* packed) {
   const int threads = kernels::gemm_threads(M, N, K);
-  if (native) {
-    try {
-      kernels::onednn_matmul({M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, A, B, nullptr, acc,
-                             packed);
-      return;
-    } catch (const dnnl::error& e) {
-      // oneDNN has no int8 matmul for this CPU after all: the portable loops below.
-      if (e.status != dnnl_unimplemented) {
-        fail("linear (int8): oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K, "]: ", e.what());
-      }
-    }
+  if (native && native_matmul("int8", {M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, A, B,
+                               nullptr, acc, packed)) {
+    return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
