@@ -9,6 +9,7 @@ Every rank checks its own results and exits non-zero with a message on a mismatc
 JSON line with the worst errors seen, for the test to report.
 """
 
+import datetime
 import json
 import os
 import sys
@@ -279,7 +280,8 @@ def fsdp() -> dict:
 
 def main() -> None:
     mode = sys.argv[1]
-    dist.init_process_group("gloo")
+    # a rank that never arrives, or a collective that never ends, is an error after two minutes, not a hang
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         result = {"ring": ring, "ddp": ddp, "fsdp": fsdp}[mode]()
         dist.barrier()
