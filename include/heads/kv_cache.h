@@ -1,6 +1,9 @@
 // kv_cache.h — the keys and values a decoder has seen, per layer, for incremental decoding.
 //
-// Per layer: K and V [B, Hkv, capacity, D] in f32 or bf16; the first length() positions are filled.
+// Per layer: K and V [B, Hkv, capacity, D] in f32, bf16 or int8; the first length() positions are
+// filled. int8 keeps one f32 scale per (batch entry, kv head, position) beside each (heads::quantize_kv:
+// scale = max |row| / 127), which sdpa reads through SdpaOptions::k_scale / v_scale
+// (key_scales(), value_scales()); the decode kernel reads the int8 rows in place.
 // append() writes a step's new keys and values after them (growing the storage by doubling) and
 // returns views of everything seen, which heads::sdpa reads in place (bottom-right causal
 // alignment puts the new queries after the cached keys). truncate() drops the last positions
@@ -24,7 +27,7 @@ namespace heads {
 class KVCache {
  public:
   KVCache() = default;
-  // dtype f32 or bf16; capacity: positions reserved up front (0: grown on demand).
+  // dtype f32, bf16 or i8; capacity: positions reserved up front (0: grown on demand).
   KVCache(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t head_dim, DType dtype = DType::F32,
           int64_t capacity = 0, int64_t value_dim = 0);
 
@@ -39,11 +42,16 @@ class KVCache {
   int64_t length(int64_t layer) const;
   int64_t capacity() const;
 
-  // Appends k [B, Hkv, n, D] and v [B, Hkv, n, Dv] (any float dtype, any strides) to `layer`;
-  // returns views of its keys and values [B, Hkv, length + n, D / Dv].
+  // Appends k [B, Hkv, n, D] and v [B, Hkv, n, Dv] (any float dtype, any strides) to `layer`, rounded
+  // to the cache's dtype (int8: quantised row by row); returns views of its keys and values [B, Hkv,
+  // length + n, D / Dv] in the cache's dtype.
   std::pair<Tensor, Tensor> append(int64_t layer, const Tensor& k, const Tensor& v);
   Tensor keys(int64_t layer) const;    // [B, Hkv, length(layer), D] view
   Tensor values(int64_t layer) const;  // [B, Hkv, length(layer), Dv] view
+  // int8 caches: the f32 scales [B, Hkv, length(layer)] (views) of keys(layer) and values(layer);
+  // undefined tensors for f32 and bf16 caches.
+  Tensor key_scales(int64_t layer) const;
+  Tensor value_scales(int64_t layer) const;
   void truncate(int64_t length);       // keep the first `length` positions of every layer
   // Batch entry b becomes the old entry index[b] (index has B entries in [0, B)).
   void reorder(const std::vector<int64_t>& index);
@@ -53,7 +61,8 @@ class KVCache {
 
  private:
   struct Layer {
-    Tensor k, v;  // [B, Hkv, cap, D]
+    Tensor k, v;    // [B, Hkv, cap, D]
+    Tensor ks, vs;  // int8: f32 [B, Hkv, cap]
     int64_t len = 0;
   };
   void reserve(Layer& l, int64_t need);

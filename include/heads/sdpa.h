@@ -77,7 +77,24 @@ struct SdpaOptions {
   // blockwise attention). Positions are the block's own: is_causal, attn_mask and block_mask apply
   // as given (slice them for the block); sinks, ALiBi, a relative bias, windows and dropout are refused.
   bool partial_keys = false;
+  // int8 keys and values (a quantised KV cache, forward only): with k and v int8, key j of (b, hk) is
+  // k[b, hk, j, :] · k_scale[b, hk, j], and likewise for v (f32 [B, Hkv, Lk], any strides).
+  // heads::quantize_kv makes both from floats. k and v of a dtype other than q's (bf16 or int8 with
+  // an f32 or bf16 q) are read in place by the decode kernel (few queries); more queries attend
+  // their values widened to q's dtype. The output has q's dtype.
+  Tensor k_scale, v_scale;
 };
+
+// Rows quantised for an int8 KV cache: x [..., n] floating -> values int8 [..., n] and scales f32
+// [...], scale = max |x_row| / 127 (0 for a row of zeros), values = round-to-nearest-even(x / scale),
+// so that values · scale is within scale / 2 of x. One scale per row (per token and key/value head
+// for a [B, Hkv, L, D] tensor). NaN or infinite input is an error.
+struct Int8Rows {
+  Tensor values, scales;
+};
+Int8Rows quantize_kv(const Tensor& x);
+// values [..., n] int8 times scales [...] (f32, any strides): f32 [..., n].
+Tensor dequantize_kv(const Tensor& values, const Tensor& scales);
 
 // The ALiBi slopes of an H-head model (Press et al.; BLOOM's build_alibi_tensor, also for H not a
 // power of two), f32 [H].

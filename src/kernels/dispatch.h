@@ -23,6 +23,11 @@ struct KernelTable {
   // The same with bf16 q, k, v, out (f32 accumulation).
   void (*sdpa_fwd_bf16)(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights);
+  // The decode kernel with k and v stored in another dtype than q (f32 or bf16): f32, bf16, or int8
+  // with pb.k_scale / v_scale. Returns false, doing nothing, when the shape is not the decode
+  // kernel's (too many queries); the caller then widens k and v.
+  bool (*sdpa_decode_kv)(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& out, const Tensor& lse, const Tensor& weights);
   // SDPA backward (sdpa_bwd-inl.h): dout, q, k, v all f32 or all bf16 (out f32 or bf16); dq, dk, dv
   // all f32 or all bf16, any strides with a unit inner one, every element written (when B, H, Lq and Lk are positive);
   // dmask_full [B, H, Lq, Lk] or null; drel [H, pb.rel_len] (zeroed by the caller) or null

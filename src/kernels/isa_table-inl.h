@@ -14,6 +14,7 @@ const KernelTable kTable{
     .onednn = kIsa != Isa::Scalar,
     .sdpa_fwd_f32 = &sdpa_fwd_f32,
     .sdpa_fwd_bf16 = &sdpa_fwd_bf16,
+    .sdpa_decode_kv = &sdpa_decode_kv,
     .sdpa_bwd = &sdpa_bwd,
     // The portable path is portable C++ throughout, its GEMMs included.
     .linear_f32 = kIsa == Isa::Scalar ? &linear_f32_plain : &linear_f32_onednn,

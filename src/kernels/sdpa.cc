@@ -152,6 +152,21 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
               op, ": partial_keys works in the block's own positions: ALiBi, a relative bias, a window or dropout "
               "would see different positions than the whole sequence's (give an attn_mask slice instead)");
   pb.partial_keys = opts.partial_keys;
+  // int8 key / value: one f32 scale per (b, hk, key); a scale with a float k or v is a mistake.
+  for (const auto& [t, sc, name] : {std::tuple{&k, &opts.k_scale, "k_scale"}, {&v, &opts.v_scale, "v_scale"}}) {
+    const char* what = t == &k ? "key" : "value";
+    if (t->dtype() == DType::I8) {
+      HEADS_CHECK(sc->defined() && sc->dtype() == DType::F32 && (sc->shape() == Shape{pb.B, pb.Hkv, pb.Lk}), op, ": ",
+                  name, ": an int8 ", what, " ", t->shape(), " needs its f32 scales [B, Hkv, Lk] = [", pb.B, ", ",
+                  pb.Hkv, ", ", pb.Lk, "], got ",
+                  sc->defined() ? std::string(dtype_name(sc->dtype())) + " " + shape_str(sc->shape()) : "none");
+    } else {
+      HEADS_CHECK(!sc->defined(), op, ": ", name, ": given with a ", dtype_name(t->dtype()), " ", what,
+                  " (scales are for int8 keys and values)");
+    }
+  }
+  pb.k_scale = opts.k_scale;
+  pb.v_scale = opts.v_scale;
   HEADS_CHECK(opts.dropout_p >= 0.0 && opts.dropout_p <= 1.0, op,
               ": dropout_p must be in [0, 1], got ", opts.dropout_p);
   pb.dropout_p = opts.dropout_p;
@@ -193,12 +208,71 @@ static void check_dtypes(const char* op, const Tensor& q, const Tensor& k, const
               " like query, got ", dtype_name(v.dtype()));
 }
 
+// The forward's dtypes: q f32 or bf16; k and v alike, q's dtype or a cache's storage (f32, bf16, int8).
+static void check_forward_dtypes(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (k.dtype() == q.dtype() && v.dtype() == q.dtype()) return check_dtypes(op, q, k, v);
+  HEADS_CHECK(q.dtype() == DType::F32 || q.dtype() == DType::BF16, op, ": query: expected f32 or bf16, got ",
+              dtype_name(q.dtype()));
+  const auto stored = [](DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::I8; };
+  HEADS_CHECK(stored(k.dtype()) && v.dtype() == k.dtype(), op,
+              ": key and value: expected both f32, bf16 or int8 (with k_scale, v_scale), got ", dtype_name(k.dtype()),
+              " and ", dtype_name(v.dtype()));
+}
+
 // Kernels read rows with unit stride; other strides are free.
 static Tensor unit_inner(const Tensor& t) { return t.stride(-1) == 1 || t.size(-1) == 1 ? t : t.contiguous(); }
 
 }  // namespace heads::kernels
 
 namespace heads {
+
+Int8Rows quantize_kv(const Tensor& x) {
+  HEADS_CHECK(x.defined() && is_floating(x.dtype()) && x.dim() >= 1, "quantize_kv: x: expected a floating tensor [..., n], got ",
+              x.defined() ? std::string(dtype_name(x.dtype())) + " " + shape_str(x.shape()) : std::string("none"));
+  const Tensor xf = x.dtype() == DType::F32 ? x.contiguous() : x.to(DType::F32);
+  const Shape& shape = x.shape();
+  const Shape rows_shape(shape.begin(), shape.end() - 1);
+  Int8Rows r{Tensor::empty(shape, DType::I8), Tensor::empty(rows_shape, DType::F32)};
+  const int64_t n = shape.back(), rows = n == 0 ? 0 : xf.numel() / n;
+  if (n == 0) std::fill_n(r.scales.data<float>(), r.scales.numel(), 0.0f);
+  const float* src = xf.data<float>();
+  int8_t* dst = r.values.data<int8_t>();
+  float* sp = r.scales.data<float>();
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = src + i * n;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(row[d]));  // (NaN is dropped by max: checked below)
+    bool finite = std::isfinite(amax);
+    for (int64_t d = 0; d < n && finite; ++d) finite = !std::isnan(row[d]);
+    HEADS_CHECK(finite, "quantize_kv: x ", shape, ": row ", i, " holds a NaN or an infinity");
+    const float scale = amax / 127.0f;
+    sp[i] = scale;
+    for (int64_t d = 0; d < n; ++d) {
+      const float t = scale > 0.0f ? std::nearbyint(row[d] / scale) : 0.0f;
+      dst[i * n + d] = static_cast<int8_t>(std::clamp(t, -127.0f, 127.0f));
+    }
+  }
+  return r;
+}
+
+Tensor dequantize_kv(const Tensor& values, const Tensor& scales) {
+  HEADS_CHECK(values.defined() && values.dtype() == DType::I8 && values.dim() >= 1, "dequantize_kv: values: expected int8 [..., n], got ",
+              values.defined() ? std::string(dtype_name(values.dtype())) + " " + shape_str(values.shape()) : "none");
+  const Shape rows_shape(values.shape().begin(), values.shape().end() - 1);
+  HEADS_CHECK(scales.defined() && scales.dtype() == DType::F32 && scales.shape() == rows_shape,
+              "dequantize_kv: scales: expected f32 ", rows_shape, " for values ", values.shape(), ", got ",
+              scales.defined() ? std::string(dtype_name(scales.dtype())) + " " + shape_str(scales.shape()) : "none");
+  const Tensor vc = values.contiguous(), sc = scales.contiguous();
+  Tensor out = Tensor::empty(values.shape(), DType::F32);
+  const int64_t n = values.size(-1), rows = n == 0 ? 0 : values.numel() / n;
+  const int8_t* vp = vc.data<int8_t>();
+  const float* sp = sc.data<float>();
+  float* op = out.data<float>();
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t d = 0; d < n; ++d) op[i * n + d] = static_cast<float>(vp[i * n + d]) * sp[i];
+  }
+  return out;
+}
 
 Tensor alibi_slopes(int64_t num_heads) {
   HEADS_CHECK(num_heads >= 1, "alibi_slopes: num_heads must be at least 1, got ", num_heads);
@@ -257,7 +331,7 @@ SdpaResult run(const kernels::SdpaProblem& pb, const Tensor& out, const Tensor& 
                const Tensor& v) {
   using namespace kernels;
   const char* op = "sdpa";
-  check_dtypes(op, q, k, v);
+  check_forward_dtypes(op, q, k, v);
   const Shape want{pb.B, pb.H, pb.Lq, pb.Dv};
   HEADS_CHECK(out.defined() && out.dtype() == q.dtype() && out.shape() == want, op, ": out: expected ",
               dtype_name(q.dtype()), " [B, H, Lq, Dv] = ", want, ", got ",
@@ -282,7 +356,20 @@ SdpaResult run(const kernels::SdpaProblem& pb, const Tensor& out, const Tensor& 
     return r;
   }
   const auto fwd = q.dtype() == DType::BF16 ? active().sdpa_fwd_bf16 : active().sdpa_fwd_f32;
-  fwd(pb, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
+  if (k.dtype() == q.dtype()) {
+    fwd(pb, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights);
+  } else if (!active().sdpa_decode_kv(pb, unit_inner(q), unit_inner(k), unit_inner(v), r.out, r.lse, r.weights)) {
+    // Too many queries for the decode kernel (a prefill, compute-bound): the f32 kernel on the keys
+    // and values widened to f32 (int8 ones dequantised), as exact as the stored values allow; a bf16
+    // q is widened too, and the output rounded to bf16 once.
+    const auto widen = [&](const Tensor& t, const Tensor& scales) {
+      return t.dtype() == DType::I8 ? dequantize_kv(t, scales) : t.to(DType::F32);
+    };
+    const Tensor out32 = q.dtype() == DType::F32 ? r.out : Tensor::empty(r.out.shape(), DType::F32);
+    active().sdpa_fwd_f32(pb, q.dtype() == DType::F32 ? unit_inner(q) : q.to(DType::F32), widen(k, pb.k_scale),
+                          widen(v, pb.v_scale), out32, r.lse, r.weights);
+    if (q.dtype() != DType::F32) r.out.copy_from(out32);
+  }
   clear_off_heads(pb, r);
   return r;
 }

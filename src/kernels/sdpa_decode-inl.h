@@ -12,6 +12,10 @@
 //   only on the problem shape, never on the thread count, so results are thread-independent.
 // Masks, dropout and the fully-masked-row rule are those of the tiled kernel; weights, when
 //   requested, are a second sweep from the final lse.
+// K and V may be stored apart from q's dtype (a KV cache): f32, bf16, or int8 with a scale per
+//   (b, hk, key) (pb.k_scale, pb.v_scale). They are widened in registers as they are read, never
+//   copied: an int8 key's scale multiplies its score (q·k_j · s_j), a value's its probability
+//   (p_j · s_j) before P·V, so the int8 rows feed the same f32 FMAs.
 
 namespace dec {
 
@@ -27,6 +31,8 @@ HEADS_INLINE VR load_row(const float* p) { return Vec::loadu(p); }
 HEADS_INLINE VR load_row(const uint16_t* p) { return Vec::loadu_bf16(p); }
 HEADS_INLINE VR load_row_partial(const float* p, int64_t n) { return Vec::load_partial(p, n); }
 HEADS_INLINE VR load_row_partial(const uint16_t* p, int64_t n) { return Vec::load_partial_bf16(p, n); }
+HEADS_INLINE VR load_row(const int8_t* p) { return Vec::loadu_i8(p); }
+HEADS_INLINE VR load_row_partial(const int8_t* p, int64_t n) { return Vec::load_partial_i8(p, n); }
 HEADS_INLINE float to_f32(float x) { return x; }
 HEADS_INLINE float to_f32(uint16_t x) { return bf16_to_f32(x); }
 HEADS_INLINE void from_f32(float x, float* p) { *p = x; }
@@ -36,10 +42,17 @@ struct Setup {
   const SdpaProblem& pb;
   const void *q, *k, *v;
   int64_t qs[3], ks[3], vs[3];
+  const float *k_scale, *v_scale;  // int8 K / V: f32 [B, Hkv, Lk] (strides kss, vss); else null
+  int64_t kss[3], vss[3];
   int64_t rows, Dp, Dvp;  // query rows per kv head; D and Dv padded to whole vectors
   int64_t chunk, n_chunks;
   int64_t head(int64_t r) const { return r / pb.Lq; }  // within the group
   int64_t pos(int64_t r) const { return r % pb.Lq; }
+  // The scales of (b, hk)'s keys / values (stride kss[2] / vss[2] along the keys); null when not int8.
+  const float* key_scales(int64_t b, int64_t hk) const { return k_scale ? k_scale + b * kss[0] + hk * kss[1] : nullptr; }
+  const float* value_scales(int64_t b, int64_t hk) const {
+    return v_scale ? v_scale + b * vss[0] + hk * vss[1] : nullptr;
+  }
 };
 
 // Partial sums (one vector) of the dot product of a K row with a padded, pre-scaled query row.
@@ -62,7 +75,7 @@ HEADS_INLINE VR dot_partial(const T* kj, const float* qr, int64_t D) {
 // Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
 // sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf.
 template <class T>
-inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, int64_t h,
+inline void row_scores(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
                        int64_t i, int64_t j0, int64_t nk, float* sr) {
   const SdpaProblem& pb = S.pb;
   // The band hides a prefix and a suffix of the block: only keys [j0 + nb, j0 + nv) are computed.
@@ -80,6 +93,9 @@ inline void row_scores(const Setup& S, const T* kh, const float* qr, int64_t b, 
     Vec::store(sr + g, Vec::reduce_lanes(part));
     for (int64_t u = g; u < std::min(nb, g + kW); ++u) sr[u] = -kInf;  // before nb
     for (int64_t u = std::max(g, nv); u < g + kW; ++u) sr[u] = -kInf;  // past nv
+  }
+  if (ksc != nullptr) {  // int8 keys: q·k_j times the key's scale
+    for (int64_t u = nb; u < nv; ++u) sr[u] *= ksc[(j0 + u) * S.kss[2]];
   }
   if (pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined()) {
     for (int64_t u = nb; u < nv; ++u) sr[u] = mod_score_log2(pb, b, h, i, j0 + u, sr[u]);
@@ -136,11 +152,13 @@ inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t 
 
 // Scaled (log2 units), masked score of row r against key j (the weights sweep).
 template <class T>
-HEADS_INLINE float score(const Setup& S, const T* kh, const float* qrow, int64_t b, int64_t h,
+HEADS_INLINE float score(const Setup& S, const T* kh, const float* ksc, const float* qrow, int64_t b, int64_t h,
                          int64_t i, int64_t j) {
   const SdpaProblem& pb = S.pb;
   if (!pb.visible(i, j)) return -kInf;
-  return mod_score_log2(pb, b, h, i, j, Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, pb.D)));
+  float t = Vec::reduce_add(dot_partial(kh + j * S.ks[2], qrow, pb.D));
+  if (ksc != nullptr) t *= ksc[j * S.kss[2]];
+  return mod_score_log2(pb, b, h, i, j, t);
 }
 
 // Packs the query rows of (b, hk) as [rows][Dp], times scale·log2(e), zero padded.
@@ -156,14 +174,16 @@ inline void pack_queries(const Setup& S, int64_t b, int64_t hk, float* qp) {
 }
 
 // Partial attention of every row of (b, hk) over keys [j0, j1): m, l, O (unnormalised).
-template <class T>
+template <class TQ, class T>
 inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
                   float* s, float* m, float* l, float* o) {
   const SdpaProblem& pb = S.pb;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
   const T* vh = static_cast<const T*>(S.v) + b * S.vs[0] + hk * S.vs[1];
+  const float* ksc = S.key_scales(b, hk);
+  const float* vsc = S.value_scales(b, hk);
   const float keep_scale = dropout_keep_scale(pb.dropout_p);
-  pack_queries<T>(S, b, hk, qp);
+  pack_queries<TQ>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     m[r] = -kInf;
     l[r] = 0.0f;
@@ -182,7 +202,7 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
     // 1. S = q K_j^T (+ mask), one row per query
     for (int64_t r = 0; r < S.rows; ++r) {
       const int64_t h = hk * pb.group() + S.head(r);
-      row_scores(S, kh, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock);
+      row_scores(S, kh, ksc, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock);
     }
     // 2-3. online softmax per row
     for (int64_t r = 0; r < S.rows; ++r) {
@@ -219,27 +239,34 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
         }
       }
     }
-    // 4. O += P V_j
+    // 4. O += P V_j (int8 values: P times each value's scale)
+    alignas(64) float ps[kBlock];
     for (int64_t r = 0; r < S.rows; ++r) {
-      pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp);
+      const float* pr = s + r * kBlock;
+      if (vsc != nullptr) {
+        for (int64_t jj = 0; jj < nk; ++jj) ps[jj] = pr[jj] * vsc[(b0 + jj) * S.vss[2]];
+        pr = ps;
+      }
+      pv_row(vh + b0 * S.vs[2], S.vs[2], pr, nk, pb.Dv, o + r * S.Dvp);
     }
   }
 }
 
 // Weights of every row of (b, hk) for keys [j0, j1), from the final lse (log2 units, +inf for
 // rows that see nothing).
-template <class T>
+template <class TQ, class T>
 inline void weights_chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
                           const float* lse2, float* w) {
   const SdpaProblem& pb = S.pb;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
+  const float* ksc = S.key_scales(b, hk);
   const float keep_scale = dropout_keep_scale(pb.dropout_p);
-  pack_queries<T>(S, b, hk, qp);
+  pack_queries<TQ>(S, b, hk, qp);
   for (int64_t r = 0; r < S.rows; ++r) {
     const int64_t h = hk * pb.group() + S.head(r), i = S.pos(r);
     float* wrow = w + ((b * pb.H + h) * pb.Lq + i) * pb.Lk;
     for (int64_t j = j0; j < j1; ++j) {
-      float x = std::exp2(score(S, kh, qp + r * S.Dp, b, h, i, j) - lse2[r]);
+      float x = std::exp2(score(S, kh, ksc, qp + r * S.Dp, b, h, i, j) - lse2[r]);
       if (pb.dropout_p > 0.0) {
         x = dropout_keep(pb.seed, dropout_index(pb, b, h, i, j), pb.dropout_p) ? x * keep_scale : 0.0f;
       }
@@ -285,16 +312,25 @@ inline void merge_chunks(const Setup& S, int64_t b, int64_t hk, const Partials& 
 
 }  // namespace dec
 
-template <class T>
+// T: q and out (float or bf16 bits); TKV: k and v (float, bf16 bits or int8 with pb's scales).
+template <class T, class TKV = T>
 inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& weights) {
   using namespace dec;
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0) return;
-  Setup S{pb, q.raw_data(), k.raw_data(), v.raw_data(), {}, {}, {}, 0, 0, 0, 0, 0};
+  Setup S{pb, q.raw_data(), k.raw_data(), v.raw_data(), {}, {}, {}, nullptr, nullptr, {}, {}, 0, 0, 0, 0, 0};
   for (int d = 0; d < 3; ++d) {
     S.qs[d] = q.stride(d);
     S.ks[d] = k.stride(d);
     S.vs[d] = v.stride(d);
+  }
+  if constexpr (std::is_same_v<TKV, int8_t>) {
+    S.k_scale = pb.k_scale.data<float>();
+    S.v_scale = pb.v_scale.data<float>();
+    for (int d = 0; d < 3; ++d) {
+      S.kss[d] = pb.k_scale.stride(d);
+      S.vss[d] = pb.v_scale.stride(d);
+    }
   }
   S.rows = pb.group() * pb.Lq;
   S.Dp = round_up(pb.D, kW);
@@ -326,7 +362,7 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
       const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
       if (!pb.group_on(bh / pb.Hkv, bh % pb.Hkv)) continue;  // every head of the group off
       const int64_t j0 = c * S.chunk, j1 = std::min(pb.Lk, j0 + S.chunk);
-      chunk<T>(S, bh / pb.Hkv, bh % pb.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
+      chunk<T, TKV>(S, bh / pb.Hkv, bh % pb.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
             pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp);
     }
     // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
@@ -350,7 +386,7 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
           lse2[r] = x == -kInf ? kInf : x * kLog2e;
         }
         const int64_t j0 = c * S.chunk, j1 = std::min(pb.Lk, j0 + S.chunk);
-        weights_chunk<T>(S, b, hk, j0, j1, qp, lse2, w);
+        weights_chunk<T, TKV>(S, b, hk, j0, j1, qp, lse2, w);
       }
     }
   }

@@ -30,6 +30,25 @@ inline void sdpa_fwd_f32(const SdpaProblem& pb, const Tensor& q, const Tensor& k
   }
 }
 
+// q (and out) f32 or bf16 with k, v stored in another of f32, bf16 and int8 (a KV cache).
+template <class T>
+inline bool sdpa_decode_kv_as(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  switch (k.dtype()) {
+    case DType::F32: sdpa_decode<T, float>(pb, q, k, v, out, lse, weights); return true;
+    case DType::BF16: sdpa_decode<T, uint16_t>(pb, q, k, v, out, lse, weights); return true;
+    case DType::I8: sdpa_decode<T, int8_t>(pb, q, k, v, out, lse, weights); return true;
+    default: return false;
+  }
+}
+
+inline bool sdpa_decode_kv(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const Tensor& out, const Tensor& lse, const Tensor& weights) {
+  if (!decode_kernel_for(pb)) return false;
+  return q.dtype() == DType::BF16 ? sdpa_decode_kv_as<uint16_t>(pb, q, k, v, out, lse, weights)
+                                  : sdpa_decode_kv_as<float>(pb, q, k, v, out, lse, weights);
+}
+
 // bf16 q, k, v and out (f32 accumulation). The tiled part widens bf16 to f32 as it reads;
 // isa_avx512bf16.cc replaces it with vdpbf16ps kernels where they pay (bf16_dot_pays()),
 // isa_amx.cc with AMX tiles.

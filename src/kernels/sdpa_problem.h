@@ -47,6 +47,8 @@ struct SdpaProblem {
   int64_t block_size = 0;  // queries and keys per block of block_mask
   Tensor head_mask;        // u8 [B, H] contiguous (1 = computed), undefined: every head
   bool partial_keys = false;  // backward: lse and out are of a longer key sequence (SdpaOptions)
+  // int8 k / v: their f32 [B, Hkv, Lk] scales (SdpaOptions::k_scale, v_scale); undefined otherwise.
+  Tensor k_scale, v_scale;
 
   int64_t group() const { return H / Hkv; }
   // Head (b, h) is computed (head_mask); a head that is off is skipped by every kernel.

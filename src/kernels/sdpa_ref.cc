@@ -97,11 +97,23 @@ SdpaResult sdpa_fwd_f64(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
                         const SdpaOptions& opts) {
   using namespace kernels;
   const SdpaProblem pb = make_sdpa_problem("ref::sdpa_fwd_f64", q_in, k_in, v_in, opts);
-  for (const Tensor* t : {&q_in, &k_in, &v_in}) {
-    HEADS_CHECK(is_floating(t->dtype()), "ref::sdpa_fwd_f64: inputs must be floating, got ",
-                dtype_name(t->dtype()));
+  HEADS_CHECK(is_floating(q_in.dtype()), "ref::sdpa_fwd_f64: query must be floating, got ", dtype_name(q_in.dtype()));
+  for (const Tensor* t : {&k_in, &v_in}) {
+    HEADS_CHECK(is_floating(t->dtype()) || t->dtype() == DType::I8,
+                "ref::sdpa_fwd_f64: key and value must be floating or int8, got ", dtype_name(t->dtype()));
   }
-  const Tensor q = q_in.to(DType::F64), k = k_in.to(DType::F64), v = v_in.to(DType::F64);
+  // int8 keys and values: value times its row's scale, exact in float64
+  const auto wide = [](const Tensor& t, const Tensor& scales) {
+    if (t.dtype() != DType::I8) return t.to(DType::F64);
+    const Tensor vc = t.contiguous(), sc = scales.contiguous();
+    Tensor w = Tensor::empty(t.shape(), DType::F64);
+    const int64_t n = t.size(-1);
+    for (int64_t x = 0; x < t.numel(); ++x) {
+      w.data<double>()[x] = static_cast<double>(vc.data<int8_t>()[x]) * static_cast<double>(sc.data<float>()[x / n]);
+    }
+    return w;
+  };
+  const Tensor q = q_in.to(DType::F64), k = wide(k_in, pb.k_scale), v = wide(v_in, pb.v_scale);
   const double* qp = q.data<double>();
   const double* kp = k.data<double>();
   const double* vp = v.data<double>();

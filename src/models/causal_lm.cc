@@ -430,6 +430,10 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
     const Tensor out = attn.permute({0, 2, 1, 3});
     if (K.dtype() == DType::F32) {
       sdpa_out(out, q, K, V, o);
+    } else if (K.dtype() == DType::I8) {  // read in place by the decode kernel, f32 queries and output
+      o.k_scale = cache->key_scales(static_cast<int64_t>(i));
+      o.v_scale = cache->value_scales(static_cast<int64_t>(i));
+      sdpa_out(out, q, K, V, o);
     } else {
       Tensor(out).copy_from(sdpa(q.to(K.dtype()), K, V, o).out);
     }

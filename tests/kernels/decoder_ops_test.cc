@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "common/testing.h"
 #include "heads/kv_cache.h"
 #include "heads/ops.h"
+#include "heads/sdpa.h"
 
 namespace heads {
 namespace {
@@ -136,7 +139,42 @@ TEST(KVCache, AppendGrowTruncateReorder) {
   b.append(0, kb, kb);
   EXPECT_TRUE(testing::compare(b.keys(0).to(DType::F32), kb.to(DType::BF16).to(DType::F32)).within(0, 0));
   EXPECT_THAT(error_of([&] { c.append(2, k1, v1); }), HasSubstr("KVCache::append: layer 2 outside [0, 2)"));
-  EXPECT_THAT(error_of([&] { KVCache(1, 1, 1, 4, DType::I64); }), HasSubstr("KVCache: dtype must be f32 or bf16, got i64"));
+  EXPECT_THAT(error_of([&] { KVCache(1, 1, 1, 4, DType::I64); }), HasSubstr("KVCache: dtype must be f32, bf16 or i8, got i64"));
+  EXPECT_FALSE(c.key_scales(0).defined());
+}
+
+// int8: each appended row quantised with its own scale (quantize_kv), kept across growth, reorder
+// and truncation with its scale; a row with a NaN fails the append and leaves the cache as it was.
+TEST(KVCache, Int8RowsWithScales) {
+  KVCache c(2, 2, 3, 9, DType::I8, 0, 5);
+  const Tensor k1 = randn({2, 3, 4, 9}, 3.0), v1 = randn({2, 3, 4, 5});
+  const auto [K, V] = c.append(1, k1, v1);
+  ASSERT_EQ(K.dtype(), DType::I8);
+  ASSERT_EQ(V.shape(), Shape({2, 3, 4, 5}));
+  const Int8Rows qk = quantize_kv(k1), qv = quantize_kv(v1);
+  EXPECT_TRUE(testing::bitwise_equal(K.contiguous(), qk.values));
+  EXPECT_TRUE(testing::bitwise_equal(c.key_scales(1).contiguous(), qk.scales));
+  EXPECT_TRUE(testing::bitwise_equal(c.value_scales(1).contiguous(), qv.scales));
+  std::vector<Tensor> steps;
+  for (int s = 0; s < 20; ++s) {  // past the first capacity (16)
+    steps.push_back(randn({2, 3, 1, 9}));
+    c.append(1, steps.back(), randn({2, 3, 1, 5}));
+  }
+  EXPECT_EQ(c.length(1), 24);
+  EXPECT_TRUE(testing::bitwise_equal(c.keys(1).slice(2, 0, 4).contiguous(), qk.values));  // kept across growth
+  EXPECT_TRUE(testing::bitwise_equal(c.key_scales(1).slice(2, 0, 4).contiguous(), qk.scales));
+  EXPECT_TRUE(testing::bitwise_equal(c.key_scales(1).slice(2, 23, 24).contiguous(), quantize_kv(steps.back()).scales));
+  c.reorder({1, 0});
+  EXPECT_TRUE(testing::bitwise_equal(c.value_scales(1).slice(2, 0, 4).select(0, 0).contiguous(),
+                                     qv.scales.select(0, 1).contiguous()));
+  EXPECT_TRUE(testing::bitwise_equal(c.values(1).slice(2, 0, 4).select(0, 1).contiguous(), qv.values.select(0, 0).contiguous()));
+  Tensor bad = randn({2, 3, 1, 9});
+  bad.data<float>()[4] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(error_of([&] { c.append(1, bad, randn({2, 3, 1, 5})); }), HasSubstr("NaN"));
+  EXPECT_EQ(c.length(1), 24);
+  c.truncate(3);
+  EXPECT_EQ(c.key_scales(1).shape(), Shape({2, 3, 3}));
+  EXPECT_EQ(c.key_scales(0).shape(), Shape({2, 3, 0}));
 }
 
 }  // namespace

@@ -70,6 +70,14 @@ struct Vec {
     for (int64_t i = 0; i < n; ++i) tmp[i] = p[i];
     return loadu_bf16(tmp);
   }
+  HEADS_INLINE static R loadu_i8(const int8_t* p) {  // W int8 values as f32 (exact)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  HEADS_INLINE static R load_partial_i8(const int8_t* p, int64_t n) {
+    alignas(16) int8_t tmp[16] = {};
+    for (int64_t i = 0; i < n; ++i) tmp[i] = p[i];
+    return loadu_i8(tmp);
+  }
   HEADS_INLINE static float reduce_add(R x) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -32,7 +32,13 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p)), 16));
   }
-  HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
+
+  HEADS_INLINE static R loadu_i8(const int8_t* p) {  // W int8 values as f32 (exact)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  HEADS_INLINE static R load_partial_i8(const int8_t* p, int64_t n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1u), p)));
+  }  HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
   HEADS_INLINE static float reduce_max(R x) { return _mm512_reduce_max_ps(x); }
   HEADS_INLINE static R round_even(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).

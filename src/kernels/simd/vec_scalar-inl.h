@@ -4,7 +4,7 @@
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), div, min, abs, select_neg(x, a, b) = x < 0 ? a : b, loadu/storeu, load_partial/store_partial (first n
-//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), reduce_add, reduce_max, round_even (to nearest even),
+//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), loadu_i8/load_partial_i8 (int8 as f32), reduce_add, reduce_max, round_even (to nearest even),
 //   store_partial_i8 (integral lanes as int8), reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
@@ -49,6 +49,12 @@ struct Vec {
   static R load_partial_bf16(const uint16_t* p, int64_t n) {
     R r = zero();
     for (int64_t i = 0; i < n; ++i) r.v[i] = bf16_to_f32(p[i]);
+    return r;
+  }
+  static R loadu_i8(const int8_t* p) { return load_partial_i8(p, W); }
+  static R load_partial_i8(const int8_t* p, int64_t n) {
+    R r = zero();
+    for (int64_t i = 0; i < n; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;
   }
   static float reduce_add(R x) {  // pairwise, like the SIMD paths
