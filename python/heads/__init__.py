@@ -865,9 +865,12 @@ both specials, 0: no limit), ``pre_tokenize(text_bytes)`` the normalised words, 
 
 KVCache = _heads.KVCache
 KVCache.__doc__ = """Keys and values of a decoder, per layer, for incremental decoding:
-``KVCache(num_layers, batch, kv_heads, head_dim, dtype="f32"|"bf16", capacity=0)``; ``append(layer, k, v)``
+``KVCache(num_layers, batch, kv_heads, head_dim, dtype="f32"|"bf16"|"int8", capacity=0)``; ``append(layer, k, v)``
 (``[B, Hkv, n, D]`` each) returns the layer's keys and values so far; ``keys(layer)``, ``values(layer)``,
-``truncate(length)``, ``reorder(batch_index)`` (beam search), ``len(cache)``."""
+``truncate(length)``, ``reorder(batch_index)`` (beam search), ``len(cache)``. An ``"int8"`` cache quantises each
+appended row (one position of one kv head) with its own scale, max |row| / 127: ``keys(layer)`` are then int8 and
+``key_scales(layer)`` / ``value_scales(layer)`` the float32 ``[B, Hkv, length]`` scales (None for other dtypes),
+so that keys = keys(layer) * key_scales(layer)[..., None]. Attention reads it in place."""
 
 
 class CausalLM:
@@ -922,7 +925,8 @@ class CausalLM:
 
     def generate(self, prompt: Any, max_new_tokens: int, eos_token_id: Optional[int] = None,
                  cache_dtype: str = "f32") -> list:
-        """Greedy decoding: the new token ids (at most ``max_new_tokens``, stopping after ``eos_token_id``)."""
+        """Greedy decoding: the new token ids (at most ``max_new_tokens``, stopping after ``eos_token_id``).
+        ``cache_dtype``: the KV cache's storage, "f32", "bf16" or "int8" (a quarter of f32's memory and reads)."""
         rows = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         if rows and isinstance(rows[0], (list, tuple)):  # [1, L] as transformers takes it
             if len(rows) != 1:

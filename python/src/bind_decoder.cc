@@ -25,9 +25,9 @@ using namespace nb::literals;
 namespace {
 
 DType cache_dtype(const std::string& s, const char* name = "dtype") {
-  HEADS_CHECK(s == "f32" || s == "float32" || s == "bf16" || s == "bfloat16",
-              name, ": expected 'f32' or 'bf16', got '", s, "'");
-  return s == "f32" || s == "float32" ? DType::F32 : DType::BF16;
+  HEADS_CHECK(s == "f32" || s == "float32" || s == "bf16" || s == "bfloat16" || s == "int8",
+              name, ": expected 'f32', 'bf16' or 'int8', got '", s, "'");
+  return s == "f32" || s == "float32" ? DType::F32 : s == "int8" ? DType::I8 : DType::BF16;
 }
 
 RopeOptions rope_options(double theta, bool interleaved, int64_t rotary_dim, const std::string& scaling, double factor,
@@ -72,7 +72,8 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("num_layers", &heads::KVCache::num_layers)
       .def_prop_ro("batch", &heads::KVCache::batch)
       .def_prop_ro("capacity", &heads::KVCache::capacity)
-      .def_prop_ro("dtype", [](const heads::KVCache& c) { return std::string(dtype_name(c.dtype())); })
+      .def_prop_ro("dtype",
+                   [](const heads::KVCache& c) { return c.dtype() == DType::I8 ? std::string("int8") : std::string(dtype_name(c.dtype())); })
       .def("length",
            [](const heads::KVCache& c, int64_t layer) {
              const auto held = hold(c);
@@ -96,6 +97,20 @@ void bind_decoder(nb::module_& m) {
            [](const heads::KVCache& c, int64_t layer, bool t) {
              const auto held = hold(c);
              return to_array(c.values(layer), t);
+           },
+           "layer"_a, "torch_out"_a = false)
+      .def("key_scales",
+           [](const heads::KVCache& c, int64_t layer, bool t) -> nb::object {
+             const auto held = hold(c);
+             const Tensor s = c.key_scales(layer);
+             return s.defined() ? to_array(s, t) : nb::none();
+           },
+           "layer"_a, "torch_out"_a = false)
+      .def("value_scales",
+           [](const heads::KVCache& c, int64_t layer, bool t) -> nb::object {
+             const auto held = hold(c);
+             const Tensor s = c.value_scales(layer);
+             return s.defined() ? to_array(s, t) : nb::none();
            },
            "layer"_a, "torch_out"_a = false)
       .def("truncate",

@@ -153,6 +153,19 @@ def test_bench_json_contract():
     assert 0 < j["backward_call_ms"] <= j["ms"] and j["backward_ms"] < j["ms"]
     assert abs(j["gflops"] - 3.5 * 4 * 2 * 3 * 70 * 90 * 37 / j["ms"] / 1e6) <= 1e-2 * j["gflops"] + 1e-2
 
+    # K/V stored apart from the query (a cache): kv_dtype and the bytes of K, V (and int8's scales) per ms
+    for kv, row_bytes in (("bf16", 2 * 37 * 2), ("int8", 2 * 37 + 8)):
+        r = run("bench", "sdpa", "--heads", 4, "--kv-heads", 2, "--q-len", 1, "--kv-len", 300, "--head-dim", 37,
+                "--kv-dtype", kv, "--min-time", 0, "--json")
+        assert r.returncode == 0, r.stderr
+        j = json.loads(r.stdout)
+        assert (j["dtype"], j["kv_dtype"], j["Hkv"]) == ("f32", kv, 2)
+        assert abs(j["kv_gbs"] - 2 * 300 * row_bytes / j["ms"] / 1e6) <= 1e-2 * j["kv_gbs"] + 1e-2
+    r = run("bench", "sdpa", "--kv-dtype", "int8", "--backward", "--min-time", 0)
+    assert r.returncode != 0 and "--backward takes K/V of the query's dtype" in r.stderr
+    r = run("bench", "sdpa", "--kv-dtype", "int4", "--min-time", 0)
+    assert r.returncode != 0 and "--kv-dtype" in r.stderr
+
     r = run("bench", "mha", "--batch", 1, "--seq", 5, "--embed", 8, "--heads", 2, "--min-time", 0, "--json")
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)

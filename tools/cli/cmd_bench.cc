@@ -35,6 +35,7 @@ struct BenchArgs {
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
   bool causal = false, json = false, backward = false;
   std::string dtype = "f32", mask = "none", window;
+  std::string kv_dtype;  // bench sdpa: K/V storage (empty: --dtype's)
   std::string embed_dtype = "auto";  // bench embed: as the model directory stores it by default
   double dropout = 0.0, softcap = 0.0;
   bool alibi = false, sinks = false, batch_invariant = false;
@@ -148,8 +149,28 @@ double visible_pairs(const SdpaCase& c, int64_t left, int64_t right) {
 
 SdpaTiming time_sdpa(const BenchArgs& a) {
   const SdpaCase c = sdpa_case(a);
-  const SdpaCase::Inputs in = c.draw();
+  SdpaCase::Inputs in = c.draw();
   SdpaOptions o = in.options;
+  // K and V stored as a cache stores them (the query keeps --dtype): bf16, or int8 with a scale per row
+  const std::string kv_dtype = a.kv_dtype.empty() ? a.dtype : a.kv_dtype;
+  if (kv_dtype != a.dtype) {
+    HEADS_CHECK(!a.backward, "bench sdpa: --backward takes K/V of the query's dtype (--kv-dtype ", kv_dtype,
+                " is for inference)");
+    if (kv_dtype == "int8") {
+      const Int8Rows qk = quantize_kv(in.k), qv = quantize_kv(in.v);
+      in.k = qk.values;
+      in.v = qv.values;
+      o.k_scale = qk.scales;
+      o.v_scale = qv.scales;
+    } else {
+      in.k = in.k.to(parse_dtype(kv_dtype));
+      in.v = in.v.to(parse_dtype(kv_dtype));
+    }
+  }
+  // bytes of K and V (and their scales) one forward reads at least once
+  const double kv_bytes = static_cast<double>(in.k.numel()) * static_cast<double>(dtype_size(in.k.dtype())) +
+                          static_cast<double>(in.v.numel()) * static_cast<double>(dtype_size(in.v.dtype())) +
+                          (o.k_scale.defined() ? 4.0 * static_cast<double>(o.k_scale.numel() + o.v_scale.numel()) : 0.0);
   const auto [left, right] = window_extents(a.window);
   o.window_left = left;
   o.window_right = right;
@@ -240,11 +261,12 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
   const std::string isa = isa_name(active_isa());
   if (a.json) {
     std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
-                "\"Dv\":%lld,\"causal\":%s,\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"ms\":%.4f,"
-                "\"gflops\":%.2f,\"peak_rss_mb\":%.1f,\"case\":\"%s\"%s}\n",
+                "\"Dv\":%lld,\"causal\":%s,\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,"
+                "\"ms\":%.4f,\"gflops\":%.2f,\"kv_gbs\":%.2f,\"peak_rss_mb\":%.1f,\"case\":\"%s\"%s}\n",
                 (long long)c.B, (long long)c.H, (long long)c.kv_heads(), (long long)c.Lq, (long long)c.key_len(),
-                (long long)c.D, (long long)c.value_dim(), c.causal ? "true" : "false", a.dtype.c_str(), isa.c_str(),
-                get_num_threads(), ms, gflops, peak_rss_mb(), case_str.c_str(),
+                (long long)c.D, (long long)c.value_dim(), c.causal ? "true" : "false", a.dtype.c_str(),
+                kv_dtype.c_str(), isa.c_str(), get_num_threads(), ms, gflops, kv_bytes / ms / 1e6, peak_rss_mb(),
+                case_str.c_str(),
                 a.backward ? (",\"backward\":true,\"backward_ms\":" + std::to_string(bwd_ms) +
                               ",\"backward_call_ms\":" + std::to_string(bwd_call_ms)).c_str()
                            : "");
@@ -254,8 +276,9 @@ SdpaTiming time_sdpa(const BenchArgs& a) {
                   "%.3f ms): ",
                   bwd_ms, bwd_call_ms);
     }
-    std::printf("sdpa %s %s threads=%d: %.3f ms, %.1f GFLOP/s, peak RSS %.1f MB\n", case_str.c_str(), isa.c_str(),
-                get_num_threads(), ms, gflops, peak_rss_mb());
+    std::printf("sdpa %s%s %s threads=%d: %.3f ms, %.1f GFLOP/s, K/V read at %.1f GB/s, peak RSS %.1f MB\n",
+                case_str.c_str(), kv_dtype != a.dtype ? (" kv=" + kv_dtype).c_str() : "", isa.c_str(), get_num_threads(),
+                ms, gflops, kv_bytes / ms / 1e6, peak_rss_mb());
   }
   std::fflush(stdout);
   return {c, ms, gflops};
@@ -423,6 +446,11 @@ void add_bench_command(CLI::App& app, Action* action) {
               "time forward + backward (flops: 3.5x the forward's); JSON adds backward_ms (that time minus "
               "the forward alone) and backward_call_ms (the backward call itself, timed in the same loop)");
   s->add_option("--dtype", args->dtype, "f32 or bf16 (q, k, v and out in bf16, f32 accumulation)")->capture_default_str();
+  s->add_option("--kv-dtype", args->kv_dtype,
+                "K/V storage, as a KV cache holds them: f32, bf16 or int8 (a scale per position and kv head); "
+                "default --dtype's. The query and output keep --dtype. JSON adds kv_dtype and kv_gbs (bytes of K, V "
+                "and scales / time)")
+      ->check(CLI::IsMember({"f32", "bf16", "int8"}));
   add_threads_option(s, &args->threads);
   s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   s->add_flag("--json", args->json, "one JSON line (per point of a grid)");

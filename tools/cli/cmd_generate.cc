@@ -22,14 +22,15 @@ struct GenerateArgs {
 
 void run(const GenerateArgs& a) {
   apply_threads(a.threads);
-  HEADS_CHECK(a.cache_dtype == "f32" || a.cache_dtype == "bf16", "generate: --cache-dtype must be f32 or bf16, got ",
-              a.cache_dtype);
+  HEADS_CHECK(a.cache_dtype == "f32" || a.cache_dtype == "bf16" || a.cache_dtype == "int8",
+              "generate: --cache-dtype must be f32, bf16 or int8, got ", a.cache_dtype);
+  const DType cache_dtype = a.cache_dtype == "bf16" ? DType::BF16 : a.cache_dtype == "int8" ? DType::I8 : DType::F32;
   const std::vector<int64_t> prompt = int_list(a.input_ids);
   CausalLM lm = CausalLM::load(a.model);
   lm.set_precision(precision_from_name(a.dtype));
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<int64_t> ids =
-      lm.generate(prompt, a.max_new_tokens, a.eos, a.cache_dtype == "bf16" ? DType::BF16 : DType::F32);
+      lm.generate(prompt, a.max_new_tokens, a.eos, cache_dtype);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::string list;
   for (int64_t id : ids) list += (list.empty() ? "" : a.json ? "," : " ") + std::to_string(id);
@@ -57,7 +58,8 @@ void add_generate_command(CLI::App& app, Action* action) {
   c->add_option("--eos-token-id", args->eos, "stop after this id (default: none)")->check(int_in(0, kMaxCount));
   c->add_option("--dtype", args->dtype, "weights of the projections, MLP and head: f32, bf16 or int8")
       ->capture_default_str();
-  c->add_option("--cache-dtype", args->cache_dtype, "KV cache storage: f32 or bf16")->capture_default_str();
+  c->add_option("--cache-dtype", args->cache_dtype, "KV cache storage: f32, bf16 or int8 (a scale per position and kv head; "
+                "the decode reads it in place)")->capture_default_str();
   c->add_flag("--json", args->json, "one JSON line");
   add_threads_option(c, &args->threads);
   c->callback([args, action] { *action = [args] { run(*args); }; });
