@@ -4,6 +4,7 @@
     python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--rounds 3] [--only NAME ...]
     python3 bench/compare.py --backward [--only NAME ...]     # training: forward + backward
     python3 bench/compare.py --variants                        # sliding window, ALiBi vs explicit masks
+    python3 bench/compare.py --kv-int8 [--rounds 3]            # decode shapes over an int8 / 8-bit K/V cache
 
 Prints one markdown table: GFLOP/s (ms for decode shapes, Lq = 1), the ratio of heads to the best
 peer, heads' share of the FMA peak measured here (`heads bench peak`), and the peak extra memory
@@ -21,6 +22,11 @@ ggml is timed through its fused attention (ggml_flash_attn_ext) on the SDPA shap
 for --dtype f32 and, for --dtype bf16, the faster of ggml's bf16 and f16 (Q is f32 in ggml's
 interface); it has no MultiheadAttention module. ONNX Runtime has no
 bf16 CPU attention and is left out of --dtype bf16.
+With --kv-int8: the decode shapes (Lq = 1) with the query in f32 and K/V stored in 8 bits — heads'
+int8 cache (`heads bench sdpa --kv-dtype int8`: a scale per position and kv head) beside ggml's q8_0
+(llama.cpp's `--cache-type-k q8_0 --cache-type-v q8_0`: a scale per 32 values; ggml also rounds Q to
+q8_0 for the products), with heads' bf16 K/V, ggml's f16 K/V and PyTorch's bf16 SDPA for scale, and
+each result's error against float64 attention over the unrounded K and V.
 Needs: torch==2.13.0, onnxruntime, onnx, ggml-python (pip; built from source, -march=native).
 """
 
@@ -124,6 +130,111 @@ def bf16_bits(a):
     """float32 -> bf16 bit patterns (uint16), rounded to nearest even."""
     u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def ggml_decode_8bit(s, args):
+    """ggml_flash_attn_ext on a decode shape with K/V in q8_0 (kind "q8_0") or f16: (ms, max |out - f64|
+    / max |out| against attention over the unrounded K and V, kind)."""
+    import ctypes
+
+    import ggml
+
+    B, H, Lq, Lk, D = s["B"], s["H"], s["Lq"], s["Lk"], s["D"]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for L in (Lq, Lk, Lk))
+    kind = s["kv"]
+    kv_type = ggml.GGML_TYPE_Q8_0 if kind == "q8_0" else ggml.GGML_TYPE_F16
+    row = ggml.ggml_row_size(kv_type, D)
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=q.nbytes * 2 + 2 * B * H * Lk * row + (1 << 20),
+                                               mem_buffer=None, no_alloc=False))
+    tq = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, D, Lq, H, B)
+    tk = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
+    tv = ggml.ggml_new_tensor_4d(ctx, kv_type, D, Lk, H, B)
+    ctypes.memmove(ggml.ggml_get_data(tq), q.ctypes.data, q.nbytes)
+    for t, a in ((tk, k), (tv, v)):
+        if kind == "q8_0":
+            src = np.ascontiguousarray(a.reshape(-1, D))
+            ggml.ggml_quantize_chunk(kv_type, src.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ggml.ggml_get_data(t),
+                                     0, src.shape[0], D, None)
+        else:
+            h = a.astype(np.float16)
+            ctypes.memmove(ggml.ggml_get_data(t), h.ctypes.data, h.nbytes)
+    out = ggml.ggml_flash_attn_ext(ctx, tq, tk, tv, None, 1.0 / float(np.sqrt(D)), 0.0, 0.0)
+    ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+    graph = ggml.ggml_new_graph(ctx)
+    ggml.ggml_build_forward_expand(graph, out)
+    pool_params = ggml.ggml_threadpool_params_default(args.threads)
+    pool = ggml.ggml_threadpool_new(ctypes.byref(pool_params))
+    plan = ggml.ggml_graph_plan(graph, args.threads, pool)
+    work = (ctypes.c_uint8 * max(plan.work_size, 1))()
+    plan.work_data = ctypes.cast(work, ctypes.POINTER(ctypes.c_uint8))
+    ms = median_ms(lambda: ggml.ggml_graph_compute(graph, ctypes.byref(plan)), args.min_time)
+    res = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
+                                shape=(B, Lq, H, D)).transpose(0, 2, 1, 3).astype(np.float64)
+    err = rel_err_f64(res, q, k, v)
+    ggml.ggml_threadpool_free(pool)
+    ggml.ggml_free(ctx)
+    return ms, err, kind
+
+
+def rel_err_f64(out, q, k, v):
+    """max |out - ref| / max |ref|, ref = float64 softmax(q kᵀ / √D) v over the unrounded inputs."""
+    sc = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    ref = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def heads_decode_8bit(s, args, torch):
+    """heads timed by its CLI (`heads bench sdpa --kv-dtype`), and its error on ggml's inputs through a
+    heads.KVCache of that dtype (the same quantiser) and heads.sdpa on the stored values: (ms, error, kind)."""
+    import heads
+
+    heads.set_num_threads(args.threads)
+    B, H, Lq, Lk, D = s["B"], s["H"], s["Lq"], s["Lk"], s["D"]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for L in (Lq, Lk, Lk))
+    cmd = ["sdpa", "--batch", B, "--heads", H, "--q-len", Lq, "--kv-len", Lk, "--head-dim", D, "--kv-dtype", s["kv"]]
+    ms = run_heads(args, *map(str, cmd))["ms"]
+    # the error on these inputs, through a cache of that dtype (the same quantiser and kernel)
+    cache = heads.KVCache(1, B, H, D, dtype=s["kv"])
+    K, V = cache.append(0, k, v, torch_out=True)
+    if s["kv"] == "int8":  # dequantised in f32 (one rounding, far below the errors measured here)
+        K = K.float() * cache.key_scales(0, torch_out=True)[..., None]
+        V = V.float() * cache.value_scales(0, torch_out=True)[..., None]
+    out = heads.sdpa(torch.from_numpy(q), K.float(), V.float()).double().numpy()
+    return ms, rel_err_f64(out, q, k, v), s["kv"]
+
+
+def torch_decode_bf16(s, args, torch):
+    import torch.nn.functional as F
+
+    B, H, Lq, Lk, D = s["B"], s["H"], s["Lq"], s["Lk"], s["D"]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for L in (Lq, Lk, Lk))
+    tq, tk, tv = (torch.from_numpy(x).bfloat16() for x in (q, k, v))
+    with torch.inference_mode():
+        ms = median_ms(lambda: F.scaled_dot_product_attention(tq, tk, tv), args.min_time)
+        out = F.scaled_dot_product_attention(tq, tk, tv).double().numpy()
+    return ms, rel_err_f64(out, q, k, v), "bf16"
+
+
+def kv8_table(shapes, args):
+    """--kv-int8: decode shapes over 8-bit K/V caches (see the module's docstring)."""
+    runners = [("heads int8 K/V", "heads-decode-8bit", "int8"), ("heads bf16 K/V", "heads-decode-8bit", "bf16"),
+               ("ggml q8_0 K/V", "ggml-decode-8bit", "q8_0"), ("ggml f16 K/V", "ggml-decode-8bit", "f16"),
+               ("PyTorch bf16", "torch-decode-bf16", "bf16")]
+    print(f"decode over 8-bit K/V caches, {args.threads} threads; ms per call (medians of {args.rounds} rounds), "
+          "error = max |out - f64| / max |out| against attention over the unrounded K/V\n")
+    print("| shape | " + " | ".join(r[0] for r in runners) + " |")
+    print("|---|" + "---|" * len(runners))
+    for s in shapes["sdpa"]:
+        if s["Lq"] != 1 or (args.only and s["name"] not in args.only):
+            continue
+        r = rounds({name: (lambda kind=kind, kv=kv: in_subprocess(kind, dict(s, kv=kv), args))
+                    for name, kind, kv in runners}, args.rounds)
+        cells = [("—" if r[name][0] is None else f"{r[name][0]:.3f} ms (err {r[name][1]:.1e})") for name, _, _ in runners]
+        print(f"| {s['name']} | " + " | ".join(cells) + " |")
 
 
 def ggml_sdpa(s, args):
@@ -394,6 +505,13 @@ def worker(kind, spec, args):
         return ms, mem, name
     if kind == "ggml-sdpa":
         return ggml_sdpa(spec, args)
+    if kind == "ggml-decode-8bit":
+        return ggml_decode_8bit(spec, args)
+    if kind in ("heads-decode-8bit", "torch-decode-bf16"):
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return (heads_decode_8bit if kind == "heads-decode-8bit" else torch_decode_bf16)(spec, args, torch)
     if kind == "ort-mha":
         return ort_mha(spec, args)
     if kind == "heads-sdpa-mem":
@@ -449,6 +567,8 @@ def main():
                     help="forward + backward (training) of heads and PyTorch autograd, f32")
     ap.add_argument("--variants", action="store_true",
                     help="sliding window and ALiBi in heads' kernel against PyTorch with the explicit mask, f32")
+    ap.add_argument("--kv-int8", action="store_true",
+                    help="decode shapes with 8-bit K/V: heads int8 against ggml q8_0 (and 16-bit K/V for scale)")
     ap.add_argument("--memory-only", action="store_true",
                     help="only heads' extra memory per shape, plus L = 32768 (B 1, H 8, D 128)")
     args = ap.parse_args()
@@ -473,6 +593,9 @@ def main():
         return
     if args.variants:
         variants_table(args)
+        return
+    if args.kv_int8:
+        kv8_table(shapes, args)
         return
     pk = run_heads(args, "peak")
     # bf16: the best bf16 unit the path has (AMX tiles, else vdpbf16ps), else the f32 FMA peak.
