@@ -24,7 +24,7 @@ using namespace nb::literals;
 
 namespace {
 
-// The position and score modifiers, as heads/__init__.py packs them: (window_left, window_right,
+// The position and score modifiers, as heads/functional.py packs them: (window_left, window_right,
 // softcap, alibi_slopes, relative_attention_bias, relative_attention_max_distance,
 // relative_attention_bidirectional, sinks, block_mask, block_size, head_mask).
 using Mods = std::tuple<int64_t, int64_t, double, std::optional<InArray>, std::optional<InArray>, int64_t, bool,

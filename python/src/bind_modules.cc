@@ -26,7 +26,7 @@ using namespace nb::literals;
 
 namespace {
 
-// The attention variant as heads/__init__.py packs it: (attention, feature_map, window, sparse_block,
+// The attention variant as heads/nn.py packs it: (attention, feature_map, window, sparse_block,
 // sparse_stride, head_gate, gate_threshold).
 using Variant = std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, double>;
 

