@@ -75,7 +75,7 @@ def _mods(window_size: Any, sliding_window: Any, softcap: Any, alibi_slopes: Any
           relative_attention_bias: Any, relative_attention_max_distance: Any,
           relative_attention_bidirectional: Any, num_heads: int, block_mask: Any = None, block_size: Any = 128,
           head_mask: Any = None):
-    """The modifier tuple of the native sdpa calls, or None when no modifier is set."""
+    """The modifiers of the native sdpa calls by name (SdpaOptions' fields), or None when none is set."""
     left = right = -1
     if window_size is not None:
         try:
@@ -94,10 +94,13 @@ def _mods(window_size: Any, sliding_window: Any, softcap: Any, alibi_slopes: Any
     if ((left, right, cap) == (-1, -1, 0.0) and alibi_slopes is None and sinks is None and
             relative_attention_bias is None and block_mask is None and head_mask is None):
         return None
-    return (left, right, cap, _arg(alibi_slopes, "alibi_slopes"), _arg(relative_attention_bias, "relative_attention_bias"),
-            _int(relative_attention_max_distance, "relative_attention_max_distance", 1, 2**62),
-            bool(relative_attention_bidirectional), _arg(sinks, "sinks"), _arg(block_mask, "block_mask"),
-            _int(block_size, "block_size", 1, 2**62), _arg(head_mask, "head_mask"))
+    return dict(window_left=left, window_right=right, softcap=cap, alibi_slopes=_arg(alibi_slopes, "alibi_slopes"),
+                relative_attention_bias=_arg(relative_attention_bias, "relative_attention_bias"),
+                relative_attention_max_distance=_int(relative_attention_max_distance, "relative_attention_max_distance",
+                                                     1, 2**62),
+                relative_attention_bidirectional=bool(relative_attention_bidirectional), sinks=_arg(sinks, "sinks"),
+                block_mask=_arg(block_mask, "block_mask"), block_size=_int(block_size, "block_size", 1, 2**62),
+                head_mask=_arg(head_mask, "head_mask"))
 
 
 def sdpa(

@@ -28,12 +28,18 @@ __all__ = ["scaled_dot_product_attention", "SDPAFunction", "MultiheadAttention",
 
 
 class SDPAFunction(_torch.autograd.Function):
+    # forward's inputs after ctx, in order: backward returns a gradient (or None) for each
+    INPUTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "lower_right",
+              "mods", "sinks", "relative_attention_bias")
+
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, lower_right=False,
                 mods=None, sinks=None, relative_attention_bias=None):
-        # mods: heads._mods's tuple without its sinks and table, which come as tensors (they have gradients).
-        full = None if mods is None else mods[:4] + (_arg(relative_attention_bias, "relative_attention_bias"),) + \
-            mods[5:7] + (_arg(sinks, "sinks"),) + mods[8:]
+        # mods: heads' modifiers by name (heads.functional._mods); sinks and the relative bias table come
+        # as tensors of their own (they have gradients) and replace the entries of those names.
+        full = None if mods is None else dict(mods, sinks=_arg(sinks, "sinks"),
+                                              relative_attention_bias=_arg(relative_attention_bias,
+                                                                           "relative_attention_bias"))
         out, lse, seed = _heads.sdpa_train_forward(
             _arg(query, "query", True), _arg(key, "key", True), _arg(value, "value", True),
             _arg(attn_mask, "attn_mask"), float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
@@ -50,15 +56,16 @@ class SDPAFunction(_torch.autograd.Function):
         query, key, value, out, lse, mask = ctx.saved_tensors
         seed, has_mask, dropout_p, is_causal, scale, enable_gqa, lower_right, full, has_sinks, has_table = ctx.args
         mask = mask if has_mask else None
-        mask_grad = bool(has_mask and mask.is_floating_point() and ctx.needs_input_grad[3])
+        wants = dict(zip(SDPAFunction.INPUTS, ctx.needs_input_grad))
+        mask_grad = bool(has_mask and mask.is_floating_point() and wants["attn_mask"])
         dq, dk, dv, dm, dsinks, dtable = _heads.sdpa_train_backward(
             dout.contiguous(), query.detach(), key.detach(), value.detach(), out, lse, seed,
             None if mask is None else mask.detach(), dropout_p, is_causal, scale, enable_gqa, mask_grad,
             lower_right, full)
-        return (dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape),
-                dm if mask_grad else None, None, None, None, None, None, None,
-                dsinks if has_sinks and ctx.needs_input_grad[10] else None,
-                dtable if has_table and ctx.needs_input_grad[11] else None)
+        grads = dict(query=dq.reshape(query.shape), key=dk.reshape(key.shape), value=dv.reshape(value.shape),
+                     attn_mask=dm if mask_grad else None, sinks=dsinks if has_sinks and wants["sinks"] else None,
+                     relative_attention_bias=dtable if has_table and wants["relative_attention_bias"] else None)
+        return tuple(grads.get(name) for name in SDPAFunction.INPUTS)
 
 
 class LinearAttentionFunction(_torch.autograd.Function):

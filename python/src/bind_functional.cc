@@ -12,6 +12,7 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "heads/linear_attention.h"
 #include "heads/ops.h"
@@ -24,27 +25,44 @@ using namespace nb::literals;
 
 namespace {
 
-// The position and score modifiers, as heads/functional.py packs them: (window_left, window_right,
-// softcap, alibi_slopes, relative_attention_bias, relative_attention_max_distance,
-// relative_attention_bidirectional, sinks, block_mask, block_size, head_mask).
-using Mods = std::tuple<int64_t, int64_t, double, std::optional<InArray>, std::optional<InArray>, int64_t, bool,
-                        std::optional<InArray>, std::optional<InArray>, int64_t, std::optional<InArray>>;
+// The position and score modifiers by name, as heads/functional.py's _mods gives them: a dict with any
+// of the SdpaOptions fields below (those left out keep their defaults).
+using Mods = nb::dict;
 
 void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   if (!mods) return;
-  const auto& [wl, wr, softcap, alibi, table, max_distance, bidirectional, sinks, block_mask, block_size, head_mask] =
-      *mods;
-  o.window_left = wl;
-  o.window_right = wr;
-  o.softcap = softcap;
-  o.alibi_slopes = opt_view(alibi, "alibi_slopes");
-  o.relative_attention_bias = opt_view(table, "relative_attention_bias");
-  o.relative_attention_max_distance = max_distance;
-  o.relative_attention_bidirectional = bidirectional;
-  o.sinks = opt_view(sinks, "sinks");
-  o.block_mask = opt_view(block_mask, "block_mask");
-  o.block_size = block_size;
-  o.head_mask = opt_view(head_mask, "head_mask");
+  for (const auto& [key_h, value] : *mods) {
+    const std::string key = nb::cast<std::string>(key_h);
+    const auto as = [&](auto* field) {
+      using T = std::remove_pointer_t<decltype(field)>;
+      try {
+        *field = nb::cast<T>(value);
+      } catch (const nb::cast_error&) {
+        fail("sdpa: modifier ", key, ": expected ", std::is_same_v<T, bool> ? "a bool" : "a number", ", got ",
+             nb::cast<std::string>(nb::str(nb::handle(value).type())));
+      }
+    };
+    const auto array = [&](Tensor* field) {
+      try {
+        *field = opt_view(nb::cast<std::optional<InArray>>(value), key.c_str());
+      } catch (const nb::cast_error&) {
+        fail("sdpa: modifier ", key, ": expected an array or None, got ",
+             nb::cast<std::string>(nb::str(nb::handle(value).type())));
+      }
+    };
+    if (key == "window_left") as(&o.window_left);
+    else if (key == "window_right") as(&o.window_right);
+    else if (key == "softcap") as(&o.softcap);
+    else if (key == "alibi_slopes") array(&o.alibi_slopes);
+    else if (key == "relative_attention_bias") array(&o.relative_attention_bias);
+    else if (key == "relative_attention_max_distance") as(&o.relative_attention_max_distance);
+    else if (key == "relative_attention_bidirectional") as(&o.relative_attention_bidirectional);
+    else if (key == "sinks") array(&o.sinks);
+    else if (key == "block_mask") array(&o.block_mask);
+    else if (key == "block_size") as(&o.block_size);
+    else if (key == "head_mask") array(&o.head_mask);
+    else fail("sdpa: unknown modifier '", key, "'");
+  }
 }
 
 heads::LinearAttentionOptions linear_options(const std::string& fm, bool causal, double eps,

@@ -191,6 +191,17 @@ def test_errors_name_the_argument():
         heads.sdpa(q, k, v, softcap=-2.0)
     with pytest.raises(ValueError, match=r"relative_attention_bias: expected a floating table"):
         heads.sdpa(q, k, v, relative_attention_bias=torch.ones(32, 3))
+    # the modifiers reach the extension by name: a name it does not know, or a value of the wrong
+    # kind, is an error naming it (not a modifier silently dropped or read in another's place)
+    call = (None, 0.0, False, None, False, False, None, True, False)
+    with pytest.raises(ValueError, match="sdpa: unknown modifier 'window'"):
+        heads._heads.sdpa(q, k, v, *call, {"window": 3})
+    with pytest.raises(ValueError, match="sdpa: modifier softcap: expected a number, got <class 'str'>"):
+        heads._heads.sdpa(q, k, v, *call, {"softcap": "2"})
+    with pytest.raises(ValueError, match="sdpa: modifier sinks: expected an array or None"):
+        heads._heads.sdpa(q, k, v, *call, {"sinks": "x"})
+    out = heads._heads.sdpa(q, k, v, *call, {"window_right": 0})  # = is_causal
+    torch.testing.assert_close(out, heads.sdpa(q, k, v, is_causal=True))
 
 
 @pytest.mark.parametrize("bs", [1, 16, 64, 128])
