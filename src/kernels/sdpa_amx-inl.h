@@ -33,6 +33,8 @@
 //
 // GCC's tileloadd asm declares no memory input, so the loads below use their own asm with a memory
 // clobber: the compiler may not move the vector stores that fill P (or O) past them.
+// Files: the tile configuration, the tdpbf16ps block and the packing of K and V are
+// sdpa_amx_tiles-inl.h, included below.
 
 namespace amx {
 
@@ -58,115 +60,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #define HEADS_TILE_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory")
 #define HEADS_TILE_RELEASE() _tile_release()
 #endif
-
-// Palette 1, tiles 0-7 all 16 rows x 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  HEADS_TILE_CONFIG(cfg);
-}
-
-// The four tdpbf16ps of a 32 x 32 block: C[rt][ct] += A[rt] · B[ct].
-HEADS_INLINE void dp_2x2() {
-  HEADS_TILE_DP(0, 4, 6);
-  HEADS_TILE_DP(1, 4, 7);
-  HEADS_TILE_DP(2, 5, 6);
-  HEADS_TILE_DP(3, 5, 7);
-}
-
-// 2^x for x <= 0 (or NaN): exactly 0 below -126 (and for -inf), NaN stays NaN (whatever its
-// payload). The integer part n comes from the 1.5 · 2^23 rounding trick and is added to the
-// exponent of 2^f (f in [-1/2, 1/2], degree-5 Taylor: relative error at most 3.3e-6, far under
-// bf16's 2^-9) as an integer: no round-to-integer or scalef instructions, which compete for one
-// port with the FMAs.
-HEADS_INLINE __m512 exp2_nonpos(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __m512 x_in = x;
-  x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);  // max_ps returns its second operand for NaN
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 t = _mm512_add_ps(x, magic);  // low mantissa bits: round(x)
-  const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, magic));
-  __m512 p = _mm512_set1_ps(kExp2C5);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);
-  const __m512 r = _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
-  return _mm512_mask_mov_ps(r, nan, x_in);  // a NaN's payload bits would have reached the exponent
-}
-
-HEADS_INLINE __mmask32 first_mask32(int64_t n) {
-  return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1u);
-}
-HEADS_INLINE __mmask16 first_mask16(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1u);
-}
-
-// Shapes of the packed operands of one call.
-struct Layout {
-  int64_t Dp, Dvp, Lkp;  // D and Dv rounded up to 32, Lk to 32
-  int64_t n_dc, n_ct;    // 32-dim chunks of D; 16-column tiles of Dv (even)
-  int64_t k_elems, v_elems;  // bf16 per (b, kv head)
-  // Keys some query may see (all but those past the last row's causal limit). Later keys are packed
-  // as 0, so values there (a preallocated cache's garbage, NaN) never reach P · V, as in the f32 kernel.
-  int64_t Lk_seen;
-  explicit Layout(const SdpaProblem& pb)
-      : Dp((pb.D + 31) / 32 * 32), Dvp((pb.Dv + 31) / 32 * 32), Lkp((pb.Lk + 31) / 32 * 32),
-        n_dc(Dp / 32), n_ct(Dvp / 16), k_elems(Lkp * Dp), v_elems(Lkp * Dvp), Lk_seen(pb.key_end(pb.Lq - 1)) {}
-};
-
-// K tiles of keys [32 kc, 32 kc + 32) of one (b, hk): tile (kt, dc) at dst + (kt · n_dc + dc) · 512,
-// row p = dims 32 dc + 2p, 2p + 1 of keys 16 kt .. 16 kt + 15 (16 dwords).
-inline void pack_k_chunk(const uint16_t* kh, int64_t ks, const SdpaProblem& pb, const Layout& lay, int64_t kc,
-                         uint16_t* dst) {
-  alignas(64) uint32_t rows[16 * 16];
-  for (int64_t kt = 2 * kc; kt < 2 * kc + 2; ++kt) {
-    for (int64_t dc = 0; dc < lay.n_dc; ++dc) {
-      const __mmask32 m = first_mask32(pb.D - 32 * dc);
-      for (int64_t n = 0; n < 16; ++n) {
-        const int64_t j = 16 * kt + n;
-        const __m512i r = j < lay.Lk_seen ? _mm512_maskz_loadu_epi16(m, kh + j * ks + 32 * dc) : _mm512_setzero_si512();
-        _mm512_store_si512(rows + 16 * n, r);
-      }
-      Vec::transpose_bits(reinterpret_cast<const float*>(rows), 16,
-                          reinterpret_cast<float*>(dst + (kt * lay.n_dc + dc) * 512), 16);
-    }
-  }
-}
-
-// V tiles of keys [32 kc, 32 kc + 32): tile (kc, ct) at dst + (kc · n_ct + ct) · 512, row p = the
-// pairs (V[32 kc + 2p][16 ct + n], V[32 kc + 2p + 1][16 ct + n]) for n < 16.
-inline void pack_v_chunk(const uint16_t* vh, int64_t vs, const SdpaProblem& pb, const Layout& lay, int64_t kc,
-                         uint16_t* dst) {
-  const __m512i lo = _mm512_load_si512(kBf16PairLo), hi = _mm512_load_si512(kBf16PairHi);
-  for (int64_t cp = 0; cp < lay.n_ct / 2; ++cp) {
-    const __mmask32 m = first_mask32(pb.Dv - 32 * cp);
-    uint16_t* t0 = dst + (kc * lay.n_ct + 2 * cp) * 512;
-    uint16_t* t1 = t0 + 512;
-    for (int64_t p = 0; p < 16; ++p) {
-      const int64_t j = 32 * kc + 2 * p;
-      const __m512i a = j < lay.Lk_seen ? _mm512_maskz_loadu_epi16(m, vh + j * vs + 32 * cp) : _mm512_setzero_si512();
-      const __m512i b = j + 1 < lay.Lk_seen ? _mm512_maskz_loadu_epi16(m, vh + (j + 1) * vs + 32 * cp)
-                                            : _mm512_setzero_si512();
-      _mm512_store_si512(t0 + 32 * p, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_store_si512(t1 + 32 * p, _mm512_permutex2var_epi16(a, hi, b));
-    }
-  }
-}
+#include "kernels/sdpa_amx_tiles-inl.h"
 
 struct Scratch {
   uint16_t* qp;  // [kBQ][Dp] bf16
