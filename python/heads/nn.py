@@ -86,12 +86,15 @@ class _Picklable:
 
 def _variant(attention: Any = "softmax", feature_map: Any = "elu", window: Any = None, sparse_block: Any = None,
              sparse_stride: Any = 4, head_gate: Any = None, gate_threshold: Any = 0.0):
-    """The attention-variant tuple of the native modules, or None for torch's plain softmax attention."""
-    v = (str(attention), str(feature_map), -1 if window is None else _int(window, "window", 0, 2**62),
-         0 if sparse_block is None else _int(sparse_block, "sparse_block", 1, 2**62),
-         _int(sparse_stride, "sparse_stride", 1, 2**62), "none" if head_gate is None else str(head_gate),
-         float(gate_threshold))
-    return None if v == ("softmax", "elu", -1, 0, 4, "none", 0.0) else v
+    """The attention variant of the native modules by name, or None for torch's plain softmax attention."""
+    v = dict(attention=str(attention), feature_map=str(feature_map),
+             window=-1 if window is None else _int(window, "window", 0, 2**62),
+             sparse_block=0 if sparse_block is None else _int(sparse_block, "sparse_block", 1, 2**62),
+             sparse_stride=_int(sparse_stride, "sparse_stride", 1, 2**62),
+             head_gate="none" if head_gate is None else str(head_gate), gate_threshold=float(gate_threshold))
+    plain = dict(attention="softmax", feature_map="elu", window=-1, sparse_block=0, sparse_stride=4, head_gate="none",
+                 gate_threshold=0.0)
+    return None if v == plain else v
 
 
 _VARIANT_DOC = """

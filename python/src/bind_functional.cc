@@ -31,24 +31,12 @@ using Mods = nb::dict;
 
 void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
   if (!mods) return;
-  for (const auto& [key_h, value] : *mods) {
-    const std::string key = nb::cast<std::string>(key_h);
+  for_each_option(*mods, [&](const std::string& key, nb::handle value) {
     const auto as = [&](auto* field) {
-      using T = std::remove_pointer_t<decltype(field)>;
-      try {
-        *field = nb::cast<T>(value);
-      } catch (const nb::cast_error&) {
-        fail("sdpa: modifier ", key, ": expected ", std::is_same_v<T, bool> ? "a bool" : "a number", ", got ",
-             nb::cast<std::string>(nb::str(nb::handle(value).type())));
-      }
+      *field = option_value<std::remove_pointer_t<decltype(field)>>("sdpa: modifier", key, value);
     };
     const auto array = [&](Tensor* field) {
-      try {
-        *field = opt_view(nb::cast<std::optional<InArray>>(value), key.c_str());
-      } catch (const nb::cast_error&) {
-        fail("sdpa: modifier ", key, ": expected an array or None, got ",
-             nb::cast<std::string>(nb::str(nb::handle(value).type())));
-      }
+      *field = opt_view(option_value<std::optional<InArray>>("sdpa: modifier", key, value), key.c_str());
     };
     if (key == "window_left") as(&o.window_left);
     else if (key == "window_right") as(&o.window_right);
@@ -62,7 +50,7 @@ void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
     else if (key == "block_size") as(&o.block_size);
     else if (key == "head_mask") array(&o.head_mask);
     else fail("sdpa: unknown modifier '", key, "'");
-  }
+  });
 }
 
 heads::LinearAttentionOptions linear_options(const std::string& fm, bool causal, double eps,

@@ -26,21 +26,25 @@ using namespace nb::literals;
 
 namespace {
 
-// The attention variant as heads/nn.py packs it: (attention, feature_map, window, sparse_block,
-// sparse_stride, head_gate, gate_threshold).
-using Variant = std::tuple<std::string, std::string, int64_t, int64_t, int64_t, std::string, double>;
+// The attention variant by name, as heads/nn.py's _variant gives it: a dict with any of attention,
+// feature_map, window, sparse_block, sparse_stride, head_gate, gate_threshold (those left out keep
+// AttentionVariant's defaults).
+using Variant = nb::dict;
 
 heads::AttentionVariant variant_of(const std::optional<Variant>& v) {
   heads::AttentionVariant a;
   if (!v) return a;
-  const auto& [kind, fm, window, block, stride, gate, threshold] = *v;
-  a.kind = heads::attention_kind_from_name(kind);
-  a.feature_map = heads::feature_map_from_name(fm);
-  a.window = window;
-  a.sparse_block = block;
-  a.sparse_stride = stride;
-  a.head_gate = heads::head_gate_from_name(gate);
-  a.gate_threshold = threshold;
+  const char* what = "attention variant";
+  for_each_option(*v, [&](const std::string& key, nb::handle value) {
+    if (key == "attention") a.kind = heads::attention_kind_from_name(option_value<std::string>(what, key, value));
+    else if (key == "feature_map") a.feature_map = heads::feature_map_from_name(option_value<std::string>(what, key, value));
+    else if (key == "window") a.window = option_value<int64_t>(what, key, value);
+    else if (key == "sparse_block") a.sparse_block = option_value<int64_t>(what, key, value);
+    else if (key == "sparse_stride") a.sparse_stride = option_value<int64_t>(what, key, value);
+    else if (key == "head_gate") a.head_gate = heads::head_gate_from_name(option_value<std::string>(what, key, value));
+    else if (key == "gate_threshold") a.gate_threshold = option_value<double>(what, key, value);
+    else fail("attention variant: unknown option '", key, "'");
+  });
   return a;
 }
 

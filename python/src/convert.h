@@ -6,11 +6,16 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "heads/error.h"
 #include "heads/mha.h"
 #include "heads/tensor.h"
 
@@ -35,6 +40,27 @@ nb::object to_array(const Tensor& t, bool torch);
 inline nb::object to_numpy(const Tensor& t) { return to_array(t, false); }
 // torch-style leading batch dims: [L, D] -> [1, 1, L, D], [X, L, D] -> [1, X, L, D].
 Tensor to_4d(Tensor t, const char* name, const char* op = "sdpa");
+// One entry of options passed by name (a dict from the Python side: SDPA's modifiers, a module's
+// attention variant) as T: a number, bool, string or optional array; a value of another kind is an
+// error naming `what` and the key.
+template <class T>
+T option_value(const char* what, const std::string& key, nb::handle value) {
+  try {
+    return nb::cast<T>(value);
+  } catch (const nb::cast_error&) {
+    const char* kind = std::is_same_v<T, bool>                    ? "a bool"
+                       : std::is_same_v<T, std::string>           ? "a string"
+                       : std::is_same_v<T, std::optional<InArray>> ? "an array or None"
+                                                                   : "a number";
+    fail(what, " ", key, ": expected ", kind, ", got ", nb::cast<std::string>(nb::str(value.type())));
+  }
+}
+// Calls f(key, value) for each entry of a dict of options, whose keys are strings.
+template <class F>
+void for_each_option(const nb::dict& d, F&& f) {
+  for (const auto& [k, v] : d) f(nb::cast<std::string>(k), v);
+}
+
 // State dicts both ways.
 nb::dict to_dict(const StateDict& sd, bool torch = false);
 StateDict from_items(const Items& items);

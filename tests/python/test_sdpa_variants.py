@@ -200,6 +200,11 @@ def test_errors_name_the_argument():
         heads._heads.sdpa(q, k, v, *call, {"softcap": "2"})
     with pytest.raises(ValueError, match="sdpa: modifier sinks: expected an array or None"):
         heads._heads.sdpa(q, k, v, *call, {"sinks": "x"})
+    # the modules' attention variant travels the same way
+    with pytest.raises(ValueError, match="attention variant: unknown option 'windows'"):
+        heads._heads.MultiheadAttention(8, 2, variant={"windows": 2})
+    with pytest.raises(ValueError, match="attention variant window: expected a number, got <class 'str'>"):
+        heads._heads.MultiheadAttention(8, 2, variant={"window": "2"})
     out = heads._heads.sdpa(q, k, v, *call, {"window_right": 0})  # = is_causal
     torch.testing.assert_close(out, heads.sdpa(q, k, v, is_causal=True))
 
