@@ -64,6 +64,7 @@ class CausalLM {
                                 int64_t eos_token_id = -1, DType cache_dtype = DType::F32) const;
 
  private:
+  friend struct CausalLMReader;  // the readers of each model_type (causal_lm_load.cc)
   enum class Norm { LayerNorm, Rms, RmsUnitOffset };
   enum class Mlp { GatedSilu, GatedGeluTanh, GeluTanh };
   enum class Pos { Rope, Learned, Alibi };
