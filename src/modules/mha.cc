@@ -250,6 +250,83 @@ Tensor apply_gates(const Tensor& attn3, const Tensor& gates, bool batch_first) {
   return y;
 }
 
+// A call's head gates: sigmoid(gate_input · Wᵀ + b) [N, H]; `used` are those applied (heads below
+// the threshold at 0, and off in `head_mask`, when skipping is allowed).
+struct Gates {
+  Tensor input, gates, used, head_mask;
+};
+
+Gates compute_gates(const MhaInputs& in, const AttentionVariant& var, const Tensor& w, const Tensor& b, bool skip) {
+  // (in: xq, batched and batch_first are read)
+  Gates g;
+  if (var.head_gate == HeadGate::None) return g;
+  g.input = gate_input(in, var.head_gate);
+  g.gates = linear(g.input, w, b);
+  float* gp = g.gates.data<float>();
+  for (int64_t x = 0; x < g.gates.numel(); ++x) gp[x] = 1.0f / (1.0f + std::exp(-gp[x]));
+  g.used = g.gates;
+  if (skip && var.gate_threshold > 0.0) {
+    g.used = g.gates.clone();
+    g.head_mask = Tensor::empty(g.gates.shape(), DType::Bool);
+    auto* on = static_cast<uint8_t*>(g.head_mask.raw_data());
+    float* gu = g.used.data<float>();
+    for (int64_t x = 0; x < g.gates.numel(); ++x) {
+      on[x] = gu[x] >= var.gate_threshold;
+      if (!on[x]) gu[x] = 0.0f;
+    }
+  }
+  return g;
+}
+
+// Linear attention into out4; weights [N, H, L, S2] when asked, zero for gated-off heads (the linear
+// kernel has no head mask: those heads are computed, then zeroed as the softmax path's are).
+SdpaResult attend_linear(const MhaInputs& in, const AttentionVariant& var, const MhaForwardArgs& args,
+                         const Tensor& q4, const Tensor& k4, const Tensor& v4, const Tensor& out4,
+                         const Tensor& head_mask, LinearAttentionOptions& lo) {
+  const int64_t H = q4.size(1), S2 = k4.size(2);
+  lo.feature_map = var.feature_map;
+  lo.causal = args.is_causal;
+  if (args.key_padding_mask.defined()) {  // [N, S], the appended keys kept
+    const Tensor kpm = in.batched ? args.key_padding_mask : args.key_padding_mask.unsqueeze(0);
+    lo.key_padding_mask = Tensor::zeros({in.N, S2}, DType::Bool);
+    lo.key_padding_mask.slice(1, 0, in.S).copy_from(kpm);
+  }
+  Tensor(out4).copy_from(heads::linear_attention(q4, k4, v4, lo));
+  SdpaResult r;
+  if (args.need_weights) r.weights = linear_attention_weights(q4, k4, lo);
+  if (head_mask.defined() && args.need_weights) {
+    const auto* on = static_cast<const uint8_t*>(head_mask.raw_data());
+    for (int64_t n = 0; n < in.N; ++n) {
+      for (int64_t h = 0; h < H; ++h) {
+        if (!on[n * H + h]) r.weights.select(0, n).select(0, h).copy_from(Tensor::zeros({in.L, S2}, DType::F32));
+      }
+    }
+  }
+  return r;
+}
+
+// The SDPA options of a softmax call: the merged masks, the causal hint, dropout in training, the
+// variant's window and block layout, the gates' head mask.
+SdpaOptions softmax_options(const MhaInputs& in, const AttentionVariant& var, const MhaForwardArgs& args,
+                            const Tensor& am, bool causal, double dropout, int64_t H, int64_t S2,
+                            const Tensor& head_mask) {
+  SdpaOptions so;
+  so.attn_mask = merge_masks(in, am, H, S2);
+  so.is_causal = causal;
+  so.dropout_p = dropout;
+  so.need_weights = args.need_weights;
+  if (var.window >= 0) {
+    so.window_left = var.window;
+    if (!causal) so.window_right = var.window;
+  }
+  if (var.sparse_block > 0) {
+    so.block_mask = fixed_sparse_layout(in.L, S2, var.sparse_block, var.sparse_stride);
+    so.block_size = var.sparse_block;
+  }
+  so.head_mask = head_mask;
+  return so;
+}
+
 }  // namespace
 
 Tensor MultiheadAttention::head_gates(const Tensor& query) const {
@@ -262,9 +339,7 @@ Tensor MultiheadAttention::head_gates(const Tensor& query) const {
   in.batched = query.dim() == 3;
   in.batch_first = in.batched && opt_.batch_first;
   in.xq = in.batched ? query.to(DType::F32) : query.to(DType::F32).unsqueeze(1);
-  Tensor g = linear(gate_input(in, opt_.variant.head_gate), *param("head_gate.weight"), *param("head_gate.bias"));
-  float* gp = g.data<float>();
-  for (int64_t x = 0; x < g.numel(); ++x) gp[x] = 1.0f / (1.0f + std::exp(-gp[x]));
+  const Tensor g = compute_gates(in, opt_.variant, *param("head_gate.weight"), *param("head_gate.bias"), false).gates;
   return in.batched ? g : g.squeeze(0);
 }
 
@@ -314,25 +389,10 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
               "queries, got ", in.L, " queries and ", S2, " keys", S2 != in.S ? " (with the appended bias_k / zero keys)" : "");
 
   // Head gates; in eval mode without a tape, heads below the threshold are skipped (gate 0).
-  Tensor gate_in, gates, gates_used;
-  Tensor head_mask;
-  if (var.head_gate != HeadGate::None) {
-    gate_in = gate_input(in, var.head_gate);
-    gates = linear(gate_in, *param("head_gate.weight"), *param("head_gate.bias"));
-    float* gp = gates.data<float>();
-    for (int64_t x = 0; x < gates.numel(); ++x) gp[x] = 1.0f / (1.0f + std::exp(-gp[x]));
-    gates_used = gates;
-    if (!training_ && args.tape == nullptr && var.gate_threshold > 0.0) {
-      gates_used = gates.clone();
-      head_mask = Tensor::empty(gates.shape(), DType::Bool);
-      auto* on = static_cast<uint8_t*>(head_mask.raw_data());
-      float* gu = gates_used.data<float>();
-      for (int64_t x = 0; x < gates.numel(); ++x) {
-        on[x] = gu[x] >= var.gate_threshold;
-        if (!on[x]) gu[x] = 0.0f;
-      }
-    }
-  }
+  const Gates g = var.head_gate == HeadGate::None
+                      ? Gates{}
+                      : compute_gates(in, var, *param("head_gate.weight"), *param("head_gate.bias"),
+                                      !training_ && args.tape == nullptr);
 
   // Attention, written into the [rows, H·hd] buffer in the query's memory order.
   Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), Ei}, act);
@@ -341,43 +401,14 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   SdpaResult r;
   LinearAttentionOptions lo;
   if (linear_attn) {
-    lo.feature_map = var.feature_map;
-    lo.causal = args.is_causal;
-    if (args.key_padding_mask.defined()) {  // [N, S], the appended keys kept
-      const Tensor kpm = in.batched ? args.key_padding_mask : args.key_padding_mask.unsqueeze(0);
-      lo.key_padding_mask = Tensor::zeros({in.N, S2}, DType::Bool);
-      lo.key_padding_mask.slice(1, 0, in.S).copy_from(kpm);
-    }
-    out4.copy_from(heads::linear_attention(q4, k4, v4, lo));
-    if (args.need_weights) r.weights = linear_attention_weights(q4, k4, lo);
-    // Gated-off heads: computed (the linear kernel has no head mask), then zero like the softmax path's.
-    if (head_mask.defined() && args.need_weights) {
-      const auto* on = static_cast<const uint8_t*>(head_mask.raw_data());
-      for (int64_t n = 0; n < in.N; ++n) {
-        for (int64_t h = 0; h < H; ++h) {
-          if (!on[n * H + h]) r.weights.select(0, n).select(0, h).copy_from(Tensor::zeros({in.L, S2}, DType::F32));
-        }
-      }
-    }
+    r = attend_linear(in, var, args, q4, k4, v4, out4, g.head_mask, lo);
   } else {
-    so.attn_mask = merge_masks(in, am, H, S2);
-    so.is_causal = causal;
-    so.dropout_p = training_ ? opt_.dropout : 0.0;
-    so.need_weights = args.need_weights;
-    if (var.window >= 0) {
-      so.window_left = var.window;
-      if (!causal) so.window_right = var.window;
-    }
-    if (var.sparse_block > 0) {
-      so.block_mask = fixed_sparse_layout(in.L, S2, var.sparse_block, var.sparse_stride);
-      so.block_size = var.sparse_block;
-    }
-    so.head_mask = head_mask;
+    so = softmax_options(in, var, args, am, causal, training_ ? opt_.dropout : 0.0, H, S2, g.head_mask);
     r = sdpa_out(out4, q4, k4, v4, so);
   }
 
   // Out-projection (of the gated heads, with gates).
-  const Tensor gated = gates.defined() ? apply_gates(attn3, gates_used, in.batch_first) : Tensor();
+  const Tensor gated = g.gates.defined() ? apply_gates(attn3, g.used, in.batch_first) : Tensor();
   const Tensor* b_out = param("out_proj.bias");
   const Tensor& proj_in = gated.defined() ? gated : attn3;
   Tensor out = as3(project(rows(proj_in), *param("out_proj.weight"), b_out ? *b_out : Tensor(),
@@ -404,8 +435,8 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     t.attention = r;
     t.attention.weights = Tensor();
     t.attn3 = attn3;
-    t.gate_in = gate_in;
-    t.gates = gates;
+    t.gate_in = g.input;
+    t.gates = g.gates;
     t.gated = gated;
     t.linear = linear_attn;
     t.linear_options = lo;
