@@ -186,8 +186,8 @@ def rel_err_f64(out, q, k, v):
 
 
 def heads_decode_8bit(s, args, torch):
-    """heads timed by its CLI (`heads bench sdpa --kv-dtype`), and its error on ggml's inputs through a
-    heads.KVCache of that dtype (the same quantiser) and heads.sdpa on the stored values: (ms, error, kind)."""
+    """heads timed by its CLI (`heads bench sdpa --kv-dtype`), and its error on ggml's inputs: a
+    heads.KVCache of that dtype (the same quantiser) read by heads.sdpa as stored: (ms, error, kind)."""
     import heads
 
     heads.set_num_threads(args.threads)
@@ -199,10 +199,8 @@ def heads_decode_8bit(s, args, torch):
     # the error on these inputs, through a cache of that dtype (the same quantiser and kernel)
     cache = heads.KVCache(1, B, H, D, dtype=s["kv"])
     K, V = cache.append(0, k, v, torch_out=True)
-    if s["kv"] == "int8":  # dequantised in f32 (one rounding, far below the errors measured here)
-        K = K.float() * cache.key_scales(0, torch_out=True)[..., None]
-        V = V.float() * cache.value_scales(0, torch_out=True)[..., None]
-    out = heads.sdpa(torch.from_numpy(q), K.float(), V.float()).double().numpy()
+    out = heads.sdpa(torch.from_numpy(q), K, V, k_scale=cache.key_scales(0, torch_out=True),
+                     v_scale=cache.value_scales(0, torch_out=True)).double().numpy()
     return ms, rel_err_f64(out, q, k, v), s["kv"]
 
 

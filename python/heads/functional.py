@@ -127,6 +127,8 @@ def sdpa(
     block_mask: Any = None,
     block_size: int = 128,
     head_mask: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -154,11 +156,18 @@ def sdpa(
     ``(i // block_size, j // block_size)`` is True; key blocks a query tile cannot see are skipped.
     ``head_mask`` bool ``[B, H]`` or ``[H]`` (True = computed): heads that are off are not computed at
     all; their output (and weights) are zeros.
+
+    Keys and values may be stored in another dtype than the query, as a KV cache holds them: bfloat16,
+    or int8 with ``k_scale`` / ``v_scale`` float32 ``[..., Lk]`` (key j is ``key[..., j, :] * k_scale[...,
+    j]``; ``heads.KVCache(..., dtype="int8")`` gives them as ``key_scales(layer)`` / ``value_scales(layer)``).
+    Few queries read them in place (forward only).
     """
     mask, causal, lower_right = _causal_bias(attn_mask, is_causal, causal_variant, query, key)
     mods = _mods(window_size, sliding_window, softcap, alibi_slopes, sinks, relative_attention_bias,
                  relative_attention_max_distance, relative_attention_bidirectional, np.shape(query)[-3]
                  if len(np.shape(query)) >= 3 else 1, block_mask, block_size, head_mask)
+    if k_scale is not None or v_scale is not None:
+        mods = dict(mods or {}, k_scale=_arg(k_scale, "k_scale"), v_scale=_arg(v_scale, "v_scale"))
     r = _heads.sdpa(
         _arg(query, "query", True),
         _arg(key, "key", True),

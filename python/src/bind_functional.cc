@@ -49,6 +49,8 @@ void apply_mods(const std::optional<Mods>& mods, SdpaOptions& o) {
     else if (key == "block_mask") array(&o.block_mask);
     else if (key == "block_size") as(&o.block_size);
     else if (key == "head_mask") array(&o.head_mask);
+    else if (key == "k_scale") array(&o.k_scale);
+    else if (key == "v_scale") array(&o.v_scale);
     else fail("sdpa: unknown modifier '", key, "'");
   });
 }
@@ -92,6 +94,9 @@ nb::object sdpa(const InArray& query, const InArray& key, const InArray& value,
   heads::SdpaOptions o = sdpa_options(attn_mask, dropout_p, is_causal, causal_lower_right, scale, enable_gqa, mods);
   o.dropout_seed = seed;
   o.need_weights = need_weights;
+  for (Tensor* s : {&o.k_scale, &o.v_scale}) {  // [..., Lk] with the key's leading dims, as [B, Hkv, Lk]
+    while (s->defined() && s->dim() < 3) *s = s->unsqueeze(0);
+  }
   heads::SdpaResult r;
   {
     nb::gil_scoped_release release;

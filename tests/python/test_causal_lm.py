@@ -209,6 +209,42 @@ def test_kv_cache_operations():
         heads.KVCache(2, 1, 1, 8, capacity=2**40)
 
 
+def test_sdpa_over_an_int8_cache_equals_torch_on_its_values():
+    # heads.sdpa reads an int8 cache's keys and values with their scales (forward only): the result
+    # equals torch's float64 SDPA over the dequantised values to f32 rounding, for a decode step and
+    # a longer query (GQA, causal bottom-right), 4-D and 3-D, numpy and torch; bf16 K/V beside an f32
+    # query as well. Missing or misplaced scales are errors naming them.
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, Lk, D = 2, 6, 3, 77, 24
+    k, v = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+    cache = heads.KVCache(1, B, Hkv, D, dtype="int8")
+    K8, V8 = cache.append(0, k, v, torch_out=True)
+    ks, vs = cache.key_scales(0, torch_out=True), cache.value_scales(0, torch_out=True)
+    k64, v64 = K8.double() * ks.double()[..., None], V8.double() * vs.double()[..., None]
+    for Lq in (1, 9):
+        q = torch.randn(B, H, Lq, D, generator=g)
+        got = heads.sdpa(q, K8, V8, is_causal=True, causal_variant="lower_right", enable_gqa=True, k_scale=ks, v_scale=vs)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k64.repeat_interleave(H // Hkv, 1), v64.repeat_interleave(H // Hkv, 1),
+            attn_mask=torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # 3-D [H, L, D] with scales [H, L], and numpy in, numpy out
+    q3 = torch.randn(Hkv, 1, D, generator=g)
+    got3 = heads.sdpa(q3.numpy(), K8[0].numpy(), V8[0].numpy(), k_scale=ks[0].numpy(), v_scale=vs[0].numpy())
+    want3 = torch.nn.functional.scaled_dot_product_attention(q3.double(), k64[0], v64[0])
+    np.testing.assert_allclose(got3, want3.numpy(), rtol=1e-5, atol=1e-6)
+    # bf16 K/V, f32 query: the f32 result over the bf16 values
+    kb, vb = k.bfloat16(), v.bfloat16()
+    q1 = torch.randn(B, Hkv, 1, D, generator=g)
+    torch.testing.assert_close(heads.sdpa(q1, kb, vb).double(), torch.nn.functional.scaled_dot_product_attention(
+        q1.double(), kb.double(), vb.double()), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"k_scale: an int8 key \[2, 3, 77, 24\] needs its f32 scales"):
+        heads.sdpa(q1, K8, V8, v_scale=vs)
+    with pytest.raises(ValueError, match=r"v_scale: given with a f32 value"):
+        heads.sdpa(q1, k, v, v_scale=vs)
+
+
 def test_threads_sharing_a_cache_take_turns(models):
     """Four threads stepping one cache: each call runs whole (no error, every layer as long as the
     others), and the cache ends as long as all their tokens; a failed step leaves it as it was."""
