@@ -54,6 +54,15 @@ std::unique_lock<std::mutex> hold(const heads::KVCache& c) {
   return c.hold();
 }
 
+// An int8 cache's key or value scales of one layer (KVCache::key_scales / value_scales) as an
+// array; None for other dtypes.
+template <Tensor (heads::KVCache::*Get)(int64_t) const>
+nb::object scales_of(const heads::KVCache& c, int64_t layer, bool torch_out) {
+  const auto held = hold(c);
+  const Tensor s = (c.*Get)(layer);
+  return s.defined() ? to_array(s, torch_out) : nb::none();
+}
+
 }  // namespace
 
 void bind_decoder(nb::module_& m) {
@@ -99,20 +108,8 @@ void bind_decoder(nb::module_& m) {
              return to_array(c.values(layer), t);
            },
            "layer"_a, "torch_out"_a = false)
-      .def("key_scales",
-           [](const heads::KVCache& c, int64_t layer, bool t) -> nb::object {
-             const auto held = hold(c);
-             const Tensor s = c.key_scales(layer);
-             return s.defined() ? to_array(s, t) : nb::none();
-           },
-           "layer"_a, "torch_out"_a = false)
-      .def("value_scales",
-           [](const heads::KVCache& c, int64_t layer, bool t) -> nb::object {
-             const auto held = hold(c);
-             const Tensor s = c.value_scales(layer);
-             return s.defined() ? to_array(s, t) : nb::none();
-           },
-           "layer"_a, "torch_out"_a = false)
+      .def("key_scales", &scales_of<&heads::KVCache::key_scales>, "layer"_a, "torch_out"_a = false)
+      .def("value_scales", &scales_of<&heads::KVCache::value_scales>, "layer"_a, "torch_out"_a = false)
       .def("truncate",
            [](heads::KVCache& c, int64_t length) {
              const auto held = hold(c);

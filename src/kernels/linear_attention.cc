@@ -56,10 +56,8 @@ Tensor linear_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     }
     const auto features = [&](const float* x, int64_t n, float* f) { linattn::features(fm, x, n, D, f); };
     const uint8_t* km = nullptr;  // the task's key_padding_mask row (nonzero = ignored key), or null
-    // φ(K) rows [j0, j0 + n) into fk; ignored keys become zero rows, which add nothing anywhere.
-    const auto key_features = [&](const float* kh, int64_t j0, int64_t n) {
-      features(kh + j0 * D, n, fk.data());
-      zero_ignored(km, fk.data(), j0, n, D);
+    const auto key_features = [&](const float* kh, int64_t j0, int64_t n) {  // into fk
+      linattn::key_features(fm, km, kh, j0, n, D, fk.data());
     };
     // Keys [j0, j0 + n) into the state: S += φ(K)ᵀ V, z += Σ φ(K) rows.
     const auto absorb = [&](const float* kh, const float* vh, int64_t j0, int64_t n) {

@@ -175,6 +175,14 @@ inline void features(FeatureMap fm, const float* x, int64_t n, int64_t D, float*
   }
 }
 
+// φ(K) rows [j0, j0 + n) of one head's keys kh into fk; the keys km marks as ignored (nonzero; km
+// may be null) become zero rows, which add nothing anywhere.
+inline void key_features(FeatureMap fm, const uint8_t* km, const float* kh, int64_t j0, int64_t n, int64_t D,
+                         float* fk) {
+  features(fm, kh + j0 * D, n, D, fk);
+  zero_ignored(km, fk, j0, n, D);
+}
+
 // A zeroed buffer of n floats (at least one, so that data() is never null).
 inline void zeroed(std::vector<float>& x, int64_t n) { x.assign(static_cast<size_t>(std::max<int64_t>(n, 1)), 0.0f); }
 
