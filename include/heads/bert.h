@@ -32,9 +32,16 @@ class BertModel {
   // Linear weights stored in int8 (`heads quantize`: "<name>" I8 [out, in] with "<name>_scale" F32
   // [out]) are loaded as they are and the model runs in int8; set_precision changes that.
   // Reduced precision for every layer's linear layers (heads/precision.h); embeddings, LayerNorm,
-  // attention and the activations stay f32.
+  // attention and the activations stay f32. Int8 calibrates first (input_ranges()): the
+  // activations' outlier channels are computed in f32.
   void set_precision(Precision p);
   Precision precision() const;
+  // Per layer, the largest |x| of each input channel of its linear layers (names as
+  // TransformerEncoderLayer::state_dict()) over kCalibrationSequences sequences of
+  // kCalibrationLength token ids (or max_position_embeddings, if fewer) drawn uniformly from the
+  // vocabulary with a fixed seed, through the f32 weights: the calibration of int8's outlier channels.
+  static constexpr int64_t kCalibrationSequences = 32, kCalibrationLength = 128;
+  std::vector<InputRanges> input_ranges() const;
 
   // ids: N sequences (ragged); returns [N, L, hidden] with L the longest, rows past a
   // sequence's end computed as padding (masked out as keys). attn_weights, when set, receives
@@ -46,6 +53,10 @@ class BertModel {
   const std::vector<TransformerEncoderLayer>& layers() const { return layers_; }
 
  private:
+  // Embeddings (word + position + token type 0, LayerNorm) of ids as [N, L, hidden], L the longest,
+  // and `pad` [N, L] true past each sequence's end (`any_pad` when some entry is).
+  Tensor embed(const std::vector<std::vector<int64_t>>& ids, Tensor& pad, bool& any_pad) const;
+
   BertConfig cfg_;
   Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;
   std::vector<TransformerEncoderLayer> layers_;

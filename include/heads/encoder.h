@@ -103,8 +103,12 @@ class TransformerEncoderLayer {
   // Reduced precision for the linear layers of forward() (heads/precision.h): the weights are
   // packed now, and again at every load_state_dict; a forward that records a tape runs in f32.
   // Parameters changed in place afterwards (an optimizer step) are not re-packed: call it again.
-  void set_precision(Precision p);
+  // input_ranges (int8): as MultiheadAttention::set_precision's, by state_dict() name.
+  void set_precision(Precision p, const InputRanges& input_ranges = {});
   Precision precision() const;
+  // Merges into `ranges` the largest |x| per input channel of each linear weight ("self_attn.*",
+  // "linear1.weight", "linear2.weight") in the forward that recorded `tape`.
+  void record_input_ranges(const EncoderLayerTape& tape, InputRanges& ranges) const;
 
  private:
   TransformerEncoderLayerOptions opt_;
@@ -117,8 +121,10 @@ class TransformerEncoderLayer {
 };
 
 // set_precision on every layer, all or none: when a layer's weights cannot be packed, the layers
-// already switched go back to the precision they had, and the error is rethrown.
-void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precision p);
+// already switched go back to the precision they had, and the error is rethrown. input_ranges: none,
+// or one set per layer (TransformerEncoderLayer::set_precision).
+void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precision p,
+                          const std::vector<InputRanges>& input_ranges = {});
 
 class TransformerEncoder {
  public:

@@ -163,8 +163,14 @@ class MultiheadAttention {
   // packed now, and again at every load_state_dict; a forward that records a tape runs in f32.
   // In bf16, q, k, v and the attention output are bf16 too (the bf16 attention kernel).
   // Parameters changed in place afterwards (an optimizer step) are not re-packed: call it again.
-  void set_precision(Precision p);
+  // input_ranges (int8): per weight name, the inputs' largest |x| per channel from calibration
+  // (record_input_ranges), whose outlier channels are then computed in f32 (heads/precision.h).
+  void set_precision(Precision p, const InputRanges& input_ranges = {});
   Precision precision() const;
+  // Merges into `ranges` the largest |x| per input channel of each linear weight ("in_proj_weight"
+  // or "q_proj_weight", "k_proj_weight", "v_proj_weight"; "out_proj.weight") in the forward that
+  // recorded `tape`: calibration for set_precision(Int8, ranges).
+  void record_input_ranges(const MhaTape& tape, InputRanges& ranges) const;
 
   StateDict state_dict() const;  // in torch's order, sharing storage with the module
   // A copy with parameters of its own (a plain copy shares them; packed weights, immutable, are shared).

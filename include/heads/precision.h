@@ -21,6 +21,13 @@
 //         n = residual_rows[j], y[m, n] += Σ_k (xq − z)·Wr · sx · swr[j] (with the activations' first
 //         term only: the product of the two residuals is below either's rounding). In all-MiniLM-L6-v2
 //         these are 62–90% of the feed-forward output rows and 5–26% of the others (docs/numerics.md).
+//         Outlier channels: given the largest |x| of each input channel on calibration inputs, the
+//         channels whose largest exceeds kInt8OutlierRatio times the median channel's (at most K/16
+//         of them, the largest) are taken out of the int8 product and computed in f32:
+//         y[m, n] += Σ_o x[m, o]·W[n, o] over them, W's columns as they are. Neither the activation
+//         rows' ranges nor the weight rows' scales then see them (activations carry a few such
+//         channels: LayerNorm outputs and the feed-forward's hidden units), so that one int8 term per
+//         row mostly suffices: such weights take activation_error kInt8OutlierActivationError.
 // Rounding is to nearest even everywhere. In a bf16 MultiheadAttention q, k, v and the attention
 // output are bf16 and attention runs its bf16 kernel (f32 softmax and sums, P rounded to bf16);
 // otherwise attention, LayerNorm, softmax and activations stay f32.
@@ -28,6 +35,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -48,6 +57,16 @@ enum class Precision { F32, BF16, Int8 };
 // the upper tail of those gets it too, which the worst embeddings need (docs/numerics.md).
 constexpr double kInt8ResidualError = 0.009;
 
+// int8's outlier channels (above): an input channel whose calibrated largest |x| exceeds this many
+// times the median channel's is computed in f32; and the activation_error τ of weights calibrated so:
+// infinite, one int8 term per activation row (docs/numerics.md has how both were chosen).
+constexpr double kInt8OutlierRatio = 3.0;
+constexpr double kInt8OutlierActivationError = std::numeric_limits<double>::infinity();
+
+// Per linear layer, by the weight's parameter name, the largest |x| seen in each input channel on
+// calibration inputs (f32 [in]): what int8's outlier channels need (BertModel::input_ranges gathers them).
+using InputRanges = std::map<std::string, Tensor>;
+
 std::string precision_name(Precision p);            // "f32", "bf16", "int8"
 Precision precision_from_name(const std::string& s);  // throws heads::Error naming the choices
 
@@ -67,14 +86,21 @@ class PackedLinear {
   PackedLinear() = default;
   // weight: a floating [N, K] tensor (any strides). activation_error (Int8): the estimated loss of an
   // activation row's first term past which the row gets the second (above); 0, the default: every
-  // row gets both (docs/numerics.md has what larger values cost and gain).
-  PackedLinear(const Tensor& weight, Precision precision, double activation_error = 0);
+  // row gets both; +inf: none does (docs/numerics.md has what larger values cost and gain).
+  // input_absmax (Int8; optional): the largest |x| of each input channel on calibration inputs, a
+  // floating [K] tensor of finite values ≥ 0; when given, the outlier channels it shows are computed
+  // in f32 (above).
+  PackedLinear(const Tensor& weight, Precision precision, double activation_error = 0,
+               const Tensor& input_absmax = {});
   // Int8 from stored parts (e.g. weights saved from data() and scales()): data i8 [N, K], scales f32 [N],
   // finite and positive; the residual term, when given: residual_rows i64 [N'] increasing in [0, N),
-  // residual_data i8 [N', K], residual_scales f32 [N'] finite and positive. Errors name `name`.
+  // residual_data i8 [N', K], residual_scales f32 [N'] finite and positive; the outlier channels, when
+  // given: outlier_channels i64 [O] increasing in [0, K) (data's columns there are zero) and
+  // outlier_weight f32 [N, O] finite; activation_error as the constructor's. Errors name `name`.
   static PackedLinear from_int8(const Tensor& data, const Tensor& scales, const std::string& name,
                                 const Tensor& residual_rows = {}, const Tensor& residual_data = {},
-                                const Tensor& residual_scales = {});
+                                const Tensor& residual_scales = {}, const Tensor& outlier_channels = {},
+                                const Tensor& outlier_weight = {}, double activation_error = 0);
 
   bool defined() const { return data_.defined(); }
   double activation_error() const { return act_error_; }
@@ -87,6 +113,10 @@ class PackedLinear {
   const Tensor& residual_rows() const { return res_rows_; }      // i64 [N'], increasing
   const Tensor& residual_data() const { return res_data_; }      // i8 [N', K]
   const Tensor& residual_scales() const { return res_scales_; }  // f32 [N']
+  // Int8's outlier channels (above), computed in f32: i64 [O], increasing, and W's columns there,
+  // f32 [N, O]; undefined when there are none.
+  const Tensor& outlier_channels() const { return out_ch_; }
+  const Tensor& outlier_weight() const { return out_w_; }
   // Int8: Σ_k of each row of data() and residual_data(), f32 [N] and [N'] (exact), with which the
   // activations' zero points are taken out of the integer sums.
   const Tensor& row_sums() const { return sums_; }
@@ -107,6 +137,9 @@ class PackedLinear {
   double act_error_ = 0;
   Tensor data_, scales_;
   Tensor res_rows_, res_data_, res_scales_;
+  Tensor out_ch_, out_w_;
+  Tensor keep_;        // f32 [K]: 0 on the outlier channels, 1 elsewhere (what the int8 term sees of x)
+  Tensor out_w_t_;     // outlier_weight transposed, [O, N]
   Tensor wide_;  // f32 [N, K], dequantize(*this), where this CPU has no native GEMM for the precision
   Tensor sums_, res_sums_;
   // The GEMMs' weights in oneDNN's own layouts, made at first use (kernels/onednn.h); the residual
@@ -131,7 +164,9 @@ PackedLinear cat_rows(const std::vector<PackedLinear>& parts);
 
 // An int8 weight as a state dict or a safetensors file stores it: "<name>" i8 [N, K] and
 // "<name>_scale" f32 [N]; when some rows have the residual term, also "<name>_residual" i8 [N', K],
-// "<name>_residual_scale" f32 [N'] and "<name>_residual_rows" i64 [N'].
+// "<name>_residual_scale" f32 [N'] and "<name>_residual_rows" i64 [N']; with outlier channels
+// "<name>_outlier_channels" i64 [O] and "<name>_outlier_weight" f32 [N, O]; with an activation_error
+// τ > 0, "<name>_activation_error" f64 [1].
 std::vector<std::pair<std::string, Tensor>> int8_tensors(const std::string& name, const PackedLinear& w);
 // The names int8_tensors writes besides "<name>".
 std::vector<std::string> int8_part_names(const std::string& name);
@@ -141,7 +176,8 @@ PackedLinear int8_from_tensors(const std::string& name, const std::function<cons
                                const std::string& label);
 
 // The weight as f32 [N, K]: F32 as it is, BF16 widened, Int8 data[n, k] · scales[n] (plus the
-// residual term's residual_data[j, k] · residual_scales[j] on its rows), computed in double, rounded once.
+// residual term's residual_data[j, k] · residual_scales[j] on its rows), computed in double, rounded
+// once; the outlier channels' columns as stored.
 Tensor dequantize(const PackedLinear& w);
 
 // y [..., N] = x [..., K] through w (above) + bias [N]; x floating, read as f32 (bf16 x with a bf16

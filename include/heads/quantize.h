@@ -4,8 +4,10 @@
 //         attention.output.dense, intermediate.dense, output.dense under encoder.layer.<i>.) as
 //         "<name>" I8 [out, in] with "<name>_scale" F32 [out], weight ≈ int8 · scale per row, and
 //         for the rows that lose most (kInt8ResidualError) the residual term's "<name>_residual", "<name>_residual_scale" and
-//         "<name>_residual_rows" (heads::int8_tensors): the int8 weight PackedLinear(w,
-//         Precision::Int8) makes (symmetric per output channel, the scale of least squared error). Embeddings, LayerNorm and biases stay as stored. Loaded
+//         "<name>_residual_rows", the outlier channels' "<name>_outlier_channels" and
+//         "<name>_outlier_weight", and "<name>_activation_error" (heads::int8_tensors): the int8 weights
+//         BertModel::set_precision(Int8) makes (calibrated on random tokens, the activations' outlier
+//         channels in f32; symmetric per output channel, the scale of least squared error). Embeddings, LayerNorm and biases stay as stored. Loaded
 //         (BertModel, SentenceEncoder, `heads embed`), the model runs in int8 with these weights
 //         as they are: the same numbers as quantizing the original at load time, bit for bit.
 //   bf16, f16  every floating tensor of every safetensors file rounded to that type (to nearest

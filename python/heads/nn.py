@@ -67,7 +67,8 @@ class _Picklable:
         weights and their parts are read-only views of the packed weights."""
         out = self._m.quantized_state_dict()
         for name, value in out.items():
-            if value.dtype == np.int8 or name.endswith(("_scale", "_residual_rows")):
+            if value.dtype == np.int8 or name.endswith(("_scale", "_residual_rows", "_outlier_channels", "_outlier_weight",
+                                                                "_activation_error")):
                 value.setflags(write=False)
         return out
 

@@ -13,6 +13,29 @@
 
 namespace heads::kernels {
 
+// One output row of an int8 linear layer (heads/precision.h) as quantize-inl.h's int8_row_out reads it.
+struct Int8Row {
+  const int32_t* a;   // [n] Σ_k (first term)·W of the row
+  const int32_t* a2;  // [n] Σ_k (second term)·W, or null when the row has none
+  int32_t z;          // the first term's zero point
+  float s, s2;        // the two terms' scales
+  const float* ws;    // [n] the weight rows' sums
+  const float* sw;    // [n] the weight rows' scales
+  const float* b;     // [n] bias, or null
+  int64_t n;
+  // The weight's residual rows: sums a3 [nr] (with the first term), row sums wrs, scales swr, rows.
+  const int32_t* a3 = nullptr;
+  const float* wrs = nullptr;
+  const float* swr = nullptr;
+  const int64_t* rows = nullptr;
+  int64_t nr = 0;
+  // The outlier channels oc [no] of the row x (f32) and W's columns there, transposed: wo_t [no, n].
+  const float* x = nullptr;
+  const int64_t* oc = nullptr;
+  const float* wo_t = nullptr;
+  int64_t no = 0;
+};
+
 struct KernelTable {
   Isa isa;
   // GEMMs through oneDNN (the SIMD paths) or portable loops (scalar): linear.cc, linear_lowp.cc.
@@ -65,9 +88,7 @@ struct KernelTable {
   void (*quantize_rows_i8)(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
                            int8_t* q, float* s, int32_t* z, int8_t* r, float* sr);
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
-  void (*int8_row_out)(const int32_t* a, const int32_t* a2, int32_t z, float s, float s2, const float* ws,
-                       const float* sw, const float* b, int64_t n, const int32_t* a3, const float* wrs,
-                       const float* swr, const int64_t* rows, int64_t nr, float* y);
+  void (*int8_row_out)(const Int8Row& r, float* y);
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

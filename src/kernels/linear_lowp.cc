@@ -154,6 +154,12 @@ struct Int8Weight {
   const int64_t* rrows = nullptr;
   int64_t Nr = 0;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
+  // The outlier channels oc [no] (heads/precision.h), W's columns there transposed wo_t [no, N], and
+  // keep [K]: 0 on them, 1 elsewhere (the int8 term's view of x).
+  const int64_t* oc = nullptr;
+  const float* wo_t = nullptr;
+  const float* keep = nullptr;
+  int64_t no = 0;
   double act_error = 0;
   kernels::PackedB* packed = nullptr;      // W in oneDNN's layouts
   const int8_t* Wr_padded = nullptr;       // Wr with zero rows to a multiple of kRowBlock
@@ -190,7 +196,8 @@ void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, 
 // exactly in int32 through the weight's row sums,
 //   y[m, n] = ((acc − z·ws[n])·s (+ acc2·sr)) · sw[n] + b[n],  y[m, rrows[j]] += (acc3 − z·wrs[j])·s·swr[j]
 // (the weight's residual meets the activations' first term only: their product with the second is
-// below both terms' rounding). On the f32 route the terms are summed back into f32 rows, (q − z)·s
+// below both terms' rounding). The weight's outlier channels are zero in the rows quantized (x times
+// `keep`) and added in f32 by each output row: y[m, n] += x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s
 // (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys) {
@@ -199,7 +206,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   const int8_t* xr = xq.data() + M * K;
   const Buffer<float> sx(M), sr(M);
   const Buffer<int32_t> zx(M);
-  kernels::active().quantize_rows_i8(x, M, K, xs, nullptr, 12.0 * w.act_error * w.act_error,
+  kernels::active().quantize_rows_i8(x, M, K, xs, w.keep, 12.0 * w.act_error * w.act_error,
                                      xq.data(), sx.data(), zx.data(), xq.data() + M * K, sr.data());
   const Route route = route_of(Precision::Int8);
   const int threads = kernels::gemm_threads(M, w.N, K);
@@ -213,6 +220,10 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
       const float s = sx[m], s2 = sr[m];
       const int32_t z = zx[m];
       for (int64_t k = 0; k < K; ++k) {
+        if (w.keep != nullptr && w.keep[k] == 0.0f) {  // an outlier channel: x as it is (wide holds W's column)
+          xf[m * K + k] = x[m * xs + k];
+          continue;
+        }
         const float v = static_cast<float>(q[k] - z) * s;
         xf[m * K + k] = s2 != 0.0f ? v + static_cast<float>(r[k]) * s2 : v;
       }
@@ -245,8 +256,18 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
     const int64_t j2 = second[static_cast<size_t>(m)];
-    row_out(acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (M + j2) * N, zx[m], sx[m], sr[m], w.ws, w.sw, bias, N,
-            acc3.data() + m * Nrp, w.wrs, w.swr, w.rrows, Nr, y + m * ys);
+    kernels::Int8Row r{acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (M + j2) * N, zx[m], sx[m], sr[m], w.ws,
+                       w.sw, bias, N};
+    r.a3 = acc3.data() + m * Nrp;
+    r.wrs = w.wrs;
+    r.swr = w.swr;
+    r.rows = w.rrows;
+    r.nr = Nr;
+    r.x = x + m * xs;
+    r.oc = w.oc;
+    r.wo_t = w.wo_t;
+    r.no = w.no;
+    row_out(r, y + m * ys);
   }
 }
 
@@ -304,6 +325,12 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
                   w.row_sums().data<float>(), N};
     iw.wide = w.wide().defined() ? w.wide().data<float>() : nullptr;
     iw.act_error = w.activation_error();
+    if (w.outlier_channels().defined()) {
+      iw.oc = w.outlier_channels().data<int64_t>();
+      iw.wo_t = w.out_w_t_.data<float>();
+      iw.keep = w.keep_.data<float>();
+      iw.no = w.outlier_channels().numel();
+    }
     iw.packed = w.gemm_b_.get();
     if (w.residual_rows().defined()) {
       iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());

@@ -122,14 +122,50 @@ Precision precision_from_name(const std::string& s) {
   fail("precision must be f32, bf16 or int8, got \"", s, "\"");
 }
 
-PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double activation_error)
+namespace {
+
+// int8's outlier channels (heads/precision.h) among K inputs with calibrated largest |x| `absmax`:
+// those past kInt8OutlierRatio times the median channel's, at most K/16 (the largest; the lower
+// channel first among equals), increasing.
+std::vector<int64_t> outlier_channels_of(const Tensor& absmax, int64_t K) {
+  HEADS_CHECK(absmax.dim() == 1 && absmax.size(0) == K && is_floating(absmax.dtype()),
+              "PackedLinear: input_absmax: expected a floating [", K, "] tensor (one per input channel), got ",
+              dtype_name(absmax.dtype()), " ", absmax.shape());
+  const Tensor a = absmax.to(DType::F32).contiguous();
+  std::vector<float> v(a.data<float>(), a.data<float>() + K);
+  for (int64_t k = 0; k < K; ++k) {
+    HEADS_CHECK(std::isfinite(v[k]) && v[k] >= 0, "PackedLinear: input_absmax[", k, "] must be finite and at least 0, got ",
+                v[k]);
+  }
+  std::vector<float> sorted = v;
+  std::nth_element(sorted.begin(), sorted.begin() + K / 2, sorted.end());
+  const double limit = kInt8OutlierRatio * sorted[static_cast<size_t>(K / 2)];
+  std::vector<int64_t> out;
+  for (int64_t k = 0; k < K; ++k) {
+    if (v[k] > limit) out.push_back(k);
+  }
+  const auto most = static_cast<size_t>(K / 16);
+  if (out.size() > most) {  // keep the largest
+    std::stable_sort(out.begin(), out.end(), [&](int64_t x, int64_t y) { return v[x] > v[y]; });
+    out.resize(most);
+    std::sort(out.begin(), out.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double activation_error,
+                           const Tensor& input_absmax)
     : precision_(precision), act_error_(activation_error) {
-  HEADS_CHECK(std::isfinite(activation_error) && activation_error >= 0, "PackedLinear: activation_error must be finite and ",
-              "at least 0, got ", activation_error);
+  HEADS_CHECK(activation_error >= 0, "PackedLinear: activation_error must be at least 0 (+inf: no second term), got ",
+              activation_error);
   HEADS_CHECK(weight.defined() && weight.dim() == 2 && is_floating(weight.dtype()),
               "PackedLinear: weight: expected a floating [out, in] tensor, got ",
               weight.defined() ? std::string(dtype_name(weight.dtype())) + " " + shape_str(weight.shape())
                                : std::string("none"));
+  HEADS_CHECK(!input_absmax.defined() || precision == Precision::Int8,
+              "PackedLinear: input_absmax is for int8 weights (outlier channels), not ", precision_name(precision));
   // The packed weight owns its memory (the caller's may be a view of an array that goes away).
   if (precision == Precision::F32) {
     data_ = weight.dtype() == DType::F32 ? weight.clone() : weight.to(DType::F32);
@@ -139,7 +175,22 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
     const int64_t N = weight.size(0), K = weight.size(1);
     HEADS_CHECK(K <= kMaxInt8K, "PackedLinear: int8 weight ", weight.shape(), " has more than ", kMaxInt8K,
                 " inputs (int32 sums would overflow)");
-    const Tensor w = weight.to(DType::F32);
+    Tensor w = weight.to(DType::F32).contiguous();
+    const std::vector<int64_t> outliers =
+        input_absmax.defined() ? outlier_channels_of(input_absmax, K) : std::vector<int64_t>{};
+    if (!outliers.empty()) {  // their columns kept in f32, zero in the int8 term
+      const auto O = static_cast<int64_t>(outliers.size());
+      out_ch_ = Tensor::from_vector(outliers, {O});
+      out_w_ = Tensor::empty({N, O}, DType::F32);
+      w = w.clone();
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t o = 0; o < O; ++o) {
+          float& x = w.data<float>()[n * K + outliers[o]];
+          out_w_.data<float>()[n * O + o] = x;
+          x = 0.0f;
+        }
+      }
+    }
     data_ = Tensor::empty({N, K}, DType::I8);
     scales_ = Tensor::empty({N}, DType::F32);
     const float* rows = w.data<float>();
@@ -213,6 +264,17 @@ void PackedLinear::make_gemm_layouts() {
 }
 
 void PackedLinear::finish() {
+  keep_ = out_w_t_ = Tensor();
+  if (out_ch_.defined()) {
+    const int64_t K = data_.size(1), N = data_.size(0), O = out_ch_.numel();
+    keep_ = Tensor::empty({K}, DType::F32);
+    std::fill(keep_.data<float>(), keep_.data<float>() + K, 1.0f);
+    for (int64_t o = 0; o < O; ++o) keep_.data<float>()[out_ch_.data<int64_t>()[o]] = 0.0f;
+    out_w_t_ = Tensor::empty({O, N}, DType::F32);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t o = 0; o < O; ++o) out_w_t_.data<float>()[o * N + n] = out_w_.data<float>()[n * O + o];
+    }
+  }
   if (precision_ == Precision::Int8) {
     sums_ = int8_row_sums(data_);
     res_sums_ = res_data_.defined() ? int8_row_sums(res_data_) : Tensor();
@@ -223,7 +285,10 @@ void PackedLinear::finish() {
 
 PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name,
                                      const Tensor& residual_rows, const Tensor& residual_data,
-                                     const Tensor& residual_scales) {
+                                     const Tensor& residual_scales, const Tensor& outlier_channels,
+                                     const Tensor& outlier_weight, double activation_error) {
+  HEADS_CHECK(activation_error >= 0, name, ": activation error must be at least 0 (+inf: no second term), got ",
+              activation_error);
   HEADS_CHECK(data.defined() && data.dtype() == DType::I8 && data.dim() == 2, name,
               ": expected int8 [out, in] data, got ",
               data.defined() ? std::string(dtype_name(data.dtype())) + " " + shape_str(data.shape()) : "none");
@@ -233,11 +298,39 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
               scales.defined() ? std::string(dtype_name(scales.dtype())) + " " + shape_str(scales.shape()) : "none");
   PackedLinear p;
   p.precision_ = Precision::Int8;
+  p.act_error_ = activation_error;
   p.data_ = data.clone();  // owned, as the constructor's
   p.scales_ = scales.clone();
   for (int64_t n = 0; n < p.scales_.numel(); ++n) {
     const float s = p.scales_.data<float>()[n];
     HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": scale ", n, " must be finite and positive, got ", s);
+  }
+  HEADS_CHECK(outlier_channels.defined() == outlier_weight.defined(), name,
+              ": the outlier channels need their weight columns, and the columns their channels");
+  if (outlier_channels.defined()) {
+    const int64_t N = data.size(0), K = data.size(1);
+    HEADS_CHECK(outlier_channels.dtype() == DType::I64 && outlier_channels.dim() == 1, name,
+                ": outlier channels: expected i64 [channels], got ", dtype_name(outlier_channels.dtype()), " ",
+                outlier_channels.shape());
+    const int64_t O = outlier_channels.size(0);
+    HEADS_CHECK(outlier_weight.dtype() == DType::F32 && outlier_weight.shape() == Shape({N, O}), name,
+                ": outlier weight: expected f32 [", N, ", ", O, "], got ", dtype_name(outlier_weight.dtype()), " ",
+                outlier_weight.shape());
+    p.out_ch_ = outlier_channels.contiguous().clone();
+    p.out_w_ = outlier_weight.contiguous().clone();
+    const auto* q = static_cast<const int8_t*>(p.data_.raw_data());
+    for (int64_t o = 0; o < O; ++o) {
+      const int64_t c = p.out_ch_.data<int64_t>()[o];
+      HEADS_CHECK(c >= 0 && c < K && (o == 0 || c > p.out_ch_.data<int64_t>()[o - 1]), name, ": outlier channel ", o,
+                  " is ", c, ": channels must increase within [0, ", K, ")");
+      for (int64_t n = 0; n < N; ++n) {
+        HEADS_CHECK(q[n * K + c] == 0, name, ": outlier channel ", c, " holds int8 values (row ", n,
+                    "): its columns are computed in f32 only");
+        HEADS_CHECK(std::isfinite(p.out_w_.data<float>()[n * O + o]), name, ": outlier weight [", n, ", ", o,
+                    "] is not finite");
+      }
+    }
+    if (O == 0) p.out_ch_ = p.out_w_ = Tensor();
   }
   const int given = residual_rows.defined() + residual_data.defined() + residual_scales.defined();
   HEADS_CHECK(given == 0 || given == 3, name, ": the residual term needs its rows, data and scales together");
@@ -291,6 +384,12 @@ Tensor dequantize(const PackedLinear& w) {
     }
     j += res;
   }
+  if (w.outlier_channels().defined()) {  // their columns (zero in the int8 term) as stored
+    const int64_t O = w.outlier_channels().numel();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t o = 0; o < O; ++o) y[n * K + w.outlier_channels().data<int64_t>()[o]] = w.outlier_weight().data<float>()[n * O + o];
+    }
+  }
   return out;
 }
 
@@ -316,6 +415,11 @@ PackedLinear PackedLinear::rows(int64_t n0, int64_t n1) const {
       p.res_sums_ = res_sums_.slice(0, j0, j1);
     }
   }
+  if (out_w_.defined()) {  // the outlier columns of the rows in range, and their transposed copy
+    p.out_w_ = out_w_.slice(0, n0, n1).clone();
+    p.finish();  // also the layouts below (the sums and the f32 copy again, of the same rows)
+    return p;
+  }
   p.make_gemm_layouts();  // other weights: their own layouts
   return p;
 }
@@ -329,6 +433,12 @@ PackedLinear cat_rows(const std::vector<PackedLinear>& parts) {
                 "cat_rows: expected int8 weights of ", K, " inputs");
     N += p.out_features();
     Nr += p.residual_rows().defined() ? p.residual_rows().numel() : 0;
+    const Tensor& c0 = parts[0].outlier_channels();
+    const Tensor& c = p.outlier_channels();
+    HEADS_CHECK(c.defined() == c0.defined() && (!c.defined() || (c.numel() == c0.numel() &&
+                                                                   std::equal(c.data<int64_t>(), c.data<int64_t>() + c.numel(),
+                                                                              c0.data<int64_t>()))),
+                "cat_rows: the weights' outlier channels differ (stacked weights read one input: they share them)");
   }
   Tensor data = Tensor::empty({N, K}, DType::I8), scales = Tensor::empty({N}, DType::F32);
   Tensor rrows, rdata, rscales;
@@ -337,10 +447,13 @@ PackedLinear cat_rows(const std::vector<PackedLinear>& parts) {
     rdata = Tensor::empty({Nr, K}, DType::I8);
     rscales = Tensor::empty({Nr}, DType::F32);
   }
+  const Tensor& channels = parts[0].outlier_channels();
+  Tensor ow = channels.defined() ? Tensor::empty({N, channels.numel()}, DType::F32) : Tensor();
   int64_t n = 0, j = 0;
   for (const auto& p : parts) {
     const int64_t pn = p.out_features();
     data.slice(0, n, n + pn).copy_from(p.data());
+    if (ow.defined()) ow.slice(0, n, n + pn).copy_from(p.outlier_weight());
     scales.slice(0, n, n + pn).copy_from(p.scales());
     if (p.residual_rows().defined()) {
       const int64_t pr = p.residual_rows().numel();
@@ -351,13 +464,13 @@ PackedLinear cat_rows(const std::vector<PackedLinear>& parts) {
     }
     n += pn;
   }
-  PackedLinear out = PackedLinear::from_int8(data, scales, "cat_rows", rrows, rdata, rscales);
-  out.act_error_ = parts[0].act_error_;  // the parts' (the q, k, v projections of one module: all the same)
-  return out;
+  // The parts' activation error (the q, k, v projections of one module: all the same).
+  return PackedLinear::from_int8(data, scales, "cat_rows", rrows, rdata, rscales, channels, ow, parts[0].act_error_);
 }
 
 std::vector<std::string> int8_part_names(const std::string& name) {
-  return {name + "_scale", name + "_residual", name + "_residual_scale", name + "_residual_rows"};
+  return {name + "_scale", name + "_residual", name + "_residual_scale", name + "_residual_rows",
+          name + "_outlier_channels", name + "_outlier_weight", name + "_activation_error"};
 }
 
 std::vector<std::pair<std::string, Tensor>> int8_tensors(const std::string& name, const PackedLinear& w) {
@@ -368,6 +481,13 @@ std::vector<std::pair<std::string, Tensor>> int8_tensors(const std::string& name
     out.emplace_back(parts[1], w.residual_data());
     out.emplace_back(parts[2], w.residual_scales());
     out.emplace_back(parts[3], w.residual_rows());
+  }
+  if (w.outlier_channels().defined()) {
+    out.emplace_back(parts[4], w.outlier_channels());
+    out.emplace_back(parts[5], w.outlier_weight());
+  }
+  if (w.activation_error() > 0) {
+    out.emplace_back(parts[6], Tensor::from_vector(std::vector<double>{w.activation_error()}, {1}));
   }
   return out;
 }
@@ -393,8 +513,20 @@ PackedLinear int8_from_tensors(const std::string& name, const std::function<cons
   HEADS_CHECK(given == 0 || given == 3, label, ": \"", name, "\": its residual term needs \"", parts[1], "\", \"",
               parts[2], "\" and \"", parts[3], "\" together (", given, " of 3 present)");
   const std::string what = label + ": \"" + name + "\"";
-  if (given == 0) return PackedLinear::from_int8(*q, *s, what);
-  return PackedLinear::from_int8(*q, *s, what, *rr, *rd, *rs);
+  const Tensor* oc = get(parts[4]);
+  const Tensor* ow = get(parts[5]);
+  HEADS_CHECK((oc == nullptr) == (ow == nullptr), label, ": \"", name, "\": its outlier channels need \"", parts[4],
+              "\" and \"", parts[5], "\" together");
+  const Tensor* tau = get(parts[6]);
+  HEADS_CHECK(tau == nullptr || (tau->defined() && tau->dtype() == DType::F64 && tau->shape() == Shape({1})), label,
+              ": \"", parts[6], "\": expected f64 [1], got ",
+              tau && tau->defined() ? std::string(dtype_name(tau->dtype())) + " " + shape_str(tau->shape()) : "none");
+  const double act_error = tau ? tau->data<double>()[0] : 0.0;
+  const Tensor none;
+  const Tensor& channels = oc ? *oc : none;
+  const Tensor& columns = ow ? *ow : none;
+  if (given == 0) return PackedLinear::from_int8(*q, *s, what, none, none, none, channels, columns, act_error);
+  return PackedLinear::from_int8(*q, *s, what, *rr, *rd, *rs, channels, columns, act_error);
 }
 
 }  // namespace heads

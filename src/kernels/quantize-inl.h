@@ -64,7 +64,7 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
     const auto zq = static_cast<int32_t>(zp) - 128;
     s[row] = scale;
     z[row] = zq;
-    if (zero_row) return;  // E = 0
+    if (zero_row || std::isinf(tau2x12)) return;  // E = 0, or τ = ∞: one term
     if (tau2x12 > 0) {  // (τ = 0: every row with E > 0, which is every row but the zero ones)
       int64_t e = 0;
       for (int64_t i = 0; i < n; ++i) {
@@ -95,11 +95,18 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
 // One row of an int8 linear layer's output (heads/precision.h, linear_lowp.cc) from its exact integer
 // sums: y[n] = fma(v, sw[n], b[n]) (b null: 0) with v = float(a[n] − z·ws[n])·s, or, with a second
 // term (a2 given), v = fma(float(a2[n]), s2, float(a[n] − z·ws[n])·s); then for the weight's residual
-// rows y[rows[j]] = fma(float(a3[j] − z·wrs[j])·s, swr[j], y[rows[j]]). Every multiply-add is fused
-// explicitly, so that every path gives the same bits.
-inline void int8_row_out(const int32_t* a, const int32_t* a2, int32_t z, float s, float s2, const float* ws,
-                         const float* sw, const float* b, int64_t n, const int32_t* a3, const float* wrs,
-                         const float* swr, const int64_t* rows, int64_t nr, float* y) {
+// rows y[rows[j]] = fma(float(a3[j] − z·wrs[j])·s, swr[j], y[rows[j]]); then for each outlier channel
+// o in order y[n] = fma(x[oc[o]], wo_t[o, n], y[n]). Every multiply-add is fused explicitly, so that
+// every path gives the same bits.
+inline void int8_row_out(const Int8Row& r, float* y) {
+  const int32_t* a = r.a;
+  const int32_t* a2 = r.a2;
+  const int32_t z = r.z;
+  const float s = r.s, s2 = r.s2;
+  const float* ws = r.ws;
+  const float* sw = r.sw;
+  const float* b = r.b;
+  const int64_t n = r.n;
   if (a2 == nullptr) {
     for (int64_t i = 0; i < n; ++i) {
       const float v = static_cast<float>(a[i] - z * static_cast<int32_t>(ws[i])) * s;
@@ -111,8 +118,20 @@ inline void int8_row_out(const int32_t* a, const int32_t* a2, int32_t z, float s
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
   }
-  for (int64_t j = 0; j < nr; ++j) {
-    const float v = static_cast<float>(a3[j] - z * static_cast<int32_t>(wrs[j])) * s;
-    y[rows[j]] = std::fma(v, swr[j], y[rows[j]]);
+  for (int64_t j = 0; j < r.nr; ++j) {
+    const float v = static_cast<float>(r.a3[j] - z * static_cast<int32_t>(r.wrs[j])) * s;
+    y[r.rows[j]] = std::fma(v, r.swr[j], y[r.rows[j]]);
+  }
+  for (int64_t o = 0; o < r.no; ++o) {
+    const qz::VR xo = Vec::set1(r.x[r.oc[o]]);
+    const float* w = r.wo_t + o * n;
+    for (int64_t i = 0; i < n; i += qz::kW) {
+      const int64_t m = std::min<int64_t>(qz::kW, n - i);
+      if (m == qz::kW) {
+        Vec::storeu(y + i, Vec::fma(xo, Vec::loadu(w + i), Vec::loadu(y + i)));
+      } else {
+        Vec::store_partial(y + i, Vec::fma(xo, Vec::load_partial(w + i, m), Vec::load_partial(y + i, m)), m);
+      }
+    }
   }
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <random>
 
 #include "checkpoint.h"
 #include "config_json.h"
@@ -184,13 +185,38 @@ BertModel BertModel::load(const std::string& dir) {
 }
 
 void BertModel::set_precision(Precision p) {
-  set_layers_precision(layers_, p);
+  set_layers_precision(layers_, p, p == Precision::Int8 ? input_ranges() : std::vector<InputRanges>{});
+}
+
+std::vector<InputRanges> BertModel::input_ranges() const {
+  constexpr uint64_t kSeed = 0x5eed;
+  constexpr int64_t kBatch = 4;  // sequences per forward (the tapes of a few keep memory low)
+  std::mt19937_64 gen(kSeed);
+  const int64_t L = std::min(kCalibrationLength, cfg_.max_position_embeddings);
+  std::vector<InputRanges> ranges(layers_.size());
+  for (int64_t done = 0; done < kCalibrationSequences; done += kBatch) {
+    std::vector<std::vector<int64_t>> ids(static_cast<size_t>(std::min(kBatch, kCalibrationSequences - done)),
+                                          std::vector<int64_t>(static_cast<size_t>(L)));
+    for (auto& s : ids) {
+      for (auto& id : s) id = static_cast<int64_t>(gen() % static_cast<uint64_t>(cfg_.vocab_size));
+    }
+    Tensor pad;
+    bool any_pad = false;
+    Tensor x = embed(ids, pad, any_pad);  // no padding: every sequence is L long
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      EncoderLayerTape tape;
+      EncoderForwardArgs a;
+      a.tape = &tape;
+      x = layers_[i].forward(x, a);
+      layers_[i].record_input_ranges(tape, ranges[i]);
+    }
+  }
+  return ranges;
 }
 
 Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }
 
-Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
-                          std::vector<Tensor>* attn_weights) const {
+Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, Tensor& pad, bool& any_pad) const {
   const auto N = static_cast<int64_t>(ids.size());
   int64_t L = 0;
   for (const auto& s : ids) L = std::max<int64_t>(L, static_cast<int64_t>(s.size()));
@@ -199,8 +225,8 @@ Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
   const int64_t E = cfg_.hidden_size;
   // 1. embeddings: word[id] + position[l] + token_type[0], LayerNorm
   Tensor x = Tensor::empty({N, L, E}, DType::F32);
-  Tensor pad = Tensor::zeros({N, L}, DType::Bool);
-  bool any_pad = false;
+  pad = Tensor::zeros({N, L}, DType::Bool);
+  any_pad = false;
   const float* wd = word_.data<float>();
   const float* ps = position_.data<float>();
   const float* tt = token_type_.data<float>();
@@ -218,7 +244,14 @@ Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
       }
     }
   }
-  x = layer_norm(x, emb_ln_w_, emb_ln_b_, cfg_.layer_norm_eps);
+  return layer_norm(x, emb_ln_w_, emb_ln_b_, cfg_.layer_norm_eps);
+}
+
+Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
+                          std::vector<Tensor>* attn_weights) const {
+  Tensor pad;
+  bool any_pad = false;
+  Tensor x = embed(ids, pad, any_pad);
   // 2. layers; padded positions are masked out as keys only
   if (attn_weights) attn_weights->clear();
   for (const auto& layer : layers_) {

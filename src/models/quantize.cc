@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -46,8 +47,38 @@ bool bert_linear_weight(const std::string& name) {
   return std::regex_match(name, re);
 }
 
-// One safetensors file converted; returns the bytes written.
-uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtype, QuantizeResult& r) {
+// The int8 weights of the BERT encoder in `dir` as BertModel::set_precision(Int8) makes them
+// (calibrated: the activations' outlier channels in f32), by tensor name without the "bert." prefix.
+std::map<std::string, PackedLinear> bert_int8_weights(const fs::path& dir) {
+  BertModel m = BertModel::load(dir.string());
+  m.set_precision(Precision::Int8);
+  std::map<std::string, PackedLinear> out;
+  const int64_t E = m.config().hidden_size;
+  for (size_t i = 0; i < m.layers().size(); ++i) {
+    const StateDict sd = m.layers()[i].quantized_state_dict();
+    const auto get = [&](const std::string& n) -> const Tensor* {
+      for (const auto& [name, t] : sd) {
+        if (name == n) return &t;
+      }
+      return nullptr;
+    };
+    const auto packed = [&](const std::string& n) { return int8_from_tensors(n, get, "quantize"); };
+    const std::string p = "encoder.layer." + std::to_string(i) + ".";
+    const PackedLinear in = packed("self_attn.in_proj_weight");
+    out.emplace(p + "attention.self.query.weight", in.rows(0, E));
+    out.emplace(p + "attention.self.key.weight", in.rows(E, 2 * E));
+    out.emplace(p + "attention.self.value.weight", in.rows(2 * E, 3 * E));
+    out.emplace(p + "attention.output.dense.weight", packed("self_attn.out_proj.weight"));
+    out.emplace(p + "intermediate.dense.weight", packed("linear1.weight"));
+    out.emplace(p + "output.dense.weight", packed("linear2.weight"));
+  }
+  return out;
+}
+
+// One safetensors file converted; returns the bytes written. int8 (the BERT encoder's linear
+// weights) takes its weights from `int8` (bert_int8_weights).
+uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtype, QuantizeResult& r,
+                      const std::map<std::string, PackedLinear>& int8 = {}) {
   const SafeTensors file = SafeTensors::open(in.string());
   std::vector<std::pair<std::string, Tensor>> tensors;
   int64_t converted = 0;
@@ -64,14 +95,10 @@ uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtyp
         tensors.emplace_back(name, t);
         continue;
       }
-      HEADS_CHECK(t.dim() == 2, file.label(), ": tensor \"", name, "\": a linear weight is 2-D, got ", t.shape());
-      PackedLinear q;
-      try {
-        q = PackedLinear(t, Precision::Int8);
-      } catch (const Error& e) {
-        fail(file.label(), ": tensor \"", name, "\": ", e.what());
-      }
-      for (auto& t : int8_tensors(name, q)) tensors.push_back(std::move(t));
+      const auto q = int8.find(name.rfind("bert.", 0) == 0 ? name.substr(5) : name);
+      HEADS_CHECK(q != int8.end(), file.label(), ": tensor \"", name, "\": not a weight of the BERT encoder loaded from ",
+                  in.parent_path().string());
+      for (auto& t : int8_tensors(name, q->second)) tensors.push_back(std::move(t));
       ++converted;
       continue;
     }
@@ -100,7 +127,9 @@ uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtyp
   if (dtype == StorageDtype::Int8) {
     meta["heads.int8"] =
         "linear weights: <name> I8 [out, in], <name>_scale F32 [out]; weight = int8 * scale per row, plus on the rows "
-        "<name>_residual_rows I64 [r]: <name>_residual I8 [r, in] * <name>_residual_scale F32 [r]";
+        "<name>_residual_rows I64 [r]: <name>_residual I8 [r, in] * <name>_residual_scale F32 [r]; the columns "
+        "<name>_outlier_channels I64 [o] (zero in the int8 weight) are <name>_outlier_weight F32 [out, o]; "
+        "<name>_activation_error F64 [1]: activation rows losing more get a second int8 term";
   }
   save_safetensors(out.string(), tensors, meta);
   r.tensors += static_cast<int64_t>(tensors.size());
@@ -169,7 +198,16 @@ QuantizeResult quantize_dir(const std::string& model_dir, const std::string& out
   fs::create_directories(tmp);
   QuantizeResult r;
   try {
-    for (const fs::path& w : weights) r.bytes_out += convert_file(src / w, tmp / w, dtype, r);
+    // int8: the encoder loaded and calibrated first (a directory that does not load fails here).
+    std::map<std::string, PackedLinear> int8;
+    if (dtype == StorageDtype::Int8) {
+      const std::vector<std::string> names = SafeTensors::open((src / weights[0]).string()).names();
+      HEADS_CHECK(std::any_of(names.begin(), names.end(), bert_linear_weight), (src / weights[0]).string(),
+                  ": no BERT linear weights (encoder.layer.<i>.attention.self.query.weight, ...): int8 files are "
+                  "written for BERT encoders; --dtype bf16 or f16 works for any model");
+      int8 = bert_int8_weights(src);
+    }
+    for (const fs::path& w : weights) r.bytes_out += convert_file(src / w, tmp / w, dtype, r, int8);
     const uint64_t shard_bytes = r.bytes_out;  // what model.safetensors.index.json counts
     // Everything else but other weight formats: safetensors files in subdirectories (e.g. a
     // sentence-transformers Dense module) converted to bf16 / f16 or copied as they are for int8,

@@ -58,11 +58,16 @@ std::string names_of(const StateDict& sd) {
   return s.empty() ? "none" : s;
 }
 
-void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std::string>& names) {
+void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std::string>& names,
+                         const InputRanges& ranges) {
   std::vector<std::pair<std::string, PackedLinear>> packed;
   if (p != Precision::F32) {
     for (const std::string& n : names) {
-      if (const Tensor* w = modules::find(sd, n)) packed.emplace_back(n, PackedLinear(*w, p));
+      const Tensor* w = modules::find(sd, n);
+      if (w == nullptr) continue;
+      const auto r = ranges.find(n);
+      const bool calibrated = p == Precision::Int8 && r != ranges.end();
+      packed.emplace_back(n, calibrated ? PackedLinear(*w, p, kInt8OutlierActivationError, r->second) : PackedLinear(*w, p));
     }
   }
   weights = std::move(packed);
@@ -71,7 +76,8 @@ void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std
 
 std::shared_ptr<const PackedWeights> PackedWeights::make(
     Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
-    const std::vector<std::pair<std::string, PackedLinear>>& stored, const PackedWeights* existing) {
+    const std::vector<std::pair<std::string, PackedLinear>>& stored, const PackedWeights* existing,
+    const InputRanges& ranges) {
   if (p == Precision::F32) return nullptr;
   const auto stored_as = [&](const std::string& n) -> const PackedLinear* {
     for (const auto& [sn, w] : stored) {
@@ -92,7 +98,7 @@ std::shared_ptr<const PackedWeights> PackedWeights::make(
     }
   }
   auto packed = std::make_shared<PackedWeights>();
-  packed->pack(p, merged, names);
+  packed->pack(p, merged, names, ranges);
   for (const std::string& n : names) {  // in `names` order, as pack() leaves them
     if (const PackedLinear* w = stored_as(n)) packed->weights.emplace_back(n, *w);
   }
@@ -104,6 +110,32 @@ const PackedLinear* PackedWeights::find(const std::string& name) const {
     if (n == name) return &w;
   }
   return nullptr;
+}
+
+void record_absmax(InputRanges& ranges, const std::string& name, const Tensor& x_in) {
+  HEADS_CHECK(x_in.defined() && x_in.dim() >= 1, "input ranges: \"", name, "\": no input recorded");
+  const Tensor x = x_in.to(DType::F32).contiguous();
+  const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0;
+  auto [it, fresh] = ranges.try_emplace(name, Tensor::zeros({K}, DType::F32));
+  HEADS_CHECK(it->second.shape() == Shape({K}), "input ranges: \"", name, "\": inputs of ", K,
+              " channels after ones of ", it->second.shape());
+  float* a = it->second.data<float>();
+  const float* v = x.data<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      const float f = v[m * K + k];
+      HEADS_CHECK(std::isfinite(f), "input ranges: \"", name, "\": input row ", m, " holds ", f);
+      a[k] = std::max(a[k], std::fabs(f));
+    }
+  }
+}
+
+InputRanges ranges_under(const InputRanges& ranges, const std::string& prefix) {
+  InputRanges out;
+  for (const auto& [n, t] : ranges) {
+    if (n.rfind(prefix, 0) == 0) out.emplace(n.substr(prefix.size()), t);
+  }
+  return out;
 }
 
 LoadedWeights read_int8_weights(const StateDict& sd, const std::vector<std::string>& packable, const char* op) {

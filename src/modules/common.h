@@ -39,8 +39,10 @@ struct PackedWeights {
   Precision precision = Precision::F32;
   std::vector<std::pair<std::string, PackedLinear>> weights;
 
-  // Packs each named weight of `sd` for `p` (F32: clears).
-  void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names);
+  // Packs each named weight of `sd` for `p` (F32: clears), int8 ones with the input ranges recorded
+  // under their names where `ranges` has them (outlier channels, with kInt8OutlierActivationError:
+  // heads/precision.h).
+  void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names, const InputRanges& ranges = {});
   // The named weights packed for `p`, each taken from `incoming` when it holds it, else from
   // `current`; null for F32. Throws (before anything changes) on a weight that cannot be packed.
   // `stored`: weights already packed (int8 read from a file), used as they are; `existing`: the
@@ -48,10 +50,17 @@ struct PackedWeights {
   // (so a partial load does not quantize stored int8 weights again from their values).
   static std::shared_ptr<const PackedWeights> make(
       Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
-      const std::vector<std::pair<std::string, PackedLinear>>& stored = {}, const PackedWeights* existing = nullptr);
+      const std::vector<std::pair<std::string, PackedLinear>>& stored = {}, const PackedWeights* existing = nullptr,
+      const InputRanges& ranges = {});
   // The packed weight `name`, or null (f32, or not a packed weight).
   const PackedLinear* find(const std::string& name) const;
 };
+
+// ranges[name] = the largest |x| of each column of x [..., K] (f32 [K]), merged by elementwise max with
+// what it holds; rows of NaN or inf are an error naming `name` (calibration inputs must be finite).
+void record_absmax(InputRanges& ranges, const std::string& name, const Tensor& x);
+// The entries of `ranges` under "<prefix>" with the prefix removed.
+InputRanges ranges_under(const InputRanges& ranges, const std::string& prefix);
 
 // A state dict about to be loaded, with the int8 weights among `packable` (stored as
 // heads::int8_tensors writes them: "<name>" i8, "<name>_scale", and the residual term's tensors)

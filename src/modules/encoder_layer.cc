@@ -149,10 +149,19 @@ StateDict TransformerEncoderLayer::quantized_state_dict() const {
   return sd;
 }
 
-void TransformerEncoderLayer::set_precision(Precision p) {
-  auto packed = modules::PackedWeights::make(p, params_, {}, kLinearNames);
-  self_attn_.set_precision(p);  // after the step that can fail alone
+void TransformerEncoderLayer::set_precision(Precision p, const InputRanges& input_ranges) {
+  auto packed = modules::PackedWeights::make(p, params_, {}, kLinearNames, {}, nullptr, input_ranges);
+  self_attn_.set_precision(p, modules::ranges_under(input_ranges, "self_attn."));  // after the step that can fail alone
   packed_ = std::move(packed);
+}
+
+void TransformerEncoderLayer::record_input_ranges(const EncoderLayerTape& t, InputRanges& ranges) const {
+  HEADS_CHECK(t.defined(), kOp, "::record_input_ranges: empty tape; run forward with a tape");
+  InputRanges attn;
+  self_attn_.record_input_ranges(t.attn, attn);
+  for (const auto& [n, a] : attn) modules::record_absmax(ranges, "self_attn." + n, a);  // a max of maxima
+  modules::record_absmax(ranges, "linear1.weight", t.ff_in);
+  modules::record_absmax(ranges, "linear2.weight", t.hidden_out);
 }
 
 Precision TransformerEncoderLayer::precision() const { return packed_ ? packed_->precision : Precision::F32; }
@@ -404,10 +413,13 @@ void TransformerEncoder::load_state_dict(const StateDict& sd, bool strict) {
   }
 }
 
-void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precision p) {
+void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precision p,
+                          const std::vector<InputRanges>& input_ranges) {
+  HEADS_CHECK(input_ranges.empty() || input_ranges.size() == layers.size(), "set_layers_precision: ",
+              input_ranges.size(), " input ranges for ", layers.size(), " layers");
   const Precision before = layers.empty() ? Precision::F32 : layers.front().precision();
   try {
-    for (auto& layer : layers) layer.set_precision(p);
+    for (size_t i = 0; i < layers.size(); ++i) layers[i].set_precision(p, input_ranges.empty() ? InputRanges{} : input_ranges[i]);
   } catch (...) {
     for (auto& layer : layers) layer.set_precision(before);
     throw;

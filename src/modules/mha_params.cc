@@ -174,7 +174,25 @@ StateDict MultiheadAttention::quantized_state_dict() const {
   return modules::with_int8_weights(state_dict(), packed_.get());
 }
 
-void MultiheadAttention::set_precision(Precision p) { packed_ = PackedWeights::make(p, state_dict(), {}, kPackedNames); }
+void MultiheadAttention::set_precision(Precision p, const InputRanges& input_ranges) {
+  packed_ = PackedWeights::make(p, state_dict(), {}, kPackedNames, {}, nullptr, input_ranges);
+}
+
+void MultiheadAttention::record_input_ranges(const MhaTape& t, InputRanges& ranges) const {
+  HEADS_CHECK(t.defined(), "MultiheadAttention::record_input_ranges: empty tape; run forward with a tape");
+  if (param("in_proj_weight") != nullptr) {  // one weight reads query, key and value
+    modules::record_absmax(ranges, "in_proj_weight", t.xq);
+    if (!t.self_attn) {
+      modules::record_absmax(ranges, "in_proj_weight", t.xk);
+      modules::record_absmax(ranges, "in_proj_weight", t.xv);
+    }
+  } else {
+    modules::record_absmax(ranges, "q_proj_weight", t.xq);
+    modules::record_absmax(ranges, "k_proj_weight", t.self_attn ? t.xq : t.xk);
+    modules::record_absmax(ranges, "v_proj_weight", t.self_attn ? t.xq : t.xv);
+  }
+  modules::record_absmax(ranges, "out_proj.weight", t.gated.defined() ? t.gated : t.attn3);
+}
 
 Precision MultiheadAttention::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 

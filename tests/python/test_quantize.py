@@ -57,6 +57,14 @@ def test_cli_int8_directory_embeds_as_load_time_int8(int8_dir, tmp_path):
     name = "encoder.layer.5.attention.self.value.weight"
     assert t[name].dtype == np.int8 and t[name + "_scale"].shape == (384,) and t[name + "_scale"].dtype == np.float32
     deq_w = t[name].astype(np.float64) * t[name + "_scale"][:, None]
+    # The calibrated outlier channels: zero in the int8 weight, their columns stored as they are in f32
+    # (every feed-forward output layer has some: its hidden units carry dozens).
+    assert all(f"encoder.layer.{i}.output.dense.weight_outlier_channels" in t for i in range(6))
+    if name + "_outlier_channels" in t:
+        oc = t[name + "_outlier_channels"]
+        assert oc.dtype == np.int64 and (np.diff(oc) > 0).all() and (t[name][:, oc] == 0).all()
+        assert np.array_equal(t[name + "_outlier_weight"], src[name][:, oc])
+        deq_w[:, oc] = t[name + "_outlier_weight"]
     step = t[name + "_scale"][:, None]
     # Each weight inside the clip range is within half a step of the original; the ones at ±127 steps
     # had at least 126.5 steps of magnitude (the clipped end of the row).

@@ -37,8 +37,10 @@ void add_quantize_command(CLI::App& app, Action* action) {
       "quantize",
       "Write MODEL_DIR again into OUT_DIR with smaller weights. int8: a BERT encoder's linear weights\n"
       "as int8 with one f32 scale per output channel (\"<name>\" I8 [out, in], \"<name>_scale\" F32 [out];\n"
-      "heavy-tailed rows add \"<name>_residual\", \"<name>_residual_scale\", \"<name>_residual_rows\");\n"
-      "`heads embed --model OUT_DIR` then runs in int8 on these weights as stored. bf16 / f16: every\n"
+      "heavy-tailed rows add \"<name>_residual\", \"<name>_residual_scale\", \"<name>_residual_rows\"; the\n"
+      "model is calibrated first, and the inputs' outlier channels are kept in f32: \"<name>_outlier_channels\",\n"
+      "\"<name>_outlier_weight\"); `heads embed --model OUT_DIR` then runs in int8 on these weights as stored,\n"
+      "bit for bit what `--dtype int8` gives on the original. bf16 / f16: every\n"
       "floating tensor of any model, widened to f32 when loaded. Other files are copied; OUT_DIR must\n"
       "be absent or empty, and appears whole or not at all.");
   c->add_option("model_dir", args->model, "model directory (model.safetensors, config.json, ...)")->required();
