@@ -201,13 +201,17 @@ void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, 
 // (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys) {
-  // Rows [0, M) of xq: the first terms; rows [M, 2M): the second terms (where a row has one).
-  const Buffer<int8_t> xq(2 * M * K);
-  const int8_t* xr = xq.data() + M * K;
+  // Rows [0, M) of xq: the first terms, zero rows up to Mp; rows [Mp, Mp + M): the second terms
+  // (where a row has one). The GEMMs run Mp rows, a multiple of kShapeStep: a model fed texts of
+  // every length then meets kShapeStep times fewer GEMM shapes, each a oneDNN primitive made once
+  // (the int8 layers have a dozen shapes per length: onednn.cc caches a few hundred).
+  const int64_t Mp = (M + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
+  const Buffer<int8_t> xq(2 * Mp * K);
+  int8_t* xr = xq.data() + Mp * K;
   const Buffer<float> sx(M), sr(M);
   const Buffer<int32_t> zx(M);
   kernels::active().quantize_rows_i8(x, M, K, xs, w.keep, 12.0 * w.act_error * w.act_error,
-                                     xq.data(), sx.data(), zx.data(), xq.data() + M * K, sr.data());
+                                     xq.data(), sx.data(), zx.data(), xr, sr.data());
   const Route route = route_of(Precision::Int8);
   const int threads = kernels::gemm_threads(M, w.N, K);
   if (route == Route::F32) {
@@ -240,23 +244,24 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     if (sr[m] != 0.0f) two.push_back(m);
   }
   const auto M2 = static_cast<int64_t>(two.size());
-  const int64_t Mt = M + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, M);
+  const int64_t Mt = Mp + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, Mp);
+  std::fill(xq.data() + M * K, xq.data() + Mp * K, int8_t{0});
   for (int64_t j = 0; j < M2; ++j) {
-    if (two[j] != j) std::copy(xr + two[j] * K, xr + (two[j] + 1) * K, xq.data() + (M + j) * K);
+    if (two[j] != j) std::copy(xr + two[j] * K, xr + (two[j] + 1) * K, xr + j * K);
   }
-  std::fill(xq.data() + (M + M2) * K, xq.data() + Mt * K, int8_t{0});
+  std::fill(xq.data() + (Mp + M2) * K, xq.data() + Mt * K, int8_t{0});
   const Buffer<int32_t> acc(Mt * N);
   gemm_s8(xq.data(), Mt, K, w.W, N, acc.data(), native, w.packed);
   const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const Buffer<int32_t> acc3(Nrp > 0 ? M * Nrp : 1);
-  if (Nr > 0) gemm_s8(xq.data(), M, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+  const Buffer<int32_t> acc3(Nrp > 0 ? Mp * Nrp : 1);
+  if (Nr > 0) gemm_s8(xq.data(), Mp, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto row_out = kernels::active().int8_row_out;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
     const int64_t j2 = second[static_cast<size_t>(m)];
-    kernels::Int8Row r{acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (M + j2) * N, zx[m], sx[m], sr[m], w.ws,
+    kernels::Int8Row r{acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (Mp + j2) * N, zx[m], sx[m], sr[m], w.ws,
                        w.sw, bias, N};
     r.a3 = acc3.data() + m * Nrp;
     r.wrs = w.wrs;

@@ -12,6 +12,8 @@ namespace heads::lowp {
 // one primitive shape for a range of counts instead of one per count (oneDNN creates each shape once,
 // in milliseconds). The weight's residual rows are padded to a multiple of it once, when packed.
 constexpr int64_t kRowBlock = 32;
+// The int8 GEMMs' rows are padded to a multiple of this (linear_lowp.cc: fewer shapes to compile).
+constexpr int64_t kShapeStep = 8;
 
 // Whether oneDNN has a native matmul for the precision on this CPU (its own detection, which
 // DNNL_MAX_CPU_ISA can lower). Without VNNI (vpdpbusd) its int8 GEMM sums pairs of u8·s8 products in

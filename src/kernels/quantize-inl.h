@@ -122,16 +122,19 @@ inline void int8_row_out(const Int8Row& r, float* y) {
     const float v = static_cast<float>(r.a3[j] - z * static_cast<int32_t>(r.wrs[j])) * s;
     y[r.rows[j]] = std::fma(v, r.swr[j], y[r.rows[j]]);
   }
-  for (int64_t o = 0; o < r.no; ++o) {
-    const qz::VR xo = Vec::set1(r.x[r.oc[o]]);
-    const float* w = r.wo_t + o * n;
-    for (int64_t i = 0; i < n; i += qz::kW) {
-      const int64_t m = std::min<int64_t>(qz::kW, n - i);
-      if (m == qz::kW) {
-        Vec::storeu(y + i, Vec::fma(xo, Vec::loadu(w + i), Vec::loadu(y + i)));
-      } else {
-        Vec::store_partial(y + i, Vec::fma(xo, Vec::load_partial(w + i, m), Vec::load_partial(y + i, m)), m);
-      }
+  if (r.no == 0) return;
+  // Each vector of y stays in a register across the channels (the same fused steps, in order).
+  for (int64_t i = 0; i < n; i += qz::kW) {
+    const int64_t m = std::min<int64_t>(qz::kW, n - i);
+    qz::VR acc = m == qz::kW ? Vec::loadu(y + i) : Vec::load_partial(y + i, m);
+    for (int64_t o = 0; o < r.no; ++o) {
+      const float* w = r.wo_t + o * n + i;
+      acc = Vec::fma(Vec::set1(r.x[r.oc[o]]), m == qz::kW ? Vec::loadu(w) : Vec::load_partial(w, m), acc);
+    }
+    if (m == qz::kW) {
+      Vec::storeu(y + i, acc);
+    } else {
+      Vec::store_partial(y + i, acc, m);
     }
   }
 }
