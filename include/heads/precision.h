@@ -139,7 +139,7 @@ class PackedLinear {
   Tensor res_rows_, res_data_, res_scales_;
   Tensor out_ch_, out_w_;
   Tensor keep_;        // f32 [K]: 0 on the outlier channels, 1 elsewhere (what the int8 term sees of x)
-  Tensor out_w_t_;     // outlier_weight transposed, [O, N]
+  Tensor out_w_panels_;  // outlier_weight in int8_row_out's panels (kernels/dispatch.h's Int8Row::wo)
   Tensor wide_;  // f32 [N, K], dequantize(*this), where this CPU has no native GEMM for the precision
   Tensor sums_, res_sums_;
   // The GEMMs' weights in oneDNN's own layouts, made at first use (kernels/onednn.h); the residual

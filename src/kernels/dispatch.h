@@ -29,12 +29,14 @@ struct Int8Row {
   const float* swr = nullptr;
   const int64_t* rows = nullptr;
   int64_t nr = 0;
-  // The outlier channels oc [no] of the row x (f32) and W's columns there, transposed: wo_t [no, n].
+  // The outlier channels oc [no] of the row x (f32) and W's columns there in panels of
+  // kOutlierPanel outputs: wo[p, o, j] = W[p·kOutlierPanel + j, oc[o]] (zero past n).
   const float* x = nullptr;
   const int64_t* oc = nullptr;
-  const float* wo_t = nullptr;
+  const float* wo = nullptr;
   int64_t no = 0;
 };
+constexpr int64_t kOutlierPanel = 16;  // a multiple of every vector width
 
 struct KernelTable {
   Isa isa;

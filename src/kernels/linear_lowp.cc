@@ -154,10 +154,10 @@ struct Int8Weight {
   const int64_t* rrows = nullptr;
   int64_t Nr = 0;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
-  // The outlier channels oc [no] (heads/precision.h), W's columns there transposed wo_t [no, N], and
+  // The outlier channels oc [no] (heads/precision.h), W's columns there in panels (kernels::Int8Row), and
   // keep [K]: 0 on them, 1 elsewhere (the int8 term's view of x).
   const int64_t* oc = nullptr;
-  const float* wo_t = nullptr;
+  const float* wo = nullptr;
   const float* keep = nullptr;
   int64_t no = 0;
   double act_error = 0;
@@ -270,7 +270,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     r.nr = Nr;
     r.x = x + m * xs;
     r.oc = w.oc;
-    r.wo_t = w.wo_t;
+    r.wo = w.wo;
     r.no = w.no;
     row_out(r, y + m * ys);
   }
@@ -332,7 +332,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
     iw.act_error = w.activation_error();
     if (w.outlier_channels().defined()) {
       iw.oc = w.outlier_channels().data<int64_t>();
-      iw.wo_t = w.out_w_t_.data<float>();
+      iw.wo = w.out_w_panels_.data<float>();
       iw.keep = w.keep_.data<float>();
       iw.no = w.outlier_channels().numel();
     }

@@ -264,15 +264,17 @@ void PackedLinear::make_gemm_layouts() {
 }
 
 void PackedLinear::finish() {
-  keep_ = out_w_t_ = Tensor();
+  keep_ = out_w_panels_ = Tensor();
   if (out_ch_.defined()) {
     const int64_t K = data_.size(1), N = data_.size(0), O = out_ch_.numel();
     keep_ = Tensor::empty({K}, DType::F32);
     std::fill(keep_.data<float>(), keep_.data<float>() + K, 1.0f);
     for (int64_t o = 0; o < O; ++o) keep_.data<float>()[out_ch_.data<int64_t>()[o]] = 0.0f;
-    out_w_t_ = Tensor::empty({O, N}, DType::F32);
+    constexpr int64_t P = kernels::kOutlierPanel;
+    const int64_t panels = (N + P - 1) / P;
+    out_w_panels_ = Tensor::zeros({panels, O, P}, DType::F32);
     for (int64_t n = 0; n < N; ++n) {
-      for (int64_t o = 0; o < O; ++o) out_w_t_.data<float>()[o * N + n] = out_w_.data<float>()[n * O + o];
+      for (int64_t o = 0; o < O; ++o) out_w_panels_.data<float>()[((n / P) * O + o) * P + n % P] = out_w_.data<float>()[n * O + o];
     }
   }
   if (precision_ == Precision::Int8) {

@@ -123,14 +123,14 @@ inline void int8_row_out(const Int8Row& r, float* y) {
     y[r.rows[j]] = std::fma(v, r.swr[j], y[r.rows[j]]);
   }
   if (r.no == 0) return;
-  // Each vector of y stays in a register across the channels (the same fused steps, in order).
+  // Each vector of y stays in a register across the channels (the same fused steps, in order), the
+  // panel of W's columns read in order.
+  static_assert(kOutlierPanel % qz::kW == 0);
   for (int64_t i = 0; i < n; i += qz::kW) {
     const int64_t m = std::min<int64_t>(qz::kW, n - i);
     qz::VR acc = m == qz::kW ? Vec::loadu(y + i) : Vec::load_partial(y + i, m);
-    for (int64_t o = 0; o < r.no; ++o) {
-      const float* w = r.wo_t + o * n + i;
-      acc = Vec::fma(Vec::set1(r.x[r.oc[o]]), m == qz::kW ? Vec::loadu(w) : Vec::load_partial(w, m), acc);
-    }
+    const float* w = r.wo + (i / kOutlierPanel) * r.no * kOutlierPanel + i % kOutlierPanel;
+    for (int64_t o = 0; o < r.no; ++o) acc = Vec::fma(Vec::set1(r.x[r.oc[o]]), Vec::loadu(w + o * kOutlierPanel), acc);
     if (m == qz::kW) {
       Vec::storeu(y + i, acc);
     } else {
