@@ -94,7 +94,8 @@ def quantize(model_dir: str, out_dir: str, dtype: str = "int8") -> dict:
     """Writes ``model_dir`` again into ``out_dir`` (absent or empty) with smaller weights, as
     ``heads quantize`` does: "int8" stores a BERT encoder's linear weights as int8 with one float32
     scale per output channel (``"<name>"`` int8 ``[out, in]``, ``"<name>_scale"`` ``[out]``, and the
-    ``_residual`` tensors of the rows that lose most: docs/numerics.md), which
+    ``_residual`` tensors of the rows that lose most and the ``_outlier`` tensors of the input channels
+    that calibrating the model finds and keeps in float32: docs/numerics.md), which
     ``SentenceEncoder(out_dir)`` then runs in int8 as stored; "bf16" / "f16" round every floating
     tensor of any model. Other files are copied. Returns counts: tensors, converted, bytes_in,
     bytes_out."""
