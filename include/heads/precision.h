@@ -38,10 +38,12 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "heads/ops.h"
 #include "heads/tensor.h"
 
 namespace heads {
@@ -131,7 +133,8 @@ class PackedLinear {
   void finish();  // the derived members below
   void make_gemm_layouts();
   friend PackedLinear cat_rows(const std::vector<PackedLinear>& parts);
-  friend Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias, DType out);
+  friend Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias, DType out,
+                       std::optional<Activation> act);
 
   Precision precision_ = Precision::F32;
   double act_error_ = 0;
@@ -182,7 +185,9 @@ Tensor dequantize(const PackedLinear& w);
 
 // y [..., N] = x [..., K] through w (above) + bias [N]; x floating, read as f32 (bf16 x with a bf16
 // weight is read as it is). y is f32, or bf16 (`out`, with a bf16 weight only: the f32 sums rounded
-// once, as a bf16 model's activations are).
-Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias = {}, DType out = DType::F32);
+// once, as a bf16 model's activations are). `act`, when given, is applied to y (f32 out only): the
+// bits of activation(linear(...)), computed while each block of int8 output rows is in cache.
+Tensor linear(const Tensor& x, const PackedLinear& w, const Tensor& bias = {}, DType out = DType::F32,
+              std::optional<Activation> act = std::nullopt);
 
 }  // namespace heads

@@ -9,6 +9,7 @@
 #include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <omp.h>
+#include <optional>
 #include <vector>
 
 #include "heads/error.h"
@@ -140,6 +141,18 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
   }
 }
 
+// act (when given) on `rows` rows of n values (row stride ys) in place, by the kernel table's
+// elementwise ops: each value's bits as activation() gives them.
+void apply_activation(std::optional<Activation> act, float* y, int64_t rows, int64_t n, int64_t ys) {
+  if (!act || rows == 0) return;
+  const auto& k = kernels::active();
+  if (*act == Activation::Relu) {
+    k.relu_f32(y, y, rows, n, ys, ys);
+  } else {
+    k.gelu_f32(y, y, rows, n, ys, ys, *act == Activation::GeluTanh);
+  }
+}
+
 // An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N] and row sums ws [N] (Σ_k W[n, k],
 // exact in f32), and the residual term's Nr rows Wr [Nr, K] with scales swr [Nr] and sums wrs [Nr],
 // added to the outputs rrows[j].
@@ -200,7 +213,7 @@ void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, 
 // `keep`) and added in f32 by each output row: y[m, n] += x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s
 // (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
-                 int64_t ys) {
+                 int64_t ys, std::optional<Activation> act) {
   // Rows [0, M) of xq: the first terms, zero rows up to Mp; rows [Mp, Mp + M): the second terms
   // (where a row has one). The GEMMs run Mp rows, a multiple of kShapeStep: a model fed texts of
   // every length then meets kShapeStep times fewer GEMM shapes, each a oneDNN primitive made once
@@ -233,6 +246,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
       }
     }
     linear_wide(xf.data(), M, K, w.wide, bias, w.N, y, false, ys);
+    apply_activation(act, y, M, w.N, ys);
     return;
   }
   const bool native = route == Route::Native;
@@ -258,8 +272,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto row_out = kernels::active().int8_row_out;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t m = 0; m < M; ++m) {
+  const auto out_row = [&](int64_t m) {
     const int64_t j2 = second[static_cast<size_t>(m)];
     kernels::Int8Row r{acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (Mp + j2) * N, zx[m], sx[m], sr[m], w.ws,
                        w.sw, bias, N};
@@ -272,7 +285,16 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     r.oc = w.oc;
     r.wo = w.wo;
     r.no = w.no;
-    row_out(r, y + m * ys);
+    return r;
+  };
+  // Blocks of rows: each block's outputs made, then its activation while they are in cache.
+  constexpr int64_t kBlock = 16;
+  const int64_t blocks = (M + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const int64_t m0 = bi * kBlock, m1 = std::min(M, m0 + kBlock);
+    for (int64_t m = m0; m < m1; ++m) row_out(out_row(m), y + m * ys);
+    apply_activation(act, y + m0 * ys, m1 - m0, N, ys);
   }
 }
 
@@ -289,13 +311,14 @@ std::string linear_gemm_route(Precision p) {
 
 bool batch_invariance_holds(Precision p) { return p != Precision::BF16 || route_of(p) != Route::Native; }
 
-Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DType out) {
+Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DType out, std::optional<Activation> act) {
   const char* op = "linear";
   HEADS_CHECK(w.defined(), op, ": the packed weight is empty");
   HEADS_CHECK(out == DType::F32 || (out == DType::BF16 && w.precision() == Precision::BF16), op, ": output dtype ",
               dtype_name(out), " with a ", precision_name(w.precision()),
               " weight (expected f32, or bf16 with a bf16 weight)");
-  if (w.precision() == Precision::F32) return linear(x_in, w.data(), b_in);
+  HEADS_CHECK(!act || out == DType::F32, op, ": an activation is applied to f32 outputs only, not ", dtype_name(out));
+  if (w.precision() == Precision::F32) return act ? activation(linear(x_in, w.data(), b_in), *act) : linear(x_in, w.data(), b_in);
   const int64_t N = w.out_features(), K = w.in_features();
   HEADS_CHECK(x_in.defined() && x_in.dim() >= 1 && x_in.size(-1) == K && is_floating(x_in.dtype()), op, ": input ",
               x_in.defined() ? x_in.shape() : Shape{}, " does not match the ", precision_name(w.precision()),
@@ -318,6 +341,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t n = 0; n < N; ++n) y.data<float>()[m * N + n] = bias ? bias[n] : 0.0f;
     }
+    apply_activation(act, y.data<float>(), M, N, N);
     return y.to(out);
   }
   Tensor y = Tensor::empty(ys, out);
@@ -325,6 +349,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
     linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()),
                 w.wide().defined() ? w.wide().data<float>() : nullptr, bias, N, y.raw_data(), out == DType::BF16, N,
                 w.gemm_b_.get());
+    if (out == DType::F32) apply_activation(act, y.data<float>(), M, N, N);
   } else {
     Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
                   w.row_sums().data<float>(), N};
@@ -346,7 +371,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
       iw.rrows = w.residual_rows().data<int64_t>();
       iw.Nr = w.residual_rows().numel();
     }
-    linear_int8(x.data<float>(), M, K, K, iw, bias, y.data<float>(), N);
+    linear_int8(x.data<float>(), M, K, K, iw, bias, y.data<float>(), N, act);
   }
   return y;
 }

@@ -203,8 +203,11 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
   // Reduced-precision weights for inference; a forward that records a tape runs in f32.
   const auto packed = [&](const char* name) { return packed_ && !tape ? packed_->find(name) : nullptr; };
   auto ff = [&](const Tensor& x) {
-    const Tensor hidden = project(x, *param("linear1.weight"), opt_param("linear1.bias"), packed("linear1.weight"));
-    const Tensor h = dropout(activation(hidden, opt_.activation), p, seed_hidden);
+    const PackedLinear* p1 = packed("linear1.weight");
+    // Packed (inference, no tape): the activation applied as the linear layer writes its output.
+    const Tensor hidden = p1 != nullptr ? linear(x, *p1, opt_param("linear1.bias"), DType::F32, opt_.activation)
+                                        : project(x, *param("linear1.weight"), opt_param("linear1.bias"), nullptr);
+    const Tensor h = dropout(p1 != nullptr ? hidden : activation(hidden, opt_.activation), p, seed_hidden);
     if (tape) {
       tape->ff_in = x;
       tape->hidden = hidden;

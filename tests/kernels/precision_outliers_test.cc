@@ -1,6 +1,7 @@
 // precision_outliers_test.cc — int8's outlier channels (heads/precision.h): chosen from calibrated
 // input ranges, their columns computed in f32 beside the int8 product of the rest, on every ISA
-// path; stored, sliced and stacked without change; malformed parts are clear errors.
+// path; stored, sliced and stacked without change; malformed parts are clear errors. And the
+// activation a linear layer applies as it writes its output: the bits of activation(linear(...)).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -203,6 +204,24 @@ TEST(PrecisionOutliers, NoneWithoutCalibrationAndMalformedPartsAreErrors) {
                 }, "file");
               }),
               HasSubstr("file: \"w\": its outlier channels need \"w_outlier_channels\" and \"w_outlier_weight\" together"));
+}
+
+TEST(PrecisionOutliers, ActivationAppliedAsTheOutputIsWrittenIsTheSeparateOne) {
+  testing::IsaGuard guard;
+  const Tensor x = with_outliers({37, 70, 45}, {3}), W = randn({45, 70}), b = randn({45});
+  const double inf = std::numeric_limits<double>::infinity();
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (const PackedLinear& w : {PackedLinear(W, Precision::Int8), PackedLinear(W, Precision::Int8, inf, column_absmax(x)),
+                                  PackedLinear(W, Precision::BF16), PackedLinear(W, Precision::F32)}) {
+      for (Activation act : {Activation::Relu, Activation::Gelu, Activation::GeluTanh}) {
+        EXPECT_TRUE(testing::bitwise_equal(linear(x, w, b, DType::F32, act), activation(linear(x, w, b), act)))
+            << isa_name(isa) << " " << precision_name(w.precision());
+      }
+    }
+  }
+  EXPECT_THAT(testing::error_of([&] { linear(x, PackedLinear(W, Precision::BF16), b, DType::BF16, Activation::Gelu); }),
+              HasSubstr("an activation is applied to f32 outputs only"));
 }
 
 }  // namespace
