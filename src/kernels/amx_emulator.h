@@ -2,7 +2,7 @@
 // tilezero, tdpbf16ps, tilerelease), in scalar C++, for isa_amx_emu.cc: sdpa_amx-inl.h compiled
 // over these instead of the instructions, from the same text, so that the AMX kernels run (slowly,
 // with the instruction's numerics) on a CPU without tiles. HEADS_AMX_EMULATE=1 offers that build
-// as the `amx` ISA where the CPU has AVX512_BF16 (the kernels' vector code) and no usable AMX.
+// as the `amx` ISA where the CPU has AVX-512 (the kernels' vector code) and no usable AMX.
 //
 // Numerics of tdpbf16ps, as the Intel SDM's pseudo-code and notes for it give them: for each
 // destination element, the pairs k = 0, 1, ... in order, and within a pair its even then its odd

@@ -61,7 +61,7 @@ const std::string& amx_unusable_reason() {
 bool amx_usable() { return amx_unusable_reason().empty(); }
 
 // HEADS_AMX_EMULATE=1 on a CPU without usable AMX: the `amx` ISA runs over the tile emulator
-// (isa_amx_emu.cc), where the kernels' AVX-512 + AVX512_BF16 vector code can run. Tests may force
+// (isa_amx_emu.cc), where the kernels' AVX-512 vector code can run. Tests may force
 // it on or off (kernels::set_amx_emulation): -1 reads the environment.
 std::atomic<int> g_amx_emulation{-1};
 
@@ -107,7 +107,8 @@ bool isa_supported(Isa isa) {
     case Isa::Avx512Bf16:
       return isa_supported(Isa::Avx512) && __builtin_cpu_supports("avx512bf16");
     case Isa::Amx:
-      return isa_supported(Isa::Avx512Bf16) && (amx_usable() || amx_emulated());
+      // every CPU with tiles has AVX512_BF16; the emulated build needs AVX-512 alone
+      return amx_usable() ? isa_supported(Isa::Avx512Bf16) : amx_emulated() && isa_supported(Isa::Avx512);
 #else
     default: return false;
 #endif
@@ -118,7 +119,7 @@ bool isa_supported(Isa isa) {
 std::string amx_status() {
   if (amx_usable()) return "tiles";
   if (amx_emulated()) return isa_supported(Isa::Amx) ? "emulated (HEADS_AMX_EMULATE=1)"
-                                                     : "HEADS_AMX_EMULATE=1, but the CPU lacks AVX512_BF16";
+                                                     : "HEADS_AMX_EMULATE=1, but the CPU lacks AVX-512";
   return "unusable: " + amx_unusable_reason();
 }
 

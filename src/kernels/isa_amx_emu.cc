@@ -1,6 +1,8 @@
 // isa_amx_emu.cc — isa_amx.cc again with the tile instructions replaced by amx_emulator.h: the
 // AMX kernels (sdpa_amx-inl.h, one text for both builds) run on a CPU without tiles, slowly and
-// with the instructions' numerics, so that they are tested wherever AVX512_BF16 exists. Chosen as
+// with the instructions' numerics, so that they are tested on any CPU with AVX-512 (F, BW, VL, DQ):
+// this build leaves out AVX512_BF16 (its f32 -> bf16 conversions are integer operations with the
+// instruction's bits, sdpa_amx_tiles-inl.h), so Skylake-SP and Cascade Lake run it too. Chosen as
 // the `amx` ISA only with HEADS_AMX_EMULATE=1 on a CPU without usable AMX (dispatch.cc), and never
 // by default: HEADS_ISA=amx, set_isa(Isa::Amx) or the tests' kernel_paths() select it.
 #include <immintrin.h>
@@ -13,9 +15,8 @@
 // ... and about the undefined operand _mm512_reduce_add_ps passes (_mm256_undefined_pd).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 
-#define HEADS_NATIVE_BF16 1
 #define HEADS_AMX 1
 #define HEADS_AMX_EMULATED 1
 namespace heads::kernels::amx_emu {
@@ -25,6 +26,5 @@ constexpr Isa kIsa = Isa::Amx;
 }  // namespace heads::kernels::amx_emu
 #undef HEADS_AMX_EMULATED
 #undef HEADS_AMX
-#undef HEADS_NATIVE_BF16
 
 #pragma GCC pop_options

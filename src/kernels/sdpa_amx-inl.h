@@ -31,10 +31,9 @@
 // per head): no packing pass, no barrier, no packed data crossing cores. One task per row block, so
 // results do not depend on the thread count.
 //
-// GCC's tileloadd asm declares no memory input, so the loads below use their own asm with a memory
-// clobber: the compiler may not move the vector stores that fill P (or O) past them.
-// Files: the tile configuration, the tdpbf16ps block and the packing of K and V are
-// sdpa_amx_tiles-inl.h, included below.
+// Files: the tile instructions (or the emulator's), the tile configuration, the tdpbf16ps block and
+// the packing of K and V are sdpa_amx_tiles-inl.h, included below; the backward's products on
+// tiles are sdpa_amx_bwd-inl.h.
 
 namespace amx {
 
@@ -42,24 +41,6 @@ constexpr int64_t kBQ = 32;   // query rows per task: two row tiles
 constexpr int64_t kBK = 128;  // keys per softmax block
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-#ifdef HEADS_AMX_EMULATED  // isa_amx_emu.cc: the same kernel over amx_emulator.h
-#define HEADS_TILE_LOAD(t, base, stride) amx_emulator::load(t, base, static_cast<int64_t>(stride))
-#define HEADS_TILE_STORE(t, base, stride) amx_emulator::store(t, base, static_cast<int64_t>(stride))
-#define HEADS_TILE_ZERO(t) amx_emulator::zero(t)
-#define HEADS_TILE_DP(c, a, b) amx_emulator::dpbf16ps(c, a, b)
-#define HEADS_TILE_CONFIG(cfg) amx_emulator::configure(&(cfg))
-#define HEADS_TILE_RELEASE() amx_emulator::release()
-#else
-#define HEADS_TILE_LOAD(t, base, stride)                                                   \
-  __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}" \
-                   : : "r"(static_cast<const void*>(base)), "r"(static_cast<int64_t>(stride)) : "memory")
-#define HEADS_TILE_STORE(t, base, stride) _tile_stored(t, base, static_cast<int64_t>(stride))
-#define HEADS_TILE_ZERO(t) _tile_zero(t)
-#define HEADS_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
-// ldtilecfg reads all 64 bytes (GCC's _tile_loadconfig declares an 8-byte operand).
-#define HEADS_TILE_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory")
-#define HEADS_TILE_RELEASE() _tile_release()
-#endif
 #include "kernels/sdpa_amx_tiles-inl.h"
 
 struct Scratch {
@@ -267,7 +248,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
             p0 = drop16(t, scr, t.i0 + r, j0 + 32 * w, p0);
             p1 = drop16(t, scr, t.i0 + r, j0 + 32 * w + 16, p1);
           }
-          _mm512_store_si512(pr + 32 * w, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+          _mm512_store_si512(pr + 32 * w, to_bf16_2(p1, p0));
         }
       }
       scr.l[r] = scr.l[r] * alpha + _mm512_reduce_add_ps(sum);
@@ -324,7 +305,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
     uint16_t* dst = out + r * os2;
     for (int64_t d = 0; d < pb.Dv; d += 16) {
       const __m512 x = zero ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_load_ps(orow + d), inv);
-      _mm256_mask_storeu_epi16(dst + d, first_mask16(pb.Dv - d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+      _mm256_mask_storeu_epi16(dst + d, first_mask16(pb.Dv - d), to_bf16(x));
     }
     lse[r] = lr != 0.0f ? (scr.m[r] + std::log2(lr)) * kLn2 : kNegInf;
   }
@@ -427,12 +408,5 @@ inline float tile_probe(int64_t iters) {
   return c[0];
 }
 inline int tile_probe_flops_per_iter() { return 4 * 16 * 16 * 32 * 2; }
-
-#undef HEADS_TILE_LOAD
-#undef HEADS_TILE_STORE
-#undef HEADS_TILE_ZERO
-#undef HEADS_TILE_DP
-#undef HEADS_TILE_CONFIG
-#undef HEADS_TILE_RELEASE
 
 }  // namespace amx

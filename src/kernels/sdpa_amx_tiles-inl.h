@@ -1,7 +1,30 @@
 // sdpa_amx_tiles-inl.h — the AMX kernel's building blocks: the tile configuration, the 32 x 32
 // tdpbf16ps block, exp2 and lane masks, and the packing of K and V chunks into tiles (B in VNNI
-// layout). Included by sdpa_amx-inl.h inside its namespace amx, after the HEADS_TILE_* macros (real
-// instructions, or the emulator's).
+// layout). Included by sdpa_amx-inl.h inside its namespace amx.
+
+// The tile instructions, as the kernels reach them: the real ones, or in the emulated build
+// (isa_amx_emu.cc) amx_emulator.h's. GCC's tileloadd asm declares no memory input, so loads use
+// their own asm with a memory clobber: the compiler may not move the vector stores that fill an
+// operand (P, O, packed rows) past them. Defined for the rest of the ISA build (the backward's
+// tiles, sdpa_amx_bwd-inl.h, use them too).
+#ifdef HEADS_AMX_EMULATED  // isa_amx_emu.cc: the same kernel over amx_emulator.h
+#define HEADS_TILE_LOAD(t, base, stride) amx_emulator::load(t, base, static_cast<int64_t>(stride))
+#define HEADS_TILE_STORE(t, base, stride) amx_emulator::store(t, base, static_cast<int64_t>(stride))
+#define HEADS_TILE_ZERO(t) amx_emulator::zero(t)
+#define HEADS_TILE_DP(c, a, b) amx_emulator::dpbf16ps(c, a, b)
+#define HEADS_TILE_CONFIG(cfg) amx_emulator::configure(&(cfg))
+#define HEADS_TILE_RELEASE() amx_emulator::release()
+#else
+#define HEADS_TILE_LOAD(t, base, stride)                                                   \
+  __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}" \
+                   : : "r"(static_cast<const void*>(base)), "r"(static_cast<int64_t>(stride)) : "memory")
+#define HEADS_TILE_STORE(t, base, stride) _tile_stored(t, base, static_cast<int64_t>(stride))
+#define HEADS_TILE_ZERO(t) _tile_zero(t)
+#define HEADS_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+// ldtilecfg reads all 64 bytes (GCC's _tile_loadconfig declares an 8-byte operand).
+#define HEADS_TILE_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory")
+#define HEADS_TILE_RELEASE() _tile_release()
+#endif
 
 // Palette 1, tiles 0-7 all 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
@@ -52,6 +75,8 @@ HEADS_INLINE __m512 exp2_nonpos(__m512 x) {
   const __m512 r = _mm512_castsi512_ps(_mm512_maskz_add_epi32(live, _mm512_castps_si512(p), e));
   return _mm512_mask_mov_ps(r, nan, x_in);  // a NaN's payload bits would have reached the exponent
 }
+
+#include "kernels/simd/bf16_round_avx512-inl.h"
 
 HEADS_INLINE __mmask32 first_mask32(int64_t n) {
   return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1u);

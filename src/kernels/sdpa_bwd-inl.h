@@ -168,6 +168,10 @@ struct Scratch {
   float *kin, *vin, *qin, *gin, *oin;
   // bf16 dK and dV: a key group's sums [span][D] and [span][Dv], rounded into them at its end
   float *kacc, *vacc;
+  // AMX tiles (Call::tiles, sdpa_amx_bwd-inl.h): a key group's K, V as A rows and K as B pairs, a
+  // step's Q, dO as B columns and B pairs, one A operand of P or dS (hi, then lo terms), a 32 x 32 f32 block
+  uint16_t *ka, *va, *kpairs, *qcols, *gcols, *qpairs, *gpairs, *pa;
+  float* ctmp;
   // rows: G·Lq values of D_i
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
     return kSub * (D + Dv) * kTQ + 4 * kTK * kLd + kTQ + rows + 64;
@@ -191,6 +195,7 @@ struct Call {
   int64_t span;                // keys per group
   bool one_block;              // all keys in one block: D_i from the block, O not read
   bool stream_kv;              // dK/dV written once and streamed past the caches
+  bool tiles;                  // bf16 inputs on AMX: the products on tiles (sdpa_amx_bwd-inl.h)
 };
 
 // One step of queries [I0, I0 + nqs) of head h (tiles u < n_sub of kTQ queries) against a key group.
@@ -210,6 +215,9 @@ struct Step {
   alignas(64) float lse2[kLd];  // lse in log2 units; +inf where the row sees nothing (P = 0)
   alignas(64) float dsum[kLd];  // D_i, unless one_block
 };
+#ifdef HEADS_AMX
+#include "kernels/sdpa_amx_bwd-inl.h"
+#endif
 #include "kernels/sdpa_bwd_step-inl.h"
 
 // One task: keys [j_begin, j_end) of (b, kv head hk), its dQ contributions into dq (strides dqs):
@@ -274,13 +282,17 @@ inline void query_step(const Call& C, const Task& task, const KeyRows& kv, int64
     return;
   }
   widen_g();
-  if (widen) fwd::widen_rows(C.qb + q_off, C.qs[2], 0, st.nqs, pb.D, scr.qin);
+  if (widen && (!C.tiles || st.few)) fwd::widen_rows(C.qb + q_off, C.qs[2], 0, st.nqs, pb.D, scr.qin);
   for (int64_t l = 0; l < kLd; ++l) {
     const float x = l < st.nqs ? C.lp[(b * pb.H + h) * pb.Lq + I0 + l] : -kInf;
     st.lse2[l] = x == -kInf ? kInf : x * kLog2e;  // +inf: the row sees nothing, P = 0
     st.dsum[l] = l < st.nqs && !C.one_block ? drow[l] : 0.0f;
   }
-  if (!st.few) {
+  if (!st.few && C.tiles) {
+#ifdef HEADS_AMX
+    tiles::pack_step(C, st, scr);
+#endif
+  } else if (!st.few) {
     for (int64_t u = 0; u < st.n_sub; ++u) {
       const int64_t nq = std::min(st.nqs - u * kTQ, kTQ);
       fwd::Widen<float>::pack_q(st.q0 + u * kTQ * st.qs2, st.qs2, nq, pb.D, C.c, scr.qt + u * pb.D * kTQ);
@@ -292,6 +304,9 @@ inline void query_step(const Call& C, const Task& task, const KeyRows& kv, int64
     if (pb.causal && j0 > I0 + st.nqs - 1 + pb.causal_offset) break;  // this and later keys hidden
     if (pb.has_left && j0 + nk - 1 < I0 + pb.left_offset) continue;  // left of every row's window
     if (!pb.blocks_any(h, I0, I0 + st.nqs, j0, j0 + nk)) continue;  // no block of the layout
+#ifdef HEADS_AMX
+    if (C.tiles && !st.few) tiles::step_scores(C, st, jg, j0, nk, scr);
+#endif
     for (int64_t u = 0; u < st.n_sub; ++u) tile_ds(C, st, j0, nk, u, scr);
     block_products(C, st, jg, j0, nk, written[(j0 - jg) / kTK], scr);
   }
@@ -310,6 +325,9 @@ inline void key_group(const Call& C, const Task& task, int64_t jg, const Scratch
     fwd::widen_rows(C.kb + b * C.ks[0] + hk * C.ks[1], C.ks[2], jg, ng, pb.D, scr.kin);
     fwd::widen_rows(C.vb + b * C.vs[0] + hk * C.vs[1], C.vs[2], jg, ng, pb.Dv, scr.vin);
     kv = {scr.kin, scr.vin, pb.D, pb.Dv, jg};
+#ifdef HEADS_AMX
+    if (C.tiles) tiles::pack_group(C, b, hk, jg, ng, scr);
+#endif
   } else {
     kv = {C.kp + b * C.ks[0] + hk * C.ks[1], C.vp + b * C.vs[0] + hk * C.vs[1], C.ks[2], C.vs[2], 0};
   }
@@ -393,6 +411,7 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
       // large to stay in the last-level cache: streamed past it (no reads for ownership, no eviction
       // of the K and V rows still to come).
       .stream_kv = !grad16 && G == 1 && pb.Lq <= kLd && 4 * pb.B * pb.Hkv * pb.Lk * (pb.D + pb.Dv) >= kStreamBytes,
+      .tiles = kIsa == Isa::Amx && bf16,
   };
   const int64_t n_tasks = pb.B * pb.Hkv * splits.n;
   // five products of the forward's size: S and dP, then dV, dK, dQ
@@ -400,7 +419,13 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
   const int64_t own = (Scratch::floats(pb.D, pb.Dv, G * pb.Lq) + 15) / 16 * 16;
   const int64_t widened = bf16 ? (Scratch::widened_floats(pb.D, pb.Dv, C.span) + 15) / 16 * 16 : 0;
-  const int64_t per = own + widened + (grad16 ? C.span * (pb.D + pb.Dv) : 0);
+  const int64_t summed = grad16 ? C.span * (pb.D + pb.Dv) : 0;
+#ifdef HEADS_AMX
+  const int64_t tiled = C.tiles ? 32 * 32 + tiles::operand_elems(pb.D, pb.Dv, C.span) / 2 : 0;
+#else
+  const int64_t tiled = 0;
+#endif
+  const int64_t per = own + widened + summed + tiled;
   float* arena = thread_scratch(per * n_threads);
   // dS sums per key split and batch entry (each task writes the rows of its own heads), added in a
   // fixed order after.
@@ -432,6 +457,23 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
       scr.kacc = base + own + widened;
       scr.vacc = scr.kacc + C.span * pb.D;
     }
+    scr.ka = scr.va = scr.kpairs = scr.qcols = scr.gcols = scr.qpairs = scr.gpairs = scr.pa = nullptr;
+    scr.ctmp = nullptr;
+#ifdef HEADS_AMX
+    if (C.tiles) {  // every part a multiple of 32 bf16: 64-byte aligned as the arena
+      const int64_t Dp = tiles::up32(pb.D), Dvp = tiles::up32(pb.Dv);
+      scr.ctmp = base + own + widened + summed;
+      scr.ka = reinterpret_cast<uint16_t*>(scr.ctmp + 32 * 32);
+      scr.kpairs = scr.ka + C.span * Dp;
+      scr.va = scr.kpairs + C.span * Dp;
+      scr.qcols = scr.va + C.span * Dvp;
+      scr.qpairs = scr.qcols + kLd * Dp;
+      scr.gcols = scr.qpairs + kLd * Dp;
+      scr.gpairs = scr.gcols + kLd * Dvp;
+      scr.pa = scr.gpairs + kLd * Dvp;
+      amx::configure_tiles();
+    }
+#endif
     // Parallel over (b, kv head, key split): each task owns its dK, dV rows and the dQ rows (or the
     // split's buffer rows) of its query heads.
 #pragma omp for schedule(dynamic, 1)
@@ -464,6 +506,9 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
       }
     }
     if (C.stream_kv) Vec::stream_fence();  // this thread's streamed rows land before the caller reads them
+#ifdef HEADS_AMX
+    if (C.tiles) HEADS_TILE_RELEASE();
+#endif
   }
   for (int64_t x = 0; drel != nullptr && x < splits.n * pb.B; ++x) {  // split by split, batch entry by entry
     const float* src = drel_b.data() + x * pb.H * pb.rel_len;

@@ -12,6 +12,17 @@ HEADS_INLINE void scores_to_p(const Call& C, const Step& st, const fwd::Tile& t,
   const VR l2v[kNQ] = {Vec::load(l2), Vec::load(l2 + kW)};
   const bool causal_here = pb.causal && j0 + nk - 1 > t.i0 + pb.causal_offset;
   const float* kj = st.k_row(j0);
+  if (C.tiles) {  // S^T already in s, in log2 units (tiles::step_scores)
+    VR mx[kNQ] = {Vec::zero(), Vec::zero()};
+    if (fwd::needs_masks(t, j0, nk, causal_here)) fwd::apply_masks(t, j0, nk, causal_here, s, mx, kLd, scr.tg + u * kTQ);
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int vv = 0; vv < kNQ; ++vv) {
+        float* sp = s + r * kLd + vv * kW;
+        Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), l2v[vv])));
+      }
+    }
+    return;
+  }
   if (!fwd::needs_masks(t, j0, nk, causal_here)) {  // P straight from the accumulators
     fwd::qk_block_with(nk, kj, st.ks2, scr.qt + u * pb.D * kTQ, pb.D, [&](int64_t r, VR a0, VR a1) {
       Vec::store(s + r * kLd, Vec::exp2(Vec::sub(a0, l2v[0])));
@@ -39,8 +50,17 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
   VR dsv[kNQ] = {Vec::load(ds), Vec::load(ds + kW)};
   const float* vj = st.v_row(j0);
   const float* dot = scr.dot + u * pb.Dv * kTQ;
+  // dP^T row by row: from the K·Qt micro-kernel's accumulators, or on tiles already in dp
+  // (tiles::step_scores)
+  const auto each_dp = [&](auto&& fn) {
+    if (C.tiles) {
+      for (int64_t r = 0; r < nk; ++r) fn(r, Vec::load(dp + r * kLd), Vec::load(dp + r * kLd + kW));
+    } else {
+      fwd::qk_block_with(nk, vj, st.vs2, dot, pb.Dv, fn);
+    }
+  };
   if (pb.dropout_p == 0.0 && !C.one_block) {  // dS straight from the accumulators
-    fwd::qk_block_with(nk, vj, st.vs2, dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
+    each_dp([&](int64_t r, VR a0, VR a1) {
       Vec::store(dp + r * kLd, Vec::mul(Vec::load(s + r * kLd), Vec::sub(a0, dsv[0])));
       Vec::store(dp + r * kLd + kW, Vec::mul(Vec::load(s + r * kLd + kW), Vec::sub(a1, dsv[1])));
     });
@@ -55,13 +75,13 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
     den[1] = Vec::add(den[1], p1);
   };
   if (pb.dropout_p == 0.0) {  // one block: the sums straight from the accumulators
-    fwd::qk_block_with(nk, vj, st.vs2, dot, pb.Dv, [&](int64_t r, VR a0, VR a1) {
+    each_dp([&](int64_t r, VR a0, VR a1) {
       gather(r, a0, a1);
       Vec::store(dp + r * kLd, a0);
       Vec::store(dp + r * kLd + kW, a1);
     });
   } else {
-    fwd::qk_block(nk, vj, st.vs2, dot, pb.Dv, dp, nullptr, kLd);
+    if (!C.tiles) fwd::qk_block(nk, vj, st.vs2, dot, pb.Dv, dp, nullptr, kLd);
     for (int64_t r = 0; r < nk; ++r) {
       for (int64_t l = 0; l < kTQ; ++l) {
         const bool keep =
@@ -165,6 +185,14 @@ HEADS_INLINE void block_products(const Call& C, Step& st, int64_t jg, int64_t j0
   float* dvj = acc ? scr.vacc + (j0 - jg) * pb.Dv : C.dvp + st.b * C.dvs[0] + st.hk * C.dvs[1] + j0 * C.dvs[2];
   const int64_t dks2 = acc ? pb.D : C.dks[2], dvs2 = acc ? pb.Dv : C.dvs[2];
   const Out kv_out = written ? Out::Add : C.stream_kv ? Out::Stream : Out::Set;
+#ifdef HEADS_AMX
+  if (C.tiles && !st.few) {
+    tiles::block_products(C, st, jg, j0, nk, dkj, dks2, dvj, dvs2, kv_out, st.dq_unset ? Out::Set : Out::Add, scr);
+    written = true;
+    st.dq_unset = false;
+    return;
+  }
+#endif
   const int64_t key_stride = st.few ? 1 : kLd, query_stride = st.few ? kTK : 1;  // of P, dS
   gemm_acc(nk, pb.Dv, st.nqs, pb.dropout_p > 0.0 ? scr.pd : scr.s, key_stride, query_stride, st.g0, st.gs2, dvj,
            dvs2, 1.0f, kv_out);

@@ -5,12 +5,12 @@
 #include "kernels/sdpa_flash_fwd-inl.h"
 #include "kernels/sdpa_decode-inl.h"
 #include "kernels/gemm-inl.h"
+#ifdef HEADS_AMX
+#include "kernels/sdpa_amx-inl.h"  // before the backward, which takes its tile pieces
+#endif
 #include "kernels/sdpa_bwd-inl.h"
 #ifdef HEADS_NATIVE_BF16
 #include "kernels/sdpa_flash_bf16-inl.h"
-#endif
-#ifdef HEADS_AMX
-#include "kernels/sdpa_amx-inl.h"
 #endif
 
 // Up to this many query rows per head, a queries-on-lanes tile would leave most lanes idle:

@@ -116,7 +116,7 @@ void expect_fast_matches(const SdpaGrads& ref, const Tensor& dout, const Tensor&
 void expect_every_path_matches(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                const SdpaOptions& o, bool mask_grad, const std::string& what) {
   const SdpaGrads ref = ref::sdpa_bwd_f64(dout, q, k, v, o, mask_grad);
-  for (Isa isa : supported_isas()) {
+  for (Isa isa : testing::test_isas()) {
     set_isa(isa);
     expect_fast_matches(ref, dout, q, k, v, o, mask_grad, what + " isa=" + std::string(isa_name(isa)));
     if (::testing::Test::HasFatalFailure()) return;
@@ -204,7 +204,7 @@ TEST(SdpaBackward, OutVariantWritesIntoStridedViews) {
   o.attn_mask = randn({33, 41});
   o.dropout_p = 0.2;
   IsaGuard guard;
-  for (Isa isa : supported_isas()) {
+  for (Isa isa : testing::test_isas()) {
     set_isa(isa);
     const SdpaResult f = sdpa(q, k, v, o);
     const SdpaGrads want = sdpa_backward(dout, q, k, v, f, o);
@@ -253,7 +253,7 @@ TEST(SdpaBackward, OneVisibleKeyGivesNoQueryGradient) {
     const Tensor dout = randn({2, 3, Lq, 64});
     SdpaOptions o;
     o.is_causal = causal;
-    for (Isa isa : supported_isas()) {
+    for (Isa isa : testing::test_isas()) {
       set_isa(isa);
       const SdpaGrads g = sdpa_backward(dout, q, k, v, sdpa(q, k, v, o), o);
       double dv_max = 0, dq_max = 0;
@@ -282,7 +282,7 @@ TEST(SdpaBackward, NonFiniteInputsReachTheGradientsTheyTouch) {
     {  // NaN in query row 1 of head 0: dq row 1, and dk/dv of head 0 (row 1 sees every key); not head 1
       Tensor q = randn({1, 2, Lq, 8});
       q.data<float>()[1 * 8 + 2] = nan;
-      for (Isa isa : supported_isas()) {
+      for (Isa isa : testing::test_isas()) {
         set_isa(isa);
         const std::string where = shape + " isa=" + isa_name(isa);
         const SdpaGrads g = sdpa_backward(dout, q, k, v, sdpa(q, k, v, {}), {});
@@ -299,7 +299,7 @@ TEST(SdpaBackward, NonFiniteInputsReachTheGradientsTheyTouch) {
       const Tensor q = randn({1, 2, Lq, 8});
       Tensor kn = k.clone();
       kn.data<float>()[5 * 8 + 1] = nan;
-      for (Isa isa : supported_isas()) {
+      for (Isa isa : testing::test_isas()) {
         set_isa(isa);
         const std::string where = shape + " isa=" + isa_name(isa);
         const SdpaGrads g = sdpa_backward(dout, q, kn, v, sdpa(q, kn, v, {}), {});
@@ -313,7 +313,7 @@ TEST(SdpaBackward, NonFiniteInputsReachTheGradientsTheyTouch) {
 }
 
 // bf16 inputs: the gradients are the f32 backward's of the widened inputs, rounded once to bf16, on
-// every path; against the float64 reference they carry about one bf16 rounding.
+// every path but AMX tiles; against the float64 reference they carry about one bf16 rounding.
 TEST(SdpaBackward, Bf16GradientsAreTheF32OnesRoundedOnce) {
   IsaGuard guard;
   for (SdpaCase c : {SdpaCase{.B = 2, .H = 4, .Hkv = 2, .Lq = 129, .Lk = 77, .D = 63, .Dv = 40, .causal = true},
@@ -323,7 +323,7 @@ TEST(SdpaBackward, Bf16GradientsAreTheF32OnesRoundedOnce) {
     const SdpaCase::Inputs in = c.draw();
     const Tensor dout = in.dout.to(DType::BF16);
     const SdpaGrads ref = ref::sdpa_bwd_f64(dout, in.q, in.k, in.v, in.options);
-    for (Isa isa : supported_isas()) {
+    for (Isa isa : testing::test_isas()) {
       set_isa(isa);
       const std::string what = c.str() + " isa=" + isa_name(isa);
       const SdpaResult f = sdpa(in.q, in.k, in.v, in.options);
@@ -340,7 +340,8 @@ TEST(SdpaBackward, Bf16GradientsAreTheF32OnesRoundedOnce) {
       for (const auto& [got, f32_grad, want, name] :
            {std::tuple{&g.dq, &w.dq, &ref.dq, "dq"}, {&g.dk, &w.dk, &ref.dk, "dk"}, {&g.dv, &w.dv, &ref.dv, "dv"}}) {
         ASSERT_EQ(got->dtype(), DType::BF16) << what << " " << name;
-        EXPECT_TRUE(testing::bitwise_equal(*got, f32_grad->to(DType::BF16))) << what << " " << name;
+        // (on AMX tiles P and dS are rounded to bf16 for the products: other sums than the f32 path's)
+        if (isa != Isa::Amx) EXPECT_TRUE(testing::bitwise_equal(*got, f32_grad->to(DType::BF16))) << what << " " << name;
         const auto e = testing::compare(*got, *want);
         EXPECT_LE(e.max_abs, 1e-2 * e.max_ref) << what << " " << name;  // bf16 keeps 8 bits: 2^-8 = 0.4%
       }
@@ -373,7 +374,7 @@ TEST(SdpaBackward, KeyBlocksMergeToTheWholeRow) {
     whole.scale = 0.2;
     const SdpaResult want = ref::sdpa_fwd_f64(q, k, v, whole);
     const SdpaGrads want_g = ref::sdpa_bwd_f64(dout, q, k, v, whole);
-    for (Isa isa : supported_isas()) {
+    for (Isa isa : testing::test_isas()) {
       set_isa(isa);
       const std::string what = "Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(Lk) + " isa=" + isa_name(isa);
       SdpaResult acc;
