@@ -149,13 +149,13 @@ TEST(SdpaSplit, BackwardCausalSplitsCarryAboutEqualWork) {
 
 TEST(SdpaSplit, BackwardAndDecodeFeedSixteenThreads) {
   std::ostringstream table;
-  table << "modelled parallel efficiency (threads 2 / 4 / 8 / 16 / 32):\n";
+  table << "modelled parallel efficiency (threads 2 / 4 / 8 / 16 / 32 / 64):\n";
   for (const Shape& s : shapes()) {
     const SdpaProblem pb = problem(s);
     const bool decode = s.Lq <= 4;
     const std::vector<double> work = decode ? decode_tasks(pb) : backward_tasks(pb);
     table << "  " << s.name << (decode ? " decode forward" : " backward") << ", " << work.size() << " tasks:";
-    for (int threads : {2, 4, 8, 16, 32}) {
+    for (int threads : {2, 4, 8, 16, 32, 64}) {
       const double e = efficiency(work, threads);
       table << " " << e;
       if (threads <= 16) EXPECT_GE(e, 0.9) << s.name << " threads=" << threads;
