@@ -13,7 +13,7 @@
 
 namespace heads::kernels {
 
-// One output row of an int8 linear layer (heads/precision.h) as quantize-inl.h's int8_row_out reads it.
+// One output row of an int8 linear layer (heads/precision.h) as quantize-inl.h's int8_rows_out reads it.
 struct Int8Row {
   const int32_t* a;   // [n] Σ_k (first term)·W of the row
   const int32_t* a2;  // [n] Σ_k (second term)·W, or null when the row has none
@@ -90,7 +90,7 @@ struct KernelTable {
   void (*quantize_rows_i8)(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
                            int8_t* q, float* s, int32_t* z, int8_t* r, float* sr);
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
-  void (*int8_row_out)(const Int8Row& r, float* y);
+  void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
   float (*fma_probe)(int64_t iters);
   int (*fma_probe_flops_per_iter)();

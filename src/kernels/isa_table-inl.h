@@ -28,7 +28,7 @@ const KernelTable kTable{
     .add_f32 = &add_f32,
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_i8 = &quantize_rows_i8,
-    .int8_row_out = &int8_row_out,
+    .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,
     .read_probe = &read_probe,

@@ -271,7 +271,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   if (Nr > 0) gemm_s8(xq.data(), Mp, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
-  const auto row_out = kernels::active().int8_row_out;
+  const auto rows_out = kernels::active().int8_rows_out;
   const auto out_row = [&](int64_t m) {
     const int64_t j2 = second[static_cast<size_t>(m)];
     kernels::Int8Row r{acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (Mp + j2) * N, zx[m], sx[m], sr[m], w.ws,
@@ -293,7 +293,9 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const int64_t m0 = bi * kBlock, m1 = std::min(M, m0 + kBlock);
-    for (int64_t m = m0; m < m1; ++m) row_out(out_row(m), y + m * ys);
+    kernels::Int8Row rows[kBlock];
+    for (int64_t m = m0; m < m1; ++m) rows[m - m0] = out_row(m);
+    rows_out(rows, m1 - m0, y + m0 * ys, ys);
     apply_activation(act, y + m0 * ys, m1 - m0, N, ys);
   }
 }
