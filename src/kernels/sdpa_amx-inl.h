@@ -22,8 +22,9 @@
 // back; rows whose max did not move (alpha = 1, most of them after the first blocks) are not rescaled.
 // q and k are exact bf16 inputs; the scale is applied in f32 to S; P is rounded to bf16 for its
 // product (as every bf16 attention kernel does), its row sum l is taken in f32 before rounding.
-// Masks, causal limits, dropout, fully masked rows, non-finite values and the weights on request
-// follow sdpa_flash_fwd-inl.h exactly (the weights from a second sweep of S after the final lse).
+// Masks, causal limits, the score modifiers (left windows, softcap, ALiBi / T5 biases, sinks, block
+// layouts), dropout, fully masked rows, non-finite values and the weights on request follow
+// sdpa_flash_fwd-inl.h exactly (the weights from a second sweep of S after the final lse).
 // Padding (keys past Lk, dims past D or Dv, query rows past Lq) is zero in the packed operands and
 // never reaches an output: padded keys are -inf in S, padded rows and columns are not stored.
 // Parallel: (b, h, query block) tasks, heaviest first under causal, handed out in runs of one head,
@@ -77,6 +78,7 @@ struct Task {
   const SdpaProblem& pb;
   const Layout& lay;
   int64_t b, h, hk, i0, nq;
+  bool mods;  // a left window, softcap, a position bias or a block layout (modify16)
   const uint16_t* kh;  // K of (b, hk) as given, row stride ks
   int64_t ks;
   const uint16_t* vh;  // V of (b, hk), row stride vs
@@ -137,26 +139,53 @@ HEADS_INLINE RowMask row_mask(const Task& t, int64_t r, int64_t j0) {
   return {static_cast<const char*>(pb.mask.raw_data()) + off * bytes, pb.mask.stride(3)};
 }
 
-// Scores of keys 16v .. 16v + 15 (relative to the block) of one row: raw products `raw` -> log2
-// units (times c = scale · log2 e), attn_mask applied (fwd::masked_score's rule: a bool mask's false
-// is -inf whatever the score, a float mask is added), keys at or past `lim` (the row's causal limit
-// or Lk, relative to the block) -inf.
-HEADS_INLINE __m512 score16(const SdpaProblem& pb, const RowMask& rm, __m512 raw, int64_t v, int64_t lim, __m512 cv,
-                            float* tmp) {
+// The score modifiers of query i on keys j .. j + 15 (the first n of them real), in log2 units, in
+// sdpa_problem.h's order (fwd::apply_masks does the same on its transposed tiles): softcap, then the
+// ALiBi / T5 bias added; keys left of the row's window or outside the block layout leave `keep`.
+HEADS_INLINE __m512 modify16(const Task& t, __m512 x, int64_t i, int64_t j, int64_t n, __mmask16& keep) {
+  const SdpaProblem& pb = t.pb;
+  if (pb.softcap > 0.0) {
+    const float cap2 = static_cast<float>(pb.softcap) * kLog2e;
+    x = _mm512_mul_ps(_mm512_set1_ps(cap2), fwd::tanh_v(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap2))));
+  }
+  if (pb.rel.defined()) {  // key j + e at rel[i - j - e + Lk - 1]: 16 floats read backwards
+    const float* top = pb.rel_row(t.h) + (i - j + pb.Lk - 1);
+    const auto high = static_cast<__mmask16>(~first_mask16(16 - n));  // lane 15 - e for e < n
+    const __m512 back = _mm512_maskz_loadu_ps(high, top - 15);
+    const __m512i reverse = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    x = _mm512_add_ps(x, _mm512_permutexvar_ps(reverse, back));
+  }
+  if (pb.has_left && j < i + pb.left_offset) keep &= static_cast<__mmask16>(~first_mask16(i + pb.left_offset - j));
+  if (pb.block_mask.defined()) {
+    uint32_t bits = 0;
+    for (int64_t e = 0; e < n; ++e) bits |= (pb.block_visible(t.h, i / pb.block_size, (j + e) / pb.block_size) ? 1u : 0u) << e;
+    keep &= static_cast<__mmask16>(bits);
+  }
+  return x;
+}
+
+// Scores of keys j0 + 16v .. j0 + 16v + 15 of query i (row r of the task): raw products `raw` -> log2
+// units (times c = scale · log2 e), the score modifiers (modify16), attn_mask applied
+// (fwd::masked_score's rule: a bool mask's false is -inf whatever the score, a float mask is added),
+// keys at or past `lim` (the row's causal limit or Lk, relative to the block) -inf.
+HEADS_INLINE __m512 score16(const Task& t, const RowMask& rm, __m512 raw, int64_t i, int64_t j0, int64_t v,
+                            int64_t lim, __m512 cv, float* tmp) {
+  const SdpaProblem& pb = t.pb;
   const __mmask16 valid = first_mask16(lim - 16 * v);
   __m512 x = _mm512_mul_ps(raw, cv);
   __mmask16 keep = valid;
+  if (t.mods && valid != 0) x = modify16(t, x, i, j0 + 16 * v, std::min<int64_t>(16, lim - 16 * v), keep);
   if (rm.at != nullptr && valid != 0) {
     const int64_t ms = rm.stride, n = lim - 16 * v;
     if (pb.mask_kind == MaskKind::Bool) {
       const auto* mb = static_cast<const uint8_t*>(rm.at) + 16 * v * ms;
       if (ms == 1) {
         const __m128i bytes = _mm_maskz_loadu_epi8(valid, mb);
-        keep = _mm_test_epi8_mask(bytes, bytes) & valid;
+        keep &= _mm_test_epi8_mask(bytes, bytes);
       } else {
         uint32_t bits = 0;
         for (int64_t e = 0; e < 16 && e < n; ++e) bits |= (mb[e * ms] != 0 ? 1u : 0u) << e;
-        keep = static_cast<__mmask16>(bits);
+        keep &= static_cast<__mmask16>(bits);
       }
     } else {
       const float* mf = static_cast<const float*>(rm.at) + 16 * v * ms;
@@ -206,12 +235,15 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
     if (r >= t.nq) {
       for (int64_t kk = 0; kk < kBK; kk += 32) _mm512_store_si512(scr.p + r * kBK + kk, _mm512_setzero_si512());
     }
-    scr.m[r] = kNegInf;
-    scr.l[r] = 0.0f;
+    // a sink starts the row's softmax as a key of logit sink with no value (m = sink, l = 1)
+    scr.m[r] = pb.sink_log2(t.h);
+    scr.l[r] = pb.sinks.defined() ? 1.0f : 0.0f;
   }
   const int64_t jend = pb.key_end(t.i0 + t.nq - 1);  // causal limit of the widest row
+  // Blocks left of the first row's window are skipped (the band's limits only grow with i).
+  const int64_t jstart = pb.key_begin(t.i0) / kBK * kBK;
 
-  for (int64_t j0 = 0; j0 < jend; j0 += kBK) {
+  for (int64_t j0 = jstart; j0 < jend; j0 += kBK) {
     const int64_t nk = std::min(jend - j0, kBK), nkp = (nk + 31) / 32 * 32;
     ensure_packed(t, scr, j0 + nkp);
     scores_block(t, scr, j0, nkp);
@@ -226,7 +258,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
 #pragma GCC unroll 8
       for (int64_t v = 0; v < kBK / 16; ++v) {
         if (v < n16) {
-          x[v] = score16(pb, rm, _mm512_load_ps(sr + 16 * v), v, lim, cv, scr.tmp);
+          x[v] = score16(t, rm, _mm512_load_ps(sr + 16 * v), t.i0 + r, j0, v, lim, cv, scr.tmp);
           mxv = _mm512_max_ps(mxv, x[v]);  // a NaN lane may be skipped: it reaches l through 2^NaN
         }
       }
@@ -257,7 +289,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
       rescale = rescale || alpha != 1.0f;
     }
     // O = O · alpha (O is zero before the first block: its accumulators start from tilezero)
-    const bool first = j0 == 0;
+    const bool first = j0 == jstart;
     if (rescale && !first) {
       for (int64_t r = 0; r < t.nq; ++r) {
         if (scr.alpha[r] == 1.0f) continue;
@@ -296,11 +328,13 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
     }
   }
 
-  // O / l, rounded to bf16; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf.
+  // O / l, rounded to bf16; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf
+  // (with a sink, l >= 1: O is zero where no block ran).
+  const bool any_block = jstart < jend;
   for (int64_t r = 0; r < t.nq; ++r) {
     const float lr = scr.l[r];
     const __m512 inv = _mm512_set1_ps(lr != 0.0f ? 1.0f / lr : 0.0f);
-    const bool zero = lr == 0.0f;  // zeros even where a V entry is NaN (0 · NaN in P · V)
+    const bool zero = lr == 0.0f || !any_block;  // zeros even where a V entry is NaN (0 · NaN in P · V)
     const float* orow = scr.o + r * lay.Dvp;
     uint16_t* dst = out + r * os2;
     for (int64_t d = 0; d < pb.Dv; d += 16) {
@@ -333,7 +367,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
       for (int64_t kk = 0; kk < nkp; kk += 16) {
         __m512 x = _mm512_set1_ps(hidden);
         if (kk < nv) {
-          x = score16(pb, rm, _mm512_load_ps(scr.s + r * kBK + kk), kk / 16, lim, cv, scr.tmp);
+          x = score16(t, rm, _mm512_load_ps(scr.s + r * kBK + kk), t.i0 + r, j0, kk / 16, lim, cv, scr.tmp);
           x = exp2_nonpos(_mm512_sub_ps(x, ls));
           if (pb.dropout_p > 0.0) x = drop16(t, scr, t.i0 + r, j0 + kk, x);
         }
@@ -377,6 +411,7 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
       const int64_t qb = pb.causal ? n_qb - 1 - task % n_qb : task % n_qb;  // heaviest first
       const int64_t i0 = qb * kBQ, hk = h / pb.group();
       const Task t{pb, lay, b, h, hk, i0, std::min(pb.Lq - i0, kBQ),
+                   pb.has_left || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined(),
                    kb + b * k.stride(0) + hk * k.stride(1), k.stride(2),
                    vb + b * v.stride(0) + hk * v.stride(1), v.stride(2), scr.kv, scr.kv + lay.k_elems};
       run_task(t, scr, qp + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2), q.stride(2),

@@ -58,11 +58,7 @@ inline void sdpa_fwd_bf16(const SdpaProblem& pb, const Tensor& q, const Tensor& 
     sdpa_decode<uint16_t>(pb, q, k, v, out, lse, weights);
   } else {
 #if defined(HEADS_AMX)
-    if (pb.score_mods()) {  // left windows, softcap, position biases and sinks: not on tiles yet
-      sdpa_tiled_bf16_widen(pb, q, k, v, out, lse, weights);
-    } else {
-      amx::sdpa_fwd(pb, q, k, v, out, lse, weights);
-    }
+    amx::sdpa_fwd(pb, q, k, v, out, lse, weights);
 #elif defined(HEADS_NATIVE_BF16)
     if (bf16_dot_pays()) {
       sdpa_tiled_bf16_dot(pb, q, k, v, out, lse, weights);

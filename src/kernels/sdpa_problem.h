@@ -76,11 +76,6 @@ struct SdpaProblem {
     const int64_t e = i + left_offset;
     return e < 0 ? 0 : (e > Lk ? Lk : e);
   }
-  // Modifiers only the f32 tiled and decode kernels (and the backward) apply; the bf16 tile kernels
-  // hand such problems to the widening path.
-  bool score_mods() const {
-    return has_left || softcap > 0.0 || rel.defined() || sinks.defined() || block_mask.defined();
-  }
   // Block (qb, kb) of head h may be attended (block-sparse layout; true without one).
   bool block_visible(int64_t h, int64_t qb, int64_t kb) const {
     if (!block_mask.defined()) return true;

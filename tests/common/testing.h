@@ -6,8 +6,10 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "heads/error.h"
 #include "heads/isa.h"
 #include "heads/runtime.h"
 #include "heads/tensor.h"
@@ -78,6 +80,21 @@ std::string model_dir();
 inline std::mt19937_64& rng() {
   static std::mt19937_64 gen(20261121);
   return gen;
+}
+
+// The tensor a state dict (heads::StateDict: name and tensor pairs) holds under `name`, or null.
+inline const Tensor* find_entry(const std::vector<std::pair<std::string, Tensor>>& sd, const std::string& name) {
+  for (const auto& [n, t] : sd) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+// The same, or an error naming it.
+inline const Tensor& entry(const std::vector<std::pair<std::string, Tensor>>& sd, const std::string& name) {
+  const Tensor* t = find_entry(sd, name);
+  HEADS_CHECK(t != nullptr, "no tensor ", name, " in the state dict");
+  return *t;
 }
 
 // Normal(0, stddev) f32 tensor, contiguous.

@@ -1,6 +1,7 @@
 // precision_test.cc — the reduced-precision linear layers (heads/precision.h) against float64 loops
 // that follow their definitions, on every ISA path, and against the exact product within the bound
-// their error model gives; modules and the sentence encoder in bf16 and int8.
+// their error model gives. Modules and the sentence encoder in bf16 and int8:
+// precision_modules_test.cc.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -355,59 +356,6 @@ TEST(Precision, Bf16ActivationsInAndOut) {
               HasSubstr("output dtype bf16 with a f32 weight"));
 }
 
-// A bf16 MultiheadAttention keeps q, k, v and the attention in bf16: every option (bias_k/v, a zero
-// key, kdim/vdim, key_padding_mask, attn_mask, weights) stays within bf16's error of the f32 module.
-TEST(Precision, Bf16MultiheadAttentionEveryOption) {
-  testing::IsaGuard guard;
-  MultiheadAttentionOptions o;
-  o.embed_dim = 48;
-  o.num_heads = 4;
-  o.add_bias_kv = true;
-  o.add_zero_attn = true;
-  o.kdim = 40;
-  o.vdim = 24;
-  o.batch_first = true;
-  MultiheadAttention m(o, 7);
-  m.eval();
-  const Tensor q = randn({2, 37, 48}), k = randn({2, 29, 40}), v = randn({2, 29, 24});
-  MhaForwardArgs a;
-  a.key_padding_mask = testing::rand_bool({2, 29}, 0.2);
-  a.attn_mask = randn({37, 29});  // [L, S]: padded for bias_k and the zero key as torch does
-  a.average_attn_weights = false;
-  const auto [ref, ref_w] = m.forward(q, k, v, a);
-  m.set_precision(Precision::BF16);
-  for (Isa isa : supported_isas()) {
-    set_isa(isa);
-    const auto [out, w] = m.forward(q, k, v, a);
-    ASSERT_EQ(out.dtype(), DType::F32);
-    const auto e = testing::compare(out, ref), ew = testing::compare(w, ref_w);
-    EXPECT_GT(e.max_abs, 0.0) << isa_name(isa);
-    EXPECT_LT(e.max_abs, 3e-2 * e.max_ref) << isa_name(isa);
-    EXPECT_LT(ew.max_abs, 3e-2) << isa_name(isa);
-    EXPECT_FALSE(e.nan || ew.nan) << isa_name(isa);
-  }
-  // Self-attention through the packed in_proj (q, k, v as strided bf16 views of one projection),
-  // sequence-first layout (a strided bf16 attention buffer), unbatched input, causal.
-  MultiheadAttentionOptions so;
-  so.embed_dim = 32;
-  so.num_heads = 4;
-  MultiheadAttention self(so, 8);
-  self.eval();
-  const Tensor x = randn({19, 2, 32}), xu = randn({19, 32});
-  MhaForwardArgs causal;
-  causal.is_causal = true;
-  causal.need_weights = false;
-  const Tensor r1 = self.forward(x, x, x, causal).first, r2 = self.forward(xu, xu, xu, causal).first;
-  self.set_precision(Precision::BF16);
-  for (Isa isa : supported_isas()) {
-    set_isa(isa);
-    const auto e1 = testing::compare(self.forward(x, x, x, causal).first, r1);
-    const auto e2 = testing::compare(self.forward(xu, xu, xu, causal).first, r2);
-    EXPECT_TRUE(e1.max_abs > 0 && e1.max_abs < 3e-2 * e1.max_ref && !e1.nan) << isa_name(isa) << " " << e1.max_abs;
-    EXPECT_TRUE(e2.max_abs > 0 && e2.max_abs < 3e-2 * e2.max_ref && !e2.nan) << isa_name(isa) << " " << e2.max_abs;
-  }
-}
-
 TEST(Precision, RowsNonFiniteInputsAndStoredParts) {
   const Tensor W = randn({6, 5}), b = randn({6});
   const PackedLinear pw(W, Precision::Int8);
@@ -447,45 +395,6 @@ TEST(Precision, RowsNonFiniteInputsAndStoredParts) {
   EXPECT_THAT(testing::error_of([] { precision_from_name("fp8"); }), HasSubstr("f32, bf16 or int8, got \"fp8\""));
 }
 
-// A module in reduced precision: close to its f32 output by the precision's step, back to f32 bits
-// when set back, and re-packed when new weights are loaded.
-TEST(Precision, ModulesRunTheirLinearLayersInTheChosenPrecision) {
-  TransformerEncoderLayerOptions o;
-  o.d_model = 64;
-  o.nhead = 4;
-  o.dim_feedforward = 96;
-  o.dropout = 0.0;
-  o.batch_first = true;
-  TransformerEncoderLayer layer(o, 3);
-  layer.eval();
-  const Tensor x = randn({2, 9, 64});
-  const Tensor ref = layer.forward(x);
-  for (auto [p, tol] : {std::pair{Precision::BF16, 2e-2}, {Precision::Int8, 4e-2}}) {
-    layer.set_precision(p);
-    EXPECT_EQ(layer.precision(), p);
-    const auto e = testing::compare(layer.forward(x), ref);
-    EXPECT_GT(e.max_abs, 0.0) << precision_name(p);  // it did run in another precision
-    EXPECT_LT(e.max_abs, tol * e.max_ref) << precision_name(p);
-  }
-  TransformerEncoderLayer other(o, 4);
-  layer.load_state_dict(other.state_dict());  // int8 still in force: packed again from the new weights
-  other.eval();
-  other.set_precision(Precision::Int8);
-  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
-  // A weight that cannot be packed (inf) fails the load and leaves the layer as it was.
-  StateDict bad = TransformerEncoderLayer(o, 5).state_dict();
-  for (auto& [n, t] : bad) {
-    if (n == "linear2.weight") t.data<float>()[3] = std::numeric_limits<float>::infinity();
-  }
-  const Tensor before = layer.forward(x);
-  EXPECT_THAT(testing::error_of([&] { layer.load_state_dict(bad); }), HasSubstr("holds NaN or inf"));
-  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), before));
-  EXPECT_EQ(layer.precision(), Precision::Int8);
-  layer.set_precision(Precision::F32);
-  other.set_precision(Precision::F32);
-  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
-}
-
 // Rows far below 1 (down to subnormals) quantize without NaN: the product stays within the bound.
 TEST(Precision, TinyRowsQuantizeWithoutNaN) {
   testing::IsaGuard guard;
@@ -501,26 +410,6 @@ TEST(Precision, TinyRowsQuantizeWithoutNaN) {
     for (int64_t i = 0; i < y.numel(); ++i) EXPECT_TRUE(std::isfinite(y.data<float>()[i])) << isa_name(isa) << " " << i;
     for (int64_t n = 0; n < 4; ++n) EXPECT_LT(std::fabs(y.data<float>()[n]), 1e-36) << isa_name(isa);
     for (int64_t n = 0; n < 4; ++n) EXPECT_LT(std::fabs(y.data<float>()[4 + n]), 1e-27) << isa_name(isa);
-  }
-}
-
-// all-MiniLM-L6-v2 in bf16 and int8: embeddings within the cosine the issue asks for.
-TEST(Precision, SentenceEmbeddingsStayCloseToF32) {
-  const std::vector<std::string> texts = {
-      "The cat sat on the mat.", "A quick brown fox jumps over the lazy dog near the river bank.",
-      "Quantum chromodynamics describes the strong interaction between quarks and gluons.",
-      "I'd like a coffee, please!", "Attention is all you need."};
-  const Tensor f32 = SentenceEncoder::load(testing::model_dir()).encode(texts);
-  for (auto [p, floor] : {std::pair{Precision::BF16, 0.9999}, {Precision::Int8, 0.999}}) {
-    const SentenceEncoder enc = SentenceEncoder::load(testing::model_dir(), p);
-    EXPECT_EQ(enc.precision(), p);
-    const Tensor e = enc.encode(texts);
-    for (int64_t i = 0; i < e.size(0); ++i) {
-      double dot = 0;
-      for (int64_t d = 0; d < e.size(1); ++d) dot += static_cast<double>(e.data<float>()[i * e.size(1) + d]) * f32.data<float>()[i * e.size(1) + d];
-      EXPECT_GE(dot, floor) << precision_name(p) << " text " << i;  // unit rows: the cosine
-      EXPECT_LT(dot, 1.0 - 1e-9) << precision_name(p) << " text " << i;
-    }
   }
 }
 

@@ -26,13 +26,6 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using testing::randn;
 
-const Tensor* entry(const StateDict& sd, const std::string& name) {
-  for (const auto& [n, t] : sd) {
-    if (n == name) return &t;
-  }
-  return nullptr;
-}
-
 StateDict replaced(StateDict sd, const std::string& name, const Tensor& t) {
   for (auto& [n, v] : sd) {
     if (n == name) v = t;
@@ -84,7 +77,7 @@ TEST(Quantize, ModulesSaveAndLoadTheirInt8Weights) {
     for (const auto& [n, t] : qsd) {
       if (t.dtype() != DType::I8) continue;
       ++int8;
-      const Tensor* s = entry(qsd, n + "_scale");
+      const Tensor* s = testing::find_entry(qsd, n + "_scale");
       ASSERT_NE(s, nullptr) << n;
       EXPECT_EQ(s->shape(), Shape({t.size(0)})) << n;
     }
@@ -221,7 +214,7 @@ TEST(Quantize, BrokenInt8StateDictsAreErrorsThatChangeNothing) {
   check(replaced(good, "out_proj.weight_scale", randn({15})), "\"out_proj.weight_scale\": expected f32 [16]");
   check(replaced(good, "out_proj.weight_scale", randn({16}).to(DType::F64)), "expected f32 [16]");
   Tensor neg_copy = Tensor::empty({16}, DType::F32);
-  neg_copy.copy_from(*entry(good, "out_proj.weight_scale"));
+  neg_copy.copy_from(*testing::find_entry(good, "out_proj.weight_scale"));
   neg_copy.data<float>()[3] = -1.0f;
   check(replaced(good, "out_proj.weight_scale", neg_copy), "scale 3 must be finite and positive");
   neg_copy.data<float>()[3] = std::numeric_limits<float>::quiet_NaN();

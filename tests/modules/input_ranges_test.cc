@@ -27,13 +27,6 @@ Tensor column_absmax(const Tensor& x_in) {
   return a;
 }
 
-const Tensor& entry(const StateDict& sd, const std::string& name) {
-  for (const auto& [n, t] : sd) {
-    if (n == name) return t;
-  }
-  throw Error("no " + name);
-}
-
 TEST(InputRanges, EncoderLayerRecordsEachLinearLayersInput) {
   TransformerEncoderLayerOptions o;
   o.d_model = 24;
@@ -57,12 +50,12 @@ TEST(InputRanges, EncoderLayerRecordsEachLinearLayersInput) {
 
   // The same inputs from the public ops: in-projection, attention, out-projection + norm1, FF.
   const StateDict sd = layer.state_dict();
-  const Tensor qkv = linear(x, entry(sd, "self_attn.in_proj_weight"), entry(sd, "self_attn.in_proj_bias"));
+  const Tensor qkv = linear(x, testing::entry(sd, "self_attn.in_proj_weight"), testing::entry(sd, "self_attn.in_proj_bias"));
   const auto heads_of = [&](int64_t part) { return qkv.slice(2, part * 24, part * 24 + 24).reshape({2, 9, 3, 8}).permute({0, 2, 1, 3}); };
   const Tensor attn = sdpa(heads_of(0), heads_of(1), heads_of(2)).out.permute({0, 2, 1, 3}).reshape({2, 9, 24});
-  const Tensor h1 = layer_norm(add(x, linear(attn, entry(sd, "self_attn.out_proj.weight"), entry(sd, "self_attn.out_proj.bias"))),
-                               entry(sd, "norm1.weight"), entry(sd, "norm1.bias"), o.layer_norm_eps);
-  const Tensor g = activation(linear(h1, entry(sd, "linear1.weight"), entry(sd, "linear1.bias")), Activation::Gelu);
+  const Tensor h1 = layer_norm(add(x, linear(attn, testing::entry(sd, "self_attn.out_proj.weight"), testing::entry(sd, "self_attn.out_proj.bias"))),
+                               testing::entry(sd, "norm1.weight"), testing::entry(sd, "norm1.bias"), o.layer_norm_eps);
+  const Tensor g = activation(linear(h1, testing::entry(sd, "linear1.weight"), testing::entry(sd, "linear1.bias")), Activation::Gelu);
   const std::pair<const char*, Tensor> want[] = {{"self_attn.in_proj_weight", x},
                                                  {"self_attn.out_proj.weight", attn},
                                                  {"linear1.weight", h1},
@@ -79,7 +72,7 @@ TEST(InputRanges, EncoderLayerRecordsEachLinearLayersInput) {
   const Tensor yq = q.forward(x);
   EXPECT_TRUE(testing::compare(yq, y).within(5e-2, 5e-2));
   const StateDict stored = q.quantized_state_dict();
-  const Tensor& channels = entry(stored, "self_attn.in_proj_weight_outlier_channels");
+  const Tensor& channels = testing::entry(stored, "self_attn.in_proj_weight_outlier_channels");
   ASSERT_EQ(channels.numel(), 1);
   EXPECT_EQ(channels.data<int64_t>()[0], 5);
   // A layer loaded from that state dict runs the same bits.

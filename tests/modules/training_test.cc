@@ -27,13 +27,6 @@ void expect_close(double analytic, double numeric, const std::string& what) {
   EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric))) << what;
 }
 
-const Tensor& named(const StateDict& sd, const std::string& name) {
-  for (const auto& [n, t] : sd) {
-    if (n == name) return t;
-  }
-  throw Error("no tensor " + name);
-}
-
 TEST(Training, MultiheadAttentionBackwardIsTheForwardsDerivative) {
   MultiheadAttentionOptions o;
   o.embed_dim = 12;
@@ -62,7 +55,7 @@ TEST(Training, MultiheadAttentionBackwardIsTheForwardsDerivative) {
   ASSERT_EQ(g.params.size(), mha.state_dict().size());
   for (const auto& [n, p] : mha.state_dict()) {
     const Tensor d = randn(p.shape());
-    expect_close(dot(named(g.params, n), d), directional(p, d, 1e-2, loss), n);
+    expect_close(dot(testing::entry(g.params, n), d), directional(p, d, 1e-2, loss), n);
   }
   EXPECT_THROW(mha.backward(MhaTape{}, w), Error);
   EXPECT_THROW(mha.backward(tape, randn({7, 12})), Error);
@@ -93,7 +86,7 @@ TEST(Training, EncoderBackwardIsTheForwardsDerivative) {
     ASSERT_EQ(g.params.size(), enc.state_dict().size());
     for (const auto& [n, p] : enc.state_dict()) {
       const Tensor dp = randn(p.shape());
-      expect_close(dot(named(g.params, n), dp), directional(p, dp, 1e-2, loss), n);
+      expect_close(dot(testing::entry(g.params, n), dp), directional(p, dp, 1e-2, loss), n);
     }
   }
 }
@@ -123,7 +116,7 @@ TEST(Training, TinyCausalLMBackwardIsTheLossDerivative) {
     // The embeddings start near 0.02 and the first pre-norm LayerNorm divides by their spread: a
     // smaller step keeps the difference quotient in the region where the loss is smooth.
     const Tensor d = randn(p.shape());
-    expect_close(dot(named(g, n), d), directional(p, d, n.find("_emb.") != std::string::npos ? 1e-3 : 1e-2, loss), n);
+    expect_close(dot(testing::entry(g, n), d), directional(p, d, n.find("_emb.") != std::string::npos ? 1e-3 : 1e-2, loss), n);
   }
   EXPECT_THAT(testing::error_of([&] { lm.forward(Tensor::zeros({1, 10}, DType::I64)); }),
               ::testing::HasSubstr("longer than max_len 9"));
