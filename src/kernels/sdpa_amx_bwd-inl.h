@@ -235,4 +235,19 @@ inline int64_t operand_elems(int64_t D, int64_t Dv, int64_t span) {
   return span * (2 * up32(D) + up32(Dv)) + kLd * (2 * up32(D) + 2 * up32(Dv)) + 2 * kTK * kLd;
 }
 
+// The thread's tile operands from `at` (sdpa_bwd's arena, 64-byte aligned): the 32 x 32 f32 block,
+// then operand_elems bf16, every part a multiple of 32 bf16, so each stays aligned.
+inline void place_operands(const Call& C, float* at, Scratch& scr) {
+  const int64_t Dp = up32(C.pb.D), Dvp = up32(C.pb.Dv);
+  scr.ctmp = at;
+  scr.ka = reinterpret_cast<uint16_t*>(scr.ctmp + 32 * 32);
+  scr.kpairs = scr.ka + C.span * Dp;
+  scr.va = scr.kpairs + C.span * Dp;
+  scr.qcols = scr.va + C.span * Dvp;
+  scr.qpairs = scr.qcols + kLd * Dp;
+  scr.gcols = scr.qpairs + kLd * Dp;
+  scr.gpairs = scr.gcols + kLd * Dvp;
+  scr.pa = scr.gpairs + kLd * Dvp;
+}
+
 }  // namespace tiles

@@ -36,7 +36,8 @@
 // after, split by split. The cut depends on the shape alone.
 
 // Files: the steps' kernels (P, dS and the products of one query step against a key block) are
-// sdpa_bwd_step-inl.h, included below inside namespace bwd.
+// sdpa_bwd_step-inl.h, the few-query steps sdpa_bwd_few-inl.h, and on AMX the products on tiles
+// sdpa_amx_bwd-inl.h, all included below inside namespace bwd.
 
 namespace bwd {
 
@@ -50,24 +51,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 using gemm::gemm_acc;
 using gemm::Out;
 using gemm::row_dot;
-
-// out[r·ldr + l·ldl] = alpha · (A_r · B_l) for keys r < nk and queries l < nq (rows of n values,
-// strides lda / ldb): a few queries' scores as nq dot products per key.
-inline void small_dots(int64_t nk, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t nq,
-                       int64_t n, float alpha, float* out, int64_t ldr, int64_t ldl) {
-  const VR al = Vec::set1(alpha);
-  for (int64_t r0 = 0; r0 < nk; r0 += kW) {
-    const int64_t nr = std::min<int64_t>(kW, nk - r0);
-    for (int64_t l = 0; l < nq; ++l) {
-      const float* bl = b + l * ldb;
-      VR part[kW];
-      for (int u = 0; u < kW; ++u) part[u] = u < nr ? row_dot(a + (r0 + u) * lda, bl, n) : Vec::zero();
-      alignas(64) float sums[kW];
-      Vec::store(sums, Vec::mul(Vec::reduce_lanes(part), al));
-      for (int64_t u = 0; u < nr; ++u) out[(r0 + u) * ldr + l * ldl] = sums[u];
-    }
-  }
-}
 
 // rows [0, n) of n_cols values (stride ld) = 0
 inline void zero_rows(float* x, int64_t ld, int64_t n, int64_t n_cols) {
@@ -98,58 +81,7 @@ inline void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, i
 // no key has D = 0.
 inline float normalized_d(float num, float den) { return den != 0.0f ? num / den : 0.0f; }
 
-// Steps of at most kSmallQ queries: P, dS (and Pd with dropout) of queries l < t.nq and keys
-// j0 + r, r < nk, stored query-major (s[l·kTK + r]) so every pass runs along the keys. dsum null:
-// these are all the keys, D_l = sum_r P ∘ dP is taken from the block.
-inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* kr, int64_t ks2, const float* vr,
-                      int64_t vs2, const float* q0, int64_t qs2, const float* g0, int64_t gs2, const float* lse2,
-                      const float* dsum, float c, float* s, float* dp, float* pd, float* tg) {
-  const SdpaProblem& pb = t.pb;
-  const int64_t nq = t.nq;
-  small_dots(nk, kr, ks2, q0, qs2, nq, pb.D, c, s, 1, kTK);
-  small_dots(nk, vr, vs2, g0, gs2, nq, pb.Dv, 1.0f, dp, 1, kTK);
-  const bool has_mask = pb.mask_kind != MaskKind::None;
-  const float keep_scale = pb.dropout_p > 0 ? dropout_keep_scale(pb.dropout_p) : 1.0f;
-  for (int64_t l = 0; l < nq; ++l) {
-    const int64_t i = t.i0 + l;
-    float* sl = s + l * kTK;
-    float* dl = dp + l * kTK;
-    if (has_mask || pb.causal || pb.has_left || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined()) {
-      for (int64_t r = 0; r < nk; ++r) sl[r] = mod_score_log2(pb, t.b, t.h, i, j0 + r, sl[r], tg + l * kTK + r);
-    }
-    const VR l2 = Vec::set1(lse2[l]);
-    for (int64_t r = 0; r < nk; r += kW) {
-      const int64_t m = std::min<int64_t>(kW, nk - r);
-      Vec::store_partial(sl + r, Vec::exp2(Vec::sub(Vec::load_partial(sl + r, m), l2)), m);  // P
-    }
-    if (pb.dropout_p > 0.0) {  // Pd = P ∘ Z/(1-p), dP = dP ∘ Z/(1-p)
-      for (int64_t r = 0; r < nk; ++r) {
-        const float z = dropout_keep(pb.seed, dropout_index(pb, t.b, t.h, i, j0 + r), pb.dropout_p) ? keep_scale : 0.0f;
-        dl[r] *= z;
-        pd[l * kTK + r] = sl[r] * z;
-      }
-    }
-    float dl_sum;
-    if (dsum != nullptr) {
-      dl_sum = dsum[l];
-    } else {
-      VR acc = Vec::zero(), mass = Vec::zero();
-      for (int64_t r = 0; r < nk; r += kW) {
-        const int64_t m = std::min<int64_t>(kW, nk - r);
-        const VR pr = Vec::load_partial(sl + r, m);
-        acc = Vec::fma(pr, Vec::load_partial(dl + r, m), acc);
-        mass = Vec::add(mass, pr);
-      }
-      dl_sum = normalized_d(Vec::reduce_add(acc), Vec::reduce_add(mass));
-    }
-    const VR d = Vec::set1(dl_sum);
-    for (int64_t r = 0; r < nk; r += kW) {  // dS = P ∘ (dP - D)
-      const int64_t m = std::min<int64_t>(kW, nk - r);
-      const VR x = Vec::mul(Vec::load_partial(sl + r, m), Vec::sub(Vec::load_partial(dl + r, m), d));
-      Vec::store_partial(dl + r, x, m);
-    }
-  }
-}
+#include "kernels/sdpa_bwd_few-inl.h"
 
 // Up to this many queries in a tile, scores and dP come from small_dots.
 constexpr int64_t kSmallQ = 4;
@@ -460,17 +392,8 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
     scr.ka = scr.va = scr.kpairs = scr.qcols = scr.gcols = scr.qpairs = scr.gpairs = scr.pa = nullptr;
     scr.ctmp = nullptr;
 #ifdef HEADS_AMX
-    if (C.tiles) {  // every part a multiple of 32 bf16: 64-byte aligned as the arena
-      const int64_t Dp = tiles::up32(pb.D), Dvp = tiles::up32(pb.Dv);
-      scr.ctmp = base + own + widened + summed;
-      scr.ka = reinterpret_cast<uint16_t*>(scr.ctmp + 32 * 32);
-      scr.kpairs = scr.ka + C.span * Dp;
-      scr.va = scr.kpairs + C.span * Dp;
-      scr.qcols = scr.va + C.span * Dvp;
-      scr.qpairs = scr.qcols + kLd * Dp;
-      scr.gcols = scr.qpairs + kLd * Dp;
-      scr.gpairs = scr.gcols + kLd * Dvp;
-      scr.pa = scr.gpairs + kLd * Dvp;
+    if (C.tiles) {
+      tiles::place_operands(C, base + own + widened + summed, scr);
       amx::configure_tiles();
     }
 #endif
