@@ -2,7 +2,7 @@
 """Compare heads with PyTorch, ONNX Runtime and ggml on the shapes of bench/shapes.json, in one run.
 
     python3 bench/compare.py [--threads 2] [--min-time 1.0] [--dtype f32|bf16] [--rounds 3] [--only NAME ...]
-    python3 bench/compare.py --backward [--only NAME ...]     # training: forward + backward
+    python3 bench/compare.py --backward [--dtype f32|bf16] [--only NAME ...]  # training: forward + backward
     python3 bench/compare.py --variants                        # sliding window, ALiBi vs explicit masks
     python3 bench/compare.py --kv-int8 [--rounds 3]            # decode shapes over an int8 / 8-bit K/V cache
 
@@ -353,9 +353,10 @@ def torch_sdpa_backward(s, args, torch):
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s["B"], s["H"], L, s["D"], generator=g).requires_grad_()
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    q, k, v = (torch.randn(s["B"], s["H"], L, s["D"], generator=g).to(dt).requires_grad_()
                for L in (s["Lq"], s["Lk"], s["Lk"]))
-    dout = torch.randn(s["B"], s["H"], s["Lq"], s["D"], generator=g)
+    dout = torch.randn(s["B"], s["H"], s["Lq"], s["D"], generator=g).to(dt)
 
     def fwd():
         with torch.no_grad():
@@ -562,7 +563,7 @@ def main():
     ap.add_argument("--shapes", default=str(HERE / "shapes.json"))
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--backward", action="store_true",
-                    help="forward + backward (training) of heads and PyTorch autograd, f32")
+                    help="forward + backward (training) of heads and PyTorch autograd, in --dtype")
     ap.add_argument("--variants", action="store_true",
                     help="sliding window and ALiBi in heads' kernel against PyTorch with the explicit mask, f32")
     ap.add_argument("--kv-int8", action="store_true",
@@ -653,7 +654,7 @@ def main():
 def backward_table(shapes, args):
     import torch
 
-    print(f"torch {torch.__version__}, {args.threads} threads, f32; times are medians in ms; bwd = (fwd + bwd) "
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}; times are medians in ms; bwd = (fwd + bwd) "
           "- fwd, bwd call = the backward call alone, timed inside the fwd + bwd loop\n")
     print("| shape | heads fwd | heads bwd | heads bwd call | heads bwd ÷ fwd | heads bwd call ÷ fwd | PyTorch fwd | "
           "PyTorch bwd | PyTorch bwd call | PyTorch ÷ heads (bwd) | PyTorch ÷ heads (bwd call) |")
@@ -662,7 +663,7 @@ def backward_table(shapes, args):
         if args.only and s["name"] not in args.only:
             continue
         cmd = ["sdpa", "--batch", s["B"], "--heads", s["H"], "--q-len", s["Lq"], "--kv-len", s["Lk"],
-               "--head-dim", s["D"]] + (["--causal"] if s["causal"] else [])
+               "--head-dim", s["D"], "--dtype", args.dtype] + (["--causal"] if s["causal"] else [])
         j = run_heads(args, *map(str, cmd + ["--backward"]))  # times the forward alone first
         both, h_call = j["ms"], j["backward_call_ms"]
         fwd = both - j["backward_ms"]

@@ -4,12 +4,16 @@
 // with the instruction's numerics) on a CPU without tiles. HEADS_AMX_EMULATE=1 offers that build
 // as the `amx` ISA where the CPU has AVX-512 (the kernels' vector code) and no usable AMX.
 //
-// Numerics of tdpbf16ps, as the Intel SDM's pseudo-code and notes for it give them: for each
-// destination element, the pairs k = 0, 1, ... in order, and within a pair its even then its odd
-// element, each added to the f32 accumulator (tmp += a·b, one rounding to nearest even of the exact
-// sum); bf16 inputs that are denormal read as zero (DAZ), a denormal result is flushed to a zero of
-// its sign (FTZ), and MXCSR is neither read nor written: the host's FTZ / DAZ bits change nothing
-// here (add_product never hands the FPU a denormal f32 operand, and flushes by hand).
+// Numerics of tdpbf16ps, as the current Intel SDM's pseudo-code gives them (the older text's
+// "tmp += even product; tmp += odd product" into the destination did not match the tiles of a
+// Sapphire Rapids-class Xeon bit for bit): for each destination element, two f32 partial sums that
+// start at zero, one over the even elements of the pairs and one over the odd elements, each step a
+// fused multiply-add (the exact product added, one rounding to nearest even); then the two partial
+// sums are added (one rounding), and that sum is added to the destination (one rounding). bf16
+// inputs and destination values that are denormal read as zero (DAZ), every denormal result is
+// flushed to a zero of its sign (FTZ), and MXCSR is neither read nor written: the host's FTZ / DAZ
+// bits change nothing here (add_product never hands the FPU a denormal f32 operand, and flushes by
+// hand).
 // Tile state is per thread, as the hardware's is per logical CPU; using a tile before ldtilecfg, or
 // a configuration other than palette 1 with rows <= 16 and colsb <= 64 (multiples of 4), is an error
 // (the instruction would fault).
@@ -97,7 +101,13 @@ inline float add_product(float acc, uint16_t a, uint16_t b) {
   return flush(static_cast<float>(s));
 }
 
-// C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] (bf16 pairs, f32 C).
+// x + y rounded once to f32 (exact in double), inputs read as DAZ does, the result flushed.
+inline float add_flushed(float x, float y) {
+  return flush(static_cast<float>(static_cast<double>(flush(x)) + static_cast<double>(flush(y))));
+}
+
+// C[m][n] += (sum over k of A[m][2k] B[k][2n]) + (sum over k of A[m][2k+1] B[k][2n+1]) (bf16 pairs,
+// f32 C): the even and the odd partial sums apart, then added, then added to C.
 inline void dpbf16ps(int c, int a, int b) {
   Tiles& t = configured(c);
   configured(a);
@@ -110,13 +120,13 @@ inline void dpbf16ps(int c, int a, int b) {
     float* crow = reinterpret_cast<float*>(t.reg[c] + m * 64);
     const auto* arow = reinterpret_cast<const uint16_t*>(t.reg[a] + m * 64);
     for (int n = 0; n < N; ++n) {
-      float acc = crow[n];
+      float even = 0.0f, odd = 0.0f;
       for (int k = 0; k < K; ++k) {
         const auto* brow = reinterpret_cast<const uint16_t*>(t.reg[b] + k * 64);
-        acc = add_product(acc, arow[2 * k], brow[2 * n]);
-        acc = add_product(acc, arow[2 * k + 1], brow[2 * n + 1]);
+        even = add_product(even, arow[2 * k], brow[2 * n]);
+        odd = add_product(odd, arow[2 * k + 1], brow[2 * n + 1]);
       }
-      crow[n] = acc;
+      crow[n] = add_flushed(crow[n], add_flushed(even, odd));
     }
   }
 }

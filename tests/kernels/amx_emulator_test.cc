@@ -90,9 +90,70 @@ std::vector<float> dp(const std::vector<float>& c, const std::vector<uint16_t>& 
   return out;
 }
 
+// The same C += A·B on the tiles themselves (tiles 0, 1, 2 as `dp` configures them); call only
+// where amx_status() is "tiles".
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+void dp_on_tiles(const Config& cfg, float* c, const uint16_t* a, const uint16_t* b, int n, int k) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm0" : : "r"(static_cast<void*>(c)), "r"(int64_t{4} * n) : "memory");
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm1" : : "r"(a), "r"(int64_t{4} * k) : "memory");
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm2" : : "r"(b), "r"(int64_t{4} * n) : "memory");
+  __asm__ volatile("tdpbf16ps %%tmm2, %%tmm1, %%tmm0" : : : "memory");
+  __asm__ volatile("tilestored %%tmm0, (%0,%1,1)" : : "r"(static_cast<void*>(c)), "r"(int64_t{4} * n) : "memory");
+  __asm__ volatile("tilerelease" : : : "memory");
+}
+#pragma GCC pop_options
+
+TEST(AmxEmulator, DotProductGivesTheTilesBits) {
+  // One tdpbf16ps on the tiles against the emulator: the probes of OrderDenormalsAndErrors, then
+  // random tiles whose values span 2^-40 .. 2^40 (sums that round, cancel and flush).
+  if (amx_status() != "tiles") GTEST_SKIP() << "needs AMX tiles to compare with: " << amx_status();
+  const auto check = [](const std::vector<float>& c, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
+                        int rows, int n, int k) {
+    Config cfg;
+    cfg.rows[0] = static_cast<uint8_t>(rows), cfg.colsb[0] = static_cast<uint16_t>(4 * n);
+    cfg.rows[1] = static_cast<uint8_t>(rows), cfg.colsb[1] = static_cast<uint16_t>(4 * k);
+    cfg.rows[2] = static_cast<uint8_t>(k), cfg.colsb[2] = static_cast<uint16_t>(4 * n);
+    std::vector<float> hw = c;
+    dp_on_tiles(cfg, hw.data(), a.data(), b.data(), n, k);
+    const std::vector<float> em = dp(c, a, b, rows, n, k);
+    for (size_t i = 0; i < hw.size(); ++i) {
+      uint32_t h, e;
+      std::memcpy(&h, &hw[i], 4);
+      std::memcpy(&e, &em[i], 4);
+      if (h != e) {
+        ADD_FAILURE() << "element " << i << " (row " << i / n << ", column " << i % n << ") of " << rows << " x " << n
+                      << " (k = " << k << "): tiles " << hw[i] << " (0x" << std::hex << h << "), emulator " << em[i]
+                      << " (0x" << e << std::dec << "), destination before " << c[i];
+        return;
+      }
+    }
+  };
+  const uint16_t one = bf16_bits(1.0f);
+  check({0.0f}, {bf16_bits(0x1p25f), one, bf16_bits(-0x1p25f), 0}, {one, one, one, one}, 1, 1, 2);
+  check({0x1p25f}, std::vector<uint16_t>(6, one), {one, 0, one, 0, one, 0}, 1, 1, 3);
+  check({0x1p-140f}, {bf16_bits(0x1p-60f), 0}, {bf16_bits(0x1p-60f), 0}, 1, 1, 1);
+  check({0x1p-125f}, {bf16_bits(-0x1.8p-63f), 0}, {bf16_bits(0x1p-63f), 0}, 1, 1, 1);
+  auto& g = testing::rng();
+  std::uniform_real_distribution<float> mant(-2, 2);
+  std::uniform_int_distribution<int> expo(-40, 40);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int rows = 16, n = 16, k = 16;
+    std::vector<float> c(rows * n);
+    std::vector<uint16_t> a(rows * 2 * k), b(k * 2 * n);
+    for (auto& x : c) x = std::ldexp(mant(g), expo(g));
+    for (auto& x : a) x = bf16_bits(std::ldexp(mant(g), expo(g) / 2));
+    for (auto& x : b) x = bf16_bits(std::ldexp(mant(g), expo(g) / 2));
+    check(c, a, b, rows, n, k);
+    if (HasFailure()) break;
+  }
+}
+
 TEST(AmxEmulator, DotProductFollowsTheInstructionsDefinition) {
-  // Random bf16 pairs against the definition written out in double: pair by pair, even then odd,
-  // each sum rounded to f32 (products of bf16 are exact in f32, so float arithmetic is that).
+  // Random bf16 pairs against the SDM's definition written out in double: per destination element an
+  // even and an odd partial sum from zero, each step the exact product added with one rounding to
+  // f32; then the two sums added, then the destination plus that (products of bf16 are exact).
   auto& g = testing::rng();
   std::uniform_real_distribution<float> u(-4, 4);
   const int rows = 13, n = 11, k = 7;  // not the kernels' 16 x 16 x 16: every size is read from the config
@@ -102,33 +163,42 @@ TEST(AmxEmulator, DotProductFollowsTheInstructionsDefinition) {
   for (auto& x : a) x = bf16_bits(u(g));
   for (auto& x : b) x = bf16_bits(u(g));
   const auto got = dp(c, a, b, rows, n, k);
+  const auto add = [](float x, double y) { return static_cast<float>(static_cast<double>(x) + y); };
   for (int m = 0; m < rows; ++m) {
     for (int j = 0; j < n; ++j) {
-      float acc = c[m * n + j];
+      float part[2] = {0.0f, 0.0f};
       for (int p = 0; p < k; ++p) {
         for (int e = 0; e < 2; ++e) {
-          const double prod = static_cast<double>(emu::bf16_in(a[m * 2 * k + 2 * p + e])) *
-                              static_cast<double>(emu::bf16_in(b[p * 2 * n + 2 * j + e]));
-          acc = static_cast<float>(static_cast<double>(acc) + prod);  // exact sum, one rounding
+          part[e] = add(part[e], static_cast<double>(emu::bf16_in(a[m * 2 * k + 2 * p + e])) *
+                                     static_cast<double>(emu::bf16_in(b[p * 2 * n + 2 * j + e])));
         }
       }
-      ASSERT_EQ(got[m * n + j], acc) << m << "," << j;
+      ASSERT_EQ(got[m * n + j], add(c[m * n + j], add(part[0], part[1]))) << m << "," << j;
     }
   }
 }
 
 TEST(AmxEmulator, OrderDenormalsAndErrors) {
-  // Sequential rounding: 2^25 + 1 rounds back to 2^25 before -2^25 arrives, so the result is 0, not 1.
+  // The even and the odd elements sum apart: 2^25 (even) + 1 (odd) - 2^25 (even) is 1, where one
+  // running sum would round 2^25 + 1 back to 2^25 and end at 0.
   std::vector<uint16_t> a = {bf16_bits(0x1p25f), bf16_bits(1.0f), bf16_bits(-0x1p25f), bf16_bits(0.0f)};
   std::vector<uint16_t> b = {bf16_bits(1.0f), bf16_bits(1.0f), bf16_bits(1.0f), bf16_bits(1.0f)};
-  EXPECT_EQ(dp({0.0f}, a, b, 1, 1, 2)[0], 0.0f);
+  EXPECT_EQ(dp({0.0f}, a, b, 1, 1, 2)[0], 1.0f);
+  // The destination comes last: 2^25 + (1 + 1 + 1) is 2^25 + 4 (ulp 4, 3 rounds up), where adding
+  // the ones to 2^25 one by one would lose each of them.
+  EXPECT_EQ(dp({0x1p25f}, std::vector<uint16_t>(6, bf16_bits(1.0f)),
+               {bf16_bits(1.0f), 0, bf16_bits(1.0f), 0, bf16_bits(1.0f), 0}, 1, 1, 3)[0],
+            0x1p25f + 4.0f);
   // A denormal bf16 input is read as zero; a denormal result is flushed to zero (with its sign).
   const uint16_t denormal = 0x0001;  // 2^-133
   EXPECT_EQ(dp({1.0f}, {denormal, 0}, {bf16_bits(0x1p100f), 0}, 1, 1, 1)[0], 1.0f);
-  // (-0 and +0 in the odd slot: -0 + -0 keeps the sign a +0 product would take away)
-  const float tiny = dp({0.0f}, {bf16_bits(-0x1p-70f), 0x8000}, {bf16_bits(0x1p-70f), 0}, 1, 1, 1)[0];
+  // -2^-140 flushes to -0 in the even sum; -0 + (+0 from the odd sum) is +0.
+  const float tiny = dp({0.0f}, {bf16_bits(-0x1p-70f), 0}, {bf16_bits(0x1p-70f), 0}, 1, 1, 1)[0];
   EXPECT_EQ(tiny, 0.0f);
-  EXPECT_TRUE(std::signbit(tiny));
+  // A denormal destination reads as zero, and a sum that lands below f32's normal range is flushed.
+  EXPECT_EQ(dp({0x1p-140f}, {bf16_bits(0x1p-60f), 0}, {bf16_bits(0x1p-60f), 0}, 1, 1, 1)[0], 0x1p-120f);
+  // (2^-125 - 1.5·2^-126 = 2^-127, a denormal)
+  EXPECT_EQ(dp({0x1p-125f}, {bf16_bits(-0x1.8p-63f), 0}, {bf16_bits(0x1p-63f), 0}, 1, 1, 1)[0], 0.0f);
   // Faults of the instructions are errors.
   Config bad;
   bad.palette = 2;
@@ -211,8 +281,10 @@ TEST(AmxEmulator, KernelsOverTheEmulatorGiveTheTilesBits) {
     const SdpaResult emulated = sdpa(in.q, in.k, in.v, in.options);
     kernels::set_amx_emulation(-1);
     set_isa(Isa::Amx);
-    EXPECT_TRUE(testing::bitwise_equal(tiles.out, emulated.out)) << c.str();
-    EXPECT_TRUE(testing::bitwise_equal(tiles.weights, emulated.weights)) << c.str();
+    EXPECT_TRUE(testing::bitwise_equal(tiles.out, emulated.out))
+        << c.str() << ": max |tiles - emulator| " << testing::compare(tiles.out, emulated.out).max_abs;
+    EXPECT_TRUE(testing::bitwise_equal(tiles.weights, emulated.weights))
+        << c.str() << ": max |tiles - emulator| " << testing::compare(tiles.weights, emulated.weights).max_abs;
   }
 }
 
