@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test.sh — set up (scripts/setup.sh), then run every test:
 #   1. the C++ suite (GoogleTest via CTest, CLI exit codes, an install-tree consumer),
-#   2. the same C++ suite built with AddressSanitizer + UndefinedBehaviorSanitizer (-O1),
+#   2. the same C++ suite built with AddressSanitizer + UndefinedBehaviorSanitizer (-O1; the kernels
+#      of the ISAs this CPU runs; a third of each long sweep's cases, HEADS_TEST_SAMPLE=3),
 #   3. the Python suite (pytest, a process per core up to 4) against live PyTorch 2.13, including the CLI,
 #   4. its bf16 tests again on the AMX kernels (over the tile emulator where the CPU has no tiles).
 # 2 and 3 run with HEADS_SCRATCH_POISON=1: the kernels' reused scratch is NaN-filled on every call.
@@ -33,13 +34,24 @@ step ctest "C++ tests"
 ctest --test-dir build --output-on-failure -j2
 
 # -O1: the sanitizers' checks are the same at any level; -O1 builds in half the time of -O2, and -g1
-# keeps the line tables their reports need.
-step asan:build "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer: build (build-asan/)"
+# keeps the line tables their reports need. Only the kernel builds this CPU runs are compiled
+# (HEADS_KERNEL_ISAS): the tests run every ISA the CPU has, and could run no other.
+has() { grep -q -w "$1" /proc/cpuinfo; }
+ISAS=()
+has avx2 && has fma && ISAS+=(avx2)
+has avx512f && has avx512bw && has avx512vl && has avx512dq && ISAS+=(avx512 amx_emu)
+has avx512f && has avx512bw && has avx512vl && has avx512dq && has avx512_bf16 && ISAS+=(avx512bf16)
+has avx512_bf16 && has amx_tile && has amx_bf16 && ISAS+=(amx)
+ISA_LIST=$(IFS=';'; echo "${ISAS[*]}")
+step asan:build "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer: build (build-asan/; kernels: scalar${ISA_LIST:+;$ISA_LIST})"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DHEADS_SANITIZE=address,undefined -DHEADS_BUILD_PYTHON=OFF >/dev/null
+  -DHEADS_SANITIZE=address,undefined -DHEADS_BUILD_PYTHON=OFF "-DHEADS_KERNEL_ISAS=${ISA_LIST:-none}" >/dev/null
 cmake --build build-asan
+# The long sweeps check a third of their cases here (HEADS_TEST_SAMPLE, tests/common/testing.h), a
+# share drawn from each test's seed: every case costs 5-10x under the sanitizers, and the release
+# run above checked them all.
 step asan:ctest "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer: run"
-HEADS_SCRATCH_POISON=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
+HEADS_TEST_SAMPLE=3 HEADS_SCRATCH_POISON=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest --test-dir build-asan --output-on-failure -j2
 
 # As root (CI), the test of DDP across two network namespaces must run, not skip.

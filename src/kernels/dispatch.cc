@@ -74,6 +74,8 @@ bool amx_emulated() {
   return forced < 0 ? from_env : forced == 1;
 }
 
+const kernels::KernelTable* table_of(Isa isa);  // below; null where this build left the ISA out
+
 }  // namespace
 
 std::string isa_name(Isa isa) {
@@ -95,6 +97,7 @@ Isa isa_from_name(const std::string& s) {
 }
 
 bool isa_supported(Isa isa) {
+  if (table_of(isa) == nullptr) return false;  // left out of this build
   switch (isa) {
     case Isa::Scalar: return true;
 #if defined(__x86_64__) || defined(__i386__)
@@ -133,15 +136,32 @@ std::vector<Isa> supported_isas() {
 
 namespace {
 
+// The table of an ISA's kernels, or null where this build left them out (HEADS_KERNEL_ISAS).
 const kernels::KernelTable* table_of(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return &kernels::scalar::kTable;
+#ifndef HEADS_WITHOUT_ISA_AVX2
     case Isa::Avx2: return &kernels::avx2::kTable;
+#endif
+#ifndef HEADS_WITHOUT_ISA_AVX512
     case Isa::Avx512: return &kernels::avx512::kTable;
+#endif
+#ifndef HEADS_WITHOUT_ISA_AVX512BF16
     case Isa::Avx512Bf16: return &kernels::avx512bf16::kTable;
-    case Isa::Amx: return amx_emulated() ? &kernels::amx_emu::kTable : &kernels::amx::kTable;
+#endif
+    case Isa::Amx:
+      if (amx_emulated()) {
+#ifndef HEADS_WITHOUT_ISA_AMX_EMU
+        return &kernels::amx_emu::kTable;
+#endif
+      } else {
+#ifndef HEADS_WITHOUT_ISA_AMX
+        return &kernels::amx::kTable;
+#endif
+      }
+      return nullptr;
+    default: return nullptr;
   }
-  return &kernels::scalar::kTable;
 }
 
 Isa initial_isa() {

@@ -56,11 +56,15 @@ bool bf16_dot_pays() {
       HEADS_CHECK(v == "0" || v == "1", "HEADS_BF16_DOT must be 0 or 1, got \"", v, "\"");
       return v == "1";
     }
+#ifdef HEADS_WITHOUT_ISA_AVX512BF16
+    return false;
+#else
     if (!isa_supported(Isa::Avx512Bf16)) return false;
     const KernelTable& t = avx512bf16::kTable;
     const double dot = measure_probe(t.bf16_probe, t.bf16_probe_flops_per_iter(), 1, 0.004);
     const double fma = measure_probe(t.fma_probe, t.fma_probe_flops_per_iter(), 1, 0.004);
     return dot > fma;
+#endif
   }();
   return pays;
 }

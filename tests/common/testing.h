@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -81,6 +82,24 @@ inline std::mt19937_64& rng() {
   static std::mt19937_64 gen(20261121);
   return gen;
 }
+
+// Which cases of a long sweep a run checks: all of them, or, under HEADS_TEST_SAMPLE=N (scripts/
+// test.sh sets N for the run under AddressSanitizer, where every case costs 5-10x), every N-th, from
+// an offset drawn from the test's seed: each run checks another share, and the seed a failing test
+// prints repeats the choice. `Sample pick; ... if (!pick(n)) continue;` with n the case's number.
+class Sample {
+ public:
+  Sample() {
+    const char* e = std::getenv("HEADS_TEST_SAMPLE");
+    every_ = e != nullptr && *e != '\0' ? std::max(1, std::atoi(e)) : 1;
+    offset_ = static_cast<int64_t>(rng()() % static_cast<uint64_t>(every_));
+  }
+  bool operator()(int64_t n) const { return (n + offset_) % every_ == 0; }
+
+ private:
+  int every_ = 1;
+  int64_t offset_ = 0;
+};
 
 // The tensor a state dict (heads::StateDict: name and tensor pairs) holds under `name`, or null.
 inline const Tensor* find_entry(const std::vector<std::pair<std::string, Tensor>>& sd, const std::string& name) {

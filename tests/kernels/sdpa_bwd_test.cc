@@ -125,12 +125,13 @@ void expect_every_path_matches(const Tensor& dout, const Tensor& q, const Tensor
 
 TEST(SdpaBackward, FastMatchesReferenceOnTheGrid) {
   IsaGuard guard;
+  const testing::Sample pick;
   int64_t n = 0;
   for (int64_t B : {1, 2}) {
     for (auto [H, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {4, 4}, {4, 1}, {4, 2}}) {
       for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{1, 7}, {7, 1}, {64, 129}, {129, 64}, {33, 33}}) {
         for (int64_t D : {1, 8, 63, 64, 80}) {
-          ++n;
+          if (!pick(++n)) continue;
           SdpaCase c{.B = B, .H = H, .Hkv = Hkv, .Lq = Lq, .Lk = Lk, .D = D, .Dv = n % 3 == 0 ? D + 5 : D};
           c.pad = n % 4 == 0 ? 3 : 0;
           switch (n % 6) {
@@ -178,9 +179,12 @@ TEST(SdpaBackward, LongKeyRangesSpanSeveralKeyGroups) {
   // D = 1024 case is the one whose tasks run several key groups each. 150 queries: steps of several
   // query tiles (128 queries on AVX-512) and a ragged last one.
   IsaGuard guard;
+  const testing::Sample pick;
+  int n = 0;
   for (auto [Lq, Lk, D] :
        {std::tuple<int64_t, int64_t, int64_t>{37, 1100, 16}, {150, 1300, 128}, {3, 2100, 40}, {37, 1300, 1024}}) {
     for (int variant = 0; variant < 4; ++variant) {
+      if (!pick(n++)) continue;
       SdpaCase c{.H = 2, .Hkv = 1, .Lq = Lq, .Lk = Lk, .D = D, .seed = testing::rng()()};
       switch (variant) {
         case 0: c.causal = true; c.causal_align = CausalAlign::BottomRight; break;
@@ -228,7 +232,10 @@ TEST(SdpaBackward, LargeWriteOnceGradientsAreStreamed) {
   // and dV past the caches (whole aligned vectors; D = 63 mixes them with ordinary stores).
   IsaGuard guard;
   const int64_t Lk = 32768;
+  const testing::Sample pick;
+  int n = 0;
   for (auto [Lq, D] : {std::pair<int64_t, int64_t>{1, 64}, {3, 63}, {9, 64}}) {
+    if (!pick(n++)) continue;
     const Tensor q = randn({1, 2, Lq, D}), k = randn({1, 2, Lk, D}), v = randn({1, 2, Lk, D});
     // Gradients with 32768 keys are small: scale dout so the 1e-5 bound is a relative one.
     Tensor dout = randn({1, 2, Lq, D});

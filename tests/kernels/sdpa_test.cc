@@ -65,13 +65,14 @@ void expect_case_matches_ref(const SdpaCase& c) {
 // The grid: B, H/Hkv, Lq x Lk, D; every other case with inputs laid out as a projection's output
 // (pad 1 to 7); masks, causal alignments and scale cycle through the cases.
 TEST(Sdpa, GridMatchesReference) {
+  const testing::Sample pick;
   int64_t n = 0;
   for (int64_t B : {1, 3}) {
     for (auto [H, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {4, 4}, {4, 1}, {4, 2}}) {
       for (int64_t Lq : {1, 7, 64, 129}) {
         for (int64_t Lk : {1, 7, 64, 129}) {
           for (int64_t D : {1, 8, 63, 64, 80, 128}) {
-            ++n;
+            if (!pick(++n)) continue;
             SdpaCase c{.B = B, .H = H, .Hkv = Hkv, .Lq = Lq, .Lk = Lk, .D = D, .Dv = n % 5 == 0 ? D + 3 : D};
             c.pad = n % 2 == 0 ? n % 7 + 1 : 0;
             switch (n % 6) {
@@ -376,7 +377,9 @@ TEST(Sdpa, TilesSharingAKeySweep) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
+  const testing::Sample pick;
   for (int n = 0; n < 7; ++n) {
+    if (!pick(n)) continue;
     SdpaCase c{.B = 1, .H = 4, .Hkv = 2, .Lq = 150, .Lk = 1100, .D = 40, .Dv = 33, .seed = seed + n};
     switch (n) {
       case 1: c.causal = true; break;
@@ -424,7 +427,9 @@ TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
+  const testing::Sample pick;
   for (int n = 0; n < 10; ++n) {
+    if (!pick(n)) continue;
     SdpaCase c{.B = 1, .H = 2, .Hkv = 1, .Lq = 20, .Lk = 3000, .D = 40, .Dv = 33, .seed = seed + n};
     switch (n) {
       case 1: c.causal = true; break;  // top-left: every row within the first chunk, the others see nothing
