@@ -70,7 +70,7 @@ HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
 if grep -q -w 'avx512bw' /proc/cpuinfo && grep -q -w 'avx512vl' /proc/cpuinfo && grep -q -w 'avx512dq' /proc/cpuinfo; then
   step pytest:amx "Python bf16 tests on the amx path (HEADS_ISA=amx, HEADS_AMX_EMULATE=1)"
   HEADS_SCRATCH_POISON=1 HEADS_AMX_EMULATE=1 HEADS_ISA=amx HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
-    "$PYTHON" -m pytest -q -p no:cacheprovider -k bf16 tests/python
+    "$PYTHON" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile -k bf16 tests/python
 else
   echo "== Python bf16 tests on the amx path: skipped, this CPU has no AVX-512 (the AMX kernel's vector code)"
 fi
