@@ -128,9 +128,13 @@ TEST(SdpaVariants, BackwardMatchesReferenceOnEveryPath) {
             continue;
           }
           // (P and dS as two bf16 terms, 16 bits: measured at most 1e-5 of the largest gradient,
-          // as far as the f32 path's own sums differ from float64)
+          // as far as the f32 path's own sums differ from float64. Relative to the largest of dq,
+          // dk, dv: a gradient that cancels to rounding noise, dq where a row sees one key, has no
+          // scale of its own.)
+          double scale = 0;
+          for (const Tensor* t : {&gwf.dq, &gwf.dk, &gwf.dv}) scale = std::max(scale, testing::compare(*t, *t).max_ref);
           const auto e = testing::compare(*got, *want);
-          ASSERT_TRUE(e.within(5e-5, 1e-6))
+          ASSERT_TRUE(e.within(5e-5, 5e-5 * scale))
               << where << " bf16 on tiles: " << name << " max err " << e.max_abs << " (ref max " << e.max_ref << ")";
         }
         // and bf16 gradients: those f32 sums rounded once
