@@ -18,9 +18,14 @@ int get_num_threads();
 // Threads a parallel region of `flops` of work in `tasks` independent pieces is worth: at most
 // get_num_threads() and `tasks`, and one per kMinFlopsPerThread of work, so that a small call runs
 // on the calling thread alone — waking another thread, and on a busy machine waiting for one the
-// scheduler has set aside, costs more than the work.
+// scheduler has set aside, costs more than the work. And at most the CPUs this process may run on
+// (its affinity mask, omp_get_num_procs()): with OMP_NUM_THREADS above that, a larger team only
+// waits for time slices at every join. Results never depend on the team's size.
 constexpr double kMinFlopsPerThread = 1e6;
 int threads_for(double flops, int64_t tasks);
+// Lifts threads_for's cap at the CPUs (off by default): the C++ tests turn it on, to run the teams
+// of large machines (3, 7, 64 threads) on small ones.
+void set_oversubscribe(bool on);
 
 // Batch invariance. On, the f32 GEMMs of linear layers (and so MultiheadAttention, the encoder
 // layers and the models built on them) compute every output as one fixed-order sum over k, so a

@@ -47,10 +47,21 @@ void set_num_threads(int n) {
 
 int get_num_threads() { return std::min(omp_get_max_threads(), kMaxThreads); }
 
+namespace {
+std::atomic<bool> g_oversubscribe{false};
+}  // namespace
+
+void set_oversubscribe(bool on) { g_oversubscribe.store(on); }
+
 int threads_for(double flops, int64_t tasks) {
   const double by_work = std::max(1.0, flops / kMinFlopsPerThread);
   const int64_t n = std::min<int64_t>(tasks, by_work < 1e9 ? static_cast<int64_t>(by_work) : int64_t{1} << 30);
-  return static_cast<int>(std::clamp<int64_t>(n, 1, get_num_threads()));
+  int cap = get_num_threads();
+  if (!g_oversubscribe.load(std::memory_order_relaxed)) {
+    static const int cpus = std::max(1, omp_get_num_procs());  // the affinity mask at start-up
+    cap = std::min(cap, cpus);
+  }
+  return static_cast<int>(std::clamp<int64_t>(n, 1, cap));
 }
 
 void manual_seed(uint64_t seed) { g_state.store(seed); }

@@ -27,6 +27,7 @@ class SeedEachTest : public ::testing::EmptyTestEventListener {
     seed_ = forced != nullptr && *forced != '\0' ? std::strtoull(forced, nullptr, 10)
                                                   : fnv1a(std::string(info.test_suite_name()) + "." + info.name());
     rng().seed(seed_);
+    set_oversubscribe(true);  // the thread counts of big machines (3, 7, 64) on this one
   }
   void OnTestEnd(const ::testing::TestInfo& info) override {
     if (info.result()->Failed()) {

@@ -1,6 +1,7 @@
 // tensor_test.cc — views, copies and dtype conversions of Tensor.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <limits>
 
@@ -105,6 +106,13 @@ TEST(Runtime, ThreadsFollowTheWork) {
               ::testing::HasSubstr("set_num_threads: expected 1 to 1024 threads, got 1025"));
   EXPECT_THROW(set_num_threads(0), Error);
   EXPECT_EQ(get_num_threads(), 4);
+  // Without the tests' oversubscription (testing.cc), never more than the CPUs this process has.
+  set_oversubscribe(false);
+  set_num_threads(omp_get_num_procs() + 5);
+  EXPECT_EQ(threads_for(1e12, 1000), omp_get_num_procs());
+  EXPECT_EQ(threads_for(1e12, 1), 1);
+  set_oversubscribe(true);
+  EXPECT_EQ(threads_for(1e12, 1000), omp_get_num_procs() + 5);
   set_num_threads(saved);
 }
 
