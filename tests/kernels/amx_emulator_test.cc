@@ -72,13 +72,19 @@ struct alignas(64) Config {
   uint8_t rows[16] = {};
 };
 
-// C (rows x n f32) += A (rows x 2k bf16) · B (k pairs x n), through the emulator's tiles 0, 1, 2.
-std::vector<float> dp(const std::vector<float>& c, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
-                      int rows, int n, int k) {
+// Tiles 0 (C: rows x n f32), 1 (A: rows x k bf16 pairs), 2 (B: k x n bf16 pairs).
+Config dp_config(int rows, int n, int k) {
   Config cfg;
   cfg.rows[0] = static_cast<uint8_t>(rows), cfg.colsb[0] = static_cast<uint16_t>(4 * n);
   cfg.rows[1] = static_cast<uint8_t>(rows), cfg.colsb[1] = static_cast<uint16_t>(4 * k);
   cfg.rows[2] = static_cast<uint8_t>(k), cfg.colsb[2] = static_cast<uint16_t>(4 * n);
+  return cfg;
+}
+
+// C (rows x n f32) += A (rows x 2k bf16) · B (k pairs x n), through the emulator's tiles 0, 1, 2.
+std::vector<float> dp(const std::vector<float>& c, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
+                      int rows, int n, int k) {
+  const Config cfg = dp_config(rows, n, k);
   emu::configure(&cfg);
   emu::load(0, c.data(), 4 * n);
   emu::load(1, a.data(), 4 * k);
@@ -111,10 +117,7 @@ TEST(AmxEmulator, DotProductGivesTheTilesBits) {
   if (amx_status() != "tiles") GTEST_SKIP() << "needs AMX tiles to compare with: " << amx_status();
   const auto check = [](const std::vector<float>& c, const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
                         int rows, int n, int k) {
-    Config cfg;
-    cfg.rows[0] = static_cast<uint8_t>(rows), cfg.colsb[0] = static_cast<uint16_t>(4 * n);
-    cfg.rows[1] = static_cast<uint8_t>(rows), cfg.colsb[1] = static_cast<uint16_t>(4 * k);
-    cfg.rows[2] = static_cast<uint8_t>(k), cfg.colsb[2] = static_cast<uint16_t>(4 * n);
+    const Config cfg = dp_config(rows, n, k);
     std::vector<float> hw = c;
     dp_on_tiles(cfg, hw.data(), a.data(), b.data(), n, k);
     const std::vector<float> em = dp(c, a, b, rows, n, k);
