@@ -55,7 +55,7 @@ struct KernelTable {
                          const Tensor& out, const Tensor& lse, const Tensor& weights);
   // SDPA backward (sdpa_bwd-inl.h): dout, q, k, v all f32 or all bf16 (out f32 or bf16); dq, dk, dv
   // all f32 or all bf16, any strides with a unit inner one, every element written (when B, H, Lq and Lk are positive);
-  // dmask_full [B, H, Lq, Lk] or null; drel [H, pb.rel_len] (zeroed by the caller) or null
+  // dmask_full [B, H, Lq, Lk] or null; drel [H, pb.mods.rel_len] (zeroed by the caller) or null
   // receives dS summed along each i - j.
   void (*sdpa_bwd)(const SdpaProblem& pb, const Tensor& dout, const Tensor& q, const Tensor& k,
                    const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,

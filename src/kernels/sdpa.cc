@@ -23,7 +23,7 @@ Tensor per_head(const char* op, const char* name, const Tensor& t, int64_t H) {
   return t.to(DType::F32).contiguous();
 }
 
-// ALiBi and T5 biases as the [H, Lq + Lk - 1 + kRelPad] table of pb.rel (log2 units), and sinks.
+// ALiBi and T5 biases as the [H, Lq + Lk - 1 + kRelPad] table of pb.mods.rel (log2 units), and sinks.
 void set_position_terms(const char* op, const SdpaOptions& opts, SdpaProblem& pb) {
   if (opts.sinks.defined()) pb.sinks = per_head(op, "sinks", opts.sinks, pb.H);
   const bool alibi = opts.alibi_slopes.defined();
@@ -45,13 +45,14 @@ void set_position_terms(const char* op, const SdpaOptions& opts, SdpaProblem& pb
                 ") leave ", exact, " exact distances; need at least 1 and relative_attention_max_distance (",
                 opts.relative_attention_max_distance, ") above them");
     table = table_in.to(DType::F32).contiguous();
-    pb.rel_buckets = table.size(0);
-    pb.rel_max_distance = opts.relative_attention_max_distance;
-    pb.rel_bidirectional = opts.relative_attention_bidirectional;
+    pb.mods.rel_buckets = table.size(0);
+    pb.mods.rel_max_distance = opts.relative_attention_max_distance;
+    pb.mods.rel_bidirectional = opts.relative_attention_bidirectional;
   }
-  pb.rel_len = pb.Lq + pb.Lk - 1 + kRelPad;
-  pb.rel = Tensor::zeros({pb.H, pb.rel_len}, DType::F32);
-  float* rp = pb.rel.data<float>();
+  pb.mods.rel_len = pb.Lq + pb.Lk - 1 + kRelPad;
+  pb.mods.rel_lk = pb.Lk;
+  pb.mods.rel = Tensor::zeros({pb.H, pb.mods.rel_len}, DType::F32);
+  float* rp = pb.mods.rel.data<float>();
   // Bucket of each distance once (shared by the heads).
   std::vector<int64_t> bucket;
   if (table.defined()) {
@@ -59,7 +60,7 @@ void set_position_terms(const char* op, const SdpaOptions& opts, SdpaProblem& pb
     for (int64_t x = 0; x < pb.Lq + pb.Lk - 1; ++x) {  // x = i - j + Lk - 1
       const int64_t rel_pos = -(x - (pb.Lk - 1) + pb.align_offset);  // j - (i + a)
       bucket[static_cast<size_t>(x)] =
-          t5_relative_bucket(rel_pos, pb.rel_bidirectional, pb.rel_buckets, pb.rel_max_distance);
+          t5_relative_bucket(rel_pos, pb.mods.rel_bidirectional, pb.mods.rel_buckets, pb.mods.rel_max_distance);
     }
   }
   for (int64_t h = 0; h < pb.H; ++h) {
@@ -68,7 +69,7 @@ void set_position_terms(const char* op, const SdpaOptions& opts, SdpaProblem& pb
       float bias = 0.0f;
       if (alibi) bias -= slopes.data<float>()[h] * static_cast<float>(dist < 0 ? -dist : dist);
       if (table.defined()) bias += table.data<float>()[bucket[static_cast<size_t>(x)] * pb.H + h];
-      rp[h * pb.rel_len + x] = bias * 1.44269504088896340736f;  // log2 e
+      rp[h * pb.mods.rel_len + x] = bias * 1.44269504088896340736f;  // log2 e
     }
   }
 }
@@ -121,7 +122,7 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
   pb.left_offset = pb.align_offset - (pb.has_left ? wl : 0);
   HEADS_CHECK(opts.softcap >= 0.0 && std::isfinite(opts.softcap), op, ": softcap must be finite and >= 0, got ",
               opts.softcap);
-  pb.softcap = opts.softcap;
+  pb.mods.set_softcap(opts.softcap);
   set_position_terms(op, opts, pb);
   if (opts.block_mask.defined()) {
     const Tensor& bm = opts.block_mask;
@@ -133,8 +134,8 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
                 op, ": block_mask: expected bool [nQB, nKB] or [H, nQB, nKB] = [", pb.H, ", ", nqb, ", ", nkb,
                 "] for Lq ", pb.Lq, ", Lk ", pb.Lk, " and block_size ", bs, ", got ", dtype_name(bm.dtype()), " ",
                 bm.shape());
-    pb.block_mask = (bm.dim() == 2 ? bm.unsqueeze(0) : bm).contiguous();
-    pb.block_size = bs;
+    pb.mods.block_mask = (bm.dim() == 2 ? bm.unsqueeze(0) : bm).contiguous();
+    pb.mods.block_size = bs;
   }
   if (opts.head_mask.defined()) {
     const Tensor& hm = opts.head_mask;
@@ -184,14 +185,14 @@ SdpaProblem make_sdpa_problem(const char* op, const Tensor& q, const Tensor& k, 
     HEADS_CHECK(ok, op, ": attn_mask: shape ", m.shape(),
                 " does not broadcast to [B, H, Lq, Lk] = ", full);
     if (m.dtype() == DType::Bool) {
-      pb.mask_kind = MaskKind::Bool;
-      pb.mask = m.expand(full);
+      pb.mods.mask_kind = MaskKind::Bool;
+      pb.mods.mask = m.expand(full);
     } else {
       HEADS_CHECK(is_floating(m.dtype()), op, ": attn_mask: expected bool or floating dtype, got ",
                   dtype_name(m.dtype()));
-      pb.mask_kind = MaskKind::Float;
+      pb.mods.mask_kind = MaskKind::Float;
       // Convert only the given (unbroadcast) mask; the kernels read it through zero strides.
-      pb.mask = (m.dtype() == DType::F32 ? m : m.to(DType::F32)).expand(full);
+      pb.mods.mask = (m.dtype() == DType::F32 ? m : m.to(DType::F32)).expand(full);
     }
   }
   return pb;
@@ -383,18 +384,18 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
               op, ": fwd.out: expected the forward's ", dtype_name(in_dtype), " output ", oshape);
   HEADS_CHECK(fwd.lse.defined() && fwd.lse.shape() == Shape({pb.B, pb.H, pb.Lq}), op,
               ": fwd.lse: expected the forward's lse [B, H, Lq] = ", Shape({pb.B, pb.H, pb.Lq}));
-  HEADS_CHECK(!mask_grad || pb.mask_kind == MaskKind::Float, op,
+  HEADS_CHECK(!mask_grad || pb.mods.mask_kind == MaskKind::Float, op,
               ": mask_grad needs a floating attn_mask");
   SdpaGrads g{dq, dk, dv, Tensor(), Tensor(), Tensor()};
   if (pb.sinks.defined()) g.dsinks = Tensor::zeros({pb.H}, DType::F32);
-  if (pb.rel_buckets > 0) g.drelative_attention_bias = Tensor::zeros({pb.rel_buckets, pb.H}, DType::F32);
+  if (pb.mods.rel_buckets > 0) g.drelative_attention_bias = Tensor::zeros({pb.mods.rel_buckets, pb.H}, DType::F32);
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) {  // nothing attends: zero gradients
     for (const Tensor* t : {&dq, &dk, &dv}) Tensor(*t).copy_from(Tensor::zeros(t->shape(), DType::F32));  // (any dtype)
     if (mask_grad) g.dmask = Tensor::zeros(opts.attn_mask.shape(), DType::F32);
     return g;
   }
   Tensor dm_full = mask_grad ? Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F32) : Tensor();
-  Tensor drel = pb.rel_buckets > 0 ? Tensor::zeros({pb.H, pb.rel_len}, DType::F32) : Tensor();
+  Tensor drel = pb.mods.rel_buckets > 0 ? Tensor::zeros({pb.H, pb.mods.rel_len}, DType::F32) : Tensor();
   const Tensor out_f = unit_inner(fwd.out), lse_c = fwd.lse.contiguous();
   active().sdpa_bwd(pb, unit_inner(dout), unit_inner(q), unit_inner(k), unit_inner(v), out_f, lse_c, dq, dk,
                     dv, mask_grad ? dm_full.data<float>() : nullptr, drel.defined() ? drel.data<float>() : nullptr);
@@ -402,9 +403,9 @@ SdpaGrads sdpa_backward_out(const Tensor& dq, const Tensor& dk, const Tensor& dv
   if (drel.defined()) {  // the sums along i - j, gathered into their buckets
     float* gt = g.drelative_attention_bias.data<float>();
     for (int64_t x = 0; x < pb.Lq + pb.Lk - 1; ++x) {
-      const int64_t bk = t5_relative_bucket(-(x - (pb.Lk - 1) + pb.align_offset), pb.rel_bidirectional,
-                                            pb.rel_buckets, pb.rel_max_distance);
-      for (int64_t h = 0; h < pb.H; ++h) gt[bk * pb.H + h] += drel.data<float>()[h * pb.rel_len + x];
+      const int64_t bk = t5_relative_bucket(-(x - (pb.Lk - 1) + pb.align_offset), pb.mods.rel_bidirectional,
+                                            pb.mods.rel_buckets, pb.mods.rel_max_distance);
+      for (int64_t h = 0; h < pb.H; ++h) gt[bk * pb.H + h] += drel.data<float>()[h * pb.mods.rel_len + x];
     }
   }
   if (pb.sinks.defined()) {  // d sink_h = -sum over rows of P_sink · D, P_sink = e^(sink - lse), D = dO · O

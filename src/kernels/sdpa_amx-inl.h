@@ -78,7 +78,7 @@ struct Task {
   const SdpaProblem& pb;
   const Layout& lay;
   int64_t b, h, hk, i0, nq;
-  bool mods;  // a left window, softcap, a position bias or a block layout (modify16)
+  bool mods;  // a left window or a score modifier (modify16; an attn_mask alone needs none of it)
   const uint16_t* kh;  // K of (b, hk) as given, row stride ks
   int64_t ks;
   const uint16_t* vh;  // V of (b, hk), row stride vs
@@ -133,32 +133,31 @@ struct RowMask {
 };
 HEADS_INLINE RowMask row_mask(const Task& t, int64_t r, int64_t j0) {
   const SdpaProblem& pb = t.pb;
-  if (pb.mask_kind == MaskKind::None) return {};
-  const int64_t off = pb.mask_offset(t.b, t.h, t.i0 + r) + j0 * pb.mask.stride(3);
-  const size_t bytes = pb.mask_kind == MaskKind::Bool ? 1 : 4;
-  return {static_cast<const char*>(pb.mask.raw_data()) + off * bytes, pb.mask.stride(3)};
+  if (!pb.mods.masked()) return {};
+  const int64_t off = pb.mods.mask_offset(t.b, t.h, t.i0 + r) + j0 * pb.mods.mask.stride(3);
+  const size_t bytes = pb.mods.mask_kind == MaskKind::Bool ? 1 : 4;
+  return {static_cast<const char*>(pb.mods.mask.raw_data()) + off * bytes, pb.mods.mask.stride(3)};
 }
 
 // The score modifiers of query i on keys j .. j + 15 (the first n of them real), in log2 units, in
-// sdpa_problem.h's order (fwd::apply_masks does the same on its transposed tiles): softcap, then the
-// ALiBi / T5 bias added; keys left of the row's window or outside the block layout leave `keep`.
+// score_mods.h's order (the vector form of ScoreMods::apply with keys across the lanes;
+// fwd::apply_masks is the one with queries across them): softcap, then the ALiBi / T5 bias added;
+// keys left of the row's window or outside the block layout leave `keep`. score16 then applies the
+// attn_mask.
 HEADS_INLINE __m512 modify16(const Task& t, __m512 x, int64_t i, int64_t j, int64_t n, __mmask16& keep) {
   const SdpaProblem& pb = t.pb;
-  if (pb.softcap > 0.0) {
-    const float cap2 = static_cast<float>(pb.softcap) * kLog2e;
-    x = _mm512_mul_ps(_mm512_set1_ps(cap2), fwd::tanh_v(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap2))));
-  }
-  if (pb.rel.defined()) {  // key j + e at rel[i - j - e + Lk - 1]: 16 floats read backwards
-    const float* top = pb.rel_row(t.h) + (i - j + pb.Lk - 1);
+  if (pb.mods.capped()) x = fwd::softcap_v(x, _mm512_set1_ps(pb.mods.cap2), _mm512_set1_ps(1.0f / pb.mods.cap2));
+  if (pb.mods.biased()) {  // key j + e at rel[i - j - e + Lk - 1]: 16 floats read backwards
+    const float* top = pb.mods.rel_row(t.h) + (i - j + pb.Lk - 1);
     const auto high = static_cast<__mmask16>(~first_mask16(16 - n));  // lane 15 - e for e < n
     const __m512 back = _mm512_maskz_loadu_ps(high, top - 15);
     const __m512i reverse = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     x = _mm512_add_ps(x, _mm512_permutexvar_ps(reverse, back));
   }
   if (pb.has_left && j < i + pb.left_offset) keep &= static_cast<__mmask16>(~first_mask16(i + pb.left_offset - j));
-  if (pb.block_mask.defined()) {
+  if (pb.mods.blocked()) {
     uint32_t bits = 0;
-    for (int64_t e = 0; e < n; ++e) bits |= (pb.block_visible(t.h, i / pb.block_size, (j + e) / pb.block_size) ? 1u : 0u) << e;
+    for (int64_t e = 0; e < n; ++e) bits |= (pb.mods.pair_visible(t.h, i, j + e) ? 1u : 0u) << e;
     keep &= static_cast<__mmask16>(bits);
   }
   return x;
@@ -166,7 +165,7 @@ HEADS_INLINE __m512 modify16(const Task& t, __m512 x, int64_t i, int64_t j, int6
 
 // Scores of keys j0 + 16v .. j0 + 16v + 15 of query i (row r of the task): raw products `raw` -> log2
 // units (times c = scale · log2 e), the score modifiers (modify16), attn_mask applied
-// (fwd::masked_score's rule: a bool mask's false is -inf whatever the score, a float mask is added),
+// (ScoreMods::apply's rule: a bool mask's false is -inf whatever the score, a float mask is added),
 // keys at or past `lim` (the row's causal limit or Lk, relative to the block) -inf.
 HEADS_INLINE __m512 score16(const Task& t, const RowMask& rm, __m512 raw, int64_t i, int64_t j0, int64_t v,
                             int64_t lim, __m512 cv, float* tmp) {
@@ -177,7 +176,7 @@ HEADS_INLINE __m512 score16(const Task& t, const RowMask& rm, __m512 raw, int64_
   if (t.mods && valid != 0) x = modify16(t, x, i, j0 + 16 * v, std::min<int64_t>(16, lim - 16 * v), keep);
   if (rm.at != nullptr && valid != 0) {
     const int64_t ms = rm.stride, n = lim - 16 * v;
-    if (pb.mask_kind == MaskKind::Bool) {
+    if (pb.mods.mask_kind == MaskKind::Bool) {
       const auto* mb = static_cast<const uint8_t*>(rm.at) + 16 * v * ms;
       if (ms == 1) {
         const __m128i bytes = _mm_maskz_loadu_epi8(valid, mb);
@@ -196,7 +195,7 @@ HEADS_INLINE __m512 score16(const Task& t, const RowMask& rm, __m512 raw, int64_
         for (int64_t e = 0; e < 16; ++e) tmp[e] = e < n ? mf[e * ms] : 0.0f;
         add = _mm512_load_ps(tmp);
       }
-      x = _mm512_fmadd_ps(add, _mm512_set1_ps(kLog2e), x);
+      x = _mm512_add_ps(x, _mm512_mul_ps(add, _mm512_set1_ps(kLog2e)));  // ScoreMods::mask_term's rounding
     }
   }
   return _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), x);
@@ -411,7 +410,7 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
       const int64_t qb = pb.causal ? n_qb - 1 - task % n_qb : task % n_qb;  // heaviest first
       const int64_t i0 = qb * kBQ, hk = h / pb.group();
       const Task t{pb, lay, b, h, hk, i0, std::min(pb.Lq - i0, kBQ),
-                   pb.has_left || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined(),
+                   pb.has_left || pb.mods.any(),
                    kb + b * k.stride(0) + hk * k.stride(1), k.stride(2),
                    vb + b * v.stride(0) + hk * v.stride(1), v.stride(2), scr.kv, scr.kv + lay.k_elems};
       run_task(t, scr, qp + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2), q.stride(2),

@@ -235,7 +235,7 @@ inline void query_step(const Call& C, const Task& task, const KeyRows& kv, int64
     const int64_t nk = std::min(jg + ng - j0, kTK);
     if (pb.causal && j0 > I0 + st.nqs - 1 + pb.causal_offset) break;  // this and later keys hidden
     if (pb.has_left && j0 + nk - 1 < I0 + pb.left_offset) continue;  // left of every row's window
-    if (!pb.blocks_any(h, I0, I0 + st.nqs, j0, j0 + nk)) continue;  // no block of the layout
+    if (!pb.mods.blocks_any(h, I0, I0 + st.nqs, j0, j0 + nk)) continue;  // no block of the layout
 #ifdef HEADS_AMX
     if (C.tiles && !st.few) tiles::step_scores(C, st, jg, j0, nk, scr);
 #endif
@@ -361,7 +361,7 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
   float* arena = thread_scratch(per * n_threads);
   // dS sums per key split and batch entry (each task writes the rows of its own heads), added in a
   // fixed order after.
-  std::vector<float> drel_b(drel != nullptr ? static_cast<size_t>(splits.n * pb.B * pb.H * pb.rel_len) : 0);
+  std::vector<float> drel_b(drel != nullptr ? static_cast<size_t>(splits.n * pb.B * pb.H * pb.mods.rel_len) : 0);
 
 #pragma omp parallel num_threads(n_threads)
   {
@@ -406,7 +406,7 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
       const int64_t b = pair / pb.Hkv;
       const Task task{b, pair % pb.Hkv, splits.at[static_cast<size_t>(s)], splits.at[static_cast<size_t>(s + 1)],
                       s == 0 ? C.dqp : dq_split + (s - 1) * dq_floats, s == 0 ? C.dqs : split_dqs};
-      if (drel != nullptr) scr.drel = drel_b.data() + (s * pb.B + b) * pb.H * pb.rel_len;
+      if (drel != nullptr) scr.drel = drel_b.data() + (s * pb.B + b) * pb.H * pb.mods.rel_len;
       for (int64_t jg = task.j_begin; jg < task.j_end; jg += C.span) key_group(C, task, jg, scr);
     }
     // dQ += the later splits' contributions, in split order, row by row.
@@ -434,7 +434,7 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
 #endif
   }
   for (int64_t x = 0; drel != nullptr && x < splits.n * pb.B; ++x) {  // split by split, batch entry by entry
-    const float* src = drel_b.data() + x * pb.H * pb.rel_len;
-    for (int64_t y = 0; y < pb.H * pb.rel_len; ++y) drel[y] += src[y];
+    const float* src = drel_b.data() + x * pb.H * pb.mods.rel_len;
+    for (int64_t y = 0; y < pb.H * pb.mods.rel_len; ++y) drel[y] += src[y];
   }
 }

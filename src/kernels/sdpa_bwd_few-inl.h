@@ -31,13 +31,13 @@ inline void few_block(const fwd::Tile& t, int64_t j0, int64_t nk, const float* k
   const int64_t nq = t.nq;
   small_dots(nk, kr, ks2, q0, qs2, nq, pb.D, c, s, 1, kTK);
   small_dots(nk, vr, vs2, g0, gs2, nq, pb.Dv, 1.0f, dp, 1, kTK);
-  const bool has_mask = pb.mask_kind != MaskKind::None;
+  const bool modified = pb.causal || pb.has_left || pb.mods.any();
   const float keep_scale = pb.dropout_p > 0 ? dropout_keep_scale(pb.dropout_p) : 1.0f;
   for (int64_t l = 0; l < nq; ++l) {
     const int64_t i = t.i0 + l;
     float* sl = s + l * kTK;
     float* dl = dp + l * kTK;
-    if (has_mask || pb.causal || pb.has_left || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined()) {
+    if (modified) {
       for (int64_t r = 0; r < nk; ++r) sl[r] = mod_score_log2(pb, t.b, t.h, i, j0 + r, sl[r], tg + l * kTK + r);
     }
     const VR l2 = Vec::set1(lse2[l]);

@@ -125,10 +125,10 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
     few_block(t, j0, nk, st.k_row(j0), st.ks2, st.v_row(j0), st.vs2, st.q0, st.qs2, st.g0, st.gs2, st.lse2, C.one_block ? nullptr : st.dsum, C.c, scr.s, scr.dp, scr.pd, scr.tg);
     for (int64_t l = 0; mrow != nullptr && l < nq; ++l) std::copy_n(scr.dp + l * kTK, nk, mrow + l * pb.Lk);
     for (int64_t l = 0; scr.drel != nullptr && l < nq; ++l) {  // dS of (i, j) into drel[i - j + Lk - 1]
-      float* dr = scr.drel + st.h * pb.rel_len + (i0 + l - j0 + pb.Lk - 1);
+      float* dr = scr.drel + st.h * pb.mods.rel_len + (i0 + l - j0 + pb.Lk - 1);
       for (int64_t r = 0; r < nk; ++r) dr[-r] += scr.dp[l * kTK + r];
     }
-    if (pb.softcap > 0.0) {  // dS through the softcap for dQ and dK
+    if (pb.mods.capped()) {  // dS through the softcap for dQ and dK
       for (int64_t l = 0; l < nq; ++l) {
         for (int64_t r = 0; r < nk; ++r) scr.dp[l * kTK + r] *= scr.tg[l * kTK + r];
       }
@@ -139,7 +139,7 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
   float* dp = scr.dp + u * kTQ;
   float* pd = scr.pd + u * kTQ;
   if ((pb.causal && j0 > i0 + nq - 1 + pb.causal_offset) || (pb.has_left && j0 + nk - 1 < i0 + pb.left_offset) ||
-      !pb.blocks_any(st.h, i0, i0 + nq, j0, j0 + nk)) {  // the tile sees none of these keys
+      !pb.mods.blocks_any(st.h, i0, i0 + nq, j0, j0 + nk)) {  // the tile sees none of these keys
     for (int64_t r = 0; r < nk; ++r) {
       std::fill(s + r * kLd, s + r * kLd + kTQ, 0.0f);
       std::fill(dp + r * kLd, dp + r * kLd + kTQ, 0.0f);
@@ -153,7 +153,7 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
     for (int64_t r = 0; r < nk; ++r) mrow[l * pb.Lk + r] = dp[r * kLd + l];
   }
   if (scr.drel != nullptr) {  // dS of (i0 + lane, j0 + r) into drel[lane - r + i0 - j0 + Lk - 1], lanes < nq
-    float* dr = scr.drel + st.h * pb.rel_len + (i0 - j0 + pb.Lk - 1);
+    float* dr = scr.drel + st.h * pb.mods.rel_len + (i0 - j0 + pb.Lk - 1);
     for (int64_t r = 0; r < nk; ++r) {
       for (int vv = 0; vv < kNQ; ++vv) {
         const int64_t n = std::min<int64_t>(kW, nq - vv * kW);
@@ -163,7 +163,7 @@ HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64
       }
     }
   }
-  if (pb.softcap > 0.0) {  // dS through the softcap for dQ and dK
+  if (pb.mods.capped()) {  // dS through the softcap for dQ and dK
     const float* tg = scr.tg + u * kTQ;
     for (int64_t r = 0; r < nk; ++r) {
       for (int vv = 0; vv < kNQ; ++vv) {

@@ -97,7 +97,7 @@ inline void row_scores(const Setup& S, const T* kh, const float* ksc, const floa
   if (ksc != nullptr) {  // int8 keys: q·k_j times the key's scale
     for (int64_t u = nb; u < nv; ++u) sr[u] *= ksc[(j0 + u) * S.kss[2]];
   }
-  if (pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined() || pb.block_mask.defined()) {
+  if (pb.mods.any()) {
     for (int64_t u = nb; u < nv; ++u) sr[u] = mod_score_log2(pb, b, h, i, j0 + u, sr[u]);
   }
 }
@@ -192,10 +192,10 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
   for (int64_t b0 = j0; b0 < j1; b0 += kBlock) {
     const int64_t nk = std::min(kBlock, j1 - b0);
     if (b0 + nk <= pb.key_begin(0) || b0 >= pb.key_end(pb.Lq - 1)) continue;  // outside every row's band
-    if (pb.block_mask.defined()) {  // no row's block of the layout reaches these keys
+    if (pb.mods.blocked()) {  // no row's block of the layout reaches these keys
       bool any = false;
       for (int64_t h = hk * pb.group(); h < (hk + 1) * pb.group() && !any; ++h) {
-        any = pb.blocks_any(h, 0, pb.Lq, b0, b0 + nk);
+        any = pb.mods.blocks_any(h, 0, pb.Lq, b0, b0 + nk);
       }
       if (!any) continue;
     }

@@ -97,7 +97,7 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
     const int64_t nk = std::min(pb.Lk - j0, kTK);
     // visible under the band: before the upper limit jend, not wholly left of the first row's window
     int64_t nv = j0 + nk <= pb.key_begin(t.i0) ? 0 : std::max<int64_t>(0, std::min(nk, jend - j0));
-    if (nv > 0 && !pb.blocks_any(t.h, t.i0, t.i0 + t.nq, j0, j0 + nv)) nv = 0;  // no block of the layout
+    if (nv > 0 && !pb.mods.blocks_any(t.h, t.i0, t.i0 + t.nq, j0, j0 + nv)) nv = 0;  // no block of the layout
     if (nv > 0) {
       const bool causal_here = pb.causal && j0 + nv - 1 > t.i0 + pb.causal_offset;
       VR mx[kNQ] = {Vec::zero(), Vec::zero()};
@@ -159,7 +159,7 @@ inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, co
   const Scratch& scr = run.scr;
   const int64_t nk = std::min(run.jend - j0, kTK);
   const bool causal_here = pb.causal && j0 + nk - 1 > t.i0 + pb.causal_offset;
-  if (!pb.blocks_any(t.h, t.i0, t.i0 + t.nq, j0, j0 + nk)) return;  // block-sparse: nothing to see here
+  if (!pb.mods.blocks_any(t.h, t.i0, t.i0 + t.nq, j0, j0 + nk)) return;  // block-sparse: nothing to see here
   const bool masked = needs_masks(t, j0, nk, causal_here);
   // 1. S = Q_i K_j^T (scaled, log2 units) (+ mask); 2. mx = rowmax(S)
   VR mx[kNQ] = {Vec::set1(-kInf), Vec::set1(-kInf)};

@@ -8,17 +8,9 @@ struct Tile {
   float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
-// attn_mask entry at element offset `off` as a log2-domain term: a bool mask's false is -inf, a
-// float mask's value is scaled by log2(e). The mask must be present.
-HEADS_INLINE float mask_log2(const SdpaProblem& pb, int64_t off) {
-  if (pb.mask_kind == MaskKind::Bool) return static_cast<const uint8_t*>(pb.mask.raw_data())[off] ? 0.0f : -kInf;
-  return static_cast<const float*>(pb.mask.raw_data())[off] * kLog2e;
-}
-// Score s (log2 units) under that term: a float mask is added (IEEE: NaN + -inf is NaN); a bool
-// mask's false replaces s by -inf, so a hidden key's values never reach the row (even NaN).
-HEADS_INLINE float masked_score(const SdpaProblem& pb, float s, float term) {
-  return pb.mask_kind == MaskKind::Bool ? (term == 0.0f ? s : -kInf) : s + term;
-}
+// attn_mask entry at element offset `off` as a log2-domain term (ScoreMods::mask_term). The mask
+// must be present.
+HEADS_INLINE float mask_log2(const SdpaProblem& pb, int64_t off) { return pb.mods.mask_term<float>(off, kLog2e); }
 
 // tanh(x): an odd Taylor polynomial below |x| = 0.3 (relative error < 1e-7 there), else
 // sign(x) · (1 - e) / (1 + e) with e = e^{-2|x|} (no cancellation left at that size).
@@ -37,9 +29,18 @@ HEADS_INLINE VR tanh_v(VR x) {
   return Vec::select_neg(Vec::sub(ax, Vec::set1(0.3f)), p, signed_big);
 }
 
-// Applies the score modifiers and masks to S rows [0, nk) (keys j0 + r, row stride lds, log2
+// ScoreMods' softcap on log2-unit scores x: cap2 · tanh(x / cap2) (inv_cap2 = 1 / cap2, both
+// ScoreMods::cap2's); *grad (when given) receives d(capped)/dx = 1 - tanh². Both vector forms use it.
+HEADS_INLINE VR softcap_v(VR x, VR cap2, VR inv_cap2, VR* grad = nullptr) {
+  const VR th = tanh_v(Vec::mul(x, inv_cap2));
+  if (grad != nullptr) *grad = Vec::sub(Vec::set1(1.0f), Vec::mul(th, th));
+  return Vec::mul(cap2, th);
+}
+
+// Applies the score modifiers (score_mods.h, in its order; the vector form of ScoreMods::apply with
+// queries across the lanes) and the band to S rows [0, nk) (keys j0 + r, row stride lds, log2
 // units), folding in the running max: softcap, then the ALiBi / T5 bias and a float attn_mask
-// added; a bool attn_mask's false and keys outside the band become -inf. causal_here: some key of
+// added; a bool attn_mask's false, a block layout's hidden blocks and keys outside the band become -inf. causal_here: some key of
 // the block lies past some row's upper limit. With softcap, tg (when given, stride lds) receives
 // d(capped)/dS = 1 - tanh².
 inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx,
@@ -52,22 +53,22 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
     qlo[v] = Vec::add(i, Vec::set1(static_cast<float>(pb.left_offset)));
   }
   const bool left_here = pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset;
-  const bool cap = pb.softcap > 0.0;
-  const VR cap2 = Vec::set1(static_cast<float>(pb.softcap) * kLog2e);
-  const VR inv_cap2 = Vec::set1(1.0f / (static_cast<float>(pb.softcap) * kLog2e));
+  const bool cap = pb.mods.capped();
+  const VR cap2 = Vec::set1(pb.mods.cap2);
+  const VR inv_cap2 = Vec::set1(cap ? 1.0f / pb.mods.cap2 : 0.0f);
   // Bias of (i0 + lane, j0 + r) at rel[lane - r]: the table runs along i - j.
-  const float* rel = pb.rel.defined() ? pb.rel_row(t.h) + (t.i0 - j0 + pb.Lk - 1) : nullptr;
-  const bool has_mask = pb.mask_kind != MaskKind::None;
-  const bool bool_mask = pb.mask_kind == MaskKind::Bool;
-  const bool row_bcast = has_mask && pb.mask.stride(2) == 0;  // same value for every query
+  const float* rel = pb.mods.biased() ? pb.mods.rel_row(t.h) + (t.i0 - j0 + pb.Lk - 1) : nullptr;
+  const bool has_mask = pb.mods.masked();
+  const bool bool_mask = pb.mods.mask_kind == MaskKind::Bool;
+  const bool row_bcast = has_mask && pb.mods.mask.stride(2) == 0;  // same value for every query
   // Block-sparse layout: per lane, 0 where the lane's query block sees key block kb, else -inf
   // (rebuilt when the key block changes).
   VR blk[kNQ] = {Vec::zero(), Vec::zero()};
   int64_t blk_kb = -1;
-  const bool blocks = pb.block_mask.defined();
-  const int64_t ms3 = has_mask ? pb.mask.stride(3) : 0;
-  const int64_t mrow0 = has_mask ? pb.mask_offset(t.b, t.h, t.i0) : 0;
-  const int64_t ms2 = has_mask ? pb.mask.stride(2) : 0;
+  const bool blocks = pb.mods.blocked();
+  const int64_t ms3 = has_mask ? pb.mods.mask.stride(3) : 0;
+  const int64_t mrow0 = has_mask ? pb.mods.mask_offset(t.b, t.h, t.i0) : 0;
+  const int64_t ms2 = has_mask ? pb.mods.mask.stride(2) : 0;
   auto value = [&](int64_t off) { return mask_log2(pb, off); };
   for (int64_t r = 0; r < nk; ++r) {
     const int64_t j = j0 + r;
@@ -80,11 +81,11 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
       add[1] = Vec::load(t.tmp + kW);
     }
     const VR jv = Vec::set1(static_cast<float>(j));
-    if (blocks && j / pb.block_size != blk_kb) {
-      blk_kb = j / pb.block_size;
+    if (blocks && j / pb.mods.block_size != blk_kb) {
+      blk_kb = j / pb.mods.block_size;
       alignas(64) float lanes[kTQ];
       for (int64_t l = 0; l < kTQ; ++l) {
-        lanes[l] = l >= t.nq || pb.block_visible(t.h, (t.i0 + l) / pb.block_size, blk_kb) ? 0.0f : -kInf;
+        lanes[l] = l >= t.nq || pb.mods.block_visible(t.h, (t.i0 + l) / pb.mods.block_size, blk_kb) ? 0.0f : -kInf;
       }
       blk[0] = Vec::load(lanes);
       blk[1] = Vec::load(lanes + kW);
@@ -92,9 +93,9 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
     for (int v = 0; v < kNQ; ++v) {
       VR x = Vec::load(s + r * lds + v * kW);
       if (cap) {
-        const VR th = tanh_v(Vec::mul(x, inv_cap2));
-        if (tg != nullptr) Vec::store(tg + r * lds + v * kW, Vec::sub(Vec::set1(1.0f), Vec::mul(th, th)));
-        x = Vec::mul(cap2, th);
+        VR grad;
+        x = softcap_v(x, cap2, inv_cap2, &grad);
+        if (tg != nullptr) Vec::store(tg + r * lds + v * kW, grad);
       }
       if (rel != nullptr) x = Vec::add(x, Vec::loadu(rel - r + v * kW));
       if (bool_mask) {
@@ -111,11 +112,11 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   }
 }
 
-// Whether S of keys [j0, j0 + nk) needs apply_masks for the tile (else it is used as computed).
+// Whether S of keys [j0, j0 + nk) needs apply_masks for the tile (else it is used as computed): a
+// score modifier, or the band cutting these keys for some row.
 HEADS_INLINE bool needs_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here) {
   const SdpaProblem& pb = t.pb;
-  return causal_here || pb.mask_kind != MaskKind::None || pb.softcap > 0.0 || pb.rel.defined() ||
-         pb.block_mask.defined() || (pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset);
+  return causal_here || pb.mods.any() || (pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset);
 }
 
 inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {

@@ -54,41 +54,25 @@ struct Terms {
       : slopes(f64(o.alibi_slopes)), table(f64(o.relative_attention_bias)), sinks(f64(o.sinks)) {}
 };
 
-// Score (i, j) of head (b, h) in [B, H, L, D] f64 q and k: t = q_i · k_j · scale, softcapped,
-// plus the ALiBi and T5 biases and a float mask's value; -inf outside the band or where a bool
-// mask hides the key. *dcap: d(capped t)/dt.
+// Score (i, j) of head (b, h) in [B, H, L, D] f64 q and k: t = q_i · k_j · scale, then the score
+// modifiers (ScoreMods::apply, natural units) with the ALiBi and T5 biases computed here in float64;
+// -inf outside the band. *dcap: d(capped t)/dt.
 double score(const kernels::SdpaProblem& pb, const Terms& tm, const double* q, const double* k, int64_t b, int64_t h,
              int64_t i, int64_t j, double* dcap = nullptr) {
   const double* qi = q + ((b * pb.H + h) * pb.Lq + i) * pb.D;
   const double* kj = k + ((b * pb.Hkv + h / pb.group()) * pb.Lk + j) * pb.D;
   double acc = 0.0;
   for (int64_t d = 0; d < pb.D; ++d) acc += qi[d] * kj[d];
-  double x = acc * pb.scale;
-  if (dcap != nullptr) *dcap = 1.0;
-  if (pb.softcap > 0.0) {
-    const double t = std::tanh(x / pb.softcap);
-    x = pb.softcap * t;
-    if (dcap != nullptr) *dcap = 1.0 - t * t;
-  }
   const int64_t dist = i + pb.align_offset - j;
-  if (!tm.slopes.empty()) x -= tm.slopes[static_cast<size_t>(h)] * static_cast<double>(dist < 0 ? -dist : dist);
+  double bias = 0.0;
+  if (!tm.slopes.empty()) bias -= tm.slopes[static_cast<size_t>(h)] * static_cast<double>(dist < 0 ? -dist : dist);
   if (!tm.table.empty()) {
-    const int64_t bk = t5_relative_bucket(-dist, pb.rel_bidirectional, pb.rel_buckets, pb.rel_max_distance);
-    x += tm.table[static_cast<size_t>(bk * pb.H + h)];
+    const kernels::ScoreMods& m = pb.mods;
+    const int64_t bk = t5_relative_bucket(-dist, m.rel_bidirectional, m.rel_buckets, m.rel_max_distance);
+    bias += tm.table[static_cast<size_t>(bk * pb.H + h)];
   }
-  if (!pb.visible(i, j)) x = -std::numeric_limits<double>::infinity();
-  if (pb.block_mask.defined() && !pb.block_visible(h, i / pb.block_size, j / pb.block_size)) {
-    x = -std::numeric_limits<double>::infinity();
-  }
-  if (pb.mask_kind != kernels::MaskKind::None) {
-    const int64_t off = pb.mask_offset(b, h, i) + j * pb.mask.stride(3);
-    if (pb.mask_kind == kernels::MaskKind::Bool) {
-      if (!static_cast<const uint8_t*>(pb.mask.raw_data())[off]) x = -std::numeric_limits<double>::infinity();
-    } else {
-      x += static_cast<const float*>(pb.mask.raw_data())[off];
-    }
-  }
-  return x;
+  const double x = pb.mods.apply<double>(acc * pb.scale, 1.0, bias, b, h, i, j, dcap);
+  return pb.visible(i, j) ? x : -std::numeric_limits<double>::infinity();
 }
 
 }  // namespace
@@ -191,13 +175,13 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
   g.dv = Tensor::zeros(v.shape(), DType::F64);
   Tensor dm_full;
   if (mask_grad) {
-    HEADS_CHECK(pb.mask_kind == MaskKind::Float, "ref::sdpa_bwd_f64: mask_grad needs a float attn_mask");
+    HEADS_CHECK(pb.mods.mask_kind == MaskKind::Float, "ref::sdpa_bwd_f64: mask_grad needs a float attn_mask");
     dm_full = Tensor::zeros({pb.B, pb.H, pb.Lq, pb.Lk}, DType::F64);
   }
   const SdpaResult fw = sdpa_fwd_f64(q_in, k_in, v_in, opts);  // weights include dropout
   const Terms tm(opts);
   if (!tm.sinks.empty()) g.dsinks = Tensor::zeros({pb.H}, DType::F64);
-  if (!tm.table.empty()) g.drelative_attention_bias = Tensor::zeros({pb.rel_buckets, pb.H}, DType::F64);
+  if (!tm.table.empty()) g.drelative_attention_bias = Tensor::zeros({pb.mods.rel_buckets, pb.H}, DType::F64);
   std::vector<double> dcap(static_cast<size_t>(pb.Lk));
   const double ninf = -std::numeric_limits<double>::infinity();
   std::vector<double> p(static_cast<size_t>(pb.Lk)), dp(static_cast<size_t>(pb.Lk));
@@ -233,8 +217,8 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
           const double ds_out = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - Dsum);  // dL/dS
           if (mask_grad) dm_full.data<double>()[((b * pb.H + h) * pb.Lq + i) * pb.Lk + j] = ds_out;
           if (!tm.table.empty() && p[static_cast<size_t>(j)] != 0.0) {
-            const int64_t bk = t5_relative_bucket(j - i - pb.align_offset, pb.rel_bidirectional, pb.rel_buckets,
-                                                  pb.rel_max_distance);
+            const int64_t bk = t5_relative_bucket(j - i - pb.align_offset, pb.mods.rel_bidirectional, pb.mods.rel_buckets,
+                                                  pb.mods.rel_max_distance);
             g.drelative_attention_bias.data<double>()[bk * pb.H + h] += ds_out;
           }
           const double ds = ds_out * dcap[static_cast<size_t>(j)];  // through the softcap
