@@ -40,9 +40,9 @@ HEADS_INLINE VR softcap_v(VR x, VR cap2, VR inv_cap2, VR* grad = nullptr) {
 // Applies the score modifiers (score_mods.h, in its order; the vector form of ScoreMods::apply with
 // queries across the lanes) and the band to S rows [0, nk) (keys j0 + r, row stride lds, log2
 // units), folding in the running max: softcap, then the ALiBi / T5 bias and a float attn_mask
-// added; a bool attn_mask's false, a block layout's hidden blocks and keys outside the band become -inf. causal_here: some key of
-// the block lies past some row's upper limit. With softcap, tg (when given, stride lds) receives
-// d(capped)/dS = 1 - tanh².
+// added; a bool attn_mask's false, a block layout's hidden blocks and keys outside the band become
+// -inf. causal_here: some key of the block lies past some row's upper limit. With softcap, tg (when
+// given, stride lds) receives d(capped)/dS = 1 - tanh².
 inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here, float* s, VR* mx,
                         int64_t lds = kTQ, float* tg = nullptr) {
   const SdpaProblem& pb = t.pb;

@@ -217,8 +217,9 @@ SdpaGrads sdpa_bwd_f64(const Tensor& dout_in, const Tensor& q_in, const Tensor& 
           const double ds_out = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - Dsum);  // dL/dS
           if (mask_grad) dm_full.data<double>()[((b * pb.H + h) * pb.Lq + i) * pb.Lk + j] = ds_out;
           if (!tm.table.empty() && p[static_cast<size_t>(j)] != 0.0) {
-            const int64_t bk = t5_relative_bucket(j - i - pb.align_offset, pb.mods.rel_bidirectional, pb.mods.rel_buckets,
-                                                  pb.mods.rel_max_distance);
+            const ScoreMods& m = pb.mods;
+            const int64_t bk =
+                t5_relative_bucket(j - i - pb.align_offset, m.rel_bidirectional, m.rel_buckets, m.rel_max_distance);
             g.drelative_attention_bias.data<double>()[bk * pb.H + h] += ds_out;
           }
           const double ds = ds_out * dcap[static_cast<size_t>(j)];  // through the softcap
