@@ -30,6 +30,10 @@ if [ -z "${CMAKE_CXX_COMPILER_LAUNCHER+set}" ] && command -v ccache >/dev/null; 
   export CMAKE_CXX_COMPILER_LAUNCHER=ccache
 fi
 
+# Two tests at a time, each with a team of every core's threads: OpenMP's waiting threads sleep
+# (OMP_WAIT_POLICY=passive) instead of spinning on the cores the other test is working on (the
+# release run on a 2-core Xeon: 240 -> 171 s). The kernels' results do not depend on it.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 step ctest "C++ tests"
 ctest --test-dir build --output-on-failure -j2
 

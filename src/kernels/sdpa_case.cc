@@ -1,5 +1,5 @@
-// sdpa_case.cc — inputs and descriptions of SDPA cases (include/heads/sdpa_case.h).
-#include "heads/sdpa_case.h"
+// sdpa_case.cc — inputs and descriptions of SDPA cases (sdpa_case.h).
+#include "kernels/sdpa_case.h"
 
 #include <random>
 #include <sstream>

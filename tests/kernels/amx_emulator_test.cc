@@ -13,7 +13,7 @@
 #include "common/testing.h"
 #include "heads/isa.h"
 #include "heads/sdpa.h"
-#include "heads/sdpa_case.h"
+#include "kernels/sdpa_case.h"
 #include "kernels/amx_emulator.h"
 #include "kernels/dispatch.h"
 

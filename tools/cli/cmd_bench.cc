@@ -22,7 +22,7 @@
 #include "heads/mha.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
-#include "heads/sdpa_case.h"
+#include "kernels/sdpa_case.h"
 #include "heads/sentence_encoder.h"
 
 namespace heads::cli {

@@ -1,7 +1,7 @@
 // sdpa_case.h — one SDPA call as a test or a benchmark states it: shapes, options, the memory
 // layout of the inputs and the seed their values are drawn from. Printable, so a failing test or
 // a benchmark line says exactly what ran; `heads bench sdpa` and the C++ SDPA tests build their
-// calls from it.
+// calls from it. Not public API (the installed headers): the CLI and the tests read it from src/.
 #pragma once
 
 #include <cstdint>
