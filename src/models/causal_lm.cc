@@ -16,6 +16,7 @@
 #include "heads/ops.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
+#include "models/attention_block.h"
 
 namespace heads {
 
@@ -126,15 +127,12 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   }
   if (embed_norm_w_.defined()) x = layer_norm(x, embed_norm_w_, embed_norm_b_, c.norm_eps);
   // 2. layers
-  const int64_t W = (H + 2 * Hk) * hd;
   Tensor attn = Tensor::empty({B, L, H, hd}, DType::F32);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     const Tensor h = norm(x, l.norm1_w, l.norm1_b);
     const Tensor qkv = proj(h, l.wqkv, l.pk_qkv, l.bqkv);  // [B, L, W]
-    const Tensor q = qkv.as_strided({B, H, L, hd}, {L * W, hd, W, 1}, 0);
-    const Tensor k = qkv.as_strided({B, Hk, L, hd}, {L * W, hd, W, 1}, H * hd);
-    const Tensor v = qkv.as_strided({B, Hk, L, hd}, {L * W, hd, W, 1}, (H + Hk) * hd);
+    const auto [q, k, v] = models::fused_qkv_views(qkv, H, Hk, hd);
     if (pos_ == Pos::Rope) {
       rope_(q, past, c.rope);
       rope_(k, past, c.rope);
@@ -148,7 +146,7 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
     o.window_left = c.window_left[i];
     o.softcap = c.attn_softcap;
     if (pos_ == Pos::Alibi) o.alibi_slopes = alibi_;
-    const Tensor out = attn.permute({0, 2, 1, 3});
+    const Tensor out = models::heads_view(attn);
     if (K.dtype() == DType::F32) {
       sdpa_out(out, q, K, V, o);
     } else if (K.dtype() == DType::I8) {  // read in place by the decode kernel, f32 queries and output

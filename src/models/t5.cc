@@ -10,6 +10,7 @@
 #include "config_json.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
+#include "models/attention_block.h"
 
 namespace heads {
 
@@ -98,11 +99,8 @@ Tensor T5Encoder::forward(const Tensor& ids, const Tensor& attention_mask) const
   for (const Block& b : blocks_) {
     const Tensor h = rms_norm(x, b.ln1, eps_);
     const Tensor qkv = linear(h, b.wqkv);
-    const int64_t W = 3 * I;
-    const Tensor q = qkv.as_strided({B, H, L, dk}, {L * W, dk, W, 1}, 0);
-    const Tensor k = qkv.as_strided({B, H, L, dk}, {L * W, dk, W, 1}, I);
-    const Tensor v = qkv.as_strided({B, H, L, dk}, {L * W, dk, W, 1}, 2 * I);
-    sdpa_out(attn.permute({0, 2, 1, 3}), q, k, v, o);
+    const auto [q, k, v] = models::fused_qkv_views(qkv, H, H, dk);
+    sdpa_out(models::heads_view(attn), q, k, v, o);
     x = add(x, linear(attn.reshape({B, L, I}), b.wo));
     const Tensor h2 = rms_norm(x, b.ln2, eps_);
     const Tensor up = linear(h2, b.wi);
