@@ -8,10 +8,6 @@ struct Tile {
   float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
-// attn_mask entry at element offset `off` as a log2-domain term (ScoreMods::mask_term). The mask
-// must be present.
-HEADS_INLINE float mask_log2(const SdpaProblem& pb, int64_t off) { return pb.mods.mask_term<float>(off, kLog2e); }
-
 // tanh(x): an odd Taylor polynomial below |x| = 0.3 (relative error < 1e-7 there), else
 // sign(x) · (1 - e) / (1 + e) with e = e^{-2|x|} (no cancellation left at that size).
 HEADS_INLINE VR tanh_v(VR x) {
@@ -69,7 +65,7 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   const int64_t ms3 = has_mask ? pb.mods.mask.stride(3) : 0;
   const int64_t mrow0 = has_mask ? pb.mods.mask_offset(t.b, t.h, t.i0) : 0;
   const int64_t ms2 = has_mask ? pb.mods.mask.stride(2) : 0;
-  auto value = [&](int64_t off) { return mask_log2(pb, off); };
+  auto value = [&](int64_t off) { return pb.mods.mask_term<float>(off, kLog2e); };  // log2 units
   for (int64_t r = 0; r < nk; ++r) {
     const int64_t j = j0 + r;
     VR add[kNQ] = {Vec::zero(), Vec::zero()};
