@@ -37,6 +37,8 @@ struct Int8Row {
   int64_t no = 0;
 };
 constexpr int64_t kOutlierPanel = 16;  // a multiple of every vector width
+// The second activation term's values are stored plus this, as unsigned bytes (quantize_rows_u8).
+constexpr int32_t kSecondZero = 128;
 
 struct KernelTable {
   Isa isa;
@@ -84,11 +86,12 @@ struct KernelTable {
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
   // dx = dy · act'(x), n values; act 0 ReLU, 1 GELU (erf), 2 GELU (tanh form).
   void (*activation_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n, int act);
-  // Rows of x (times c per column, when given) as an asymmetric int8 term q [rows, n] with scales s and
-  // zero points z [rows], and a second term r [rows, n] with scales sr [rows] (0: none) on the rows
-  // whose estimated error exceeds τ, tau2x12 = 12·τ² (quantize-inl.h).
-  void (*quantize_rows_i8)(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
-                           int8_t* q, float* s, int32_t* z, int8_t* r, float* sr);
+  // Rows of x (times c per column, when given) as an asymmetric 8-bit term q [rows, n] (unsigned) with
+  // scales s and zero points z [rows], and a second term r [rows, n] (signed, stored plus kSecondZero)
+  // with scales sr [rows] (0: none) on the rows whose estimated error exceeds τ, tau2x12 = 12·τ²
+  // (quantize-inl.h).
+  void (*quantize_rows_u8)(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
+                           uint8_t* q, float* s, int32_t* z, uint8_t* r, float* sr);
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.

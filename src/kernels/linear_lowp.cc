@@ -179,18 +179,18 @@ struct Int8Weight {
   kernels::PackedB* packed_r = nullptr;    // Wr_padded in oneDNN's layouts
 };
 
-// The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (int8 operands, exact int32 sums) on the native
+// The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (uint8 A, int8 B, exact int32 sums) on the native
 // route, or plain loops (also where oneDNN turns out to have no int8 matmul for this CPU).
-void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native,
-             kernels::PackedB* packed) {
+void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native,
+               kernels::PackedB* packed) {
   const int threads = kernels::gemm_threads(M, N, K);
-  if (native && native_matmul("int8", {M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::S8}, A, B,
+  if (native && native_matmul("int8", {M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::U8S8}, A, B,
                                nullptr, acc, packed)) {
     return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t m = 0; m < M; ++m) {
-    const int8_t* a = A + m * K;
+    const uint8_t* a = A + m * K;
     for (int64_t n = 0; n < N; ++n) {
       const int8_t* b = B + n * K;
       int32_t sum = 0;
@@ -200,8 +200,9 @@ void gemm_s8(const int8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, 
   }
 }
 
-// The same through an int8 weight. Rows of x are quantized by the kernel table's quantize_rows_i8: an
-// asymmetric term x ≈ (q − z)·s for every row and a second term r·sr for the rows whose estimated
+// The same through an int8 weight. Rows of x are quantized by the kernel table's quantize_rows_u8: an
+// asymmetric term x ≈ (q − z)·s for every row (unsigned bytes) and a second term r·sr (stored as
+// r + kSecondZero, taken out through the row sums as z is) for the rows whose estimated
 // error exceeds the weight's activation_error (0, the default: every row). The integer GEMMs: acc = q·Wᵀ over all rows with acc2 = r·Wᵀ over
 // the rows with a second term in the same GEMM (packed after them, a multiple of kRowBlock rows at most
 // M), acc3 = q·Wrᵀ for the
@@ -219,11 +220,11 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   // every length then meets kShapeStep times fewer GEMM shapes, each a oneDNN primitive made once
   // (the int8 layers have a dozen shapes per length: onednn.cc caches a few hundred).
   const int64_t Mp = (M + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
-  const Buffer<int8_t> xq(2 * Mp * K);
-  int8_t* xr = xq.data() + Mp * K;
+  const Buffer<uint8_t> xq(2 * Mp * K);
+  uint8_t* xr = xq.data() + Mp * K;
   const Buffer<float> sx(M), sr(M);
   const Buffer<int32_t> zx(M);
-  kernels::active().quantize_rows_i8(x, M, K, xs, w.keep, 12.0 * w.act_error * w.act_error,
+  kernels::active().quantize_rows_u8(x, M, K, xs, w.keep, 12.0 * w.act_error * w.act_error,
                                      xq.data(), sx.data(), zx.data(), xr, sr.data());
   const Route route = route_of(Precision::Int8);
   const int threads = kernels::gemm_threads(M, w.N, K);
@@ -232,8 +233,8 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     const Buffer<float> xf(M * K);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t m = 0; m < M; ++m) {
-      const int8_t* q = xq.data() + m * K;
-      const int8_t* r = xr + m * K;
+      const uint8_t* q = xq.data() + m * K;
+      const uint8_t* r = xr + m * K;
       const float s = sx[m], s2 = sr[m];
       const int32_t z = zx[m];
       for (int64_t k = 0; k < K; ++k) {
@@ -242,7 +243,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
           continue;
         }
         const float v = static_cast<float>(q[k] - z) * s;
-        xf[m * K + k] = s2 != 0.0f ? v + static_cast<float>(r[k]) * s2 : v;
+        xf[m * K + k] = s2 != 0.0f ? v + static_cast<float>(r[k] - kernels::kSecondZero) * s2 : v;
       }
     }
     linear_wide(xf.data(), M, K, w.wide, bias, w.N, y, false, ys);
@@ -259,16 +260,16 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   }
   const auto M2 = static_cast<int64_t>(two.size());
   const int64_t Mt = Mp + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, Mp);
-  std::fill(xq.data() + M * K, xq.data() + Mp * K, int8_t{0});
+  std::fill(xq.data() + M * K, xq.data() + Mp * K, uint8_t{0});
   for (int64_t j = 0; j < M2; ++j) {
     if (two[j] != j) std::copy(xr + two[j] * K, xr + (two[j] + 1) * K, xr + j * K);
   }
-  std::fill(xq.data() + (Mp + M2) * K, xq.data() + Mt * K, int8_t{0});
+  std::fill(xq.data() + (Mp + M2) * K, xq.data() + Mt * K, uint8_t{0});
   const Buffer<int32_t> acc(Mt * N);
-  gemm_s8(xq.data(), Mt, K, w.W, N, acc.data(), native, w.packed);
+  gemm_u8s8(xq.data(), Mt, K, w.W, N, acc.data(), native, w.packed);
   const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
   const Buffer<int32_t> acc3(Nrp > 0 ? Mp * Nrp : 1);
-  if (Nr > 0) gemm_s8(xq.data(), Mp, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+  if (Nr > 0) gemm_u8s8(xq.data(), Mp, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto rows_out = kernels::active().int8_rows_out;

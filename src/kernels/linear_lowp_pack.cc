@@ -47,7 +47,7 @@ inline float round_even(float x) {
 inline float clamp127(float x) { return x < -127.0f ? -127.0f : (127.0f < x ? 127.0f : x); }
 
 // Symmetric int8 of one weight row: q = round(x / s), s = max|x| / 127 (s = 1 for an all-zero row);
-// NaN when the row holds NaN or ±inf. (Activations: the table's quantize_rows_i8.)
+// NaN when the row holds NaN or ±inf. (Activations: the table's quantize_rows_u8.)
 float quantize_row(const float* x, int64_t K, int8_t* q) {
   float amax = 0.0f;
   bool finite = true;

@@ -79,9 +79,10 @@ std::shared_ptr<const Entry> primitive_for(const MatmulCall& call, bool any_b) {
   }
   const MatmulCall& c = call;
   using dt = dnnl::memory::data_type;
-  const dt in = c.types == MatmulTypes::F32 ? dt::f32 : c.types == MatmulTypes::S8 ? dt::s8 : dt::bf16;
-  const dt out = c.types == MatmulTypes::S8 ? dt::s32 : c.types == MatmulTypes::Bf16Out ? dt::bf16 : dt::f32;
-  const dnnl::memory::desc src({c.M, c.K}, in, {c.a_rs, c.a_cs});
+  const bool int8 = c.types == MatmulTypes::U8S8;
+  const dt in = c.types == MatmulTypes::F32 ? dt::f32 : int8 ? dt::s8 : dt::bf16;  // B's type
+  const dt out = int8 ? dt::s32 : c.types == MatmulTypes::Bf16Out ? dt::bf16 : dt::f32;
+  const dnnl::memory::desc src({c.M, c.K}, int8 ? dt::u8 : in, {c.a_rs, c.a_cs});
   const dnnl::memory::desc wei = any_b ? dnnl::memory::desc({c.K, c.N}, in, dnnl::memory::format_tag::any)
                                         : dnnl::memory::desc({c.K, c.N}, in, {c.b_rs, c.b_cs});
   const dnnl::memory::desc dst({c.M, c.N}, out, {c.c_rs, 1});

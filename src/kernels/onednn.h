@@ -11,7 +11,7 @@ enum class MatmulTypes {
   F32,   // A, B, C, bias f32
   Bf16,  // A, B bf16; C, bias f32 (f32 accumulation)
   Bf16Out,  // A, B, C bf16; bias f32 (f32 accumulation, C rounded once)
-  S8,    // A, B int8; C int32 (exact integer sums); no bias
+  U8S8,  // A uint8, B int8; C int32 (exact integer sums); no bias
 };
 
 struct MatmulCall {

@@ -14,21 +14,23 @@ HEADS_INLINE float scale_of(float amax) {
 
 }  // namespace qz
 
-// Activation rows for the int8 linear layers (heads/precision.h). Row r of v = x (or x·c[k] per
-// column when c is given; one rounding) as an asymmetric first term: lo = min(0, min v), hi = max(0,
-// max v), s = hi/255 − lo/255 (below FLT_MIN the row counts as zero: s 1, zp 0), zp = round(−lo/s) in [0, 255], t = clamp(round(v · (1/s)) + zp, 0, 255), stored as q = t − 128
-// (int8) with the zero point z = zp − 128, so that v ≈ (q − z)·s. Its relative error is estimated
-// from the exact integer E = Σ (q − z)²: a uniform rounding loses s²/12 per value, so the estimate is
-// sqrt(n / (12·E)); rows with E > 0 and n > 12·τ²·E (`tau2x12` = 12·τ²) also get a symmetric second term,
-// the residual e = v − (q − z)·s (one fused rounding) as r = clamp(round(e · (1/sr)), ±127), sr =
-// max|e| / 127 (scale_of), and sr = 0 marks the rows without one (r is not written there). A row
-// holding NaN or ±inf gets q = 0, z = 0, s = NaN and no second term, so its outputs come out NaN.
-// Rounding to nearest even; every path computes the same bits.
-inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
-                             int8_t* q, float* s, int32_t* z, int8_t* r, float* sr) {
+// Activation rows for the int8 linear layers (heads/precision.h), as unsigned bytes: the u8 × s8
+// product is the one VNNI and AMX multiply natively (a signed activation costs oneDNN a shift and
+// a compensation per call). Row r of v = x (or x·c[k] per column when c is given; one rounding) as
+// an asymmetric first term: lo = min(0, min v), hi = max(0, max v), s = hi/255 − lo/255 (below
+// FLT_MIN the row counts as zero: s 1, z 0), zero point z = round(−lo/s) in [0, 255], q =
+// clamp(round(v · (1/s)) + z, 0, 255), so that v ≈ (q − z)·s. Its relative error is estimated from
+// the exact integer E = Σ (q − z)²: a uniform rounding loses s²/12 per value, so the estimate is
+// sqrt(n / (12·E)); rows with E > 0 and n > 12·τ²·E (`tau2x12` = 12·τ²) also get a symmetric second
+// term, the residual e = v − (q − z)·s (one fused rounding) as clamp(round(e · (1/sr)), ±127), sr =
+// max|e| / 127 (scale_of), stored plus kSecondZero (128) in r, and sr = 0 marks the rows without one
+// (r is not written there). A row holding NaN or ±inf gets q = 0, z = 0, s = NaN and no second term,
+// so its outputs come out NaN. Rounding to nearest even; every path computes the same bits.
+inline void quantize_rows_u8(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
+                             uint8_t* q, float* s, int32_t* z, uint8_t* r, float* sr) {
   ew::for_rows(rows, n, 8192, [&](int64_t row) {
     const float* xr = x + row * xs;
-    int8_t* qr = q + row * n;
+    uint8_t* qr = q + row * n;
     const auto value = [&](int64_t i, int64_t m) {  // v at [i, i + m), lanes past m zero
       const qz::VR v = m == qz::kW ? Vec::loadu(xr + i) : Vec::load_partial(xr + i, m);
       if (c == nullptr) return v;
@@ -43,7 +45,7 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
     }
     sr[row] = 0.0f;
     if (Vec::reduce_add(probe) != 0.0f) {  // NaN or ±inf in the row
-      std::fill(qr, qr + n, int8_t{0});
+      std::fill(qr, qr + n, uint8_t{0});
       s[row] = std::numeric_limits<float>::quiet_NaN();
       z[row] = 0;
       return;
@@ -53,15 +55,15 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
     const bool zero_row = !(span >= std::numeric_limits<float>::min());
     const float scale = zero_row ? 1.0f : span, inv = 1.0f / scale;
     const float zp = zero_row ? 0.0f : std::clamp(std::nearbyint(-lo * inv), 0.0f, 255.0f);
-    const qz::VR vinv = Vec::set1(inv), vzp = Vec::set1(zp), top = Vec::set1(255.0f), half = Vec::set1(128.0f);
+    const qz::VR vinv = Vec::set1(inv), vzp = Vec::set1(zp), top = Vec::set1(255.0f);
     const auto steps = [&](qz::VR v) {  // t − zp = q − z, an integer in [−255, 255]
       return Vec::sub(Vec::min(Vec::max(Vec::add(Vec::round_even(Vec::mul(v, vinv)), vzp), Vec::zero()), top), vzp);
     };
     for (int64_t i = 0; i < n; i += qz::kW) {
       const int64_t m = std::min<int64_t>(qz::kW, n - i);
-      Vec::store_partial_i8(qr + i, Vec::sub(Vec::add(steps(value(i, m)), vzp), half), m);
+      Vec::store_partial_u8(qr + i, Vec::add(steps(value(i, m)), vzp), m);
     }
-    const auto zq = static_cast<int32_t>(zp) - 128;
+    const auto zq = static_cast<int32_t>(zp);
     s[row] = scale;
     z[row] = zq;
     if (zero_row || std::isinf(tau2x12)) return;  // E = 0, or τ = ∞: one term
@@ -73,7 +75,8 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
       }
       if (e == 0 || static_cast<double>(n) <= tau2x12 * static_cast<double>(e)) return;
     }
-    const qz::VR vneg = Vec::set1(-scale), lo127 = Vec::set1(-qz::kLevels), hi127 = Vec::set1(qz::kLevels);
+    const qz::VR vneg = Vec::set1(-scale), lo127 = Vec::set1(-qz::kLevels), hi127 = Vec::set1(qz::kLevels),
+                 second_zero = Vec::set1(static_cast<float>(kSecondZero));
     qz::VR emax = Vec::zero();
     for (int64_t i = 0; i < n; i += qz::kW) {
       const qz::VR v = value(i, std::min<int64_t>(qz::kW, n - i));
@@ -81,12 +84,12 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
     }
     const float s2 = qz::scale_of(Vec::reduce_max(emax));
     const qz::VR vinv2 = Vec::set1(1.0f / s2);
-    int8_t* rr = r + row * n;
+    uint8_t* rr = r + row * n;
     for (int64_t i = 0; i < n; i += qz::kW) {
       const int64_t m = std::min<int64_t>(qz::kW, n - i);
       const qz::VR v = value(i, m);
       const qz::VR e2 = Vec::fma(steps(v), vneg, v);
-      Vec::store_partial_i8(rr + i, Vec::min(Vec::max(Vec::round_even(Vec::mul(e2, vinv2)), lo127), hi127), m);
+      Vec::store_partial_u8(rr + i, Vec::add(Vec::min(Vec::max(Vec::round_even(Vec::mul(e2, vinv2)), lo127), hi127), second_zero), m);
     }
     sr[row] = s2;
   });
@@ -94,7 +97,8 @@ inline void quantize_rows_i8(const float* x, int64_t rows, int64_t n, int64_t xs
 
 // Rows of an int8 linear layer's output (heads/precision.h, linear_lowp.cc) from their exact integer
 // sums, rows[m] into y + m·ys: y[n] = fma(v, sw[n], b[n]) (b null: 0) with v = float(a[n] − z·ws[n])·s,
-// or, with a second term (a2 given), v = fma(float(a2[n]), s2, float(a[n] − z·ws[n])·s); then for the
+// or, with a second term (a2 given), v = fma(float(a2[n] − 128·ws[n]), s2, float(a[n] − z·ws[n])·s)
+// (a2 sums the second term stored plus kSecondZero); then for the
 // weight's residual rows y[rows[j]] = fma(float(a3[j] − z·wrs[j])·s, swr[j], y[rows[j]]); then for
 // each outlier channel o in order y[n] = fma(x[oc[o]], wo_t[o, n], y[n]). Every multiply-add is fused
 // explicitly, so that every path gives the same bits. The rows share one weight (its residual rows
@@ -115,7 +119,8 @@ inline void int8_row_sums_out(const Int8Row& r, float* y) {
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const float v = std::fma(static_cast<float>(a2[i]), s2, static_cast<float>(a[i] - z * static_cast<int32_t>(ws[i])) * s);
+      const auto wsi = static_cast<int32_t>(ws[i]);
+      const float v = std::fma(static_cast<float>(a2[i] - kSecondZero * wsi), s2, static_cast<float>(a[i] - z * wsi) * s);
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
   }

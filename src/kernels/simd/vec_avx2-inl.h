@@ -93,10 +93,10 @@ struct Vec {
   }
   HEADS_INLINE static R round_even(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).
-  HEADS_INLINE static void store_partial_i8(int8_t* p, R x, int64_t n) {
+  HEADS_INLINE static void store_partial_u8(uint8_t* p, R x, int64_t n) {
     alignas(32) int32_t t[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(x));
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int8_t>(t[i]);
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(t[i]);
   }
   HEADS_INLINE static R add(R a, R b) { return _mm256_add_ps(a, b); }
   HEADS_INLINE static R sub(R a, R b) { return _mm256_sub_ps(a, b); }

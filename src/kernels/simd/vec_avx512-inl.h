@@ -42,8 +42,8 @@ struct Vec {
   HEADS_INLINE static float reduce_max(R x) { return _mm512_reduce_max_ps(x); }
   HEADS_INLINE static R round_even(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).
-  HEADS_INLINE static void store_partial_i8(int8_t* p, R x, int64_t n) {
-    _mm_mask_storeu_epi8(p, static_cast<__mmask16>((1u << n) - 1u), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
+  HEADS_INLINE static void store_partial_u8(uint8_t* p, R x, int64_t n) {
+    _mm_mask_storeu_epi8(p, static_cast<__mmask16>((1u << n) - 1u), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(x)));
   }
   // dst row c (stride ds) = column c of the W x W block at src (row stride ss), each source row
   // multiplied lane-wise by `scale` first.

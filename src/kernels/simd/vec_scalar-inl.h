@@ -5,7 +5,7 @@
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), div, min, abs, select_neg(x, a, b) = x < 0 ? a : b, loadu/storeu, load_partial/store_partial (first n
 //   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), loadu_i8/load_partial_i8 (int8 as f32), reduce_add, reduce_max, round_even (to nearest even),
-//   store_partial_i8 (integral lanes as int8), reduce_lanes(a[W]) (lane i = sum of a[i]),
+//   store_partial_u8 (integral lanes in [0, 255] as uint8), reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
@@ -82,8 +82,8 @@ struct Vec {
     for (float& e : x.v) e = std::nearbyint(e);
     return x;
   }
-  static void store_partial_i8(int8_t* p, R x, int64_t n) {  // lanes hold integers in [-128, 127]
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int8_t>(x.v[i]);
+  static void store_partial_u8(uint8_t* p, R x, int64_t n) {  // lanes hold integers in [0, 255]
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(x.v[i]);
   }
   static R fma(R a, R b, R c) {
     for (int i = 0; i < W; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
