@@ -149,6 +149,7 @@ class PackedLinear {
   // rows padded with zero rows to a multiple of 32 (one GEMM shape for most layers' few rows).
   std::shared_ptr<kernels::PackedB> gemm_b_, gemm_res_b_;
   Tensor res_padded_;
+  std::vector<int32_t> res_rows32_;  // residual_rows as the output pass indexes y with them
 };
 
 // How linear() computes with a weight of this precision on the active kernel path: "native"

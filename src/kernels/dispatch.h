@@ -27,7 +27,7 @@ struct Int8Row {
   const int32_t* a3 = nullptr;
   const float* wrs = nullptr;
   const float* swr = nullptr;
-  const int64_t* rows = nullptr;
+  const int32_t* rows = nullptr;
   int64_t nr = 0;
   // The outlier channels oc [no] of the row x (f32) and W's columns there in panels of
   // kOutlierPanel outputs: wo[p, o, j] = W[p·kOutlierPanel + j, oc[o]] (zero past n).

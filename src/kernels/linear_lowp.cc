@@ -164,7 +164,7 @@ struct Int8Weight {
   const int8_t* Wr = nullptr;
   const float* swr = nullptr;
   const float* wrs = nullptr;
-  const int64_t* rrows = nullptr;
+  const int32_t* rrows = nullptr;
   int64_t Nr = 0;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
   // The outlier channels oc [no] (heads/precision.h), W's columns there in panels (kernels::Int8Row), and
@@ -371,7 +371,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
       iw.wrs = w.residual_row_sums().data<float>();
       iw.Wr_padded = static_cast<const int8_t*>(w.res_padded_.raw_data());
       iw.packed_r = w.gemm_res_b_.get();
-      iw.rrows = w.residual_rows().data<int64_t>();
+      iw.rrows = w.res_rows32_.data();
       iw.Nr = w.residual_rows().numel();
     }
     linear_int8(x.data<float>(), M, K, K, iw, bias, y.data<float>(), N, act);

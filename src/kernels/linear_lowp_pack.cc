@@ -255,13 +255,16 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
 void PackedLinear::make_gemm_layouts() {
   gemm_b_ = gemm_res_b_ = nullptr;
   res_padded_ = Tensor();
+  res_rows32_.clear();
   if (precision_ == Precision::F32) return;
   gemm_b_ = std::make_shared<kernels::PackedB>();
   if (!res_data_.defined()) return;
   const int64_t Nr = res_data_.size(0), K = res_data_.size(1), Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
   res_padded_ = Tensor::zeros({Nrp, K}, DType::I8);
   res_padded_.slice(0, 0, Nr).copy_from(res_data_);
-  gemm_res_b_ = std::make_shared<kernels::PackedB>();
+  HEADS_CHECK(data_.size(0) <= std::numeric_limits<int32_t>::max(), "PackedLinear: ", data_.size(0),
+              " output features with residual rows (at most 2^31 - 1)");
+  res_rows32_.assign(res_rows_.data<int64_t>(), res_rows_.data<int64_t>() + Nr);  gemm_res_b_ = std::make_shared<kernels::PackedB>();
 }
 
 void PackedLinear::finish() {

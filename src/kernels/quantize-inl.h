@@ -124,9 +124,22 @@ inline void int8_row_sums_out(const Int8Row& r, float* y) {
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
   }
-  for (int64_t j = 0; j < r.nr; ++j) {
-    const float v = static_cast<float>(r.a3[j] - z * static_cast<int32_t>(r.wrs[j])) * s;
-    y[r.rows[j]] = std::fma(v, r.swr[j], y[r.rows[j]]);
+  // The residual rows a chunk at a time: their v in a plain loop, then the multiply-adds on y
+  // gathered and scattered a vector at a time (the rows are distinct).
+  constexpr int64_t kChunk = 256;
+  alignas(64) float v[kChunk];
+  for (int64_t j0 = 0; j0 < r.nr; j0 += kChunk) {
+    const int64_t m = std::min(kChunk, r.nr - j0);
+    const int32_t* a3 = r.a3 + j0;
+    const float* wrs = r.wrs + j0;
+    const float* swr = r.swr + j0;
+    const int32_t* rows = r.rows + j0;
+    for (int64_t j = 0; j < m; ++j) v[j] = static_cast<float>(a3[j] - z * static_cast<int32_t>(wrs[j])) * s;
+    int64_t j = 0;
+    for (; j + qz::kW <= m; j += qz::kW) {
+      Vec::scatter(y, rows + j, Vec::fma(Vec::load(v + j), Vec::loadu(swr + j), Vec::gather(y, rows + j)));
+    }
+    for (; j < m; ++j) y[rows[j]] = std::fma(v[j], swr[j], y[rows[j]]);
   }
 }
 

@@ -93,6 +93,14 @@ struct Vec {
   }
   HEADS_INLINE static R round_even(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).
+  HEADS_INLINE static R gather(const float* base, const int32_t* idx) {
+    return _mm256_i32gather_ps(base, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)), 4);
+  }
+  HEADS_INLINE static void scatter(float* base, const int32_t* idx, R x) {  // AVX2 has no scatter
+    alignas(32) float t[8];
+    _mm256_store_ps(t, x);
+    for (int i = 0; i < 8; ++i) base[idx[i]] = t[i];
+  }
   HEADS_INLINE static void store_partial_u8(uint8_t* p, R x, int64_t n) {
     alignas(32) int32_t t[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(x));

@@ -42,6 +42,13 @@ struct Vec {
   HEADS_INLINE static float reduce_max(R x) { return _mm512_reduce_max_ps(x); }
   HEADS_INLINE static R round_even(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).
+  // base[idx[i]] of W lanes; scatter stores lane i to base[idx[i]] (the indices distinct).
+  HEADS_INLINE static R gather(const float* base, const int32_t* idx) {
+    return _mm512_i32gather_ps(_mm512_loadu_si512(idx), base, 4);
+  }
+  HEADS_INLINE static void scatter(float* base, const int32_t* idx, R x) {
+    _mm512_i32scatter_ps(base, _mm512_loadu_si512(idx), x, 4);
+  }
   HEADS_INLINE static void store_partial_u8(uint8_t* p, R x, int64_t n) {
     _mm_mask_storeu_epi8(p, static_cast<__mmask16>((1u << n) - 1u), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(x)));
   }

@@ -5,6 +5,7 @@
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), div, min, abs, select_neg(x, a, b) = x < 0 ? a : b, loadu/storeu, load_partial/store_partial (first n
 //   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), loadu_i8/load_partial_i8 (int8 as f32), reduce_add, reduce_max, round_even (to nearest even),
+//   gather(base, idx) / scatter(base, idx, x) (lane i at base[idx[i]]; scatter's indices distinct),
 //   store_partial_u8 (integral lanes in [0, 255] as uint8), reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
@@ -81,6 +82,14 @@ struct Vec {
   static R round_even(R x) {
     for (float& e : x.v) e = std::nearbyint(e);
     return x;
+  }
+  static R gather(const float* base, const int32_t* idx) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = base[idx[i]];
+    return r;
+  }
+  static void scatter(float* base, const int32_t* idx, R x) {
+    for (int i = 0; i < W; ++i) base[idx[i]] = x.v[i];
   }
   static void store_partial_u8(uint8_t* p, R x, int64_t n) {  // lanes hold integers in [0, 255]
     for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(x.v[i]);
