@@ -213,6 +213,10 @@ void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t 
 // below both terms' rounding). The weight's outlier channels are zero in the rows quantized (x times
 // `keep`) and added in f32 by each output row: y[m, n] += x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s
 // (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
+// Rows per GEMM call of linear_int8 when no row has a second term (a multiple of kShapeStep): a
+// chunk's int32 sums (256 x N) are still in L2 when its outputs are made.
+constexpr int64_t kGemmChunkRows = 256;
+
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys, std::optional<Activation> act) {
   // Rows [0, M) of xq: the first terms, zero rows up to Mp; rows [Mp, Mp + M): the second terms
@@ -265,39 +269,47 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     if (two[j] != j) std::copy(xr + two[j] * K, xr + (two[j] + 1) * K, xr + j * K);
   }
   std::fill(xq.data() + (Mp + M2) * K, xq.data() + Mt * K, uint8_t{0});
-  const Buffer<int32_t> acc(Mt * N);
-  gemm_u8s8(xq.data(), Mt, K, w.W, N, acc.data(), native, w.packed);
+  // Without second terms the GEMMs run a chunk of rows at a time, each chunk's outputs made right
+  // after its GEMM: the integer sums are then read back from cache, not from memory.
+  const int64_t chunk = M2 > 0 ? Mp : std::min(Mp, kGemmChunkRows);
+  const Buffer<int32_t> acc((M2 > 0 ? Mt : chunk) * N);
   const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const Buffer<int32_t> acc3(Nrp > 0 ? Mp * Nrp : 1);
-  if (Nr > 0) gemm_u8s8(xq.data(), Mp, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+  const Buffer<int32_t> acc3(Nrp > 0 ? chunk * Nrp : 1);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto rows_out = kernels::active().int8_rows_out;
-  const auto out_row = [&](int64_t m) {
-    const int64_t j2 = second[static_cast<size_t>(m)];
-    kernels::Int8Row r{acc.data() + m * N, j2 < 0 ? nullptr : acc.data() + (Mp + j2) * N, zx[m], sx[m], sr[m], w.ws,
-                       w.sw, bias, N};
-    r.a3 = acc3.data() + m * Nrp;
-    r.wrs = w.wrs;
-    r.swr = w.swr;
-    r.rows = w.rrows;
-    r.nr = Nr;
-    r.x = x + m * xs;
-    r.oc = w.oc;
-    r.wo = w.wo;
-    r.no = w.no;
-    return r;
-  };
-  // Blocks of rows: each block's outputs made, then its activation while they are in cache.
-  constexpr int64_t kBlock = 16;
-  const int64_t blocks = (M + kBlock - 1) / kBlock;
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t c1 = std::min(M, c0 + chunk);
+    // Rows [c0, c0 + cm) of xq: within its first Mp rows (c0 and Mp are multiples of kShapeStep).
+    const int64_t cm = (c1 - c0 + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
+    gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.W, N, acc.data(), native, w.packed);
+    if (Nr > 0) gemm_u8s8(xq.data() + c0 * K, cm, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+    const auto out_row = [&](int64_t m) {
+      const int64_t j2 = second[static_cast<size_t>(m)];
+      kernels::Int8Row r{acc.data() + (m - c0) * N, j2 < 0 ? nullptr : acc.data() + (Mp + j2) * N, zx[m], sx[m], sr[m],
+                         w.ws, w.sw, bias, N};
+      r.a3 = acc3.data() + (m - c0) * Nrp;
+      r.wrs = w.wrs;
+      r.swr = w.swr;
+      r.rows = w.rrows;
+      r.nr = Nr;
+      r.x = x + m * xs;
+      r.oc = w.oc;
+      r.wo = w.wo;
+      r.no = w.no;
+      return r;
+    };
+    // Blocks of rows: each block's outputs made, then its activation while they are in cache.
+    constexpr int64_t kBlock = 16;
+    const int64_t blocks = (c1 - c0 + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    const int64_t m0 = bi * kBlock, m1 = std::min(M, m0 + kBlock);
-    kernels::Int8Row rows[kBlock];
-    for (int64_t m = m0; m < m1; ++m) rows[m - m0] = out_row(m);
-    rows_out(rows, m1 - m0, y + m0 * ys, ys);
-    apply_activation(act, y + m0 * ys, m1 - m0, N, ys);
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const int64_t m0 = c0 + bi * kBlock, m1 = std::min(c1, m0 + kBlock);
+      kernels::Int8Row rows[kBlock];
+      for (int64_t m = m0; m < m1; ++m) rows[m - m0] = out_row(m);
+      rows_out(rows, m1 - m0, y + m0 * ys, ys);
+      apply_activation(act, y + m0 * ys, m1 - m0, N, ys);
+    }
   }
 }
 

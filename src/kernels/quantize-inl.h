@@ -39,7 +39,7 @@ inline void quantize_rows_u8(const float* x, int64_t rows, int64_t n, int64_t xs
     qz::VR vmin = Vec::zero(), vmax = Vec::zero(), probe = Vec::zero();
     for (int64_t i = 0; i < n; i += qz::kW) {
       const qz::VR v = value(i, std::min<int64_t>(qz::kW, n - i));
-      probe = Vec::add(probe, Vec::mul(v, Vec::zero()));
+      probe = Vec::fma(v, Vec::zero(), probe);  // NaN once an element is NaN or ±inf
       vmin = Vec::min(vmin, v);
       vmax = Vec::max(vmax, v);
     }
@@ -56,12 +56,13 @@ inline void quantize_rows_u8(const float* x, int64_t rows, int64_t n, int64_t xs
     const float scale = zero_row ? 1.0f : span, inv = 1.0f / scale;
     const float zp = zero_row ? 0.0f : std::clamp(std::nearbyint(-lo * inv), 0.0f, 255.0f);
     const qz::VR vinv = Vec::set1(inv), vzp = Vec::set1(zp), top = Vec::set1(255.0f);
-    const auto steps = [&](qz::VR v) {  // t − zp = q − z, an integer in [−255, 255]
-      return Vec::sub(Vec::min(Vec::max(Vec::add(Vec::round_even(Vec::mul(v, vinv)), vzp), Vec::zero()), top), vzp);
+    const auto code = [&](qz::VR v) {  // q, an integer in [0, 255]
+      return Vec::min(Vec::max(Vec::add(Vec::round_even(Vec::mul(v, vinv)), vzp), Vec::zero()), top);
     };
+    const auto steps = [&](qz::VR v) { return Vec::sub(code(v), vzp); };  // q − z, in [−255, 255]
     for (int64_t i = 0; i < n; i += qz::kW) {
       const int64_t m = std::min<int64_t>(qz::kW, n - i);
-      Vec::store_partial_u8(qr + i, Vec::add(steps(value(i, m)), vzp), m);
+      Vec::store_partial_u8(qr + i, code(value(i, m)), m);
     }
     const auto zq = static_cast<int32_t>(zp);
     s[row] = scale;
