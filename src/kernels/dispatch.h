@@ -39,6 +39,8 @@ struct Int8Row {
 constexpr int64_t kOutlierPanel = 16;  // a multiple of every vector width
 // The second activation term's values are stored plus this, as unsigned bytes (quantize_rows_u8).
 constexpr int32_t kSecondZero = 128;
+// The candidate scales of an int8 weight row (int8_scale_errors): s·c for c = 1, 0.99, ..., 0.50.
+constexpr int kInt8ScaleCandidates = 51;
 
 struct KernelTable {
   Isa isa;
@@ -92,6 +94,10 @@ struct KernelTable {
   // (quantize-inl.h).
   void (*quantize_rows_u8)(const float* x, int64_t rows, int64_t n, int64_t xs, const float* c, double tau2x12,
                            uint8_t* q, float* s, int32_t* z, uint8_t* r, float* sr);
+  // The scale search of an int8 weight row of K values w (linear_lowp_pack.cc), for the
+  // kInt8ScaleCandidates scales t: err[i] = Σ_k (w[k] − clamp(round_even(w[k] / t[i]), ±127)·t[i])²
+  // (quantize-inl.h).
+  void (*int8_scale_errors)(const float* w, int64_t K, const float* t, double* err);
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.

@@ -28,6 +28,7 @@ const KernelTable kTable{
     .add_f32 = &add_f32,
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_u8 = &quantize_rows_u8,
+    .int8_scale_errors = &int8_scale_errors,
     .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,

@@ -69,20 +69,14 @@ float quantize_row(const float* x, int64_t K, int8_t* q) {
 
 // The weight rows' scale: of s·c for c in {1, 0.99, ..., 0.50} (values beyond 127 steps clipped),
 // the one with the least squared error over the row (the first of equals), its int8 values left in q.
+// The errors, Σ (w − clamp(round_even(w / t), ±127)·t)² in double in the row's order, come from the
+// kernel table (all the candidates of a row value at once, across the vector lanes).
 float clip_row(const float* w, int64_t K, float s, int8_t* q) {
-  constexpr int kScales = 51;
+  constexpr int kScales = kernels::kInt8ScaleCandidates;
   float t[kScales];
-  double error[kScales] = {};
+  double error[kScales];
   for (int i = 0; i < kScales; ++i) t[i] = i == 0 ? s : s * static_cast<float>(100 - i) / 100.0f;
-  // One pass over the row for all the scales: their sums are independent (the inner loop vectorizes)
-  // and each is still summed in the row's order.
-  for (int64_t k = 0; k < K; ++k) {
-    const float x = w[k];
-    for (int i = 0; i < kScales; ++i) {
-      const double d = x - clamp127(round_even(x / t[i])) * t[i];
-      error[i] += d * d;
-    }
-  }
+  kernels::active().int8_scale_errors(w, K, t, error);
   int best = 0;
   for (int i = 1; i < kScales; ++i) {
     if (error[i] < error[best]) best = i;

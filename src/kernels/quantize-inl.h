@@ -185,3 +185,26 @@ inline void int8_rows_out(const Int8Row* rows, int64_t count, float* y, int64_t 
     default: break;
   }
 }
+
+// The scale search of an int8 weight row (linear_lowp_pack.cc defines it): for each candidate scale
+// t[i], err[i] = Σ_k (w[k] − clamp(round_even(w[k] / t[i]), ±127)·t[i])², the quotient, product and
+// difference rounded in f32 as written (never fused), squared and summed in double in the row's
+// order. The candidates lie across the lanes, a row value against all of them at once, so every
+// path computes the same bits as the definition's scalar loop. Finite w and t > 0 (the caller's).
+inline void int8_scale_errors(const float* w, int64_t K, const float* t, double* err) {
+  constexpr int kRegs = (kInt8ScaleCandidates + qz::kW - 1) / qz::kW;
+  alignas(64) float tt[kRegs * qz::kW];
+  alignas(64) double acc[kRegs * qz::kW] = {};
+  for (int i = 0; i < kRegs * qz::kW; ++i) tt[i] = i < kInt8ScaleCandidates ? t[i] : 1.0f;  // lanes past: unused
+  qz::VR tv[kRegs];
+  for (int j = 0; j < kRegs; ++j) tv[j] = Vec::load(tt + j * qz::kW);
+  const qz::VR lo = Vec::set1(-qz::kLevels), hi = Vec::set1(qz::kLevels);
+  for (int64_t k = 0; k < K; ++k) {
+    const qz::VR x = Vec::set1(w[k]);
+    for (int j = 0; j < kRegs; ++j) {
+      const qz::VR q = Vec::min(Vec::max(Vec::round_even(Vec::div(x, tv[j])), lo), hi);
+      Vec::add_squares_f64(acc + j * qz::kW, Vec::sub(x, unfused(Vec::mul(q, tv[j]))));
+    }
+  }
+  std::copy(acc, acc + kInt8ScaleCandidates, err);
+}

@@ -1,6 +1,8 @@
 // vec_avx2-inl.h — the vector layer for AVX2 + FMA (8 f32 lanes). Included by isa_avx2.cc inside
 // namespace heads::kernels::avx2. Interface: see vec_scalar-inl.h.
 
+#include "kernels/simd/unfused-inl.h"
+
 struct Vec {
   using R = __m256;
   static constexpr int W = 8;
@@ -112,6 +114,11 @@ struct Vec {
   HEADS_INLINE static R max(R a, R b) { return _mm256_max_ps(a, b); }
   HEADS_INLINE static R div(R a, R b) { return _mm256_div_ps(a, b); }
   HEADS_INLINE static R min(R a, R b) { return _mm256_min_ps(a, b); }
+  HEADS_INLINE static void add_squares_f64(double* acc, R x) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    _mm256_storeu_pd(acc, _mm256_add_pd(_mm256_loadu_pd(acc), unfused(_mm256_mul_pd(lo, lo))));
+    _mm256_storeu_pd(acc + 4, _mm256_add_pd(_mm256_loadu_pd(acc + 4), unfused(_mm256_mul_pd(hi, hi))));
+  }
   HEADS_INLINE static R abs(R a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
   HEADS_INLINE static R select_neg(R x, R a, R b) {
     return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));

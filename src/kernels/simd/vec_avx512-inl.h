@@ -2,6 +2,8 @@
 // inside namespace heads::kernels::avx512, after `#pragma GCC target` enables the ISA.
 // Interface shared by every vec_*-inl.h: see vec_scalar-inl.h.
 
+#include "kernels/simd/unfused-inl.h"
+
 struct Vec {
   using R = __m512;
   static constexpr int W = 16;
@@ -112,6 +114,11 @@ struct Vec {
   HEADS_INLINE static R max(R a, R b) { return _mm512_max_ps(a, b); }
   HEADS_INLINE static R div(R a, R b) { return _mm512_div_ps(a, b); }
   HEADS_INLINE static R min(R a, R b) { return _mm512_min_ps(a, b); }
+  HEADS_INLINE static void add_squares_f64(double* acc, R x) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x)), hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
+    _mm512_storeu_pd(acc, _mm512_add_pd(_mm512_loadu_pd(acc), unfused(_mm512_mul_pd(lo, lo))));
+    _mm512_storeu_pd(acc + 8, _mm512_add_pd(_mm512_loadu_pd(acc + 8), unfused(_mm512_mul_pd(hi, hi))));
+  }
   HEADS_INLINE static R abs(R a) { return _mm512_abs_ps(a); }
   // (x < 0) ? a : b, per lane
   HEADS_INLINE static R select_neg(R x, R a, R b) {

@@ -9,8 +9,11 @@
 //   store_partial_u8 (integral lanes in [0, 255] as uint8), reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
 //   iota() = {0, 1, ..., W-1}
+//   add_squares_f64(acc, x): acc[i] += double(x[i])² for the W lanes (the square rounded, then the sum)
 //   fill_if_gt(x, a, b, fill) = a > b ? fill : x;  fill_if_eq(x, v, fill) = x == v ? fill : x
 //   exp2(x): 2^x with degree-6 polynomial on [-1/2, 1/2]; exactly 0 for x < -126 and -inf; NaN for NaN
+
+#include "kernels/simd/unfused-inl.h"
 
 struct Vec {
   struct R {
@@ -121,6 +124,9 @@ struct Vec {
   static R min(R a, R b) {
     for (int i = 0; i < W; ++i) a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
     return a;
+  }
+  static void add_squares_f64(double* acc, R x) {
+    for (int i = 0; i < W; ++i) acc[i] += unfused(static_cast<double>(x.v[i]) * x.v[i]);
   }
   static R abs(R a) {
     for (int i = 0; i < W; ++i) a.v[i] = std::fabs(a.v[i]);
