@@ -78,6 +78,8 @@ class TransformerEncoderLayer {
   // with a = √5, norms 1 and 0) from `seed` (default: heads::next_seed()).
   explicit TransformerEncoderLayer(const TransformerEncoderLayerOptions& options,
                                    std::optional<uint64_t> seed = std::nullopt);
+  // The same layer with linear weights and biases zero, norms 1 and 0 (load_state_dict next).
+  TransformerEncoderLayer(const TransformerEncoderLayerOptions& options, SkipInit);
 
   Tensor forward(const Tensor& src, const EncoderForwardArgs& args = {}) const;
   // Gradients for dL/d(output) `dout` from the tape of a forward (parameters unchanged since).

@@ -120,6 +120,11 @@ struct MhaForwardArgs {
   MhaTape* tape = nullptr;
 };
 
+// Constructor tag: a module's parameters zero-filled (norm weights 1) instead of drawn at random,
+// for a module whose weights are loaded right after (torch.nn.utils.skip_init): the draws cost more
+// than reading a model's weights.
+struct SkipInit {};
+
 class MultiheadAttention {
  public:
   // Parameters initialised as torch does (Xavier-uniform in-projection, zero biases,
@@ -127,6 +132,8 @@ class MultiheadAttention {
   // (default: heads::next_seed()).
   explicit MultiheadAttention(const MultiheadAttentionOptions& options,
                               std::optional<uint64_t> seed = std::nullopt);
+  // The same module with every parameter zero (load_state_dict next).
+  MultiheadAttention(const MultiheadAttentionOptions& options, SkipInit);
 
   // Builds a module whose dimensions are read from a state dict (as `heads mha` does):
   // embed_dim from out_proj.weight, kdim/vdim from the projection weights, bias and

@@ -171,7 +171,7 @@ BertModel BertModel::load(const std::string& dir) {
     sd.emplace_back("linear2.bias", w.get(p + "output.dense.bias", {E}));
     sd.emplace_back("norm2.weight", w.get(p + "output.LayerNorm.weight", {E}));
     sd.emplace_back("norm2.bias", w.get(p + "output.LayerNorm.bias", {E}));
-    m.layers_.emplace_back(lo, 0);
+    m.layers_.emplace_back(lo, SkipInit{});  // its weights are loaded next
     m.layers_.back().load_state_dict(sd);
     m.layers_.back().eval();
   }

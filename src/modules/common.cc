@@ -12,7 +12,8 @@ Tensor uniform(const Shape& shape, double bound, std::mt19937_64& gen) {
   Tensor t = Tensor::empty(shape, DType::F32);
   std::uniform_real_distribution<double> dist(-bound, bound);
   float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(dist(gen));
   return t;
 }
 
@@ -20,7 +21,8 @@ Tensor normal(const Shape& shape, double stddev, std::mt19937_64& gen) {
   Tensor t = Tensor::empty(shape, DType::F32);
   std::normal_distribution<double> dist(0.0, stddev);
   float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(dist(gen));
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(dist(gen));
   return t;
 }
 

@@ -37,8 +37,7 @@ std::string norm_name(int i, const char* what) { return "norm" + std::to_string(
 
 }  // namespace
 
-TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOptions& o,
-                                                 std::optional<uint64_t> seed)
+TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOptions& o, SkipInit)
     : opt_(o),
       self_attn_([&] {
         HEADS_CHECK(o.d_model >= 1 && o.d_model <= kMaxWidth, kOp, ": d_model must be in [1, ", kMaxWidth,
@@ -56,18 +55,29 @@ TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOp
         m.batch_first = o.batch_first;
         m.variant = o.attention;
         return m;
-      }(), seed) {
-  std::mt19937_64 gen(seed ? *seed + 1 : next_seed());
+      }(), SkipInit{}) {
   const int64_t E = o.d_model, F = o.dim_feedforward;
-  const double b1 = 1.0 / std::sqrt(static_cast<double>(E)), b2 = 1.0 / std::sqrt(static_cast<double>(F));
-  params_.emplace_back("linear1.weight", uniform({F, E}, b1, gen));
-  if (o.bias) params_.emplace_back("linear1.bias", uniform({F}, b1, gen));
-  params_.emplace_back("linear2.weight", uniform({E, F}, b2, gen));
-  if (o.bias) params_.emplace_back("linear2.bias", uniform({E}, b2, gen));
+  params_.emplace_back("linear1.weight", Tensor::zeros({F, E}, DType::F32));
+  if (o.bias) params_.emplace_back("linear1.bias", Tensor::zeros({F}, DType::F32));
+  params_.emplace_back("linear2.weight", Tensor::zeros({E, F}, DType::F32));
+  if (o.bias) params_.emplace_back("linear2.bias", Tensor::zeros({E}, DType::F32));
   params_.emplace_back("norm1.weight", filled({E}, 1.0f));
   if (o.bias) params_.emplace_back("norm1.bias", filled({E}, 0.0f));
   params_.emplace_back("norm2.weight", filled({E}, 1.0f));
   if (o.bias) params_.emplace_back("norm2.bias", filled({E}, 0.0f));
+}
+
+TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOptions& o, std::optional<uint64_t> seed)
+    : TransformerEncoderLayer(o, SkipInit{}) {
+  self_attn_ = MultiheadAttention(self_attn_.options(), seed);
+  std::mt19937_64 gen(seed ? *seed + 1 : next_seed());
+  const int64_t E = o.d_model, F = o.dim_feedforward;
+  const double b1 = 1.0 / std::sqrt(static_cast<double>(E)), b2 = 1.0 / std::sqrt(static_cast<double>(F));
+  // nn.Linear's kaiming_uniform_(a=sqrt(5)) and bias bound 1/sqrt(fan_in), drawn in registration order.
+  for (auto& [n, t] : params_) {
+    if (n == "linear1.weight" || n == "linear1.bias") t = uniform(t.shape(), b1, gen);
+    if (n == "linear2.weight" || n == "linear2.bias") t = uniform(t.shape(), b2, gen);
+  }
 }
 
 const Tensor* TransformerEncoderLayer::param(const std::string& name) const {
@@ -295,7 +305,7 @@ TransformerEncoder::TransformerEncoder(const TransformerEncoderLayerOptions& lay
   HEADS_CHECK(num_layers >= 1, "TransformerEncoder: num_layers must be positive, got ", num_layers);
   const TransformerEncoderLayer first(layer, seed);
   for (int64_t i = 0; i < num_layers; ++i) {
-    layers_.emplace_back(layer, 0);
+    layers_.emplace_back(layer, SkipInit{});
     layers_.back().load_state_dict(first.state_dict());  // deep copies, as torch
   }
   if (final_norm) {

@@ -59,9 +59,7 @@ HeadGate head_gate_from_name(const std::string& name) {
   fail("head_gate must be \"none\", \"first\" or \"mean\", got \"", name, "\"");
 }
 
-MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
-                                       std::optional<uint64_t> seed)
-    : opt_(options) {
+MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options, SkipInit) : opt_(options) {
   const int64_t E = opt_.embed_dim;
   HEADS_CHECK(E >= 1 && E <= kMaxWidth, kOp, ": embed_dim must be in [1, ", kMaxWidth, "], got ", E);
   HEADS_CHECK(opt_.num_heads >= 1 && opt_.num_heads <= kMaxWidth, kOp, ": num_heads must be in [1, ", kMaxWidth,
@@ -83,27 +81,49 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
               ": kdim and vdim must be in [1, ", kMaxWidth, "] (0: embed_dim), got ", opt_.kdim, " and ", opt_.vdim);
   if (opt_.kdim == 0) opt_.kdim = E;
   if (opt_.vdim == 0) opt_.vdim = E;
-  std::mt19937_64 gen(seed ? *seed : next_seed());
   // Registration order of torch's state_dict.
+  const auto add = [&](const char* name, const Shape& shape) {
+    params_.push_back({name, Tensor::zeros(shape, DType::F32)});
+  };
   if (opt_.kdim == E && opt_.vdim == E) {
-    params_.push_back({"in_proj_weight", xavier_uniform(3 * Ei, E, gen)});
+    add("in_proj_weight", {3 * Ei, E});
   } else {
-    params_.push_back({"q_proj_weight", xavier_uniform(Ei, E, gen)});
-    params_.push_back({"k_proj_weight", xavier_uniform(Ei, opt_.kdim, gen)});
-    params_.push_back({"v_proj_weight", xavier_uniform(Ei, opt_.vdim, gen)});
+    add("q_proj_weight", {Ei, E});
+    add("k_proj_weight", {Ei, opt_.kdim});
+    add("v_proj_weight", {Ei, opt_.vdim});
   }
-  if (opt_.bias) params_.push_back({"in_proj_bias", Tensor::zeros({3 * Ei}, DType::F32)});
-  if (opt_.add_bias_kv) {  // xavier_normal_ on [1, 1, Ei]: fan_in = fan_out = Ei
-    params_.push_back({"bias_k", normal({1, 1, Ei}, std::sqrt(1.0 / static_cast<double>(Ei)), gen)});
-    params_.push_back({"bias_v", normal({1, 1, Ei}, std::sqrt(1.0 / static_cast<double>(Ei)), gen)});
+  if (opt_.bias) add("in_proj_bias", {3 * Ei});
+  if (opt_.add_bias_kv) {
+    add("bias_k", {1, 1, Ei});
+    add("bias_v", {1, 1, Ei});
   }
-  // nn.Linear's kaiming_uniform_(a=sqrt(5)): bound 1/sqrt(fan_in); torch then zeroes the bias.
-  params_.push_back({"out_proj.weight", uniform({E, Ei}, 1.0 / std::sqrt(static_cast<double>(Ei)), gen)});
-  if (opt_.bias) params_.push_back({"out_proj.bias", Tensor::zeros({E}, DType::F32)});
-  if (opt_.variant.head_gate != HeadGate::None) {  // an nn.Linear(E, H): weight and bias U(±1/√E)
-    const double bound = 1.0 / std::sqrt(static_cast<double>(E));
-    params_.push_back({"head_gate.weight", uniform({opt_.num_heads, E}, bound, gen)});
-    params_.push_back({"head_gate.bias", uniform({opt_.num_heads}, bound, gen)});
+  add("out_proj.weight", {E, Ei});
+  if (opt_.bias) add("out_proj.bias", {E});
+  if (opt_.variant.head_gate != HeadGate::None) {
+    add("head_gate.weight", {opt_.num_heads, E});
+    add("head_gate.bias", {opt_.num_heads});
+  }
+}
+
+MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options, std::optional<uint64_t> seed)
+    : MultiheadAttention(options, SkipInit{}) {
+  std::mt19937_64 gen(seed ? *seed : next_seed());
+  const int64_t E = opt_.embed_dim, Ei = opt_.num_heads * opt_.head_dim;
+  const double head_gate_bound = 1.0 / std::sqrt(static_cast<double>(E));
+  // Drawn in registration order; the in- and out-projection biases stay zero (torch zeroes them).
+  for (Param& p : params_) {
+    const std::string& n = p.name;
+    if (n == "in_proj_weight") {
+      p.value = xavier_uniform(3 * Ei, E, gen);
+    } else if (n == "q_proj_weight" || n == "k_proj_weight" || n == "v_proj_weight") {
+      p.value = xavier_uniform(Ei, p.value.size(1), gen);
+    } else if (n == "bias_k" || n == "bias_v") {  // xavier_normal_ on [1, 1, Ei]: fan_in = fan_out = Ei
+      p.value = normal({1, 1, Ei}, std::sqrt(1.0 / static_cast<double>(Ei)), gen);
+    } else if (n == "out_proj.weight") {  // nn.Linear's kaiming_uniform_(a=sqrt(5)): bound 1/sqrt(fan_in)
+      p.value = uniform({E, Ei}, 1.0 / std::sqrt(static_cast<double>(Ei)), gen);
+    } else if (n == "head_gate.weight" || n == "head_gate.bias") {  // an nn.Linear(E, H): U(±1/√E)
+      p.value = uniform(p.value.shape(), head_gate_bound, gen);
+    }
   }
 }
 
@@ -243,7 +263,7 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
                 ": separate q/k/v projection weights with kdim == vdim == embed_dim are not "
                 "supported; store them as in_proj_weight [3E, E]");
   }
-  MultiheadAttention m(o, 0);
+  MultiheadAttention m(o, SkipInit{});
   m.load_state_dict(sd, true);
   m.eval();
   return m;
