@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "common/testing.h"
+#include "heads/encoder.h"
 #include "heads/mha.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
@@ -158,6 +159,47 @@ TEST(MultiheadAttention, InitialisationFollowsTorch) {
       EXPECT_EQ(mx, 0.0) << name;  // biases start at zero
     }
   }
+}
+
+// SkipInit: the seeded module's names and shapes, every value zero (norm weights one); loaded with
+// a seeded module's state dict, the same module.
+TEST(MultiheadAttention, SkipInitIsTheModuleZeroedUntilLoaded) {
+  const auto check_zeroed = [](const StateDict& got, const StateDict& seeded) {
+    ASSERT_EQ(got.size(), seeded.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const auto& [name, t] = got[i];
+      EXPECT_EQ(name, seeded[i].first);
+      EXPECT_EQ(t.shape(), seeded[i].second.shape()) << name;
+      const double want = name.find("norm") != std::string::npos && name.find(".weight") != std::string::npos;
+      for (int64_t j = 0; j < t.numel(); ++j) ASSERT_EQ(t.data<float>()[j], want) << name << "[" << j << "]";
+    }
+  };
+  MultiheadAttentionOptions o;
+  o.embed_dim = 12;
+  o.num_heads = 3;
+  o.kdim = 7;
+  o.add_bias_kv = true;
+  o.variant.head_gate = HeadGate::FirstToken;
+  MultiheadAttention seeded(o, 3), skipped(o, SkipInit{});
+  check_zeroed(skipped.state_dict(), seeded.state_dict());
+  skipped.load_state_dict(seeded.state_dict());
+  seeded.eval();
+  skipped.eval();
+  const Tensor q = randn({4, 2, 12}), k = randn({5, 2, 7}), v = randn({5, 2, 12});
+  EXPECT_TRUE(testing::bitwise_equal(seeded.forward(q, k, v).first, skipped.forward(q, k, v).first));
+
+  TransformerEncoderLayerOptions lo;
+  lo.d_model = 16;
+  lo.nhead = 4;
+  lo.dim_feedforward = 24;
+  lo.dropout = 0.0;
+  TransformerEncoderLayer layer(lo, 4), skipped_layer(lo, SkipInit{});
+  check_zeroed(skipped_layer.state_dict(), layer.state_dict());
+  skipped_layer.load_state_dict(layer.state_dict());
+  layer.eval();
+  skipped_layer.eval();
+  const Tensor x = randn({6, 2, 16});
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), skipped_layer.forward(x)));
 }
 
 TEST(MultiheadAttention, StateDictRoundTripThroughSafetensors) {
