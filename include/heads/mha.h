@@ -26,6 +26,7 @@ namespace heads {
 
 namespace modules {
 struct PackedWeights;
+class MhaAttention;
 }
 
 using StateDict = std::vector<std::pair<std::string, Tensor>>;
@@ -207,6 +208,7 @@ class MultiheadAttention {
   MultiheadAttentionOptions opt_;
   bool training_ = true;
   std::shared_ptr<const modules::PackedWeights> packed_;  // null: f32
+  std::shared_ptr<const modules::MhaAttention> attention_;  // softmax or linear (the variant's kind)
 };
 
 }  // namespace heads

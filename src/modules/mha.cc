@@ -15,11 +15,14 @@
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
 #include "modules/common.h"
+#include "modules/mha_attention.h"
 
 namespace heads {
 
 using modules::as3;
 using modules::find;
+using modules::MhaHeads;
+using modules::MhaInputs;
 using modules::PackedWeights;
 using modules::project;
 using modules::rows;
@@ -45,17 +48,6 @@ Tensor additive_mask(const Tensor& m, const char* name) {
 }  // namespace
 
 namespace {
-
-// A module call's inputs after _mha_shape_check: [d0, d1, width] f32 views in the inputs' own row
-// order ([L, N] or [N, L]; unbatched [L, 1]), their sizes, and the masks as additive f32 tensors.
-struct MhaInputs {
-  bool batched, batch_first, self_attn;
-  Tensor xq, xk, xv;
-  int64_t N, L, S;
-  Tensor kpm, am;  // key_padding_mask [N|-, S], attn_mask [L, S] or [N·H, L, S]; 0 / -inf for bool
-  // [N, T, width] view of a [d0, d1, width] tensor.
-  Tensor nle(const Tensor& x3) const { return batch_first ? x3 : x3.transpose(0, 1); }
-};
 
 // _mha_shape_check, and the masks of _canonical_mask.
 MhaInputs check_inputs(const MultiheadAttentionOptions& o, const Tensor& query, const Tensor& key,
@@ -119,30 +111,6 @@ MhaInputs check_inputs(const MultiheadAttentionOptions& o, const Tensor& query, 
   return in;
 }
 
-// key_padding_mask merged into attn_mask as one additive mask [N|1, H|1, L|1, S2] (keys appended by
-// add_bias_kv / add_zero_attn get 0, as torch's pad(mask, (0, 1))); undefined when neither is given.
-Tensor merge_masks(const MhaInputs& in, const Tensor& am, int64_t H, int64_t S2) {
-  const Tensor& kpm = in.kpm;
-  if (!am.defined() && !kpm.defined()) return Tensor();
-  const int64_t N = in.N, L = in.L, S = in.S;
-  const bool am3 = am.defined() && am.dim() == 3;
-  const int64_t Nm = (am3 || kpm.defined()) ? N : 1, Hm = am3 ? H : 1, Lm = am.defined() ? L : 1;
-  Tensor mask = Tensor::zeros({Nm, Hm, Lm, S2}, DType::F32);
-  float* mp = mask.data<float>();
-  const float* ap = am.defined() ? am.data<float>() : nullptr;
-  const float* kp = kpm.defined() ? kpm.data<float>() : nullptr;
-  for (int64_t n = 0; n < Nm; ++n) {
-    for (int64_t h = 0; h < Hm; ++h) {
-      for (int64_t i = 0; i < Lm; ++i) {
-        float* row = mp + ((n * Hm + h) * Lm + i) * S2;
-        const float* arow = ap ? ap + ((am3 ? n * H + h : 0) * L + i) * S : nullptr;
-        for (int64_t j = 0; j < S; ++j) row[j] = (arow ? arow[j] : 0.0f) + (kp ? kp[n * S + j] : 0.0f);
-      }
-    }
-  }
-  return mask;
-}
-
 // Attention weights [N, H, L, S2] averaged over the heads: [N, L, S2].
 Tensor average_heads(const Tensor& weights) {
   const int64_t N = weights.size(0), H = weights.size(1), LS = weights.size(2) * weights.size(3);
@@ -196,20 +164,6 @@ void append_keys(Tensor& k4, Tensor& v4, const Tensor* bias_k, const Tensor* bia
   }
   k4 = k2;
   v4 = v2;
-}
-
-// Sparse Transformer's fixed pattern [nQB, nKB] at block granularity: a query block sees its own key
-// block and every summary block (kb % stride == stride - 1), and a summary block also sees the blocks
-// of its group (kb / stride == qb / stride), so that what a group holds reaches every query in two layers.
-Tensor fixed_sparse_layout(int64_t L, int64_t S, int64_t block, int64_t stride) {
-  const int64_t nq = (L + block - 1) / block, nk = (S + block - 1) / block;
-  Tensor m = Tensor::zeros({nq, nk}, DType::Bool);
-  auto* p = static_cast<uint8_t*>(m.raw_data());
-  for (int64_t qb = 0; qb < nq; ++qb) {
-    for (int64_t kb = 0; kb < nk; ++kb) p[qb * nk + kb] = kb == qb || kb % stride == stride - 1 ||
-                                                                (qb % stride == stride - 1 && kb / stride == qb / stride);
-  }
-  return m;
 }
 
 // The gates' input: each batch entry's first query token, or the mean of its tokens: [N, E] f32.
@@ -278,55 +232,6 @@ Gates compute_gates(const MhaInputs& in, const AttentionVariant& var, const Tens
   return g;
 }
 
-// Linear attention into out4; weights [N, H, L, S2] when asked, zero for gated-off heads (the linear
-// kernel has no head mask: those heads are computed, then zeroed as the softmax path's are).
-SdpaResult attend_linear(const MhaInputs& in, const AttentionVariant& var, const MhaForwardArgs& args,
-                         const Tensor& q4, const Tensor& k4, const Tensor& v4, const Tensor& out4,
-                         const Tensor& head_mask, LinearAttentionOptions& lo) {
-  const int64_t H = q4.size(1), S2 = k4.size(2);
-  lo.feature_map = var.feature_map;
-  lo.causal = args.is_causal;
-  if (args.key_padding_mask.defined()) {  // [N, S], the appended keys kept
-    const Tensor kpm = in.batched ? args.key_padding_mask : args.key_padding_mask.unsqueeze(0);
-    lo.key_padding_mask = Tensor::zeros({in.N, S2}, DType::Bool);
-    lo.key_padding_mask.slice(1, 0, in.S).copy_from(kpm);
-  }
-  Tensor(out4).copy_from(heads::linear_attention(q4, k4, v4, lo));
-  SdpaResult r;
-  if (args.need_weights) r.weights = linear_attention_weights(q4, k4, lo);
-  if (head_mask.defined() && args.need_weights) {
-    const auto* on = static_cast<const uint8_t*>(head_mask.raw_data());
-    for (int64_t n = 0; n < in.N; ++n) {
-      for (int64_t h = 0; h < H; ++h) {
-        if (!on[n * H + h]) r.weights.select(0, n).select(0, h).copy_from(Tensor::zeros({in.L, S2}, DType::F32));
-      }
-    }
-  }
-  return r;
-}
-
-// The SDPA options of a softmax call: the merged masks, the causal hint, dropout in training, the
-// variant's window and block layout, the gates' head mask.
-SdpaOptions softmax_options(const MhaInputs& in, const AttentionVariant& var, const MhaForwardArgs& args,
-                            const Tensor& am, bool causal, double dropout, int64_t H, int64_t S2,
-                            const Tensor& head_mask) {
-  SdpaOptions so;
-  so.attn_mask = merge_masks(in, am, H, S2);
-  so.is_causal = causal;
-  so.dropout_p = dropout;
-  so.need_weights = args.need_weights;
-  if (var.window >= 0) {
-    so.window_left = var.window;
-    if (!causal) so.window_right = var.window;
-  }
-  if (var.sparse_block > 0) {
-    so.block_mask = fixed_sparse_layout(in.L, S2, var.sparse_block, var.sparse_stride);
-    so.block_size = var.sparse_block;
-  }
-  so.head_mask = head_mask;
-  return so;
-}
-
 }  // namespace
 
 Tensor MultiheadAttention::head_gates(const Tensor& query) const {
@@ -348,64 +253,41 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
                                                       const MhaForwardArgs& args) const {
   const int64_t H = opt_.num_heads, Ei = H * opt_.head_dim;
   const AttentionVariant& var = opt_.variant;
-  const bool linear_attn = var.kind == AttentionKind::Linear;
   const MhaInputs in = check_inputs(opt_, query, key, value, args);
-  HEADS_CHECK(!linear_attn || !args.attn_mask.defined(), kOp,
-              ": linear attention takes no attn_mask (is_causal selects its causal form; key_padding_mask ignores keys)");
-  HEADS_CHECK(!linear_attn || !args.key_padding_mask.defined() || args.key_padding_mask.dtype() == DType::Bool, kOp,
-              ": key_padding_mask: linear attention takes a bool mask (true = ignore the key); a float mask adds to "
-              "softmax scores, which linear attention has none of");
+  attention_->check_call(args);
   HEADS_CHECK(!(args.is_causal && var.head_gate == HeadGate::MeanPool), kOp,
               ": head_gate mean pools every query token, which a causal call must not see; use head_gate first");
 
-  // Causal hint, as torch: is_causal with no key_padding_mask and no weights runs causal SDPA
-  // and ignores attn_mask; otherwise attn_mask is used as given. Without attn_mask it means
-  // causal attention (an extension: torch raises there).
-  Tensor am = in.am;
-  bool causal = false;
-  if (args.is_causal) {
-    if (!am.defined()) {
-      causal = true;
-    } else if (!in.kpm.defined() && !args.need_weights) {
-      causal = true;
-      am = Tensor();
-    }
-  }
-
   const PackedWeights* packed = args.tape == nullptr ? packed_.get() : nullptr;  // training runs in f32
-  // A bf16 model keeps q, k, v and the attention output in bf16 (the projections round their f32 sums
-  // once; attention runs its bf16 kernel: AMX tiles where present); other precisions in f32. Linear
-  // attention runs in f32.
-  const DType act =
-      packed != nullptr && packed->precision == Precision::BF16 && !linear_attn ? DType::BF16 : DType::F32;
+  // q, k, v and the attention output in the attention's dtype for the precision (bf16 in a bf16 model
+  // with softmax attention: the projections round their f32 sums once), else f32.
+  const DType act = packed != nullptr ? attention_->activations(packed->precision) : DType::F32;
   const auto [q3, k3, v3] =
       in_projection(in, Ei, param("in_proj_weight"), param("in_proj_bias"),
                     {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed, act);
-  const Tensor q4 = split_heads(q3, H);
-  Tensor k4 = split_heads(k3, H), v4 = split_heads(v3, H);
-  append_keys(k4, v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
-  const int64_t S2 = k4.size(2);
-  HEADS_CHECK(!(linear_attn && args.is_causal && S2 != in.L), kOp, ": causal linear attention needs as many keys as ",
-              "queries, got ", in.L, " queries and ", S2, " keys", S2 != in.S ? " (with the appended bias_k / zero keys)" : "");
+  MhaHeads h;
+  h.q4 = split_heads(q3, H);
+  h.k4 = split_heads(k3, H);
+  h.v4 = split_heads(v3, H);
+  append_keys(h.k4, h.v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
 
   // Head gates; in eval mode without a tape, heads below the threshold are skipped (gate 0).
   const Gates g = var.head_gate == HeadGate::None
                       ? Gates{}
                       : compute_gates(in, var, *param("head_gate.weight"), *param("head_gate.bias"),
                                       !training_ && args.tape == nullptr);
+  h.head_mask = g.head_mask;
 
   // Attention, written into the [rows, H·hd] buffer in the query's memory order.
   Tensor attn3 = Tensor::empty({in.xq.size(0), in.xq.size(1), Ei}, act);
-  Tensor out4 = split_heads(in.nle(attn3), H);
-  SdpaOptions so;
-  SdpaResult r;
-  LinearAttentionOptions lo;
-  if (linear_attn) {
-    r = attend_linear(in, var, args, q4, k4, v4, out4, g.head_mask, lo);
-  } else {
-    so = softmax_options(in, var, args, am, causal, training_ ? opt_.dropout : 0.0, H, S2, g.head_mask);
-    r = sdpa_out(out4, q4, k4, v4, so);
+  h.out4 = split_heads(in.nle(attn3), H);
+  if (args.tape != nullptr) {  // the attention's part of the tape, which attend() fills
+    args.tape->sdpa = SdpaOptions{};
+    args.tape->attention = SdpaResult{};
+    args.tape->linear = false;
+    args.tape->linear_options = LinearAttentionOptions{};
   }
+  const SdpaResult r = attention_->attend(in, args, h, training_ ? opt_.dropout : 0.0, args.tape);
 
   // Out-projection (of the gated heads, with gates).
   const Tensor gated = g.gates.defined() ? apply_gates(attn3, g.used, in.batch_first) : Tensor();
@@ -426,20 +308,13 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
     t.xq = in.xq;
     t.xk = in.xk;
     t.xv = in.xv;
-    t.q4 = q4;
-    t.k4 = k4;
-    t.v4 = v4;
-    t.sdpa = so;
-    t.sdpa.need_weights = false;
-    t.sdpa.dropout_seed = r.dropout_seed;
-    t.attention = r;
-    t.attention.weights = Tensor();
+    t.q4 = h.q4;
+    t.k4 = h.k4;
+    t.v4 = h.v4;
     t.attn3 = attn3;
     t.gate_in = g.input;
     t.gates = g.gates;
     t.gated = gated;
-    t.linear = linear_attn;
-    t.linear_options = lo;
     t.out_shape = out.shape();
   }
 

@@ -15,6 +15,7 @@
 #include "heads/ops.h"
 #include "heads/sdpa.h"
 #include "modules/common.h"
+#include "modules/mha_attention.h"
 
 namespace heads {
 
@@ -27,27 +28,25 @@ constexpr const char* kOp = "MultiheadAttention";
 
 using Grads = std::map<std::string, Tensor>;  // parameter gradients by name
 
-// dq3, dk3, dv3 ([d0, d1, E] in the inputs' row order) from d(attn) through the SDPA backward.
-// Keys appended by add_bias_kv / add_zero_attn need rows of their own: then the gradients go
-// through a temporary, bias_k / bias_v (key S of every batch entry) get theirs summed over N, and
+// dq3, dk3, dv3 ([d0, d1, E] in the inputs' row order) from d(attn) through the module's attention
+// backward. Keys appended by add_bias_kv / add_zero_attn need rows of their own: then the gradients
+// go through a temporary, bias_k / bias_v (key S of every batch entry) get theirs summed over N, and
 // the appended keys' rows are dropped.
-void attention_backward(const MhaTape& t, const Tensor& dattn4, bool batch_first, bool bias_kv,
-                        const Tensor& dq3, const Tensor& dk3, const Tensor& dv3, Grads& pg) {
+void attention_backward(const modules::MhaAttention& attention, const MhaTape& t, const Tensor& dattn4,
+                        bool batch_first, bool bias_kv, const Tensor& dq3, const Tensor& dk3, const Tensor& dv3,
+                        Grads& pg) {
   const int64_t N = t.q4.size(0), H = t.q4.size(1), hd = t.q4.size(3);
   const int64_t S = t.xk.size(batch_first ? 1 : 0);
   auto nle = [&](const Tensor& x3) { return batch_first ? x3 : x3.transpose(0, 1); };
-  if (t.k4.size(2) == S && !t.linear) {
-    sdpa_backward_out(split_heads(nle(dq3), H), split_heads(nle(dk3), H), split_heads(nle(dv3), H), dattn4,
-                      t.q4, t.k4, t.v4, t.attention, t.sdpa);
+  if (t.k4.size(2) == S) {
+    attention.backward(t, dattn4, split_heads(nle(dq3), H), split_heads(nle(dk3), H), split_heads(nle(dv3), H));
     return;
   }
   SdpaGrads gs;
-  if (t.linear) {
-    LinearAttentionGrads lg = linear_attention_backward(dattn4, t.q4, t.k4, t.v4, t.linear_options);
-    gs.dq = lg.dq, gs.dk = lg.dk, gs.dv = lg.dv;
-  } else {
-    gs = sdpa_backward(dattn4, t.q4, t.k4, t.v4, t.attention, t.sdpa);
-  }
+  gs.dq = Tensor::empty(t.q4.shape(), DType::F32);
+  gs.dk = Tensor::empty({N, H, t.k4.size(2), hd}, DType::F32);
+  gs.dv = Tensor::empty({N, H, t.v4.size(2), t.v4.size(3)}, DType::F32);
+  attention.backward(t, dattn4, gs.dq, gs.dk, gs.dv);
   if (bias_kv && t.k4.size(2) > S) {
     for (const auto& [g, name] : {std::pair{&gs.dk, "bias_k"}, {&gs.dv, "bias_v"}}) {
       Tensor d = Tensor::zeros({1, 1, H * hd}, DType::F32);
@@ -146,6 +145,9 @@ MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) c
   HEADS_CHECK(t.defined(), kOp, "::backward: empty tape; run forward with MhaForwardArgs::tape set");
   HEADS_CHECK(t.attn3.size(2) == Ei && t.q4.size(1) == H && t.gates.defined() == (opt_.variant.head_gate != HeadGate::None),
               kOp, "::backward: the tape comes from a module of other dimensions");
+  HEADS_CHECK(t.linear == (opt_.variant.kind == AttentionKind::Linear), kOp,
+              "::backward: the tape comes from a module with ", t.linear ? "linear" : "softmax", " attention, this one has ",
+              opt_.variant.kind == AttentionKind::Linear ? "linear" : "softmax", " attention");
   HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.out_shape, kOp, "::backward: dout: expected ",
               t.out_shape, " (the forward's output), got ", dout_in.defined() ? dout_in.shape() : Shape{});
   HEADS_CHECK(is_floating(dout_in.dtype()), kOp, "::backward: dout: expected a floating dtype, got ",
@@ -175,7 +177,7 @@ MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) c
   const Tensor dk3 = fused ? dy.slice(2, Ei, 2 * Ei) : buffer(t.xk, Ei);
   const Tensor dv3 = fused ? dy.slice(2, 2 * Ei, 3 * Ei) : buffer(t.xv, Ei);
   const Tensor dattn4 = split_heads(bf ? dattn3 : dattn3.transpose(0, 1), H);
-  attention_backward(t, dattn4, bf, opt_.add_bias_kv, dq3, dk3, dv3, pg);
+  attention_backward(*attention_, t, dattn4, bf, opt_.add_bias_kv, dq3, dk3, dv3, pg);
 
   // In-projection.
   MhaGrads out;

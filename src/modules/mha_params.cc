@@ -8,6 +8,7 @@
 #include "heads/runtime.h"
 #include "heads/safetensors.h"
 #include "modules/common.h"
+#include "modules/mha_attention.h"
 
 namespace heads {
 
@@ -74,6 +75,7 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
   HEADS_CHECK(opt_.num_heads * opt_.head_dim <= kMaxWidth, kOp, ": num_heads ", opt_.num_heads, " x head_dim ",
               opt_.head_dim, " exceeds ", kMaxWidth);
   check_variant(opt_);
+  attention_ = modules::make_attention(opt_.variant);
   const int64_t Ei = opt_.num_heads * opt_.head_dim;  // the heads' total width (E unless pruned)
   HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
               opt_.dropout);

@@ -109,6 +109,23 @@ TEST(MhaVariants, GateBackwardOnUnbatchedInput) {
   }
 }
 
+// The backward follows the module's attention: a tape recorded by a module of the other kind is refused.
+TEST(MhaVariants, TapeOfTheOtherAttentionKindIsAClearError) {
+  MultiheadAttentionOptions o = base();
+  MultiheadAttentionOptions lo = o;
+  lo.variant.kind = AttentionKind::Linear;
+  const MultiheadAttention softmax = make(o, 3), lin = make(lo, 3);
+  const Tensor x = randn({5, 2, 12});
+  MhaTape tape;
+  MhaForwardArgs a;
+  a.need_weights = false;
+  a.tape = &tape;
+  const Tensor y = softmax.forward(x, x, x, a).first;
+  EXPECT_THAT(testing::error_of([&] { lin.backward(tape, y); }),
+              ::testing::HasSubstr("the tape comes from a module with softmax attention, this one has linear attention"));
+  EXPECT_TRUE(softmax.backward(tape, y).dquery.defined());
+}
+
 TEST(MhaVariants, EncoderLayerWithEachVariantTrains) {
   // The layer passes its variant to the self-attention; its backward is the forward's derivative.
   for (const Case& c : cases()) {
