@@ -1,5 +1,6 @@
-// mha.cc — MultiheadAttention's forward: in-projection, SDPA over strided head views, out-projection
-// (its parameters, state and pruning: mha_params.cc).
+// mha.cc — MultiheadAttention's forward: in-projection, attention over strided head views (the
+// module's softmax or linear attention: mha_attention.cc), out-projection (its parameters, state and
+// pruning: mha_params.cc).
 //
 // Follows torch.nn.functional.multi_head_attention_forward step by step; the comments name
 // the step. Inputs are projected in their own row order ([L, N] or [N, L]); heads are strided
