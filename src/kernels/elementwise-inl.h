@@ -3,7 +3,7 @@
 //
 // Rows are the last dimension; other dimensions are flattened into `rows` with a row stride.
 // Parallel over rows (LayerNorm) or chunks (activations); every element is computed the same way
-// whatever the thread count. References: ref::layer_norm_f64, ref::activation_f64 in ops.cc.
+// whatever the thread count. References: ref::layer_norm_f64, ref::activation_f64 in ops_ref.cc.
 
 namespace ew {
 
