@@ -16,7 +16,7 @@
 #include "heads/ops.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
-#include "models/attention_block.h"
+#include "modules/attention_block.h"
 
 namespace heads {
 
@@ -127,12 +127,13 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   }
   if (embed_norm_w_.defined()) x = layer_norm(x, embed_norm_w_, embed_norm_b_, c.norm_eps);
   // 2. layers
-  Tensor attn = Tensor::empty({B, L, H, hd}, DType::F32);
+  Tensor attn = Tensor::empty({B, L, H * hd}, DType::F32);  // SDPA writes it through `out`
+  const Tensor out = modules::split_heads(attn, H);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     const Tensor h = norm(x, l.norm1_w, l.norm1_b);
     const Tensor qkv = proj(h, l.wqkv, l.pk_qkv, l.bqkv);  // [B, L, W]
-    const auto [q, k, v] = models::fused_qkv_views(qkv, H, Hk, hd);
+    const auto [q, k, v] = modules::fused_qkv_views(qkv, H, Hk, hd);
     if (pos_ == Pos::Rope) {
       rope_(q, past, c.rope);
       rope_(k, past, c.rope);
@@ -146,7 +147,6 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
     o.window_left = c.window_left[i];
     o.softcap = c.attn_softcap;
     if (pos_ == Pos::Alibi) o.alibi_slopes = alibi_;
-    const Tensor out = models::heads_view(attn);
     if (K.dtype() == DType::F32) {
       sdpa_out(out, q, K, V, o);
     } else if (K.dtype() == DType::I8) {  // read in place by the decode kernel, f32 queries and output
@@ -156,7 +156,7 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
     } else {
       Tensor(out).copy_from(sdpa(q.to(K.dtype()), K, V, o).out);
     }
-    Tensor a = proj(attn.reshape({B, L, H * hd}), l.wo, l.pk_o, l.bo);
+    Tensor a = proj(attn, l.wo, l.pk_o, l.bo);
     if (l.post_attn_w.defined()) a = norm(a, l.post_attn_w, Tensor());
     x = add(residual_from_norm_ ? h : x, a);
     const Tensor h2 = norm(x, l.norm2_w, l.norm2_b);

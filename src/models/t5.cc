@@ -10,7 +10,7 @@
 #include "config_json.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
-#include "models/attention_block.h"
+#include "modules/attention_block.h"
 
 namespace heads {
 
@@ -95,13 +95,14 @@ Tensor T5Encoder::forward(const Tensor& ids, const Tensor& attention_mask) const
   o.relative_attention_bias = rel_bias_;
   o.relative_attention_max_distance = max_distance_;
   if (attention_mask.defined()) o.attn_mask = attention_mask.to(DType::Bool).reshape({B, 1, 1, L});
-  Tensor attn = Tensor::empty({B, L, H, dk}, DType::F32);
+  Tensor attn = Tensor::empty({B, L, I}, DType::F32);  // SDPA writes it through `out`
+  const Tensor out = modules::split_heads(attn, H);
   for (const Block& b : blocks_) {
     const Tensor h = rms_norm(x, b.ln1, eps_);
     const Tensor qkv = linear(h, b.wqkv);
-    const auto [q, k, v] = models::fused_qkv_views(qkv, H, H, dk);
-    sdpa_out(models::heads_view(attn), q, k, v, o);
-    x = add(x, linear(attn.reshape({B, L, I}), b.wo));
+    const auto [q, k, v] = modules::fused_qkv_views(qkv, H, H, dk);
+    sdpa_out(out, q, k, v, o);
+    x = add(x, linear(attn, b.wo));
     const Tensor h2 = rms_norm(x, b.ln2, eps_);
     const Tensor up = linear(h2, b.wi);
     const Tensor a = gated_ ? gated_activation(up, gated_act_) : activation(up, Activation::Relu);

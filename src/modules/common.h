@@ -1,6 +1,6 @@
 // common.h — what the modules share: PyTorch's parameter initialisers drawn from a seeded
-// generator, lookups in a StateDict by name, and the views that turn activations into GEMM rows and
-// attention heads.
+// generator, lookups in a StateDict by name, and the views that turn activations into GEMM rows (the
+// head views: attention_block.h).
 #pragma once
 
 #include <functional>
@@ -88,11 +88,5 @@ inline Tensor project(const Tensor& x, const Tensor& w, const Tensor& b, const P
 // [rows, width] view of a [d0, d1, width] tensor, and a [rows, n] result back as [d0, d1, n].
 inline Tensor rows(const Tensor& x3) { return x3.reshape({x3.size(0) * x3.size(1), x3.size(2)}); }
 inline Tensor as3(const Tensor& y, const Tensor& x3) { return y.reshape({x3.size(0), x3.size(1), y.size(1)}); }
-
-// Split heads: [N, T, E] -> [N, H, T, E / H] by strides (no copy).
-inline Tensor split_heads(const Tensor& t3, int64_t H) {
-  const int64_t hd = t3.size(2) / H;
-  return t3.as_strided({t3.size(0), H, t3.size(1), hd}, {t3.stride(0), hd, t3.stride(1), 1});
-}
 
 }  // namespace heads::modules

@@ -1,6 +1,6 @@
 // mha.cc — MultiheadAttention's forward: in-projection, attention over strided head views (the
-// module's softmax or linear attention: mha_attention.cc), out-projection (its parameters, state and
-// pruning: mha_params.cc).
+// layouts of attention_block.h, which the decoders' blocks read too; the module's softmax or linear
+// attention: mha_attention.cc), out-projection (its parameters, state and pruning: mha_params.cc).
 //
 // Follows torch.nn.functional.multi_head_attention_forward step by step; the comments name
 // the step. Inputs are projected in their own row order ([L, N] or [N, L]); heads are strided
@@ -15,6 +15,7 @@
 #include "heads/ops.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
+#include "modules/attention_block.h"
 #include "modules/common.h"
 #include "modules/mha_attention.h"
 
@@ -128,11 +129,12 @@ Tensor average_heads(const Tensor& weights) {
   return avg;
 }
 
-// _in_projection_packed / _in_projection: q = x Wqᵀ + bq, ... as [N, T, E] views; one GEMM for
-// self-attention with the packed weight w_in [3E, E] (else w[0..2] are q/k/v_proj_weight).
+// _in_projection_packed / _in_projection: q = x Wqᵀ + bq, ... read as heads [N, H, T, hd]; one GEMM
+// for self-attention with the packed weight w_in [3E, E] (else w[0..2] are q/k/v_proj_weight).
 // With `packed` (reduced precision), the weights come from there, and q, k, v are in `act`.
-std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t Ei, const Tensor* w_in, const Tensor* b_in,
-                                    const std::array<const Tensor*, 3>& w, const PackedWeights* packed, DType act) {
+modules::QkvViews in_projection(const MhaInputs& in, int64_t H, int64_t hd, const Tensor* w_in, const Tensor* b_in,
+                                const std::array<const Tensor*, 3>& w, const PackedWeights* packed, DType act) {
+  const int64_t Ei = H * hd;
   static const char* const kParts[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
   const PackedLinear* p_in = packed && w_in ? packed->find("in_proj_weight") : nullptr;
   auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * Ei, part * Ei + Ei) : *w[part]; };
@@ -141,11 +143,11 @@ std::array<Tensor, 3> in_projection(const MhaInputs& in, int64_t Ei, const Tenso
     PackedLinear pw;
     if (p_in) pw = p_in->rows(part * Ei, part * Ei + Ei);
     const PackedLinear* pp = p_in ? &pw : packed ? packed->find(kParts[part]) : nullptr;
-    return in.nle(as3(project(rows(x), weight(part), bias(part), pp, act), x));
+    return split_heads(in.nle(as3(project(rows(x), weight(part), bias(part), pp, act), x)), H);
   };
   if (in.self_attn && w_in) {
     const Tensor y = in.nle(as3(project(rows(in.xq), *w_in, b_in ? *b_in : Tensor(), p_in, act), in.xq));
-    return {y.slice(2, 0, Ei), y.slice(2, Ei, 2 * Ei), y.slice(2, 2 * Ei, 3 * Ei)};
+    return modules::fused_qkv_views(y, H, H, hd);
   }
   return {proj(in.xq, 0), proj(in.xk, 1), proj(in.xv, 2)};
 }
@@ -263,13 +265,10 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   // q, k, v and the attention output in the attention's dtype for the precision (bf16 in a bf16 model
   // with softmax attention: the projections round their f32 sums once), else f32.
   const DType act = packed != nullptr ? attention_->activations(packed->precision) : DType::F32;
-  const auto [q3, k3, v3] =
-      in_projection(in, Ei, param("in_proj_weight"), param("in_proj_bias"),
+  const auto [q4, k4, v4] =
+      in_projection(in, H, opt_.head_dim, param("in_proj_weight"), param("in_proj_bias"),
                     {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed, act);
-  MhaHeads h;
-  h.q4 = split_heads(q3, H);
-  h.k4 = split_heads(k3, H);
-  h.v4 = split_heads(v3, H);
+  MhaHeads h{q4, k4, v4};
   append_keys(h.k4, h.v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
 
   // Head gates; in eval mode without a tape, heads below the threshold are skipped (gate 0).

@@ -14,6 +14,7 @@
 
 #include "heads/ops.h"
 #include "heads/sdpa.h"
+#include "modules/attention_block.h"
 #include "modules/common.h"
 #include "modules/mha_attention.h"
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import heads
+import heads.torch
 from test_mha import make_config, make_inputs, make_modules
 
 N_CONFIGS = 120
@@ -113,7 +114,7 @@ def test_torch_module_second_backward_is_a_clear_error():
 def test_torch_module_trains_like_nn_multihead_attention(i, check):
     """heads.torch.MultiheadAttention: an nn.Module whose forward and backward run in heads; the
     same parameters, gradients and optimizer steps as nn.MultiheadAttention."""
-    import heads.torch as ht
+    ht = heads.torch
 
     cfg = make_config(i)
     g = torch.Generator().manual_seed(cfg["seed"])
