@@ -201,10 +201,9 @@ HEADS_INLINE __m512 score16(const Task& t, const RowMask& rm, __m512 raw, int64_
   return _mm512_mask_blend_ps(keep, _mm512_set1_ps(kNegInf), x);
 }
 
-// Dropout of the 16 values at key j (row i): kept ones times 1 / (1 - p), the others 0.
-HEADS_INLINE __m512 drop16(const Task& t, const Scratch& scr, int64_t i, int64_t j, __m512 p) {
+// Dropout of the 16 values at key j (row i): kept ones times keep_scale, the others 0.
+HEADS_INLINE __m512 drop16(const Task& t, const Scratch& scr, int64_t i, int64_t j, __m512 p, float keep_scale) {
   const SdpaProblem& pb = t.pb;
-  const float keep_scale = dropout_keep_scale(pb.dropout_p);
   _mm512_store_ps(scr.tmp, p);
   for (int64_t e = 0; e < 16; ++e) {
     const bool keep = j + e < pb.Lk && dropout_keep(pb.seed, dropout_index(pb, t.b, t.h, i, j + e), pb.dropout_p);
@@ -276,8 +275,9 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
           __m512 p1 = exp2_nonpos(_mm512_sub_ps(x[2 * w + 1], ms));
           sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
           if (pb.dropout_p > 0.0) {
-            p0 = drop16(t, scr, t.i0 + r, j0 + 32 * w, p0);
-            p1 = drop16(t, scr, t.i0 + r, j0 + 32 * w + 16, p1);
+            // kept values as they are: 1 / (1 - p) joins 1 / l at the end (as the f32 tiles do)
+            p0 = drop16(t, scr, t.i0 + r, j0 + 32 * w, p0, 1.0f);
+            p1 = drop16(t, scr, t.i0 + r, j0 + 32 * w + 16, p1, 1.0f);
           }
           _mm512_store_si512(pr + 32 * w, to_bf16_2(p1, p0));
         }
@@ -327,12 +327,13 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
     }
   }
 
-  // O / l, rounded to bf16; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf
-  // (with a sink, l >= 1: O is zero where no block ran).
+  // O / l (O · (1 / (1 - p)) / l under dropout), rounded to bf16; lse = ln 2 · (m + log2 l); a row
+  // with l = 0 saw no key: zeros, lse = -inf (with a sink, l >= 1: O is zero where no block ran).
   const bool any_block = jstart < jend;
+  const float keep_scale = pb.dropout_p > 0.0 ? dropout_keep_scale(pb.dropout_p) : 1.0f;
   for (int64_t r = 0; r < t.nq; ++r) {
     const float lr = scr.l[r];
-    const __m512 inv = _mm512_set1_ps(lr != 0.0f ? 1.0f / lr : 0.0f);
+    const __m512 inv = _mm512_set1_ps(lr != 0.0f ? keep_scale / lr : 0.0f);
     const bool zero = lr == 0.0f || !any_block;  // zeros even where a V entry is NaN (0 · NaN in P · V)
     const float* orow = scr.o + r * lay.Dvp;
     uint16_t* dst = out + r * os2;
@@ -368,7 +369,7 @@ inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64
         if (kk < nv) {
           x = score16(t, rm, _mm512_load_ps(scr.s + r * kBK + kk), t.i0 + r, j0, kk / 16, lim, cv, scr.tmp);
           x = exp2_nonpos(_mm512_sub_ps(x, ls));
-          if (pb.dropout_p > 0.0) x = drop16(t, scr, t.i0 + r, j0 + kk, x);
+          if (pb.dropout_p > 0.0) x = drop16(t, scr, t.i0 + r, j0 + kk, x, dropout_keep_scale(pb.dropout_p));
         }
         _mm512_mask_storeu_ps(w + kk, first_mask16(nk - kk), x);
       }

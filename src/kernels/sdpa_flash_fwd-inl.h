@@ -114,7 +114,7 @@ inline void weights_pass(const Tile& t, const typename Pol::In* kh, int64_t ks2,
           Vec::store(sp, Vec::exp2(Vec::sub(Vec::load(sp), lse2[v])));
         }
       }
-      if (pb.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s);
+      if (pb.dropout_p > 0.0) apply_dropout(t, j0, nv, scr.s, dropout_keep_scale(pb.dropout_p));
     }
     for (int64_t r = 0; r < t.nq; ++r) {
       float* wrow = w + r * pb.Lk + j0;
@@ -186,7 +186,10 @@ inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, co
     }
   }
   for (int v = 0; v < kNQ; ++v) run.l[v] = Vec::fma(run.l[v], alpha[v], sum[v]);
-  if (pb.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s);
+  // Dropout zeroes P's dropped values here; the kept ones' 1 / (1 - p) joins 1 / l in step 5, so P
+  // reaches the product as computed (a bf16 product then rounds 2^(s - m) ≤ 1 alone: the row's
+  // largest value, 1, stays exact instead of becoming 4/3 rounded, its largest relative error).
+  if (pb.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s, 1.0f);
   // 4. O = O·2^(m - m_new) + P V_j
   Pol::pv(t, scr, vh, vs2, j0, nk, alpha);
 }
@@ -201,15 +204,16 @@ inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, c
   const SdpaProblem& pb = t.pb;
   const Scratch& scr = run.scr;
   const int64_t nq = t.nq;
-  // O /= l; lse = ln 2 · (m + log2 l); a row with l = 0 saw no key: zeros, lse = -inf. A NaN
-  // score (or a +inf one: 2^(inf - inf)) made l NaN, and the row is NaN.
+  // O /= l (O · (1 / (1 - p)) / l under dropout); lse = ln 2 · (m + log2 l); a row with l = 0 saw
+  // no key: zeros, lse = -inf. A NaN score (or a +inf one: 2^(inf - inf)) made l NaN, and the row is NaN.
   alignas(64) float m_l[kTQ], l_l[kTQ], inv_l[kTQ];
+  const float keep_scale = pb.dropout_p > 0.0 ? dropout_keep_scale(pb.dropout_p) : 1.0f;
   for (int v = 0; v < kNQ; ++v) {
     Vec::store(m_l + v * kW, run.m[v]);
     Vec::store(l_l + v * kW, run.l[v]);
   }
   for (int64_t r = 0; r < kTQ; ++r) {
-    inv_l[r] = 1.0f / l_l[r];
+    inv_l[r] = keep_scale / l_l[r];
     if (l_l[r] == 0.0f) {  // zeros even where a V entry is NaN (0 · NaN in the P·V product)
       inv_l[r] = 0.0f;
       for (int64_t d = 0; d < pb.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;

@@ -115,9 +115,9 @@ HEADS_INLINE bool needs_masks(const Tile& t, int64_t j0, int64_t nk, bool causal
   return causal_here || pb.mods.any() || (pb.has_left && j0 < t.i0 + t.nq - 1 + pb.left_offset);
 }
 
-inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s) {
+// Dropout of S's keys [j0, j0 + nk): kept values times `keep_scale`, the others 0.
+inline void apply_dropout(const Tile& t, int64_t j0, int64_t nk, float* s, float keep_scale) {
   const SdpaProblem& pb = t.pb;
-  const float keep_scale = dropout_keep_scale(pb.dropout_p);
   for (int64_t r = 0; r < nk; ++r) {
     for (int64_t l = 0; l < t.nq; ++l) {
       const bool keep = dropout_keep(pb.seed, dropout_index(pb, t.b, t.h, t.i0 + l, j0 + r), pb.dropout_p);
