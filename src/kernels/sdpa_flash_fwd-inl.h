@@ -187,8 +187,8 @@ inline void tile_block(TileRun& run, const typename Pol::In* kh, int64_t ks2, co
   }
   for (int v = 0; v < kNQ; ++v) run.l[v] = Vec::fma(run.l[v], alpha[v], sum[v]);
   // Dropout zeroes P's dropped values here; the kept ones' 1 / (1 - p) joins 1 / l in step 5, so P
-  // reaches the product as computed (a bf16 product then rounds 2^(s - m) ≤ 1 alone: the row's
-  // largest value, 1, stays exact instead of becoming 4/3 rounded, its largest relative error).
+  // reaches the product as computed (a bf16 product then rounds 2^(s - m) ≤ 1 alone: the running
+  // maximum's value, 1, stays exact instead of becoming 4/3, which bf16 rounds by 0.2% on every row).
   if (pb.dropout_p > 0.0) apply_dropout(t, j0, nk, scr.s, 1.0f);
   // 4. O = O·2^(m - m_new) + P V_j
   Pol::pv(t, scr, vh, vs2, j0, nk, alpha);
