@@ -154,27 +154,32 @@ TEST(Sdpa, BatchInvariantCrossAttentionOfLongKeys) {
 
 // bf16 inputs, f32 accumulation: within twice the error of a plain bf16 computation (P and the
 // output rounded to bf16), both measured against float64 on the same bf16 inputs (STYLE.md).
-double naive_bf16_error(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& o,
-                        const SdpaResult& ref) {
-  // Naive: exact softmax weights rounded to bf16, products summed in f32, output rounded.
-  const Tensor w = ref.weights;  // f64 [B, H, Lq, Lk]
-  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
-  const int64_t group = H / k.size(1);
-  double err = 0;
+// The largest f(b, h, i, d, hk) over the attention output's elements [B, H, Lq, Dv] of values v
+// (hk: the kv head of head h).
+template <class F>
+double max_over_outputs(const Tensor& v, const SdpaResult& ref, F f) {
+  const int64_t B = ref.out.size(0), H = ref.out.size(1), Lq = ref.out.size(2), Dv = ref.out.size(3);
+  const int64_t group = H / v.size(1);
+  double worst = 0;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < Lq; ++i)
-        for (int64_t d = 0; d < Dv; ++d) {
-          float acc = 0;
-          for (int64_t j = 0; j < Lk; ++j) {
-            const float p = bf16_to_f32(f32_to_bf16(static_cast<float>(w.item_as_double({b, h, i, j}))));
-            acc += p * static_cast<float>(v.item_as_double({b, h / group, j, d}));
-          }
-          const double naive = bf16_to_f32(f32_to_bf16(acc));
-          err = std::max(err, std::fabs(naive - ref.out.item_as_double({b, h, i, d})));
-        }
-  (void)o;
-  return err;
+        for (int64_t d = 0; d < Dv; ++d) worst = std::max(worst, f(b, h, i, d, h / group));
+  return worst;
+}
+
+double naive_bf16_error(const Tensor& v, const SdpaResult& ref) {
+  // Naive: exact softmax weights rounded to bf16, products summed in f32, output rounded.
+  const Tensor& w = ref.weights;  // f64 [B, H, Lq, Lk]
+  return max_over_outputs(v, ref, [&](int64_t b, int64_t h, int64_t i, int64_t d, int64_t hk) {
+    float acc = 0;
+    for (int64_t j = 0; j < v.size(2); ++j) {
+      const float p = bf16_to_f32(f32_to_bf16(static_cast<float>(w.item_as_double({b, h, i, j}))));
+      acc += p * static_cast<float>(v.item_as_double({b, hk, j, d}));
+    }
+    const double naive = bf16_to_f32(f32_to_bf16(acc));
+    return std::fabs(naive - ref.out.item_as_double({b, h, i, d}));
+  });
 }
 
 // f64 and f16 inputs run in f32 and come back in their dtype, forward and backward.
@@ -209,23 +214,15 @@ TEST(Sdpa, F64AndF16AreComputedInF32) {
 double ratio_to_bf16_rounding_bound(const Tensor& out, const Tensor& v, const SdpaResult& ref) {
   constexpr double u = 1.0 / 256;
   const Tensor& w = ref.weights;  // f64 [B, H, Lq, Lk]
-  const int64_t B = out.size(0), H = out.size(1), Lq = out.size(2), Dv = out.size(3), Lk = v.size(2);
-  const int64_t group = H / v.size(1);
-  double worst = 0;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Lq; ++i)
-        for (int64_t d = 0; d < Dv; ++d) {
-          double wv = 0;
-          for (int64_t j = 0; j < Lk; ++j) {
-            wv += std::fabs(w.item_as_double({b, h, i, j}) * v.item_as_double({b, h / group, j, d}));
-          }
-          const double y = ref.out.item_as_double({b, h, i, d});
-          const double e = (u + static_cast<double>(Lk) * std::ldexp(1.0, -24)) * wv;
-          const double bound = e + u * (std::fabs(y) + e) + 1e-12;
-          worst = std::max(worst, std::fabs(out.item_as_double({b, h, i, d}) - y) / bound);
-        }
-  return worst;
+  const int64_t Lk = v.size(2);
+  return max_over_outputs(v, ref, [&](int64_t b, int64_t h, int64_t i, int64_t d, int64_t hk) {
+    double wv = 0;
+    for (int64_t j = 0; j < Lk; ++j) wv += std::fabs(w.item_as_double({b, h, i, j}) * v.item_as_double({b, hk, j, d}));
+    const double y = ref.out.item_as_double({b, h, i, d});
+    const double e = (u + static_cast<double>(Lk) * std::ldexp(1.0, -24)) * wv;
+    const double bound = e + u * (std::fabs(y) + e) + 1e-12;
+    return std::fabs(out.item_as_double({b, h, i, d}) - y) / bound;
+  });
 }
 
 // Every path this CPU runs (the AMX tiles included: odd D and Dv, key blocks with tails, GQA, masks,
@@ -255,7 +252,7 @@ TEST(Sdpa, Bf16WithinTwiceNaiveBf16Error) {
       SdpaOptions o = in.options;
       o.need_weights = true;
       const SdpaResult ref = ref::sdpa_fwd_f64(in.q, in.k, in.v, o);  // float64 on the bf16 inputs
-      const double naive = naive_bf16_error(in.q, in.k, in.v, o, ref);
+      const double naive = naive_bf16_error(in.v, ref);
       const double scale = testing::compare(ref.out, ref.out).max_ref;
       for (const testing::KernelPath& path : testing::kernel_paths()) {
         path.select();
