@@ -10,10 +10,11 @@ namespace heads {
 // Instruction-set paths of the kernels. `scalar` is portable C++ (no intrinsics); every SIMD
 // path is tested against it and against the float64 references.
 // avx512bf16 is avx512 plus AVX512_BF16 (vdpbf16ps) for bf16 attention; amx is avx512bf16 plus AMX
-// tiles (AMX-TILE, AMX-BF16) for bf16 attention, where the OS grants the tile state.
-enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx };
+// tiles (AMX-TILE, AMX-BF16) for bf16 attention, where the OS grants the tile state. neon is
+// AArch64's Advanced SIMD (every AArch64 CPU); the x86 paths exist on x86-64 only, neon on AArch64 only.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx, Neon };
 
-std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16", "amx"
+std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16", "amx", "neon"
 Isa isa_from_name(const std::string& s);  // throws heads::Error for an unknown name
 bool isa_supported(Isa isa);              // can this CPU run it?
 std::vector<Isa> supported_isas();        // best last
@@ -25,6 +26,10 @@ void set_isa(Isa isa);
 // CPU, the OS and Linux's permission all allow them; "emulated (HEADS_AMX_EMULATE=1)" when the
 // kernels run over the scalar tile emulator; otherwise the first check that failed.
 std::string amx_status();
+// The CPU's architecture and the features the kernels look at, in words (`heads bench peak` prints
+// it): on x86-64 e.g. "x86-64: avx2 fma avx512f ... amx-bf16"; on AArch64 "aarch64: asimd dotprod
+// bf16 i8mm sve" (from the kernel's hardware capabilities, getauxval).
+std::string cpu_features();
 
 // Measured f32 FMA throughput of the active path on `threads` threads (GFLOP/s): independent
 // FMA chains on every thread at once, best of a few runs of about `seconds` each.

@@ -10,6 +10,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 
 #include "heads/error.h"
 
@@ -17,7 +21,8 @@ namespace heads {
 
 namespace {
 
-constexpr Isa kAllIsas[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
+// Best last within each architecture (a CPU supports the paths of one of them).
+constexpr Isa kAllIsas[] = {Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
 
 #if defined(__x86_64__) && defined(__linux__)
 // Whether the AMX kernels can run on the tiles, or the first reason they cannot: AMX-TILE and
@@ -85,6 +90,7 @@ std::string isa_name(Isa isa) {
     case Isa::Avx512: return "avx512";
     case Isa::Avx512Bf16: return "avx512bf16";
     case Isa::Amx: return "amx";
+    case Isa::Neon: return "neon";
   }
   return "?";
 }
@@ -93,7 +99,7 @@ Isa isa_from_name(const std::string& s) {
   for (Isa i : kAllIsas) {
     if (isa_name(i) == s) return i;
   }
-  fail("unknown ISA \"", s, "\" (expected scalar, avx2, avx512, avx512bf16 or amx)");
+  fail("unknown ISA \"", s, "\" (expected scalar, avx2, avx512, avx512bf16, amx or neon)");
 }
 
 bool isa_supported(Isa isa) {
@@ -112,11 +118,50 @@ bool isa_supported(Isa isa) {
     case Isa::Amx:
       // every CPU with tiles has AVX512_BF16; the emulated build needs AVX-512 alone
       return amx_usable() ? isa_supported(Isa::Avx512Bf16) : amx_emulated() && isa_supported(Isa::Avx512);
-#else
-    default: return false;
+#elif defined(__aarch64__)
+    case Isa::Neon: return true;  // Advanced SIMD is part of every AArch64 CPU
 #endif
+    default: return false;
   }
   return false;
+}
+
+std::string cpu_features() {
+  std::string out;
+  const auto add = [&](bool has, const char* name) {
+    if (has) out += std::string(" ") + name;
+  };
+#if defined(__x86_64__)
+  out = "x86-64:";
+  add(__builtin_cpu_supports("avx2"), "avx2");
+  add(__builtin_cpu_supports("fma"), "fma");
+  add(__builtin_cpu_supports("avx512f"), "avx512f");
+  add(__builtin_cpu_supports("avx512bw"), "avx512bw");
+  add(__builtin_cpu_supports("avx512vl"), "avx512vl");
+  add(__builtin_cpu_supports("avx512dq"), "avx512dq");
+  add(__builtin_cpu_supports("avx512vnni"), "avx512vnni");
+  add(__builtin_cpu_supports("avx512bf16"), "avx512bf16");
+#if defined(__linux__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    add((d >> 22) & 1u, "amx-bf16");
+    add((d >> 24) & 1u, "amx-tile");
+    add((d >> 25) & 1u, "amx-int8");
+  }
+#endif
+#elif defined(__aarch64__) && defined(__linux__)
+  out = "aarch64:";
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  add(hw & HWCAP_ASIMD, "asimd");
+  add(hw & HWCAP_ASIMDDP, "dotprod");
+  add(hw2 & HWCAP2_BF16, "bf16");
+  add(hw2 & HWCAP2_I8MM, "i8mm");
+  add(hw & HWCAP_SVE, "sve");
+  add(hw2 & HWCAP2_SVE2, "sve2");
+#else
+  out = "this architecture: no vector paths (scalar kernels)";
+#endif
+  return out;
 }
 
 std::string amx_status() {
@@ -142,6 +187,9 @@ const kernels::KernelTable* table_of(Isa isa) {
     case Isa::Scalar: return &kernels::scalar::kTable;
 #ifndef HEADS_WITHOUT_ISA_AVX2
     case Isa::Avx2: return &kernels::avx2::kTable;
+#endif
+#ifndef HEADS_WITHOUT_ISA_NEON
+    case Isa::Neon: return &kernels::neon::kTable;
 #endif
 #ifndef HEADS_WITHOUT_ISA_AVX512
     case Isa::Avx512: return &kernels::avx512::kTable;

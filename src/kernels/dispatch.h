@@ -119,6 +119,7 @@ namespace avx512 { extern const KernelTable kTable; }
 namespace avx512bf16 { extern const KernelTable kTable; }  // avx512 + AVX512_BF16
 namespace amx { extern const KernelTable kTable; }         // avx512bf16 + AMX-TILE, AMX-BF16
 namespace amx_emu { extern const KernelTable kTable; }     // amx over the tile emulator (amx_emulator.h)
+namespace neon { extern const KernelTable kTable; }        // AArch64 Advanced SIMD
 
 // For tests: 1 runs the amx ISA over the tile emulator even where the tiles exist (so that the two
 // can be compared), 0 never, -1 as HEADS_AMX_EMULATE says. Takes effect at the next set_isa().

@@ -385,9 +385,10 @@ void run_peak(const BenchArgs& a) {
   const char* products = bf16_attention_products();
   if (a.json) {
     std::printf("{\"op\":\"peak\",\"isa\":\"%s\",\"gflops_1\":%.1f,\"threads\":%d,\"gflops\":%.1f,"
-                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"read_gbs\":%.1f,\"bf16_attention\":\"%s\",\"amx\":%s}\n",
+                "\"bf16_gflops\":%.1f,\"amx_bf16_gflops\":%.1f,\"read_gbs\":%.1f,\"bf16_attention\":\"%s\",\"amx\":%s,"
+                "\"cpu\":%s}\n",
                 isa_name(active_isa()).c_str(), g1, threads, gn, bf, tiles, read, products,
-                nlohmann::json(amx_status()).dump().c_str());
+                nlohmann::json(amx_status()).dump().c_str(), nlohmann::json(cpu_features()).dump().c_str());
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
@@ -396,6 +397,7 @@ void run_peak(const BenchArgs& a) {
     std::printf("memory read bandwidth: %.1f GB/s on %d threads (1 GiB buffer)\n", read, threads);
     std::printf("bf16 attention products: %s\n", products);
     std::printf("AMX: %s\n", amx_status().c_str());
+    std::printf("CPU features: %s\n", cpu_features().c_str());
   }
 }
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# test-aarch64.sh — heads for 64-bit ARM, built and tested on an x86-64 Debian 12 host: the library
+# and its C++ tests cross-compiled (g++-aarch64-linux-gnu, the arm64 libraries of Debian's
+# multiarch, cmake/aarch64-linux-gnu.cmake), the kernel tests run under qemu-user with every
+# extension QEMU 7.2 implements (`-cpu max`). Every test visits each ISA the CPU offers (scalar and
+# neon), forward and backward, f32, bf16 and int8; the long sweeps check a share of their cases
+# (HEADS_TEST_SAMPLE, as under the sanitizers): QEMU runs NEON code 20-50x slower than the hardware.
+# Installs what it needs (root: apt); builds in build-aarch64/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/steps.sh
+BUILD=${BUILD:-build-aarch64}
+SAMPLE=${HEADS_TEST_SAMPLE:-3}
+
+step aarch64:deps "aarch64: cross compiler, qemu-user and the arm64 libraries (Debian multiarch)"
+PKGS=(g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 libdnnl2:arm64 libgtest-dev:arm64
+      libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
+  dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# libdnnl-dev cannot be installed for two architectures at once (its headers differ in one GPU
+# setting): the arm64 package's CMake files and headers are unpacked into the build tree instead,
+# beside the arm64 library that libdnnl2:arm64 installed.
+DNNL=$PWD/$BUILD/deps
+if [ ! -f "$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl/dnnl-config.cmake" ]; then
+  mkdir -p "$DNNL"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download libdnnl-dev:arm64 >/dev/null 2>&1)
+  dpkg-deb -x "$tmp"/libdnnl-dev_*_arm64.deb "$DNNL"
+  rm -rf "$tmp"
+  for so in /usr/lib/aarch64-linux-gnu/libdnnl.so.*; do ln -sf "$so" "$DNNL/usr/lib/aarch64-linux-gnu/"; done
+fi
+
+step aarch64:build "aarch64: cross build of the library and the C++ tests ($BUILD/)"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
+  -DHEADS_BUILD_CLI=OFF -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=OFF \
+  -Ddnnl_DIR="$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl" >/dev/null
+cmake --build "$BUILD" --target heads_tests
+
+step aarch64:qemu "aarch64: kernel tests under qemu-aarch64 -cpu max (HEADS_TEST_SAMPLE=$SAMPLE)"
+qemu-aarch64 -cpu max "$BUILD/tests/heads_tests" --gtest_filter=Dispatch.EveryPathIsSelectableAndNamed --gtest_brief=1
+# The kernels' suites: attention forward, backward, variants, decode and KV cache, the elementwise
+# and decoder ops, linear attention, the linear layers in every precision.
+FILTER='Sdpa.*:SdpaBackward.*:SdpaVariants.*:SdpaSplit.*:SdpaMerge.*:SdpaKv.*:QuantizeKv.*:Ops.*:OpsBackward.*'
+FILTER+=':Rope.*:RmsNorm.*:GatedActivation.*:KVCache.*:LinearAttention.*:Linear.*:Precision.*:PrecisionOutliers.*'
+# Not the model's embeddings (all-MiniLM-L6-v2 through every layer: minutes under QEMU; the x86 runs have it).
+FILTER+=':-Precision.SentenceEmbeddingsStayCloseToF32'
+# Two processes of half the tests each (gtest sharding), one per core.
+pids=()
+for shard in 0 1; do
+  GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard HEADS_TEST_SAMPLE=$SAMPLE OMP_NUM_THREADS=2 OMP_WAIT_POLICY=passive \
+    qemu-aarch64 -cpu max "$BUILD/tests/heads_tests" --gtest_filter="$FILTER" --gtest_brief=1 >"$BUILD/qemu-shard$shard.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for i in 0 1; do
+  wait "${pids[$i]}" || rc=1
+  tail -n 3 "$BUILD/qemu-shard$i.log"
+done
+if ((rc)); then
+  cat "$BUILD"/qemu-shard*.log
+  exit 1
+fi
+step_end
