@@ -11,10 +11,12 @@ namespace heads {
 // path is tested against it and against the float64 references.
 // avx512bf16 is avx512 plus AVX512_BF16 (vdpbf16ps) for bf16 attention; amx is avx512bf16 plus AMX
 // tiles (AMX-TILE, AMX-BF16) for bf16 attention, where the OS grants the tile state. neon is
-// AArch64's Advanced SIMD (every AArch64 CPU); the x86 paths exist on x86-64 only, neon on AArch64 only.
-enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx, Neon };
+// AArch64's Advanced SIMD (every AArch64 CPU); neonbf16 is neon plus FEAT_BF16 (BFDOT) for bf16
+// attention. The x86 paths exist on x86-64 only, the neon ones on AArch64 only.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx, Neon, NeonBf16 };
 
-std::string isa_name(Isa isa);            // "scalar", "avx2", "avx512", "avx512bf16", "amx", "neon"
+// "scalar", "avx2", "avx512", "avx512bf16", "amx", "neon", "neonbf16"
+std::string isa_name(Isa isa);
 Isa isa_from_name(const std::string& s);  // throws heads::Error for an unknown name
 bool isa_supported(Isa isa);              // can this CPU run it?
 std::vector<Isa> supported_isas();        // best last
@@ -34,7 +36,7 @@ std::string cpu_features();
 // Measured f32 FMA throughput of the active path on `threads` threads (GFLOP/s): independent
 // FMA chains on every thread at once, best of a few runs of about `seconds` each.
 double measure_fma_peak_gflops(int threads, double seconds = 0.2);
-// The same for the bf16 dot product (vdpbf16ps); 0 when the active path has none.
+// The same for the bf16 dot product (vdpbf16ps, BFDOT); 0 when the active path has none.
 double measure_bf16_peak_gflops(int threads, double seconds = 0.2);
 // The same for AMX tiles (tdpbf16ps); 0 when the active path is not amx.
 double measure_amx_peak_gflops(int threads, double seconds = 0.2);
@@ -42,11 +44,11 @@ double measure_amx_peak_gflops(int threads, double seconds = 0.2);
 // thread sums its slice of a `bytes` buffer (far past the caches) with vector loads; best of the
 // passes made in about `seconds` (at least 3).
 double measure_read_bandwidth_gbs(int threads, double seconds = 0.2, int64_t bytes = int64_t{1} << 30);
-// How the active path computes bf16 attention's products: "amx" (tiles), "dot" (vdpbf16ps) or
-// "widen" (bf16 widened to f32, f32 FMAs). avx512bf16 picks dot or widen by measuring both rates
-// once (HEADS_BF16_DOT=1|0 forces one).
+// How the active path computes bf16 attention's products: "amx" (tiles), "dot" (vdpbf16ps on
+// avx512bf16, BFDOT on neonbf16) or "widen" (bf16 widened to f32, f32 FMAs). avx512bf16 and neonbf16
+// pick dot or widen by measuring both rates once (HEADS_BF16_DOT=1|0 forces one).
 const char* bf16_attention_products();
-// Forces avx512bf16's choice for the whole process: "dot" or "widen"; "auto" returns to the
+// Forces that choice for the whole process: "dot" or "widen"; "auto" returns to the
 // measured choice (or HEADS_BF16_DOT's). Both give results within bf16's rounding of P of each
 // other; the tests run their bf16 cases under both. Throws heads::Error for another name.
 void set_bf16_attention_products(const std::string& how);

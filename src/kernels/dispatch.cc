@@ -22,7 +22,7 @@ namespace heads {
 namespace {
 
 // Best last within each architecture (a CPU supports the paths of one of them).
-constexpr Isa kAllIsas[] = {Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
+constexpr Isa kAllIsas[] = {Isa::Scalar, Isa::Neon, Isa::NeonBf16, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
 
 #if defined(__x86_64__) && defined(__linux__)
 // Whether the AMX kernels can run on the tiles, or the first reason they cannot: AMX-TILE and
@@ -91,6 +91,7 @@ std::string isa_name(Isa isa) {
     case Isa::Avx512Bf16: return "avx512bf16";
     case Isa::Amx: return "amx";
     case Isa::Neon: return "neon";
+    case Isa::NeonBf16: return "neonbf16";
   }
   return "?";
 }
@@ -99,7 +100,7 @@ Isa isa_from_name(const std::string& s) {
   for (Isa i : kAllIsas) {
     if (isa_name(i) == s) return i;
   }
-  fail("unknown ISA \"", s, "\" (expected scalar, avx2, avx512, avx512bf16, amx or neon)");
+  fail("unknown ISA \"", s, "\" (expected scalar, avx2, avx512, avx512bf16, amx, neon or neonbf16)");
 }
 
 bool isa_supported(Isa isa) {
@@ -120,6 +121,10 @@ bool isa_supported(Isa isa) {
       return amx_usable() ? isa_supported(Isa::Avx512Bf16) : amx_emulated() && isa_supported(Isa::Avx512);
 #elif defined(__aarch64__)
     case Isa::Neon: return true;  // Advanced SIMD is part of every AArch64 CPU
+#if defined(__linux__)
+    case Isa::NeonBf16:  // BFDOT, BFCVTN (FEAT_BF16); FP16 for the build's constants (isa_neonbf16.cc)
+      return (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0 && (getauxval(AT_HWCAP) & HWCAP_ASIMDHP) != 0;
+#endif
 #endif
     default: return false;
   }
@@ -190,6 +195,9 @@ const kernels::KernelTable* table_of(Isa isa) {
 #endif
 #ifndef HEADS_WITHOUT_ISA_NEON
     case Isa::Neon: return &kernels::neon::kTable;
+#endif
+#ifndef HEADS_WITHOUT_ISA_NEONBF16
+    case Isa::NeonBf16: return &kernels::neonbf16::kTable;
 #endif
 #ifndef HEADS_WITHOUT_ISA_AVX512
     case Isa::Avx512: return &kernels::avx512::kTable;

@@ -1,8 +1,8 @@
 // dispatch.h — CPU detection and the per-ISA kernel table.
 //
-// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512, avx512bf16, amx)
-// fills one table; the active table is chosen once from CPUID, or forced by
-// HEADS_ISA=scalar|avx2|avx512|avx512bf16|amx
+// Each ISA build of the kernels (src/kernels/isa_<name>.cc: scalar, avx2, avx512, avx512bf16, amx on
+// x86-64; neon, neonbf16 on AArch64) fills one table; the active table is chosen once from CPUID (the
+// hardware capabilities on AArch64), or forced by HEADS_ISA=<name>
 // (an error if this CPU cannot run it), or by heads::set_isa().
 #pragma once
 
@@ -120,6 +120,7 @@ namespace avx512bf16 { extern const KernelTable kTable; }  // avx512 + AVX512_BF
 namespace amx { extern const KernelTable kTable; }         // avx512bf16 + AMX-TILE, AMX-BF16
 namespace amx_emu { extern const KernelTable kTable; }     // amx over the tile emulator (amx_emulator.h)
 namespace neon { extern const KernelTable kTable; }        // AArch64 Advanced SIMD
+namespace neonbf16 { extern const KernelTable kTable; }    // neon + FEAT_BF16 (BFDOT)
 
 // For tests: 1 runs the amx ISA over the tile emulator even where the tiles exist (so that the two
 // can be compared), 0 never, -1 as HEADS_AMX_EMULATE says. Takes effect at the next set_isa().
@@ -127,11 +128,12 @@ void set_amx_emulation(int mode);
 
 const KernelTable& active();
 
-// Whether the avx512bf16 path's bf16 attention uses vdpbf16ps (true) or widens bf16 to f32 and runs
-// the f32 products (false): set_bf16_attention_products's choice when forced, else HEADS_BF16_DOT=1|0
-// when set, else measured once (first call) on one
-// thread: vdpbf16ps pays where its flops per second beat the f32 FMA's (Zen 4: about 2x; Intel
-// Xeons: about 0.5x, where the amx path covers bf16 anyway). The two give the same results within
+// Whether the avx512bf16 (neonbf16) path's bf16 attention uses vdpbf16ps (BFDOT) (true) or widens
+// bf16 to f32 and runs the f32 products (false): set_bf16_attention_products's choice when forced,
+// else HEADS_BF16_DOT=1|0 when set, else measured once (first call) on one thread: the dot product
+// pays where its flops per second beat the f32 FMA's (Zen 4: about 2x; Intel Xeons: about 0.5x,
+// where the amx path covers bf16 anyway; on AArch64 cores BFDOT's rate against FMLA's is measured
+// the same way, none being at hand to state it). The two give the same results within
 // bf16's rounding of P (docs/numerics.md).
 bool bf16_dot_pays();
 

@@ -46,6 +46,18 @@ namespace kernels {
 namespace {
 // set_bf16_attention_products: -1 auto, 0 widen, 1 dot.
 std::atomic<int> forced_bf16_dot{-1};
+
+// The table of the path that chooses between the bf16 dot product and widening (avx512bf16 or
+// neonbf16) where this CPU runs it, else null.
+const KernelTable* dot_table() {
+#ifndef HEADS_WITHOUT_ISA_AVX512BF16
+  if (isa_supported(Isa::Avx512Bf16)) return &avx512bf16::kTable;
+#endif
+#ifndef HEADS_WITHOUT_ISA_NEONBF16
+  if (isa_supported(Isa::NeonBf16)) return &neonbf16::kTable;
+#endif
+  return nullptr;
+}
 }  // namespace
 
 bool bf16_dot_pays() {
@@ -56,15 +68,11 @@ bool bf16_dot_pays() {
       HEADS_CHECK(v == "0" || v == "1", "HEADS_BF16_DOT must be 0 or 1, got \"", v, "\"");
       return v == "1";
     }
-#ifdef HEADS_WITHOUT_ISA_AVX512BF16
-    return false;
-#else
-    if (!isa_supported(Isa::Avx512Bf16)) return false;
-    const KernelTable& t = avx512bf16::kTable;
-    const double dot = measure_probe(t.bf16_probe, t.bf16_probe_flops_per_iter(), 1, 0.004);
-    const double fma = measure_probe(t.fma_probe, t.fma_probe_flops_per_iter(), 1, 0.004);
+    const KernelTable* t = dot_table();
+    if (t == nullptr) return false;
+    const double dot = measure_probe(t->bf16_probe, t->bf16_probe_flops_per_iter(), 1, 0.004);
+    const double fma = measure_probe(t->fma_probe, t->fma_probe_flops_per_iter(), 1, 0.004);
     return dot > fma;
-#endif
   }();
   return pays;
 }
@@ -74,7 +82,8 @@ bool bf16_dot_pays() {
 const char* bf16_attention_products() {
   switch (active_isa()) {
     case Isa::Amx: return "amx";
-    case Isa::Avx512Bf16: return kernels::bf16_dot_pays() ? "dot" : "widen";
+    case Isa::Avx512Bf16:
+    case Isa::NeonBf16: return kernels::bf16_dot_pays() ? "dot" : "widen";
     default: return "widen";
   }
 }

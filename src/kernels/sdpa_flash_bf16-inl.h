@@ -1,7 +1,9 @@
-// sdpa_flash_bf16-inl.h — the tiled SDPA's products in bf16 with vdpbf16ps (AVX512_BF16).
-// Included by isa_avx512bf16.cc after sdpa_flash_fwd-inl.h; plugs a policy into its tile loop.
+// sdpa_flash_bf16-inl.h — the tiled SDPA's products in bf16 with a bf16 dot product: vdpbf16ps
+// (AVX512_BF16) or BFDOT (AArch64 FEAT_BF16). Included by the ISA builds with HEADS_NATIVE_BF16 after
+// sdpa_flash_fwd-inl.h; plugs a policy into its tile loop. The instructions come from the vector
+// layer's Bf16Pairs (vec_avx512-inl.h, vec_neon-inl.h).
 //
-// vdpbf16ps acc, a, b: f32 lane i += a[2i]·b[2i] + a[2i+1]·b[2i+1] — the two bf16 of a dword are
+// dot(acc, a, b): f32 lane i += a[2i]·b[2i] + a[2i+1]·b[2i+1] — the two bf16 of a dword are
 // consecutive steps of the reduction. So both products keep pairs along their reduction:
 //   S  = K · Qt:  Qt2 [D/2][kTQ] dwords (q[l][2p], q[l][2p+1]); the K pair (K[j][2p], K[j][2p+1])
 //                 is adjacent in K as stored, so K is still broadcast in place.
@@ -13,7 +15,7 @@
 
 namespace fwd {
 
-HEADS_INLINE __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+using BP = Bf16Pairs::P;
 
 HEADS_INLINE uint32_t load_pair(const uint16_t* p) {  // two adjacent bf16 as one dword
   uint32_t w;
@@ -25,40 +27,40 @@ HEADS_INLINE uint32_t load_pair(const uint16_t* p) {  // two adjacent bf16 as on
 template <int R>
 HEADS_INLINE void qk_rows_bf(const uint16_t* k, int64_t ks, const uint32_t* qt2, int64_t D, float c,
                              float* s, VR* mx) {
-  __m512 acc[R][kNQ];
+  VR acc[R][kNQ];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
   const uint16_t* kr[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) kr[r] = k + r * ks;
   const int64_t D2 = D / 2;
   for (int64_t p = 0; p < D2; ++p) {
-    const __m512bh b0 = as_bh(_mm512_load_si512(qt2 + p * kTQ));
-    const __m512bh b1 = as_bh(_mm512_load_si512(qt2 + p * kTQ + kW));
+    const BP b0 = Bf16Pairs::load(qt2 + p * kTQ);
+    const BP b1 = Bf16Pairs::load(qt2 + p * kTQ + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(load_pair(kr[r] + 2 * p))));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      const BP a = Bf16Pairs::set1(load_pair(kr[r] + 2 * p));
+      acc[r][0] = Bf16Pairs::dot(acc[r][0], a, b0);
+      acc[r][1] = Bf16Pairs::dot(acc[r][1], a, b1);
     }
   }
-  if (D & 1) {  // last pair (q, 0): broadcast the lone K value into both halves
-    const __m512bh b0 = as_bh(_mm512_load_si512(qt2 + D2 * kTQ));
-    const __m512bh b1 = as_bh(_mm512_load_si512(qt2 + D2 * kTQ + kW));
+  if (D & 1) {  // last pair (q, 0) against (k, 0)
+    const BP b0 = Bf16Pairs::load(qt2 + D2 * kTQ);
+    const BP b1 = Bf16Pairs::load(qt2 + D2 * kTQ + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = as_bh(_mm512_set1_epi16(static_cast<short>(kr[r][D - 1])));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      const BP a = Bf16Pairs::set1(kr[r][D - 1]);
+      acc[r][0] = Bf16Pairs::dot(acc[r][0], a, b0);
+      acc[r][1] = Bf16Pairs::dot(acc[r][1], a, b1);
     }
   }
-  const __m512 cv = _mm512_set1_ps(c);
+  const VR cv = Vec::set1(c);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kNQ; ++v) {
-      const __m512 x = _mm512_mul_ps(acc[r][v], cv);
-      _mm512_store_ps(s + r * kTQ + v * kW, x);
-      if (mx != nullptr) mx[v] = _mm512_max_ps(mx[v], x);
+      const VR x = Vec::mul(acc[r][v], cv);
+      Vec::store(s + r * kTQ + v * kW, x);
+      if (mx != nullptr) mx[v] = Vec::max(mx[v], x);
     }
   }
 }
@@ -67,27 +69,27 @@ HEADS_INLINE void qk_rows_bf(const uint16_t* k, int64_t ks, const uint32_t* qt2,
 template <int R>
 HEADS_INLINE void pv_rows_bf(const uint32_t* v2, int64_t v2s, const uint32_t* p2, int64_t nk2,
                              float* ot, const VR* alpha) {
-  __m512 acc[R][kNQ];
+  VR acc[R][kNQ];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm512_mul_ps(_mm512_load_ps(ot + r * kTQ), alpha[0]);
-    acc[r][1] = _mm512_mul_ps(_mm512_load_ps(ot + r * kTQ + kW), alpha[1]);
+    acc[r][0] = Vec::mul(Vec::load(ot + r * kTQ), alpha[0]);
+    acc[r][1] = Vec::mul(Vec::load(ot + r * kTQ + kW), alpha[1]);
   }
   for (int64_t p = 0; p < nk2; ++p) {
-    const __m512bh b0 = as_bh(_mm512_load_si512(p2 + p * kTQ));
-    const __m512bh b1 = as_bh(_mm512_load_si512(p2 + p * kTQ + kW));
+    const BP b0 = Bf16Pairs::load(p2 + p * kTQ);
+    const BP b1 = Bf16Pairs::load(p2 + p * kTQ + kW);
     const uint32_t* vp = v2 + p * v2s;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(vp[r])));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      const BP a = Bf16Pairs::set1(vp[r]);
+      acc[r][0] = Bf16Pairs::dot(acc[r][0], a, b0);
+      acc[r][1] = Bf16Pairs::dot(acc[r][1], a, b1);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(ot + r * kTQ, acc[r][0]);
-    _mm512_store_ps(ot + r * kTQ + kW, acc[r][1]);
+    Vec::store(ot + r * kTQ, acc[r][0]);
+    Vec::store(ot + r * kTQ + kW, acc[r][1]);
   }
 }
 
@@ -124,7 +126,7 @@ struct Bf16Dot {
     for (int v = 0; v < kNQ; ++v) {
       const int64_t l0 = v * kW;
       int64_t p0 = 0;
-      if (dwords && l0 + kW <= nq) {  // 16 whole rows: transpose 16 x 16 blocks of dwords
+      if (dwords && l0 + kW <= nq) {  // W whole rows: transpose W x W blocks of dwords
         for (; p0 + kW <= D2; p0 += kW) {
           Vec::transpose_bits(reinterpret_cast<const float*>(q0 + l0 * qs2 + 2 * p0), qs2 / 2,
                               reinterpret_cast<float*>(qt2 + p0 * kTQ + l0), kTQ);
@@ -157,29 +159,14 @@ struct Bf16Dot {
   // the missing partner of an odd end is 0.
   static void pack_v(const uint16_t* vh, int64_t vs, int64_t Dv, int64_t j_begin, int64_t j_end,
                      uint32_t* v2) {
-    const __m512i pair_lo = _mm512_load_si512(kBf16PairLo), pair_hi = _mm512_load_si512(kBf16PairHi);
     const int64_t v2s = v2_stride(Dv);
     for (int64_t j = j_begin; j < j_end; j += 2) {
-      const uint16_t* a = vh + j * vs;
-      const uint16_t* b = j + 1 < j_end ? vh + (j + 1) * vs : nullptr;
-      uint32_t* dst = v2 + (j / 2) * v2s;
-      for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-        const int64_t n = std::min<int64_t>(32, Dv - d0);
-        const __mmask32 m = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
-        const __m512i A = _mm512_maskz_loadu_epi16(m, a + d0);
-        const __m512i B = b ? _mm512_maskz_loadu_epi16(m, b + d0) : _mm512_setzero_si512();
-        _mm512_store_si512(dst + d0, _mm512_permutex2var_epi16(A, pair_lo, B));
-        _mm512_store_si512(dst + d0 + 16, _mm512_permutex2var_epi16(A, pair_hi, B));
-      }
+      Bf16Pairs::pair_rows(vh + j * vs, j + 1 < j_end ? vh + (j + 1) * vs : nullptr, Dv, v2 + (j / 2) * v2s);
     }
   }
 
   static void pv(const Tile& t, const Scratch& scr, const uint16_t* vh, int64_t vs, int64_t j0,
                  int64_t nk, const VR* alpha) {
-    alignas(64) static constexpr uint16_t kInterleave[32] = {
-        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_load_si512(kInterleave);
     const int64_t Dv = t.pb.Dv, v2s = v2_stride(Dv);
     const int64_t nk2 = (nk + 1) / 2;
     // V2 cache: state = {b, hk, keys paired so far (even)}.
@@ -199,10 +186,9 @@ struct Bf16Dot {
     const float* p = scr.s;
     for (int64_t q2 = 0; q2 < nk2; ++q2) {
       for (int vv = 0; vv < kNQ; ++vv) {
-        const __m512 r0 = _mm512_load_ps(p + 2 * q2 * kTQ + vv * kW);
-        const __m512 r1 = 2 * q2 + 1 < nk ? _mm512_load_ps(p + (2 * q2 + 1) * kTQ + vv * kW) : _mm512_setzero_ps();
-        const __m512i x = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(r1, r0));
-        _mm512_store_si512(p2 + q2 * kTQ + vv * kW, _mm512_permutexvar_epi16(interleave, x));
+        const VR r0 = Vec::load(p + 2 * q2 * kTQ + vv * kW);
+        const VR r1 = 2 * q2 + 1 < nk ? Vec::load(p + (2 * q2 + 1) * kTQ + vv * kW) : Vec::zero();
+        Bf16Pairs::round_pairs(r0, r1, p2 + q2 * kTQ + vv * kW);
       }
     }
     const uint32_t* vb = v2 + (j0 / 2) * v2s;
@@ -211,7 +197,7 @@ struct Bf16Dot {
     if (d < Dv) pv_tail_bf<R - 1>(Dv - d, vb + d, v2s, p2, nk2, scr.ot + d * kTQ, alpha);
   }
 
-  // out[l][d] = bf16(Ot[d][l] · inv_l[l]) for l < nq: 16 x 16 transposes, then vcvtneps2bf16.
+  // out[l][d] = bf16(Ot[d][l] · inv_l[l]) for l < nq: W x W transposes, then rounded to bf16.
   static void store_out(const float* ot, const float* inv_l, int64_t nq, int64_t Dv, uint16_t* o0,
                         int64_t os2) {
     alignas(64) float tmp[kW * kW];
@@ -228,10 +214,8 @@ struct Bf16Dot {
             for (int64_t c = 0; c < n; ++c) tmp[r * kW + c] = ot[(d0 + c) * kTQ + l0 + r] * inv_l[l0 + r];
           }
         }
-        const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
         for (int64_t r = 0; r < rows; ++r) {
-          const __m256i y = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(tmp + r * kW)));
-          _mm256_mask_storeu_epi16(o0 + (l0 + r) * os2 + d0, m, y);
+          Bf16Pairs::store_rounded(o0 + (l0 + r) * os2 + d0, Vec::load(tmp + r * kW), n);
         }
       }
     }
@@ -246,18 +230,19 @@ inline void sdpa_tiled_bf16_dot(const SdpaProblem& pb, const Tensor& q, const Te
   fwd::sdpa_tiled<fwd::Bf16Dot>(pb, q, k, v, out, lse, weights);
 }
 
-// vdpbf16ps throughput probe, as fma_probe (peak-inl.h): flops per iteration = chains · 16 · 4.
+// Throughput probe of the bf16 dot product, as fma_probe (peak-inl.h): flops per iteration =
+// chains · W · 4.
 inline float bf16_probe(int64_t iters) {
   constexpr int kChains = 2 * Vec::kRowsQK;
-  __m512 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
-  __m512bh a = fwd::as_bh(_mm512_set1_epi32(0x3f803f80)), b = fwd::as_bh(_mm512_set1_epi32(0x3f7f3f7f));
+  Vec::R acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = Vec::set1(static_cast<float>(c));
+  const fwd::BP a = Bf16Pairs::set1(0x3f803f80u), b = Bf16Pairs::set1(0x3f7f3f7fu);
   for (int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 32
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+    for (int c = 0; c < kChains; ++c) acc[c] = Bf16Pairs::dot(acc[c], a, b);
   }
-  __m512 s = acc[0];
-  for (int c = 1; c < kChains; ++c) s = _mm512_add_ps(s, acc[c]);
-  return _mm512_reduce_add_ps(s);
+  Vec::R s = acc[0];
+  for (int c = 1; c < kChains; ++c) s = Vec::add(s, acc[c]);
+  return Vec::reduce_add(s);
 }
-inline int bf16_probe_flops_per_iter() { return 2 * Vec::kRowsQK * 16 * 4; }
+inline int bf16_probe_flops_per_iter() { return 2 * Vec::kRowsQK * Vec::W * 4; }

@@ -17,7 +17,7 @@
 
 namespace heads::testing {
 
-// Restores the active ISA path, and avx512bf16's choice of bf16 products, at scope exit (tests loop
+// Restores the active ISA path, and the choice of bf16 products, at scope exit (tests loop
 // over every path).
 struct IsaGuard {
   Isa saved = active_isa();
@@ -27,8 +27,9 @@ struct IsaGuard {
   }
 };
 
-// A path of the bf16 attention forward: an ISA and, on avx512bf16, how it multiplies bf16 ("dot":
-// vdpbf16ps, or "widen" to f32), which that ISA otherwise picks once per process by measuring.
+// A path of the bf16 attention forward: an ISA and, on avx512bf16 and neonbf16, how it multiplies
+// bf16 ("dot": vdpbf16ps / BFDOT, or "widen" to f32), which such an ISA otherwise picks once per
+// process by measuring.
 struct KernelPath {
   Isa isa;
   const char* bf16_products;  // "auto" where the ISA has a single way
@@ -45,13 +46,17 @@ struct KernelPath {
 // one path, such as the AMX kernels over the tile emulator; testing.cc skips a CPU without it).
 std::vector<Isa> test_isas();
 
-// Every path the tests visit, best last: test_isas(), with avx512bf16 once per bf16 product.
+// Whether an ISA chooses between a bf16 dot product and widening (KernelPath::bf16_products).
+inline bool has_bf16_dot(Isa isa) { return isa == Isa::Avx512Bf16 || isa == Isa::NeonBf16; }
+
+// Every path the tests visit, best last: test_isas(), with avx512bf16 and neonbf16 once per bf16
+// product.
 // Use it where bf16 inputs reach the tiled forward (under an IsaGuard); f32 and the backward
 // depend on the ISA alone.
 inline std::vector<KernelPath> kernel_paths() {
   std::vector<KernelPath> paths;
   for (Isa isa : test_isas()) {
-    if (isa == Isa::Avx512Bf16) {
+    if (has_bf16_dot(isa)) {
       paths.push_back({isa, "widen"});
       paths.push_back({isa, "dot"});
     } else {

@@ -292,22 +292,41 @@ TEST(Dispatch, EveryPathIsSelectableAndNamed) {
     EXPECT_EQ(isa_from_name(isa_name(isa)), isa);
   }
   EXPECT_THROW(isa_from_name("sse9"), Error);
-  // The bf16 forward's paths: avx512bf16 under both of its products, each named as it runs.
+  // The bf16 forward's paths: avx512bf16 and neonbf16 under both of their products, each named as it runs.
   std::vector<std::string> names;
   for (const testing::KernelPath& path : testing::kernel_paths()) {
     path.select();
     names.push_back(path.name());
     EXPECT_EQ(active_isa(), path.isa);
     const std::string products = bf16_attention_products();
-    if (path.isa == Isa::Avx512Bf16) {
+    if (testing::has_bf16_dot(path.isa)) {
       EXPECT_EQ(products, path.bf16_products);
     } else {
       EXPECT_EQ(products, path.isa == Isa::Amx ? "amx" : "widen") << path.name();
     }
   }
-  EXPECT_EQ(names.size(), isas.size() + (isa_supported(Isa::Avx512Bf16) ? 1 : 0));
+  const auto dots = std::count_if(isas.begin(), isas.end(), testing::has_bf16_dot);
+  EXPECT_EQ(names.size(), isas.size() + static_cast<size_t>(dots));
   EXPECT_THAT(error_of([] { set_bf16_attention_products("fast"); }),
               ::testing::HasSubstr("set_bf16_attention_products: how must be \"auto\", \"dot\" or \"widen\", got \"fast\""));
+}
+
+// The paths offered follow the CPU's features as cpu_features() names them. On AArch64 (the
+// cross build of scripts/test-aarch64.sh compiles every AArch64 path; it runs this under QEMU's
+// `-cpu max`, which has BF16, and `-cpu neoverse-n1`, which lacks it): neonbf16 exactly where the
+// hardware capabilities list bf16. Everywhere: no path of the other architecture.
+TEST(Dispatch, PathsFollowTheCpuFeatures) {
+  const std::string features = cpu_features() + " ";
+  const auto has = [&](const char* name) { return features.find(std::string(" ") + name + " ") != std::string::npos; };
+#if defined(__aarch64__)
+  EXPECT_TRUE(isa_supported(Isa::Neon));
+  EXPECT_EQ(isa_supported(Isa::NeonBf16), has("bf16")) << features;
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx}) EXPECT_FALSE(isa_supported(isa)) << isa_name(isa);
+#else
+  EXPECT_FALSE(isa_supported(Isa::Neon));
+  EXPECT_FALSE(isa_supported(Isa::NeonBf16));
+  if (isa_supported(Isa::Avx512Bf16)) EXPECT_TRUE(has("avx512bf16")) << features;
+#endif
 }
 
 // No keys at all (Lk = 0): every row is fully masked, on the decode path (Lq <= 4, which once divided

@@ -154,3 +154,41 @@ struct Vec {
     return _mm512_maskz_scalef_ps(live, p, n);
   }
 };
+
+#ifdef HEADS_NATIVE_BF16
+// Pairs of bf16 for the bf16 dot product (sdpa_flash_bf16-inl.h): a P holds W dwords, each two bf16
+// (the low half first); dot(acc, a, b) adds a[2i]·b[2i] + a[2i+1]·b[2i+1] to f32 lane i
+// (vdpbf16ps: products and sum in f32, denormal inputs read as zero, round to nearest even).
+struct Bf16Pairs {
+  using P = __m512bh;
+  HEADS_INLINE static P load(const uint32_t* p) { return reinterpret_cast<P>(_mm512_load_si512(p)); }  // 64-byte aligned
+  HEADS_INLINE static P set1(uint32_t pair) { return reinterpret_cast<P>(_mm512_set1_epi32(static_cast<int>(pair))); }
+  HEADS_INLINE static Vec::R dot(Vec::R acc, P a, P b) { return _mm512_dpbf16_ps(acc, a, b); }
+  // dst[i] = (a[i], b[i]) for i < n (b null: (a[i], 0)); dst is 64-byte aligned with room for n
+  // rounded up to 32 dwords (written, zero past n).
+  HEADS_INLINE static void pair_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* dst) {
+    const __m512i pair_lo = _mm512_load_si512(kBf16PairLo), pair_hi = _mm512_load_si512(kBf16PairHi);
+    for (int64_t d0 = 0; d0 < n; d0 += 32) {
+      const int64_t m = std::min<int64_t>(32, n - d0);
+      const __mmask32 k = m == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << m) - 1u);
+      const __m512i A = _mm512_maskz_loadu_epi16(k, a + d0);
+      const __m512i B = b ? _mm512_maskz_loadu_epi16(k, b + d0) : _mm512_setzero_si512();
+      _mm512_store_si512(dst + d0, _mm512_permutex2var_epi16(A, pair_lo, B));
+      _mm512_store_si512(dst + d0 + 16, _mm512_permutex2var_epi16(A, pair_hi, B));
+    }
+  }
+  // dst[i] = (bf16(lo[i]), bf16(hi[i])) for the W lanes (vcvtne2ps2bf16); dst 64-byte aligned.
+  HEADS_INLINE static void round_pairs(Vec::R lo, Vec::R hi, uint32_t* dst) {
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i x = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), x));
+  }
+  // The first n lanes of x rounded to bf16 (vcvtneps2bf16) into dst[0, n).
+  HEADS_INLINE static void store_rounded(uint16_t* dst, Vec::R x, int64_t n) {
+    const __mmask16 m = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+    _mm256_mask_storeu_epi16(dst, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+  }
+};
+#endif

@@ -62,6 +62,18 @@ struct Vec {
       lo[i] = vmulq_f32(vld1q_f32(src + i * ss), scale.lo);
       hi[i] = vmulq_f32(vld1q_f32(src + i * ss + 4), scale.hi);
     }
+    transpose_regs(lo, hi, dst, ds);
+  }
+  // The same without arithmetic: moves 32-bit words bit for bit (e.g. pairs of bf16).
+  HEADS_INLINE static void transpose_bits(const float* src, int64_t ss, float* dst, int64_t ds) {
+    float32x4_t lo[8], hi[8];
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = vld1q_f32(src + i * ss);
+      hi[i] = vld1q_f32(src + i * ss + 4);
+    }
+    transpose_regs(lo, hi, dst, ds);
+  }
+  HEADS_INLINE static void transpose_regs(float32x4_t* lo, float32x4_t* hi, float* dst, int64_t ds) {
     transpose4(lo[0], lo[1], lo[2], lo[3]);  // rows 0-3 of columns 0-3
     transpose4(lo[4], lo[5], lo[6], lo[7]);  // rows 4-7 of columns 0-3
     transpose4(hi[0], hi[1], hi[2], hi[3]);
@@ -184,3 +196,56 @@ struct Vec {
   }
   HEADS_INLINE static R exp2(R x) { return R{exp2_half(x.lo), exp2_half(x.hi)}; }
 };
+
+#ifdef HEADS_NATIVE_BF16
+// Pairs of bf16 for the bf16 dot product (sdpa_flash_bf16-inl.h): a P holds W dwords, each two bf16
+// (the low half first), in two registers; dot(acc, a, b) adds a[2i]·b[2i] + a[2i+1]·b[2i+1] to f32
+// lane i (BFDOT, FEAT_BF16; as Arm's manual gives it where FEAT_EBF16 is absent or FPCR.EBF is 0,
+// Linux's default: the two products, their sum and the accumulation each rounded to f32 with
+// round-to-odd, denormal inputs and results flushed to zero, a NaN result the default NaN).
+// Rounding to bf16 is BFCVTN's: to nearest even under Linux's default FPCR, a NaN quieted.
+struct Bf16Pairs {
+  struct P {
+    bfloat16x8_t lo, hi;
+  };
+  HEADS_INLINE static P load(const uint32_t* p) {
+    return P{vreinterpretq_bf16_u32(vld1q_u32(p)), vreinterpretq_bf16_u32(vld1q_u32(p + 4))};
+  }
+  HEADS_INLINE static P set1(uint32_t pair) {
+    const bfloat16x8_t x = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+    return P{x, x};
+  }
+  HEADS_INLINE static Vec::R dot(Vec::R acc, P a, P b) {
+    return Vec::R{vbfdotq_f32(acc.lo, a.lo, b.lo), vbfdotq_f32(acc.hi, a.hi, b.hi)};
+  }
+  // dst[i] = (a[i], b[i]) for i < n (b null: (a[i], 0)).
+  HEADS_INLINE static void pair_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* dst) {
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+      const uint16x8_t x = vld1q_u16(a + d), y = b ? vld1q_u16(b + d) : vdupq_n_u16(0);
+      vst1q_u16(reinterpret_cast<uint16_t*>(dst + d), vzip1q_u16(x, y));
+      vst1q_u16(reinterpret_cast<uint16_t*>(dst + d + 4), vzip2q_u16(x, y));
+    }
+    for (; d < n; ++d) dst[d] = a[d] | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
+  }
+  // dst[i] = (bf16(lo[i]), bf16(hi[i])) for the W lanes.
+  HEADS_INLINE static void round_pairs(Vec::R lo, Vec::R hi, uint32_t* dst) {
+    const bfloat16x8_t a = vcvtq_high_bf16_f32(vcvtq_low_bf16_f32(lo.lo), lo.hi);  // 8 bf16 of lo
+    const bfloat16x8_t b = vcvtq_high_bf16_f32(vcvtq_low_bf16_f32(hi.lo), hi.hi);
+    const uint16x8_t x = vreinterpretq_u16_bf16(a), y = vreinterpretq_u16_bf16(b);
+    vst1q_u16(reinterpret_cast<uint16_t*>(dst), vzip1q_u16(x, y));
+    vst1q_u16(reinterpret_cast<uint16_t*>(dst + 4), vzip2q_u16(x, y));
+  }
+  // The first n lanes of x rounded to bf16 into dst[0, n).
+  HEADS_INLINE static void store_rounded(uint16_t* dst, Vec::R x, int64_t n) {
+    const bfloat16x8_t h = vcvtq_high_bf16_f32(vcvtq_low_bf16_f32(x.lo), x.hi);
+    if (n >= 8) {
+      vst1q_bf16(reinterpret_cast<bfloat16_t*>(dst), h);
+      return;
+    }
+    alignas(16) uint16_t t[8];
+    vst1q_u16(t, vreinterpretq_u16_bf16(h));
+    for (int64_t i = 0; i < n; ++i) dst[i] = t[i];
+  }
+};
+#endif
