@@ -5,6 +5,8 @@
 #   PYTHON: the host's Python (default python3), used only to fetch the model the C++ tests read.
 #   HEADS_FRESH_TESTS: which C++ tests run in the root: "all" (default), or a ctest -R regex (.ci/run
 #   runs the ones that need the root, and the whole suite on the host after).
+#   HEADS_FRESH_AARCH64=1: then scripts/test-aarch64.sh in the root too (it adds the arm64 architecture to the
+#   root's apt and installs the cross compiler, qemu-user and the arm64 libraries itself: proving that list).
 #   HEADS_FRESH_CCACHE_DIR: a host directory the root's build caches its objects in (ccache, mounted):
 #   the project is copied to the same absolute path in the root as on the host, so a later build
 #   on the host with CCACHE_DIR set to it compiles nothing that the root compiled (.ci/run).
@@ -205,5 +207,10 @@ in_root 'cmake --install build --prefix /usr/local >/dev/null
          echo "\$ heads --help"; heads --help
          echo "\$ heads bench peak"; heads bench peak
          echo "\$ heads train-demo --task reverse"; heads train-demo --task reverse | tail -n 2'
+
+if [ "${HEADS_FRESH_AARCH64:-0}" = 1 ]; then
+  step fresh:aarch64 "chroot: scripts/test-aarch64.sh (its own packages, cross build, kernel tests under qemu-aarch64)"
+  in_root 'bash scripts/test-aarch64.sh'
+fi
 
 STATUS=ok   # the summary line comes from cleanup, once everything is unmounted

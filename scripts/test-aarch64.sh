@@ -14,7 +14,7 @@ BUILD=${BUILD:-build-aarch64}
 SAMPLE=${HEADS_TEST_SAMPLE:-3}
 
 step aarch64:deps "aarch64: cross compiler, qemu-user and the arm64 libraries (Debian multiarch)"
-PKGS=(g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 libdnnl2:arm64 libgtest-dev:arm64
+PKGS=(cmake ninja-build g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 libdnnl2:arm64 libgtest-dev:arm64
       libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev)
 missing=()
 for p in "${PKGS[@]}"; do
