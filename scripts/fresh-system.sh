@@ -6,7 +6,8 @@
 #   HEADS_FRESH_TESTS: which C++ tests run in the root: "all" (default), or a ctest -R regex (.ci/run
 #   runs the ones that need the root, and the whole suite on the host after).
 #   HEADS_FRESH_AARCH64=1: then scripts/test-aarch64.sh in the root too (it adds the arm64 architecture to the
-#   root's apt and installs the cross compiler, qemu-user and the arm64 libraries itself: proving that list).
+#   root's apt and installs the cross compiler, qemu-user, the arm64 libraries and Python itself: proving that
+#   list; nanobind, from pip on the host, is unpacked into the root).
 #   HEADS_FRESH_CCACHE_DIR: a host directory the root's build caches its objects in (ccache, mounted):
 #   the project is copied to the same absolute path in the root as on the host, so a later build
 #   on the host with CCACHE_DIR set to it compiles nothing that the root compiled (.ci/run).
@@ -209,8 +210,17 @@ in_root 'cmake --install build --prefix /usr/local >/dev/null
          echo "\$ heads train-demo --task reverse"; heads train-demo --task reverse | tail -n 2'
 
 if [ "${HEADS_FRESH_AARCH64:-0}" = 1 ]; then
-  step fresh:aarch64 "chroot: scripts/test-aarch64.sh (its own packages, cross build, kernel tests under qemu-aarch64)"
-  in_root 'bash scripts/test-aarch64.sh'
+  step fresh:aarch64 "chroot: scripts/test-aarch64.sh (its own packages, cross build, kernel and Python tests under qemu-aarch64)"
+  # The root has no pip: nanobind's sources (a wheel of CMake files, headers and C++) come from PyPI here.
+  rm -rf "$WORK/nanobind" && mkdir -p "$WORK/nanobind"
+  "$PYTHON" -m pip download -q --no-deps --disable-pip-version-check -d "$WORK/nanobind" nanobind 2>&1 |
+    grep -v "^WARNING: Location" || true
+  nb_wheel=$(ls "$WORK"/nanobind/nanobind-*.whl 2>/dev/null | head -n 1 || true)
+  [ -n "$nb_wheel" ] || die "could not download nanobind from PyPI"
+  rm -rf "$ROOT/opt/nanobind"
+  "$PYTHON" -m zipfile -e "$nb_wheel" "$ROOT/opt/nanobind"
+  echo "   nanobind: $(basename "$nb_wheel") -> /opt/nanobind"
+  in_root 'HEADS_NANOBIND_DIR=/opt/nanobind/nanobind/cmake bash scripts/test-aarch64.sh'
 fi
 
 STATUS=ok   # the summary line comes from cleanup, once everything is unmounted

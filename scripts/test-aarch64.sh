@@ -6,16 +6,26 @@
 # neonbf16; bf16 attention on neonbf16 both with BFDOT and widened), forward and backward, f32,
 # bf16 and int8; the long sweeps check a share of their cases
 # (HEADS_TEST_SAMPLE, as under the sanitizers): QEMU runs NEON code 20-50x slower than the hardware.
-# Installs what it needs (root: apt); builds in build-aarch64/.
+# Then the Python module, cross-built against Debian's arm64 Python 3.11 headers, runs tests/portable
+# (numpy float64 references, no PyTorch) in Debian's arm64 Python and numpy under qemu-aarch64.
+# Installs what it needs (root: apt); builds in build-aarch64/. nanobind comes from HEADS_NANOBIND_DIR
+# (its cmake directory) or else from `python3 -m nanobind --cmake_dir` (pip install nanobind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/steps.sh
 BUILD=${BUILD:-build-aarch64}
 SAMPLE=${HEADS_TEST_SAMPLE:-3}
+NANOBIND_DIR=${HEADS_NANOBIND_DIR:-$(python3 -m nanobind --cmake_dir 2>/dev/null || true)}
+[ -n "$NANOBIND_DIR" ] && [ -f "$NANOBIND_DIR/nanobind-config.cmake" ] || {
+  echo "test-aarch64: no nanobind (pip install nanobind, or HEADS_NANOBIND_DIR=<its cmake dir>): '$NANOBIND_DIR'" >&2
+  exit 1
+}
 
 step aarch64:deps "aarch64: cross compiler, qemu-user and the arm64 libraries (Debian multiarch)"
 PKGS=(cmake ninja-build g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 libdnnl2:arm64 libgtest-dev:arm64
-      libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev)
+      libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev
+      python3 libexpat1:arm64 zlib1g:arm64 libffi8:arm64 libblas3:arm64 liblapack3:arm64)  # python3: for CMake (nanobind);
+                                                                                           # the rest: arm64 Python, numpy
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -39,11 +49,27 @@ if [ ! -f "$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl/dnnl-config.cmake" ]; then
   for so in /usr/lib/aarch64-linux-gnu/libdnnl.so.*; do ln -sf "$so" "$DNNL/usr/lib/aarch64-linux-gnu/"; done
 fi
 
-step aarch64:build "aarch64: cross build of the library and the C++ tests ($BUILD/)"
+# Debian's arm64 Python 3.11 (interpreter, standard library, headers), numpy and pytest, unpacked into the
+# build tree: the interpreter cannot be installed beside the host's, and the libraries would have to
+# match the host's Python packages version for version.
+PYROOT=$PWD/$BUILD/python-root
+if [ ! -x "$PYROOT/usr/bin/python3.11" ] || [ ! -d "$PYROOT/usr/lib/python3/dist-packages/pytest" ]; then
+  rm -rf "$PYROOT"
+  mkdir -p "$PYROOT"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 \
+     libpython3.11:arm64 libpython3.11-dev:arm64 python3-numpy:arm64 python3-pytest python3-pluggy python3-iniconfig \
+     python3-packaging python3-attr python3-more-itertools python3-pkg-resources python3-py >/dev/null 2>&1)
+  for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$PYROOT"; done
+  rm -rf "$tmp"
+fi
+
+step aarch64:build "aarch64: cross build of the library, the C++ tests and the Python module ($BUILD/)"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
-  -DHEADS_BUILD_CLI=OFF -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=OFF \
-  -Ddnnl_DIR="$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl" >/dev/null
-cmake --build "$BUILD" --target heads_tests
+  -DHEADS_BUILD_CLI=OFF -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=ON \
+  -Ddnnl_DIR="$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl" -Dnanobind_DIR="$NANOBIND_DIR" \
+  -DPython_INCLUDE_DIR="$PYROOT/usr/include/python3.11" -DSKBUILD_SOABI=cpython-311-aarch64-linux-gnu >/dev/null
+cmake --build "$BUILD" --target heads_tests _heads
 
 step aarch64:qemu "aarch64: kernel tests under qemu-aarch64 -cpu max (HEADS_TEST_SAMPLE=$SAMPLE)"
 # The paths offered follow the emulated CPU: neonbf16 (BFDOT) under -cpu max, which has FEAT_BF16 (HEADS_ISA
@@ -72,4 +98,14 @@ if ((rc)); then
   cat "$BUILD"/qemu-shard*.log
   exit 1
 fi
+
+step aarch64:python "aarch64: the Python module in Debian's arm64 Python and numpy under qemu-aarch64 (tests/portable)"
+rm -rf "$BUILD/py" && mkdir -p "$BUILD/py"
+cp -r python/heads "$BUILD/py/heads"
+cp "$BUILD"/_heads.cpython-311-aarch64-linux-gnu.so "$BUILD/py/heads/"
+PYTHONHOME=$PYROOT/usr PYTHONPATH=$PWD/$BUILD/py OMP_NUM_THREADS=2 OMP_WAIT_POLICY=passive \
+  qemu-aarch64 -cpu max "$PYROOT/usr/bin/python3.11" -c \
+  'import platform, heads, numpy; print("   python", platform.python_version(), platform.machine(), "numpy", numpy.__version__)'
+PYTHONHOME=$PYROOT/usr PYTHONPATH=$PWD/$BUILD/py OMP_NUM_THREADS=2 OMP_WAIT_POLICY=passive \
+  qemu-aarch64 -cpu max "$PYROOT/usr/bin/python3.11" -m pytest -q -p no:cacheprovider tests/portable
 step_end

@@ -4,6 +4,7 @@
 #   2. the same C++ suite built with AddressSanitizer + UndefinedBehaviorSanitizer (-O1; the kernels
 #      of the ISAs this CPU runs; a third of each long sweep's cases, HEADS_TEST_SAMPLE=3),
 #   3. the Python suite (pytest, a process per core up to 4) against live PyTorch 2.13, including the CLI,
+#      and tests/portable (numpy float64 references alone; scripts/test-aarch64.sh runs them on arm64),
 #   4. its bf16 tests again on the AMX kernels (over the tile emulator where the CPU has no tiles).
 # 2 and 3 run with HEADS_SCRATCH_POISON=1: the kernels' reused scratch is NaN-filled on every call.
 # Ends with a table of its steps' times.
@@ -67,7 +68,7 @@ WORKERS=$(nproc)
 ((WORKERS <= 4)) || WORKERS=4
 step pytest "Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $WORKERS processes)"
 HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
-  "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile tests/python
+  "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile tests/python tests/portable
 
 # The Python bf16 tests again on the AMX kernels: over the tile emulator where the CPU has
 # AVX-512 and no tiles (docs/architecture.md), on the tiles where it has them.

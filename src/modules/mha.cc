@@ -268,7 +268,7 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   const auto [q4, k4, v4] =
       in_projection(in, H, opt_.head_dim, param("in_proj_weight"), param("in_proj_bias"),
                     {param("q_proj_weight"), param("k_proj_weight"), param("v_proj_weight")}, packed, act);
-  MhaHeads h{q4, k4, v4};
+  MhaHeads h{q4, k4, v4, Tensor{}, Tensor{}};
   append_keys(h.k4, h.v4, param("bias_k"), param("bias_v"), opt_.add_zero_attn);
 
   // Head gates; in eval mode without a tape, heads below the threshold are skipped (gate 0).
