@@ -23,7 +23,7 @@ NANOBIND_DIR=${HEADS_NANOBIND_DIR:-$(python3 -m nanobind --cmake_dir 2>/dev/null
 
 step aarch64:deps "aarch64: cross compiler, qemu-user and the arm64 libraries (Debian multiarch)"
 PKGS=(cmake ninja-build g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 libdnnl2:arm64 libgtest-dev:arm64
-      libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev
+      libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev libcli11-dev
       python3 libexpat1:arm64 zlib1g:arm64 libffi8:arm64 libblas3:arm64 liblapack3:arm64)  # python3: for CMake (nanobind);
                                                                                            # the rest: arm64 Python, numpy
 missing=()
@@ -64,18 +64,24 @@ if [ ! -x "$PYROOT/usr/bin/python3.11" ] || [ ! -d "$PYROOT/usr/lib/python3/dist
   rm -rf "$tmp"
 fi
 
-step aarch64:build "aarch64: cross build of the library, the C++ tests and the Python module ($BUILD/)"
+step aarch64:build "aarch64: cross build of the library, the C++ tests, the CLI and the Python module ($BUILD/)"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
-  -DHEADS_BUILD_CLI=OFF -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=ON \
+  -DHEADS_BUILD_CLI=ON -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=ON \
   -Ddnnl_DIR="$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl" -Dnanobind_DIR="$NANOBIND_DIR" \
   -DPython_INCLUDE_DIR="$PYROOT/usr/include/python3.11" -DSKBUILD_SOABI=cpython-311-aarch64-linux-gnu >/dev/null
-cmake --build "$BUILD" --target heads_tests _heads
+cmake --build "$BUILD" --target heads_tests heads_cli _heads
 
 step aarch64:qemu "aarch64: kernel tests under qemu-aarch64 -cpu max (HEADS_TEST_SAMPLE=$SAMPLE)"
 # The paths offered follow the emulated CPU: neonbf16 (BFDOT) under -cpu max, which has FEAT_BF16 (HEADS_ISA
 # fails where a path is not offered), not under -cpu neoverse-n1, which lacks it.
 HEADS_ISA=neonbf16 qemu-aarch64 -cpu max "$BUILD/tests/heads_tests" --gtest_filter='Dispatch.*' --gtest_brief=1
 qemu-aarch64 -cpu neoverse-n1 "$BUILD/tests/heads_tests" --gtest_filter='Dispatch.*' --gtest_brief=1
+# The CLI names the path it runs (emulated rates mean nothing).
+for cpu_isa in max:neonbf16 neoverse-n1:neon; do
+  qemu-aarch64 -cpu "${cpu_isa%%:*}" "$BUILD/heads" bench peak --min-time 0.05 --json >"$BUILD/peak.json"
+  echo "   -cpu ${cpu_isa%%:*}: $(cat "$BUILD/peak.json")"
+  grep -q "\"isa\":\"${cpu_isa#*:}\"" "$BUILD/peak.json"
+done
 # The kernels' suites: attention forward, backward, variants, decode and KV cache, the elementwise
 # and decoder ops, linear attention, the linear layers in every precision.
 FILTER='Sdpa.*:SdpaBackward.*:SdpaVariants.*:SdpaSplit.*:SdpaMerge.*:SdpaKv.*:QuantizeKv.*:Ops.*:OpsBackward.*'

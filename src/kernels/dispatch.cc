@@ -58,7 +58,7 @@ const std::string& amx_unusable_reason() {
 }
 #else
 const std::string& amx_unusable_reason() {
-  static const std::string reason = "the tile state is requested from Linux on x86-64 only";
+  static const std::string reason = "AMX is an x86-64 extension (not this architecture)";
   return reason;
 }
 #endif

@@ -392,7 +392,10 @@ void run_peak(const BenchArgs& a) {
   } else {
     std::printf("f32 FMA peak (%s): %.1f GFLOP/s on 1 thread, %.1f on %d threads\n",
                 isa_name(active_isa()).c_str(), g1, gn, threads);
-    if (bf > 0) std::printf("bf16 dot peak (vdpbf16ps): %.1f GFLOP/s on %d threads\n", bf, threads);
+    if (bf > 0) {
+      std::printf("bf16 dot peak (%s): %.1f GFLOP/s on %d threads\n",
+                  active_isa() == Isa::NeonBf16 ? "BFDOT" : "vdpbf16ps", bf, threads);
+    }
     if (tiles > 0) std::printf("bf16 AMX tile peak (tdpbf16ps): %.1f GFLOP/s on %d threads\n", tiles, threads);
     std::printf("memory read bandwidth: %.1f GB/s on %d threads (1 GiB buffer)\n", read, threads);
     std::printf("bf16 attention products: %s\n", products);
