@@ -19,6 +19,14 @@ inline constexpr float kExp2C6 = 0.000154035303933816100f;
 inline constexpr float kLog2e = 1.44269504088896340736f;
 inline constexpr float kLn2 = 0.693147180559945309417f;
 
+// The largest of n lanes stored at t, as the vector layers' reduce_max defines it: from the first
+// lane, each later one taken only where it is greater (NaN lanes but the first are skipped).
+HEADS_INLINE float max_of_lanes(const float* t, int n) {
+  float m = t[0];
+  for (int i = 1; i < n; ++i) m = t[i] > m ? t[i] : m;
+  return m;
+}
+
 // vpermt2w indices that interleave two rows of 32 bf16, a and b: kBf16PairLo gives the dwords
 // (a[n], b[n]) for n < 16, kBf16PairHi for 16 <= n < 32 (pairs of V rows for the bf16 products).
 alignas(64) inline constexpr uint16_t kBf16PairLo[32] = {

@@ -89,9 +89,7 @@ struct Vec {
   HEADS_INLINE static float reduce_max(R x) {
     alignas(32) float t[8];
     _mm256_store_ps(t, x);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
-    return m;
+    return max_of_lanes(t, 8);
   }
   HEADS_INLINE static R round_even(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).

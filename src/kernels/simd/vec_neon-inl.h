@@ -116,9 +116,7 @@ struct Vec {
   HEADS_INLINE static float reduce_max(R x) {
     alignas(16) float t[8];
     store(t, x);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
-    return m;
+    return max_of_lanes(t, 8);
   }
   HEADS_INLINE static R round_even(R x) { return R{vrndnq_f32(x.lo), vrndnq_f32(x.hi)}; }
   HEADS_INLINE static R gather(const float* base, const int32_t* idx) {

@@ -77,11 +77,7 @@ struct Vec {
     for (int i = 0; i < W; ++i) r.v[i] = reduce_add(a[i]);
     return r;
   }
-  static float reduce_max(R x) {
-    float m = x.v[0];
-    for (int i = 1; i < W; ++i) m = x.v[i] > m ? x.v[i] : m;
-    return m;
-  }
+  static float reduce_max(R x) { return max_of_lanes(x.v, W); }
   static R round_even(R x) {
     for (float& e : x.v) e = std::nearbyint(e);
     return x;
