@@ -51,6 +51,9 @@ namespace heads {
 namespace kernels {
 class PackedB;
 }
+namespace lowp {
+class PairsB;
+}
 
 enum class Precision { F32, BF16, Int8 };
 
@@ -75,10 +78,12 @@ Precision precision_from_name(const std::string& s);  // throws heads::Error nam
 // A linear layer's weight [N, K] prepared for a precision: F32 an f32 copy, BF16 a bf16 copy, Int8
 // the int8 rows and their f32 scales, always in memory of its own (never a view of the caller's).
 // Immutable once made; copies share storage.
-// On a CPU where oneDNN has no native matmul for the precision (bf16 without AVX512_BF16 or AMX;
-// int8 without VNNI: there its int8 GEMM is inexact and its bf16 one emulated, and the portable
-// loops ran 12x slower than f32), the weight also keeps its value in f32 and linear() runs the f32
-// GEMM on the same rounded operands: bf16 gives the native products summed in another order; int8
+// On a CPU where oneDNN has no native int8 matmul (no VNNI: its int8 GEMM there sums u8·s8 pairs in
+// saturating int16, which full-range values overflow), int8 runs heads' own integer GEMM on the x86
+// SIMD paths (16-bit pairs, exact int32 sums: the same bits as oneDNN's native one). Where oneDNN
+// has no native matmul for bf16 (no AVX512_BF16 or AMX: emulated), or for int8 on a path without
+// heads' GEMM (AArch64 today), the weight also keeps its value in f32 and linear() runs the f32 GEMM
+// on the same rounded operands: bf16 gives the native products summed in another order; int8
 // multiplies x's two terms summed back, xq·sx + rq·sr, by the dequantized weight, so it also keeps
 // the product of the activations' and the weight's residuals that the integer GEMM drops (smaller
 // than either rounding). Results stay within the error model above, at about f32's speed
@@ -123,8 +128,8 @@ class PackedLinear {
   // activations' zero points are taken out of the integer sums.
   const Tensor& row_sums() const { return sums_; }
   const Tensor& residual_row_sums() const { return res_sums_; }
-  // The weight's value in f32 where oneDNN has no native matmul for the precision on this CPU
-  // (whichever kernel path is active: set_isa may pick the f32 route later); undefined elsewhere.
+  // The weight's value in f32 where this CPU may take the f32 route (above) for the precision (on
+  // whichever kernel path is active: set_isa may pick another later); undefined elsewhere.
   const Tensor& wide() const { return wide_; }
   // Output channels [n0, n1): a view sharing storage (e.g. the q, k, v parts of in_proj_weight).
   PackedLinear rows(int64_t n0, int64_t n1) const;
@@ -148,14 +153,23 @@ class PackedLinear {
   // The GEMMs' weights in oneDNN's own layouts, made at first use (kernels/onednn.h); the residual
   // rows padded with zero rows to a multiple of 32 (one GEMM shape for most layers' few rows).
   std::shared_ptr<kernels::PackedB> gemm_b_, gemm_res_b_;
+  std::shared_ptr<lowp::PairsB> pairs_b_;  // data_ and res_data_ for heads' own int8 GEMM, made at first use
   Tensor res_padded_;
   std::vector<int32_t> res_rows32_;  // residual_rows as the output pass indexes y with them
 };
 
 // How linear() computes with a weight of this precision on the active kernel path: "native"
-// (oneDNN's bf16 / int8 matmul), "f32" (the operands widened to f32, oneDNN's f32 matmul: a CPU
-// without native bf16 / int8 matmul) or "portable" (plain loops: the scalar path).
+// (oneDNN's bf16 / int8 matmul), "heads" (int8: heads' own integer GEMM, on a CPU without a native
+// one or where set_int8_gemm asks for it), "f32" (the operands widened to f32, oneDNN's f32 matmul:
+// a CPU without native bf16, or int8 on a path without heads' GEMM) or "portable" (plain loops: the
+// scalar path).
 std::string linear_gemm_route(Precision p);
+
+// Which integer GEMM the int8 linear layers run: "auto" (oneDNN's native u8s8 matmul where the CPU
+// has VNNI or AMX-INT8, else heads' own where the active path has it) or "heads" (heads' own wherever
+// the active path has it, VNNI or not: to compare the two, which give the same bits).
+// HEADS_INT8_GEMM=auto|heads sets it at start-up. Throws heads::Error for another name.
+void set_int8_gemm(const std::string& how);
 
 // Whether set_batch_invariant(true) (heads/runtime.h) holds for linear layers of this precision on
 // the active path: always for f32 and int8 (integer sums are exact), and for bf16 unless it takes

@@ -245,6 +245,8 @@ void set_isa(Isa isa) {
 
 namespace kernels {
 
+const KernelTable* table_for(Isa isa) { return isa_supported(isa) ? table_of(isa) : nullptr; }
+
 void set_amx_emulation(int mode) { g_amx_emulation.store(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
 
 const KernelTable& active() {

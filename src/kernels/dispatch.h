@@ -39,6 +39,18 @@ struct Int8Row {
 constexpr int64_t kOutlierPanel = 16;  // a multiple of every vector width
 // The second activation term's values are stored plus this, as unsigned bytes (quantize_rows_u8).
 constexpr int32_t kSecondZero = 128;
+// heads' own integer GEMM (gemm_i8-inl.h): a weight B [N, K] (int8) packed as 16-bit pairs in panels
+// of kPairPanel output columns, panel p (columns [16p, 16p + 16), zeros past N) as [Kp][16][2]
+// int16 with Kp = ceil(K / 2): element [i][j][h] = B[16p + j][2i + h] (0 past K). 64-byte aligned.
+constexpr int64_t kPairPanel = 16;
+// One product of that GEMM: C [M, N] (int32, row stride ldc) = A[0, M) · Bᵀ, B packed as above.
+struct PairsProduct {
+  const int16_t* b;
+  int64_t N;
+  int64_t M;  // rows of A (at most the call's)
+  int32_t* c;
+  int64_t ldc;
+};
 // The candidate scales of an int8 weight row (int8_scale_errors): s·c for c = 1, 0.99, ..., 0.50.
 constexpr int kInt8ScaleCandidates = 51;
 
@@ -98,6 +110,11 @@ struct KernelTable {
   // kInt8ScaleCandidates scales t: err[i] = Σ_k (w[k] − clamp(round_even(w[k] / t[i]), ±127)·t[i])²
   // (quantize-inl.h).
   void (*int8_scale_errors)(const float* w, int64_t K, const float* t, double* err);
+  // heads' own integer GEMM (gemm_i8-inl.h), for CPUs where oneDNN has no native int8 matmul: the
+  // products parts[0, count) of one A [M, K] (uint8, row stride lda) with packed weights, exact int32
+  // sums (the bits of oneDNN's u8s8 matmul), M, K >= 1; null where the path has none.
+  void (*gemm_u8s8_pairs)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts,
+                          int count) = nullptr;
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
@@ -127,6 +144,8 @@ namespace neonbf16 { extern const KernelTable kTable; }    // neon + FEAT_BF16 (
 void set_amx_emulation(int mode);
 
 const KernelTable& active();
+// The table of a path this CPU runs (null for one it cannot, or that this build left out).
+const KernelTable* table_for(Isa isa);
 
 // Whether the avx512bf16 (neonbf16) path's bf16 attention uses vdpbf16ps (BFDOT) (true) or widens
 // bf16 to f32 and runs the f32 products (false): set_bf16_attention_products's choice when forced,

@@ -8,6 +8,9 @@
 #include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
 #include "kernels/quantize-inl.h"
+#ifdef HEADS_I16_PAIRS
+#include "kernels/gemm_i8-inl.h"
+#endif
 
 const KernelTable kTable{
     .isa = kIsa,
@@ -29,6 +32,9 @@ const KernelTable kTable{
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_u8 = &quantize_rows_u8,
     .int8_scale_errors = &int8_scale_errors,
+#ifdef HEADS_I16_PAIRS
+    .gemm_u8s8_pairs = &gemm_u8s8_pairs,
+#endif
     .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,
@@ -42,3 +48,4 @@ const KernelTable kTable{
     .tile_probe_flops_per_iter = &amx::tile_probe_flops_per_iter,
 #endif
 };
+#undef HEADS_I16_PAIRS

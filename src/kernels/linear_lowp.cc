@@ -4,7 +4,10 @@
 #include "heads/precision.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -13,6 +16,7 @@
 #include <vector>
 
 #include "heads/error.h"
+#include "heads/isa.h"
 #include "heads/ops.h"
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
@@ -50,12 +54,53 @@ class Buffer {
   std::unique_ptr<T[]> p_;
 };
 
-enum class Route { Native, F32, Portable };  // linear_gemm_route's three answers
+enum class Route { Native, Heads, F32, Portable };  // linear_gemm_route's answers
+
+// set_int8_gemm's choice: false "auto", true "heads"; HEADS_INT8_GEMM's until set.
+std::atomic<int> g_int8_gemm{-1};
+
+bool int8_gemm_forced() {
+  int v = g_int8_gemm.load(std::memory_order_relaxed);
+  if (v < 0) {
+    static const int from_env = [] {
+      const char* env = std::getenv("HEADS_INT8_GEMM");
+      if (env == nullptr || *env == '\0') return 0;
+      const std::string how = env;
+      HEADS_CHECK(how == "auto" || how == "heads", "HEADS_INT8_GEMM must be auto or heads, got \"", how, "\"");
+      return how == "heads" ? 1 : 0;
+    }();
+    v = from_env;
+  }
+  return v == 1;
+}
 
 Route route_of(Precision p) {
-  if (!kernels::active().onednn) return Route::Portable;
+  const auto& k = kernels::active();
+  if (!k.onednn) return Route::Portable;
+  if (p == Precision::Int8 && k.gemm_u8s8_pairs != nullptr && (int8_gemm_forced() || !onednn_native(p))) {
+    return Route::Heads;
+  }
   return onednn_native(p) ? Route::Native : Route::F32;
 }
+
+}  // namespace
+
+bool lowp::needs_f32_copy(Precision p) {
+  if (p == Precision::F32 || onednn_native(p)) return false;
+  if (p == Precision::BF16) return true;
+  for (Isa isa : supported_isas()) {  // int8: a SIMD path without heads' GEMM takes the f32 route
+    const kernels::KernelTable* t = kernels::table_for(isa);
+    if (t != nullptr && t->onednn && t->gemm_u8s8_pairs == nullptr) return true;
+  }
+  return false;
+}
+
+void set_int8_gemm(const std::string& how) {
+  HEADS_CHECK(how == "auto" || how == "heads", "set_int8_gemm: expected \"auto\" or \"heads\", got \"", how, "\"");
+  g_int8_gemm.store(how == "heads" ? 1 : 0, std::memory_order_relaxed);
+}
+
+namespace {
 
 // oneDNN's matmul for a bf16 / int8 call; false where oneDNN turns out to have none for this CPU after
 // all (the caller's portable loops then run), any other failure an error naming the shapes.
@@ -177,6 +222,7 @@ struct Int8Weight {
   kernels::PackedB* packed = nullptr;      // W in oneDNN's layouts
   const int8_t* Wr_padded = nullptr;       // Wr with zero rows to a multiple of kRowBlock
   kernels::PackedB* packed_r = nullptr;    // Wr_padded in oneDNN's layouts
+  lowp::PairsB* pairs = nullptr;           // W and Wr in heads' GEMM's layout
 };
 
 // The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (uint8 A, int8 B, exact int32 sums) on the native
@@ -254,39 +300,49 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     apply_activation(act, y, M, w.N, ys);
     return;
   }
-  const bool native = route == Route::Native;
+  const bool native = route == Route::Native, heads = route == Route::Heads;
   const int64_t N = w.N, Nr = w.Nr;
   // The rows with a second term, packed after the first terms (in order: a row never moves down), so
-  // that one GEMM reads the weight once for both (a decoder's single row: 1 or 2 rows).
+  // that one GEMM reads the weight once for both (a decoder's single row: 1 or 2 rows). oneDNN's
+  // GEMMs run padded row counts (kShapeStep, kRowBlock: fewer shapes to compile), heads' the rows
+  // there are: its second terms follow the M first ones directly.
   std::vector<int64_t> two;
   for (int64_t m = 0; m < M; ++m) {
     if (sr[m] != 0.0f) two.push_back(m);
   }
   const auto M2 = static_cast<int64_t>(two.size());
-  const int64_t Mt = Mp + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, Mp);
+  const int64_t base2 = heads ? M : Mp;  // the first second-term row of xq
+  const int64_t Mt = heads ? M + M2 : Mp + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, Mp);
   std::fill(xq.data() + M * K, xq.data() + Mp * K, uint8_t{0});
-  for (int64_t j = 0; j < M2; ++j) {
-    if (two[j] != j) std::copy(xr + two[j] * K, xr + (two[j] + 1) * K, xr + j * K);
+  for (int64_t j = 0; j < M2; ++j) {  // row two[j] of xr to row base2 + j of xq: never past it (two[j] ≥ j)
+    if (base2 + j != Mp + two[j]) std::memmove(xq.data() + (base2 + j) * K, xr + two[j] * K, static_cast<size_t>(K));
   }
-  std::fill(xq.data() + (Mp + M2) * K, xq.data() + Mt * K, uint8_t{0});
+  std::fill(xq.data() + (base2 + M2) * K, xq.data() + Mt * K, uint8_t{0});
   // Without second terms the GEMMs run a chunk of rows at a time, each chunk's outputs made right
   // after its GEMM: the integer sums are then read back from cache, not from memory.
-  const int64_t chunk = M2 > 0 ? Mp : std::min(Mp, kGemmChunkRows);
+  const int64_t chunk = M2 > 0 ? base2 : std::min(base2, kGemmChunkRows);
   const Buffer<int32_t> acc((M2 > 0 ? Mt : chunk) * N);
   const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
   const Buffer<int32_t> acc3(Nrp > 0 ? chunk * Nrp : 1);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto rows_out = kernels::active().int8_rows_out;
+  const lowp::PairsB::Packed pairs = heads ? w.pairs->get(w.W, N, w.Wr, Nr, K) : lowp::PairsB::Packed{};
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t c1 = std::min(M, c0 + chunk);
-    // Rows [c0, c0 + cm) of xq: within its first Mp rows (c0 and Mp are multiples of kShapeStep).
-    const int64_t cm = (c1 - c0 + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
-    gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.W, N, acc.data(), native, w.packed);
-    if (Nr > 0) gemm_u8s8(xq.data() + c0 * K, cm, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+    if (heads) {  // one call: the weight's rows over every row of the chunk, its residual rows over the first terms
+      const kernels::PairsProduct parts[2] = {{pairs.w, N, M2 > 0 ? Mt : c1 - c0, acc.data(), N},
+                                              {pairs.r, Nr, c1 - c0, acc3.data(), Nrp}};
+      kernels::active().gemm_u8s8_pairs(xq.data() + c0 * K, M2 > 0 ? Mt : c1 - c0, K, K, parts, Nr > 0 ? 2 : 1);
+    } else {
+      // Rows [c0, c0 + cm) of xq: within its first Mp rows (c0 and Mp are multiples of kShapeStep).
+      const int64_t cm = (c1 - c0 + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
+      gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.W, N, acc.data(), native, w.packed);
+      if (Nr > 0) gemm_u8s8(xq.data() + c0 * K, cm, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+    }
     const auto out_row = [&](int64_t m) {
       const int64_t j2 = second[static_cast<size_t>(m)];
-      kernels::Int8Row r{acc.data() + (m - c0) * N, j2 < 0 ? nullptr : acc.data() + (Mp + j2) * N, zx[m], sx[m], sr[m],
+      kernels::Int8Row r{acc.data() + (m - c0) * N, j2 < 0 ? nullptr : acc.data() + (base2 + j2) * N, zx[m], sx[m], sr[m],
                          w.ws, w.sw, bias, N};
       r.a3 = acc3.data() + (m - c0) * Nrp;
       r.wrs = w.wrs;
@@ -318,6 +374,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
 std::string linear_gemm_route(Precision p) {
   switch (route_of(p)) {
     case Route::Native: return "native";
+    case Route::Heads: return "heads";
     case Route::F32: return "f32";
     case Route::Portable: return "portable";
   }
@@ -377,6 +434,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
       iw.no = w.outlier_channels().numel();
     }
     iw.packed = w.gemm_b_.get();
+    iw.pairs = w.pairs_b_.get();
     if (w.residual_rows().defined()) {
       iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());
       iw.swr = w.residual_scales().data<float>();

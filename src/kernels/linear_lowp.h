@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 
 #include "heads/precision.h"
 
@@ -21,5 +23,33 @@ constexpr int64_t kShapeStep = 8;
 // DNNL_MAX_CPU_ISA=AVX2: results off by 10%); without AVX512_BF16 its bf16 matmul is emulated or
 // absent.
 bool onednn_native(Precision p);
+
+// Whether a weight of this precision must keep its value in f32 for the f32 route
+// (heads/precision.h) on some kernel path this CPU runs: bf16 without a native matmul; int8 without
+// one where some SIMD path lacks heads' integer GEMM.
+bool needs_f32_copy(Precision p);
+
+// An int8 weight W [N, K] and its residual rows Wr [Nr, K] in the layout of heads' own integer GEMM
+// (kernels/dispatch.h: kPairPanel), packed at the first call of get() and kept: shared by the
+// copies of a PackedLinear, thread-safe.
+class PairsB {
+ public:
+  struct Packed {
+    const int16_t* w;
+    const int16_t* r;  // null when Nr is 0
+  };
+  Packed get(const int8_t* W, int64_t N, const int8_t* Wr, int64_t Nr, int64_t K);
+
+ private:
+  struct Free {
+    void operator()(int16_t* p) const;
+  };
+  std::once_flag once_;
+  std::unique_ptr<int16_t[], Free> w_, r_;
+};
+
+// B [N, K] int8 into dst, kernels::kPairPanel's layout (pairs_size(N, K) values, 64-byte aligned).
+int64_t pairs_size(int64_t N, int64_t K);
+void pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst);
 
 }  // namespace heads::lowp

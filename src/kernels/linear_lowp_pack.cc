@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <omp.h>
@@ -246,8 +247,48 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
   finish();
 }
 
+int64_t lowp::pairs_size(int64_t N, int64_t K) {
+  return (N + kernels::kPairPanel - 1) / kernels::kPairPanel * ((K + 1) / 2) * 2 * kernels::kPairPanel;
+}
+
+void lowp::pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst) {
+  constexpr int64_t P = kernels::kPairPanel;
+  const int64_t Kp = (K + 1) / 2, panels = (N + P - 1) / P;
+  for (int64_t p = 0; p < panels; ++p) {
+    int16_t* panel = dst + p * Kp * 2 * P;
+    for (int64_t i = 0; i < Kp; ++i) {
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t n = p * P + j;
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t k = 2 * i + h;
+          panel[(i * P + j) * 2 + h] = n < N && k < K ? B[n * K + k] : int16_t{0};
+        }
+      }
+    }
+  }
+}
+
+void lowp::PairsB::Free::operator()(int16_t* p) const { std::free(p); }
+
+lowp::PairsB::Packed lowp::PairsB::get(const int8_t* W, int64_t N, const int8_t* Wr, int64_t Nr, int64_t K) {
+  std::call_once(once_, [&] {
+    const auto make = [&](const int8_t* B, int64_t rows) {
+      const auto bytes = static_cast<size_t>(pairs_size(rows, K)) * sizeof(int16_t);  // a multiple of 64
+      auto* p = static_cast<int16_t*>(std::aligned_alloc(64, bytes));
+      if (p == nullptr) throw std::bad_alloc();
+      std::unique_ptr<int16_t[], Free> out(p);
+      pack_pairs(B, rows, K, p);
+      return out;
+    };
+    w_ = make(W, N);
+    if (Nr > 0) r_ = make(Wr, Nr);
+  });
+  return {w_.get(), r_.get()};
+}
+
 void PackedLinear::make_gemm_layouts() {
   gemm_b_ = gemm_res_b_ = nullptr;
+  pairs_b_ = precision_ == Precision::Int8 ? std::make_shared<lowp::PairsB>() : nullptr;
   res_padded_ = Tensor();
   res_rows32_.clear();
   if (precision_ == Precision::F32) return;
@@ -280,7 +321,7 @@ void PackedLinear::finish() {
     res_sums_ = res_data_.defined() ? int8_row_sums(res_data_) : Tensor();
   }
   make_gemm_layouts();
-  if (precision_ != Precision::F32 && !onednn_native(precision_)) wide_ = dequantize(*this);
+  if (lowp::needs_f32_copy(precision_)) wide_ = dequantize(*this);
 }
 
 PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name,

@@ -9,7 +9,9 @@
 
 #include "common/testing.h"
 #include "heads/runtime.h"
+#include "kernels/dispatch.h"
 #include "kernels/linear.h"
+#include "kernels/linear_lowp.h"
 
 namespace heads {
 namespace {
@@ -73,6 +75,74 @@ TEST(Linear, MatmulWithStridesMatchesFloat64) {
     }
     EXPECT_LE(worst, 1e-5 * scale) << "isa=" << isa_name(isa);
   }
+}
+
+// heads' own integer GEMM (gemm_i8-inl.h) on every path that has it, against int64 loops: bytes of
+// the whole range (0 and 255 against -128 and 127 included), odd sizes (K odd: a half pair; N past a
+// panel; rows past a micro-kernel, a block, several blocks; K past a block of pairs), two products
+// of different rows in one call, row strides wider than the rows (the padding never written), and
+// the same bits on 1, 2 and 3 threads.
+TEST(Linear, Int8PairsGemmIsExactOnOddShapes) {
+  const int saved_threads = get_num_threads();
+  int paths = 0;
+  std::mt19937_64 gen(testing::rng()());
+  std::uniform_int_distribution<int> u8(0, 255), s8(-128, 127), pick(0, 9);
+  for (Isa isa : supported_isas()) {
+    const kernels::KernelTable* t = kernels::table_for(isa);
+    if (t == nullptr || t->gemm_u8s8_pairs == nullptr) continue;
+    ++paths;
+    for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 17}, {2, 2, 16}, {129, 383, 33},
+                           {300, 77, 100}, {13, 1537, 15}, {97, 514, 31}}) {
+      const int64_t lda = K + 5, M2 = std::max<int64_t>(1, M / 3), N2 = N / 2 + 1;
+      std::vector<uint8_t> A(static_cast<size_t>(M * lda));
+      std::vector<int8_t> B(static_cast<size_t>(N * K)), B2(static_cast<size_t>(N2 * K));
+      const auto byte = [&](int lo, int hi, int v) { const int p = pick(gen); return p == 0 ? lo : p == 1 ? hi : v; };
+      for (auto& a : A) a = static_cast<uint8_t>(byte(0, 255, u8(gen)));
+      for (auto& b : B) b = static_cast<int8_t>(byte(-128, 127, s8(gen)));
+      for (auto& b : B2) b = static_cast<int8_t>(byte(-128, 127, s8(gen)));
+      const auto packed = [&](const std::vector<int8_t>& w, int64_t n) {
+        std::vector<int16_t> buf(static_cast<size_t>(lowp::pairs_size(n, K) + 32));
+        auto* p = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+        lowp::pack_pairs(w.data(), n, K, p);
+        return std::make_pair(std::move(buf), p);
+      };
+      const auto [b1, p1] = packed(B, N);
+      const auto [b2, p2] = packed(B2, N2);
+      const int64_t ldc = N + 3, ldc2 = N2 + 1;
+      std::vector<int32_t> first;
+      for (int threads : {1, 2, 3}) {
+        set_num_threads(threads);
+        std::vector<int32_t> C(static_cast<size_t>(M * ldc), -7), C2(static_cast<size_t>(M2 * ldc2), -7);
+        const kernels::PairsProduct parts[2] = {{p1, N, M, C.data(), ldc}, {p2, N2, M2, C2.data(), ldc2}};
+        t->gemm_u8s8_pairs(A.data(), M, K, lda, parts, 2);
+        const std::string what = "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N) +
+                                 " isa=" + isa_name(isa) + " threads=" + std::to_string(threads);
+        const auto check = [&](const std::vector<int32_t>& c, const std::vector<int8_t>& w, int64_t rows, int64_t n,
+                               int64_t ld) {
+          for (int64_t m = 0; m < rows; ++m) {
+            for (int64_t j = 0; j < ld; ++j) {
+              const int32_t got = c[static_cast<size_t>(m * ld + j)];
+              if (j >= n) {
+                ASSERT_EQ(got, -7) << what << ": padding of row " << m << " written";
+                continue;
+              }
+              int64_t ref = 0;
+              for (int64_t k = 0; k < K; ++k) ref += int64_t{A[static_cast<size_t>(m * lda + k)]} * w[static_cast<size_t>(j * K + k)];
+              ASSERT_EQ(got, ref) << what << ": C[" << m << ", " << j << "]";
+            }
+          }
+        };
+        check(C, B, M, N, ldc);
+        check(C2, B2, M2, N2, ldc2);
+        if (threads == 1) first = C;
+        EXPECT_EQ(C, first) << what;
+      }
+    }
+  }
+  set_num_threads(saved_threads);
+#if defined(__x86_64__)
+  if (isa_supported(Isa::Avx2)) EXPECT_GT(paths, 0) << "no x86 SIMD path has heads' int8 GEMM";
+#endif
 }
 
 // Threads creating and running matmuls of many shapes at once, every result checked: the primitive

@@ -17,6 +17,7 @@
 #include "heads/ops.h"
 #include "heads/precision.h"
 #include "heads/sentence_encoder.h"
+#include "kernels/dispatch.h"
 
 namespace heads {
 namespace {
@@ -70,18 +71,29 @@ struct Shapes {
   int64_t M, K, N;
 };
 
+// set_int8_gemm's choice for a scope ("auto" again at its end).
+struct Int8GemmGuard {
+  explicit Int8GemmGuard(const char* how) { set_int8_gemm(how); }
+  ~Int8GemmGuard() { set_int8_gemm("auto"); }
+  Int8GemmGuard(const Int8GemmGuard&) = delete;
+  Int8GemmGuard& operator=(const Int8GemmGuard&) = delete;
+};
+
 TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   testing::IsaGuard guard;
   if (const char* cap = std::getenv("DNNL_MAX_CPU_ISA"); cap != nullptr && std::string(cap) == "AVX2") {
     // the precision_without_vnni run: oneDNN capped below VNNI and AVX512_BF16 must send every SIMD
-    // path down the f32 route
+    // path's bf16 down the f32 route, and its int8 to heads' own GEMM (x86) or the f32 route
     for (Isa isa : supported_isas()) {
       set_isa(isa);
       const std::string want = isa == Isa::Scalar ? "portable" : "f32";
-      EXPECT_EQ(linear_gemm_route(Precision::Int8), want) << isa_name(isa);
+      const bool pairs = kernels::active().gemm_u8s8_pairs != nullptr;
+      EXPECT_EQ(linear_gemm_route(Precision::Int8), isa == Isa::Scalar ? "portable" : pairs ? "heads" : "f32")
+          << isa_name(isa);
       EXPECT_EQ(linear_gemm_route(Precision::BF16), want) << isa_name(isa);
     }
   }
+  EXPECT_THAT(testing::error_of([] { set_int8_gemm("fast"); }), HasSubstr("set_int8_gemm: expected \"auto\" or \"heads\""));
   // activation_error 0 (the default): two terms on every row; 0.8%: only on the rows estimated to lose
   // more; infinity: one term on every row (the GEMMs then run 256 rows at a time: M = 300 takes two).
   const double inf = std::numeric_limits<double>::infinity();
@@ -105,19 +117,26 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     for (int64_t j = 0; pw.residual_rows().defined() && j < pw.residual_rows().numel(); ++j) {
       res_index[static_cast<size_t>(pw.residual_rows().data<int64_t>()[j])] = j;
     }
-    // The exact int32 sums make every integer path give the same bits; a path without a native int8
-    // GEMM ("f32" route) sums the dequantized products in f32 (checked below).
+    // The exact int32 sums make every integer path give the same bits (oneDNN's GEMM, heads' own, the
+    // portable loops: on every path, and with heads' own GEMM asked for where oneDNN's would run); a
+    // path without an integer GEMM ("f32" route) sums the dequantized products in f32 (checked below).
     Tensor first;
     std::vector<std::pair<Isa, Tensor>> widened;
     for (Isa isa : supported_isas()) {
       set_isa(isa);
-      const Tensor y = linear(x, pw, b);
-      if (linear_gemm_route(Precision::Int8) == "f32") {
-        widened.emplace_back(isa, y);
-        continue;
+      for (const char* gemm : {"auto", "heads"}) {
+        Int8GemmGuard choice(gemm);
+        const Tensor y = linear(x, pw, b);
+        if (linear_gemm_route(Precision::Int8) == "f32") {
+          widened.emplace_back(isa, y);
+          continue;
+        }
+        if (first.defined()) {
+          EXPECT_TRUE(testing::bitwise_equal(first, y))
+              << "isa " << isa_name(isa) << ", " << linear_gemm_route(Precision::Int8) << " GEMM";
+        }
+        first = y;
       }
-      if (first.defined()) EXPECT_TRUE(testing::bitwise_equal(first, y)) << "isa " << isa_name(isa);
-      first = y;
     }
     ASSERT_TRUE(first.defined());  // the scalar path is always integer
     int64_t second_terms = 0;

@@ -1,4 +1,4 @@
-// cmd_bench.cc — `heads bench sdpa|mha|embed|peak`: time one shape (or, for sdpa, a grid of shapes),
+// cmd_bench.cc — `heads bench sdpa|mha|linear|embed|peak`: time one shape (or, for sdpa, a grid of shapes),
 // report the median (DESIGN.md contract).
 //
 // Warm-up, then repeats until at least --min-time seconds (default 1) and 5 runs; reports the
@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <cstdio>
 #include <random>
@@ -20,6 +22,7 @@
 
 #include "options.h"
 #include "heads/mha.h"
+#include "heads/precision.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
 #include "kernels/sdpa_case.h"
@@ -33,6 +36,8 @@ struct BenchArgs {
   std::string model, input;
   int64_t batch_size = 32;
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
+  int64_t M = 256, K = 384, N = 1536;  // bench linear
+  double activation_error = 0.0;
   bool causal = false, json = false, backward = false;
   std::string dtype = "f32", mask = "none", window;
   std::string kv_dtype;  // bench sdpa: K/V storage (empty: --dtype's)
@@ -347,6 +352,29 @@ void run_mha(const BenchArgs& a) {
   }
 }
 
+// One linear layer y = x Wᵀ + b through a packed weight (heads/precision.h): W [N, K] and x [M, K]
+// normal, int8 with --activation-error (0: two activation terms on every row; inf: one, as the
+// calibrated models run). flops = 2·M·N·K.
+void run_linear(const BenchArgs& a) {
+  apply_threads(a.threads);
+  const Precision p = precision_from_name(a.dtype);
+  const Tensor W = random_tensor({a.N, a.K}, 2), x = random_tensor({a.M, a.K}, 3), b = random_tensor({a.N}, 5);
+  const PackedLinear w(W, p, p == Precision::Int8 ? a.activation_error : 0.0);
+  const double ms = median_ms([&] { linear(x, w, b); }, a.min_time);
+  const double gflops = 2.0 * a.M * a.N * a.K / ms / 1e6;
+  const std::string route = linear_gemm_route(p);
+  if (a.json) {
+    std::printf("{\"op\":\"linear\",\"M\":%lld,\"K\":%lld,\"N\":%lld,\"dtype\":\"%s\",\"route\":\"%s\",\"isa\":\"%s\","
+                "\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f}\n",
+                (long long)a.M, (long long)a.K, (long long)a.N, a.dtype.c_str(), route.c_str(),
+                isa_name(active_isa()).c_str(), get_num_threads(), ms, gflops);
+  } else {
+    std::printf("linear M=%lld K=%lld N=%lld %s (%s GEMM) %s threads=%d: %.3f ms, %.1f GFLOP/s\n", (long long)a.M,
+                (long long)a.K, (long long)a.N, a.dtype.c_str(), route.c_str(), isa_name(active_isa()).c_str(),
+                get_num_threads(), ms, gflops);
+  }
+}
+
 void run_embed(const BenchArgs& a) {
   apply_threads(a.threads);
   if (a.batch_invariant) set_batch_invariant(true);
@@ -471,6 +499,33 @@ void add_bench_command(CLI::App& app, Action* action) {
   m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   m->add_flag("--json", args->json, "one JSON line");
   m->callback([args, action] { *action = [args] { run_mha(*args); }; });
+
+  CLI::App* li = bench->add_subcommand(
+      "linear", "One linear layer y = x W^T + b (random normal x [M, K], W [N, K]) through a weight packed for --dtype.");
+  li->add_option("--rows", args->M, "rows of x, M")->capture_default_str()->check(int_in(1, kMaxCount));
+  li->add_option("--in", args->K, "in_features K")->capture_default_str()->check(int_in(1, kMaxCount));
+  li->add_option("--out", args->N, "out_features N")->capture_default_str()->check(int_in(1, kMaxCount));
+  li->add_option("--dtype", args->dtype, "f32, bf16 or int8 (heads/precision.h)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16", "int8"}));
+  li->add_option("--activation-error", args->activation_error,
+                 "int8: the weight's activation_error: 0 gives every activation row two terms, inf one (the "
+                 "calibrated models' scheme)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            char* end = nullptr;
+            const double x = v.empty() ? -1.0 : std::strtod(v.c_str(), &end);
+            if (v.empty() || end != v.c_str() + v.size() || std::isnan(x) || x < 0) {
+              return "expected a number from 0 to inf, got '" + v + "'";
+            }
+            return std::string();
+          },
+          "NUMBER in 0 to inf"));
+  add_threads_option(li, &args->threads);
+  li->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
+  li->add_flag("--json", args->json, "one JSON line (with the GEMM route: native, heads, f32 or portable)");
+  li->callback([args, action] { *action = [args] { run_linear(*args); }; });
 
   CLI::App* e = bench->add_subcommand(
       "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");

@@ -192,3 +192,29 @@ struct Bf16Pairs {
   }
 };
 #endif
+
+// 16-bit integer pairs for heads' own int8 GEMM (gemm_i8-inl.h), as in vec_avx2-inl.h: 16 lanes of
+// pairs, vpmaddwd then vpaddd (CPUs with AVX-512 but no VNNI, such as Skylake-SP, where oneDNN has
+// no native int8 matmul).
+#define HEADS_I16_PAIRS 1
+struct I16Pairs {
+  using P = __m512i;
+  static constexpr int kRows = 6;  // 6 x 1 sums (not measured: no AVX-512 CPU without VNNI was at hand)
+  HEADS_INLINE static P zero() { return _mm512_setzero_si512(); }
+  HEADS_INLINE static P load(const int16_t* p) { return _mm512_load_si512(p); }
+  HEADS_INLINE static P set1(const uint32_t* pair) { return _mm512_set1_epi32(static_cast<int>(*pair)); }
+  HEADS_INLINE static P dot(P acc, P a, P b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+  HEADS_INLINE static __mmask16 lanes(int64_t n) {
+    return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+  }
+  HEADS_INLINE static P load_partial(const int32_t* p, int64_t n) { return _mm512_maskz_loadu_epi32(lanes(n), p); }
+  HEADS_INLINE static void store(int32_t* p, P x, int64_t n) { _mm512_mask_storeu_epi32(p, lanes(n), x); }
+  HEADS_INLINE static void widen_u8(const uint8_t* src, int64_t n, uint16_t* dst, int64_t np) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      _mm512_storeu_si512(dst + i, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    }
+    for (; i < n; ++i) dst[i] = src[i];
+    for (; i < np; ++i) dst[i] = 0;
+  }
+};
