@@ -16,11 +16,14 @@
 //         (K ≤ 2^31 / (255·127) = 66,313). A row of x holding NaN or ±inf gives a NaN row.
 //         Weight rows whose rounding loses more than kInt8ResidualError of the row's norm
 //         (heavy-tailed rows, where a few large weights set a coarse step, and the upper tail of
-//         ordinary ones) carry a second int8 term,
-//         the residual of the first quantized the same way: W[n] ≈ Wq[n]·sw[n] + Wr[j]·swr[j] for
-//         n = residual_rows[j], y[m, n] += Σ_k (xq − z)·Wr · sx · swr[j] (with the activations' first
-//         term only: the product of the two residuals is below either's rounding). In all-MiniLM-L6-v2
-//         these are 62–90% of the feed-forward output rows and 5–26% of the others (docs/numerics.md).
+//         ordinary ones) carry a second int8 term, the residual of the first on the finer step
+//         swr[j] = sw[n] / 2^p: W[n] ≈ Wq[n]·sw[n] + Wr[j]·swr[j] = C·swr[j] for n = residual_rows[j],
+//         with the integer row C = 2^p·Wq[n] + Wr[j], Wr = clamp(round(r / swr), ±127): of
+//         p = 8, ..., 0 (kInt8MaxResidualShift) those whose C is 16-bit with 255·Σ_k |C_k| < 2^31
+//         (int8_residual_fits: every sum of u8·C products then fits int32), the one of least squared
+//         error (the finest of equals). Such a row's output is that of the row C with scale swr: y[m, n] = (Σ_k (xq − z)·C
+//         · sx + Σ_k rq·C · sr) · swr[j] + b[n], its sums exact. In all-MiniLM-L6-v2 these are 62–90%
+//         of the feed-forward output rows and 5–26% of the others (docs/numerics.md).
 //         Outlier channels: given the largest |x| of each input channel on calibration inputs, the
 //         channels whose largest exceeds kInt8OutlierRatio times the median channel's (at most K/16
 //         of them, the largest) are taken out of the int8 product and computed in f32:
@@ -61,6 +64,11 @@ enum class Precision { F32, BF16, Int8 };
 // Rows of Gaussian weights lose 0.6–1.0% (K from 384 to 4096; all-MiniLM-L6-v2's median row 0.76%):
 // the upper tail of those gets it too, which the worst embeddings need (docs/numerics.md).
 constexpr double kInt8ResidualError = 0.009;
+// The residual term's step is the row's step / 2^p, p ≤ this (above).
+constexpr int kInt8MaxResidualShift = 8;
+// Whether the row C = 2^p·q + r of a weight row q and its residual r (K values each) is 16-bit and
+// keeps 255·Σ_k |C_k| within int32 (above).
+bool int8_residual_fits(const int8_t* q, const int8_t* r, int64_t K, int p);
 
 // int8's outlier channels (above): an input channel whose calibrated largest |x| exceeds this many
 // times the median channel's is computed in f32; and the activation_error τ of weights calibrated so:
@@ -101,7 +109,9 @@ class PackedLinear {
                const Tensor& input_absmax = {});
   // Int8 from stored parts (e.g. weights saved from data() and scales()): data i8 [N, K], scales f32 [N],
   // finite and positive; the residual term, when given: residual_rows i64 [N'] increasing in [0, N),
-  // residual_data i8 [N', K], residual_scales f32 [N'] finite and positive; the outlier channels, when
+  // residual_data i8 [N', K] and residual_scales f32 [N'] finite and positive, each sw[row] / 2^p as
+  // above (a residual of another scale, as heads before 2026-12 stored it, is rounded again onto the
+  // steps above: its values move by at most half the new step); the outlier channels, when
   // given: outlier_channels i64 [O] increasing in [0, K) (data's columns there are zero) and
   // outlier_weight f32 [N, O] finite; activation_error as the constructor's. Errors name `name`.
   static PackedLinear from_int8(const Tensor& data, const Tensor& scales, const std::string& name,
@@ -156,6 +166,11 @@ class PackedLinear {
   std::shared_ptr<lowp::PairsB> pairs_b_;  // data_ and res_data_ for heads' own int8 GEMM, made at first use
   Tensor res_padded_;
   std::vector<int32_t> res_rows32_;  // residual_rows as the output pass indexes y with them
+  std::vector<int32_t> res_shift_;   // p of each residual row: its scale is the row's / 2^p
+  // Int8: the row sums as int32, and with the residual rows folded in (C's sums and scales there, as
+  // heads' own GEMM reads the weight: kernels/dispatch.h's Int8Row)
+  std::vector<int32_t> sums32_, fold_sums32_;
+  std::vector<float> fold_scales_;
 };
 
 // How linear() computes with a weight of this precision on the active kernel path: "native"

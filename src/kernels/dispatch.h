@@ -19,15 +19,21 @@ struct Int8Row {
   const int32_t* a2;  // [n] Σ_k (second term)·W, or null when the row has none
   int32_t z;          // the first term's zero point
   float s, s2;        // the two terms' scales
-  const float* ws;    // [n] the weight rows' sums
+  const int32_t* ws;  // [n] the weight rows' sums (exact)
   const float* sw;    // [n] the weight rows' scales
   const float* b;     // [n] bias, or null
   int64_t n;
-  // The weight's residual rows: sums a3 [nr] (with the first term), row sums wrs, scales swr, rows.
+  // The weight's residual rows (heads/precision.h), where a, a2, ws and sw are W's alone (oneDNN's
+  // GEMM and the portable loops; heads' own reads the rows C in place of W, and ws and sw are then
+  // C's sums and scales there, nr 0): output rows[j] is that of the row C = 2^shift[j]·W[rows[j]] +
+  // Wr[j] with scale swr[j]; Wr's row sums wrs, and its sums with the first term a3 [nr] and with the
+  // second a32 [nr] (null without one).
   const int32_t* a3 = nullptr;
+  const int32_t* a32 = nullptr;
   const float* wrs = nullptr;
   const float* swr = nullptr;
   const int32_t* rows = nullptr;
+  const int32_t* shift = nullptr;
   int64_t nr = 0;
   // The outlier channels oc [no] of the row x (f32) and W's columns there in panels of
   // kOutlierPanel outputs: wo[p, o, j] = W[p·kOutlierPanel + j, oc[o]] (zero past n).
@@ -50,6 +56,26 @@ struct PairsProduct {
   int64_t M;  // rows of A (at most the call's)
   int32_t* c;
   int64_t ldc;
+};
+// The output pass of an int8 linear layer fused into heads' own GEMM, for activation rows of one
+// term (quantize-inl.h's int8_row_sums_out and int8_outliers_out, then the activation): y [M, N]
+// (row stride ys) from the sums of row m and column n, y = fma(float(sum − z[m]·ws[n])·s[m], sw[n],
+// b[n]), then y = fma(x[m, oc[o]], W[n, oc[o]], y) for the outlier channels in order (wo in
+// Int8Row's panels), then act (0 none, 1 ReLU, 2 GELU, 3 GELU's tanh form).
+struct PairsOut {
+  float* y;
+  int64_t ys;
+  const int32_t* z;
+  const float* s;
+  const int32_t* ws;
+  const float* sw;
+  const float* b;  // or null
+  const float* x;  // the rows of x (f32, row stride xs), read at the outlier channels
+  int64_t xs;
+  const int64_t* oc;
+  const float* wo;
+  int64_t no;
+  int act;
 };
 // The candidate scales of an int8 weight row (int8_scale_errors): s·c for c = 1, 0.99, ..., 0.50.
 constexpr int kInt8ScaleCandidates = 51;
@@ -115,6 +141,9 @@ struct KernelTable {
   // sums (the bits of oneDNN's u8s8 matmul), M, K >= 1; null where the path has none.
   void (*gemm_u8s8_pairs)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts,
                           int count) = nullptr;
+  // The same for one product B [N, K] (packed) with the output pass fused in (PairsOut): its bits.
+  void (*gemm_u8s8_pairs_out)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int16_t* B, int64_t N,
+                              const PairsOut& out) = nullptr;
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.

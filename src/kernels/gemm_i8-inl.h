@@ -25,33 +25,34 @@
 // first add to C.
 // Parallel: tasks (product, row block, panel), a row block's panels consecutive so that a thread's
 // block of A stays in its L2; A is packed once per call, by all threads.
+// gemm_u8s8_pairs_out makes the int8 layer's output (kernels/dispatch.h: PairsOut) from the sums
+// while they are in registers, a tile of R rows x 16 columns at a time (the sums of earlier blocks
+// of K in a tile of the thread's own), instead of storing them.
 
 namespace gemm_i8 {
 
 using P = I16Pairs::P;
+using VR = Vec::R;
 constexpr int kR = I16Pairs::kRows;                     // rows per micro-kernel
 constexpr int kW = Vec::W;                              // 32-bit lanes per register
 constexpr int kNV = static_cast<int>(kPairPanel) / kW;  // registers per panel row
 constexpr int64_t kPanelRow = 2 * kPairPanel;           // int16 values per pair of a panel
 constexpr int64_t kRowBlock = 96;                       // rows per task (72 KB of A at K = 384)
 static_assert(kRowBlock % kR == 0);
+static_assert(kPairPanel == kOutlierPanel);  // PairsOut reads the outlier columns of a panel's 16 outputs
 constexpr int64_t kKBlock = 256;                        // pairs per block of K (a 16 KB slice of a panel)
 
-// C[r][0, cols) (+)= Σ_{i < kp} a[i][r] · panel pair i for r < RT ≤ kR rows; a: a group of packed
-// A, panel: its slice of kp pairs.
-// Not inlined: a function of its own keeps its RT·kNV sums in registers (inlined into the task loop,
-// GCC 12 spilled some of them to the stack: 30% slower).
+// acc[r][v] = Σ_{i < kp} a[i][r] · panel pair i (lanes v·W to v·W + W of the panel's 16 columns) for
+// r < RT ≤ kR rows; a: a group of packed A, panel: its slice of kp pairs.
 template <int RT>
-__attribute__((noinline)) void group_rows(const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* c, int64_t ldc,
-                                          int64_t cols, bool add) {
-  int64_t n[kNV];  // live lanes of each register of a row
-#pragma GCC unroll 4
-  for (int v = 0; v < kNV; ++v) n[v] = std::clamp<int64_t>(cols - v * kW, 0, kW);
-  P acc[RT][kNV];
+HEADS_INLINE void accumulate(P (&acc)[RT][kNV], const uint32_t* a, const int16_t* panel, int64_t kp) {
+#ifdef HEADS_I16_PAIRS_ACCUMULATE6  // the vector layer's own kernel of 6 rows, where it has one
+  if constexpr (RT == 6 && kNV == 2) return I16Pairs::accumulate6(acc, a, panel, kp);
+#endif
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) acc[r][v] = add ? I16Pairs::load_partial(c + r * ldc + v * kW, n[v]) : I16Pairs::zero();
+    for (int v = 0; v < kNV; ++v) acc[r][v] = I16Pairs::zero();
   }
   for (int64_t i = 0; i < kp; ++i) {
     P w[kNV];
@@ -64,19 +65,91 @@ __attribute__((noinline)) void group_rows(const uint32_t* a, const int16_t* pane
       for (int v = 0; v < kNV; ++v) acc[r][v] = I16Pairs::dot(acc[r][v], x, w[v]);
     }
   }
+}
+
+// C[r][0, cols) (+)= the sums above. Not inlined: a function of its own keeps its RT·kNV sums in
+// registers (inlined into the task loop, GCC 12 spilled some of them to the stack: 30% slower).
+template <int RT>
+__attribute__((noinline)) void group_rows(const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* c, int64_t ldc,
+                                          int64_t cols, bool add) {
+  int64_t n[kNV];  // live lanes of each register of a row
+#pragma GCC unroll 4
+  for (int v = 0; v < kNV; ++v) n[v] = std::clamp<int64_t>(cols - v * kW, 0, kW);
+  P acc[RT][kNV];
+  accumulate<RT>(acc, a, panel, kp);
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) I16Pairs::store(c + r * ldc + v * kW, acc[r][v], n[v]);
+    for (int v = 0; v < kNV; ++v) {
+      const int32_t* cr = c + r * ldc + v * kW;
+      I16Pairs::store(c + r * ldc + v * kW, add ? I16Pairs::add(acc[r][v], I16Pairs::load_partial(cr, n[v])) : acc[r][v],
+                      n[v]);
+    }
   }
 }
 
+// Rows [m, m + RT) x columns [n0, n0 + cols) of the output (PairsOut): the sums above into part
+// [RT][16] (added to the sums of earlier blocks of K there if add), then the output from part;
+// panel index p0 (the outlier columns'). The epilogue reads the sums back from the tile rather
+// than from registers: sharing a function with it, GCC 12 spilled the micro-kernel's sums (2.5x
+// slower), and one store and load per output is nothing beside its K multiply-adds.
+template <int RT>
+HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* part, bool add,
+                            const PairsOut& o, int64_t m, int64_t n0, int64_t cols, int64_t p0) {
+  group_rows<RT>(a, panel, kp, part, kPairPanel, kPairPanel, add);
+  int64_t n[kNV];
+#pragma GCC unroll 4
+  for (int v = 0; v < kNV; ++v) n[v] = std::clamp<int64_t>(cols - v * kW, 0, kW);
+  P ws[kNV];
+  VR sw[kNV], b[kNV];
+#pragma GCC unroll 4
+  for (int v = 0; v < kNV; ++v) {
+    ws[v] = I16Pairs::load_partial(o.ws + n0 + v * kW, n[v]);
+    sw[v] = Vec::load_partial(o.sw + n0 + v * kW, n[v]);
+    b[v] = o.b != nullptr ? Vec::load_partial(o.b + n0 + v * kW, n[v]) : Vec::zero();
+  }
+  const float* wo = o.wo + p0 * o.no * kPairPanel;
+  for (int r = 0; r < RT; ++r) {
+    const VR s = Vec::set1(o.s[m + r]);
+    const float* x = o.x + (m + r) * o.xs;
+    float* y = o.y + (m + r) * o.ys + n0;
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) {
+      const P sum = I16Pairs::load_partial(part + r * kPairPanel + v * kW, kW);
+      VR out = Vec::fma(Vec::mul(I16Pairs::sub_mul_f32(sum, o.z[m + r], ws[v]), s), sw[v], b[v]);
+      for (int64_t c = 0; c < o.no; ++c) out = Vec::fma(Vec::set1(x[o.oc[c]]), Vec::loadu(wo + c * kPairPanel + v * kW), out);
+      if (o.act == 1) {
+        out = ew::relu(out);
+      } else if (o.act == 2) {
+        out = ew::gelu_erf(out);
+      } else if (o.act == 3) {
+        out = ew::gelu_tanh(out);
+      }
+      if (n[v] == kW) {
+        Vec::storeu(y + v * kW, out);
+      } else if (n[v] > 0) {
+        Vec::store_partial(y + v * kW, out, n[v]);
+      }
+    }
+  }
+}
+
+// The tail groups of RT < kR rows, as above.
 template <int RT>
 HEADS_INLINE void group_tail(int64_t rows, const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* c,
                              int64_t ldc, int64_t cols, bool add) {
   if constexpr (RT > 0) {
     if (rows == RT) return group_rows<RT>(a, panel, kp, c, ldc, cols, add);
     group_tail<RT - 1>(rows, a, panel, kp, c, ldc, cols, add);
+  }
+}
+
+template <int RT>
+HEADS_INLINE void group_out_tail(int64_t rows, const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* part,
+                                 bool add, const PairsOut& o, int64_t m, int64_t n0, int64_t cols, int64_t p0) {
+  if constexpr (RT > 0) {
+    if (rows == RT) return group_out<RT>(a, panel, kp, part, add, o, m, n0, cols, p0);
+    group_out_tail<RT - 1>(rows, a, panel, kp, part, add, o, m, n0, cols, p0);
   }
 }
 
@@ -102,21 +175,22 @@ inline void pack_group(const uint8_t* A, int64_t M, int64_t K, int64_t lda, int6
   }
 }
 
-}  // namespace gemm_i8
+// Rows per block of a product of M rows: of one size (a multiple of kR, at most kRowBlock; the last
+// block shorter by less than kR per block), so that the threads' equal shares of tasks are equal
+// shares of work.
+inline int64_t block_rows(int64_t M) {
+  const int64_t n = (M + kRowBlock - 1) / kRowBlock;
+  return ((M + n - 1) / n + kR - 1) / kR * kR;
+}
 
-inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts,
-                            int count) {
-  using namespace gemm_i8;
+// The tasks of one call: for each product its row blocks, each block's panels in order; A packed on
+// the calling thread's buffer first, by all threads; task(p, m0, rows, panel, a32, Kp) runs one.
+template <class Task>
+inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts, int count,
+                      Task task) {
   const int64_t Kp = (K + 1) / 2;
   const int64_t groups = (M + kR - 1) / kR;
-  // Tasks: for each product its row blocks, each block's panels in order. A product's row blocks
-  // are of one size (a multiple of kR, at most kRowBlock; the last one shorter by less than kR per
-  // block), so that the threads' equal shares of tasks are equal shares of work.
-  const auto block_rows = [](const PairsProduct& p) {
-    const int64_t n = (p.M + kRowBlock - 1) / kRowBlock;
-    return ((p.M + n - 1) / n + kR - 1) / kR * kR;
-  };
-  const auto blocks = [&](const PairsProduct& p) { return (p.M + block_rows(p) - 1) / block_rows(p); };
+  const auto blocks = [](const PairsProduct& p) { return (p.M + block_rows(p.M) - 1) / block_rows(p.M); };
   const auto panels = [](const PairsProduct& p) { return (p.N + kPairPanel - 1) / kPairPanel; };
   int64_t tasks = 0;
   double macs = 0;
@@ -125,7 +199,6 @@ inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
     macs += static_cast<double>(parts[p].M) * static_cast<double>(parts[p].N) * static_cast<double>(K);
   }
   if (tasks == 0) return;
-  // A packed on the calling thread's buffer, by all threads.
   thread_local std::vector<uint32_t> packed;
   packed.resize(static_cast<size_t>(groups * Kp * kR));
   uint32_t* const a32 = packed.data();
@@ -140,23 +213,66 @@ inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
       int64_t local = t;  // the task within product p
       for (; local >= blocks(parts[p]) * panels(parts[p]); ++p) local -= blocks(parts[p]) * panels(parts[p]);
       const PairsProduct& pr = parts[p];
-      const int64_t m0 = local / panels(pr) * block_rows(pr), panel = local % panels(pr);
-      const int64_t rows = std::min(block_rows(pr), pr.M - m0), n0 = panel * kPairPanel;
-      const int64_t cols = std::min(kPairPanel, pr.N - n0);
-      for (int64_t i0 = 0; i0 < Kp; i0 += kKBlock) {
-        const int64_t kp = std::min(kKBlock, Kp - i0);
-        const int16_t* b = pr.b + (panel * Kp + i0) * kPanelRow;
-        for (int64_t m = 0; m < rows; m += kR) {
-          const uint32_t* a = a32 + ((m0 + m) / kR * Kp + i0) * kR;
-          int32_t* c = pr.c + (m0 + m) * pr.ldc + n0;
-          if (rows - m >= kR) {
-            group_rows<kR>(a, b, kp, c, pr.ldc, cols, i0 > 0);
-          } else {
-            group_tail<kR - 1>(rows - m, a, b, kp, c, pr.ldc, cols, i0 > 0);
-          }
-        }
-      }
+      const int64_t br = block_rows(pr.M), m0 = local / panels(pr) * br;
+      task(pr, m0, std::min(br, pr.M - m0), local % panels(pr), a32, Kp);
     }
   }
   if (packed.size() > (size_t{1} << 22)) std::vector<uint32_t>().swap(packed);  // a thread keeps at most 16 MB
+}
+
+}  // namespace gemm_i8
+
+inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts,
+                            int count) {
+  using namespace gemm_i8;
+  run_tasks(A, M, K, lda, parts, count,
+            [](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kp) {
+              const int64_t n0 = panel * kPairPanel, cols = std::min(kPairPanel, pr.N - n0);
+              for (int64_t i0 = 0; i0 < Kp; i0 += kKBlock) {
+                const int64_t kp = std::min(kKBlock, Kp - i0);
+                const int16_t* b = pr.b + (panel * Kp + i0) * kPanelRow;
+                for (int64_t m = 0; m < rows; m += kR) {
+                  const uint32_t* a = a32 + ((m0 + m) / kR * Kp + i0) * kR;
+                  int32_t* c = pr.c + (m0 + m) * pr.ldc + n0;
+                  if (rows - m >= kR) {
+                    group_rows<kR>(a, b, kp, c, pr.ldc, cols, i0 > 0);
+                  } else {
+                    group_tail<kR - 1>(rows - m, a, b, kp, c, pr.ldc, cols, i0 > 0);
+                  }
+                }
+              }
+            });
+}
+
+inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int16_t* B, int64_t N,
+                                const PairsOut& out) {
+  using namespace gemm_i8;
+  const PairsProduct part{B, N, M, nullptr, 0};
+  run_tasks(A, M, K, lda, &part, 1,
+            [&out](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kp) {
+              // the sums of the blocks of K before the last, rows x 16 (at most kRowBlock rows)
+              alignas(64) int32_t partial[kRowBlock * kPairPanel];
+              const int64_t n0 = panel * kPairPanel, cols = std::min(kPairPanel, pr.N - n0);
+              for (int64_t i0 = 0; i0 < Kp; i0 += kKBlock) {
+                const int64_t kp = std::min(kKBlock, Kp - i0);
+                const bool last = i0 + kp == Kp;
+                const int16_t* b = pr.b + (panel * Kp + i0) * kPanelRow;
+                for (int64_t m = 0; m < rows; m += kR) {
+                  const uint32_t* a = a32 + ((m0 + m) / kR * Kp + i0) * kR;
+                  const int64_t rt = std::min<int64_t>(kR, rows - m);
+                  int32_t* part = partial + m * kPairPanel;
+                  if (!last) {  // all 16 columns: the panel's past N are zero
+                    if (rt == kR) {
+                      group_rows<kR>(a, b, kp, part, kPairPanel, kPairPanel, i0 > 0);
+                    } else {
+                      group_tail<kR - 1>(rt, a, b, kp, part, kPairPanel, kPairPanel, i0 > 0);
+                    }
+                  } else if (rt == kR) {
+                    group_out<kR>(a, b, kp, part, i0 > 0, out, m0 + m, n0, cols, panel);
+                  } else {
+                    group_out_tail<kR - 1>(rt, a, b, kp, part, i0 > 0, out, m0 + m, n0, cols, panel);
+                  }
+                }
+              }
+            });
 }

@@ -34,6 +34,7 @@ const KernelTable kTable{
     .int8_scale_errors = &int8_scale_errors,
 #ifdef HEADS_I16_PAIRS
     .gemm_u8s8_pairs = &gemm_u8s8_pairs,
+    .gemm_u8s8_pairs_out = &gemm_u8s8_pairs_out,
 #endif
     .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
@@ -49,3 +50,4 @@ const KernelTable kTable{
 #endif
 };
 #undef HEADS_I16_PAIRS
+#undef HEADS_I16_PAIRS_ACCUMULATE6

@@ -199,17 +199,21 @@ void apply_activation(std::optional<Activation> act, float* y, int64_t rows, int
 }
 
 // An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N] and row sums ws [N] (Σ_k W[n, k],
-// exact in f32), and the residual term's Nr rows Wr [Nr, K] with scales swr [Nr] and sums wrs [Nr],
-// added to the outputs rrows[j].
+// exact), and the residual term's Nr rows Wr [Nr, K] with scales swr [Nr] = sw / 2^rshift and sums
+// wrs [Nr], for the outputs rrows[j] (heads/precision.h).
 struct Int8Weight {
   const int8_t* W;
   const float* sw;
-  const float* ws;
+  const int32_t* ws;
   int64_t N;
+  // sw and ws with the residual rows folded in (C's scales and sums there): heads' own GEMM's
+  const float* fold_sw = nullptr;
+  const int32_t* fold_ws = nullptr;
   const int8_t* Wr = nullptr;
   const float* swr = nullptr;
   const float* wrs = nullptr;
   const int32_t* rrows = nullptr;
+  const int32_t* rshift = nullptr;  // p of each residual row (its scale is the row's / 2^p)
   int64_t Nr = 0;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
   // The outlier channels oc [no] (heads/precision.h), W's columns there in panels (kernels::Int8Row), and
@@ -248,20 +252,26 @@ void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t 
 
 // The same through an int8 weight. Rows of x are quantized by the kernel table's quantize_rows_u8: an
 // asymmetric term x ≈ (q − z)·s for every row (unsigned bytes) and a second term r·sr (stored as
-// r + kSecondZero, taken out through the row sums as z is) for the rows whose estimated
-// error exceeds the weight's activation_error (0, the default: every row). The integer GEMMs: acc = q·Wᵀ over all rows with acc2 = r·Wᵀ over
-// the rows with a second term in the same GEMM (packed after them, a multiple of kRowBlock rows at most
-// M), acc3 = q·Wrᵀ for the
-// weight's residual rows (a multiple of kRowBlock of them); then, with the zero point taken out
-// exactly in int32 through the weight's row sums,
-//   y[m, n] = ((acc − z·ws[n])·s (+ acc2·sr)) · sw[n] + b[n],  y[m, rrows[j]] += (acc3 − z·wrs[j])·s·swr[j]
-// (the weight's residual meets the activations' first term only: their product with the second is
-// below both terms' rounding). The weight's outlier channels are zero in the rows quantized (x times
-// `keep`) and added in f32 by each output row: y[m, n] += x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s
-// (+ r·sr), and go through the f32 GEMM with the dequantized weight (both terms of residual rows).
+// r + kSecondZero, taken out through the row sums as z is) for the rows whose estimated error exceeds
+// the weight's activation_error (0, the default: every row). The integer GEMMs: acc = q·Wᵀ over all
+// rows with acc2 = r·Wᵀ over the rows with a second term in the same GEMM (packed after them), and
+// for the weight's residual rows (heads/precision.h) the sums of their 16-bit rows C = 2^p·W + Wr:
+// heads' own GEMM reads C in place of W there; oneDNN's and the portable loops run Wr in a GEMM of
+// its own (acc3, over the same rows, a multiple of kRowBlock of them) and the output pass makes
+// 2^p·acc + acc3 in int64. Then, with the zero points taken out exactly through the row sums,
+//   y[m, n] = ((acc − z·ws[n])·s (+ (acc2 − 128·ws[n])·sr)) · sw[n] + b[n]
+// (with C's sums and row sums, and scale swr, on the residual rows). The weight's outlier channels are
+// zero in the rows quantized (x times `keep`) and added in f32 by each output row: y[m, n] +=
+// x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s (+ r·sr), and
+// go through the f32 GEMM with the dequantized weight (C·swr on residual rows).
 // Rows per GEMM call of linear_int8 when no row has a second term (a multiple of kShapeStep): a
 // chunk's int32 sums (256 x N) are still in L2 when its outputs are made.
 constexpr int64_t kGemmChunkRows = 256;
+// The same for heads' own GEMM with second terms (one of its row blocks): its sums read back from L2
+// (AMD Zen 3, heads bench embed --dtype int8 when its output pass was apart, medians of 6 interleaved
+// rounds: 158 sentences/s at 256 rows, 179 at 96, 167 at 48). With one term per row the output is
+// made from the sums in registers (kernels::PairsOut).
+constexpr int64_t kHeadsChunkRows = 96;
 
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys, std::optional<Activation> act) {
@@ -318,37 +328,50 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     if (base2 + j != Mp + two[j]) std::memmove(xq.data() + (base2 + j) * K, xr + two[j] * K, static_cast<size_t>(K));
   }
   std::fill(xq.data() + (base2 + M2) * K, xq.data() + Mt * K, uint8_t{0});
+  // heads' GEMM reads the residual rows folded into the weight (C = 2^p·W + Wr there), oneDNN's and the
+  // portable loops have them in a GEMM of their own, over the second terms too.
+  const int16_t* pairs = heads ? w.pairs->get(w.W, N, K, w.Wr, w.rrows, w.rshift, Nr) : nullptr;
+  if (heads && M2 == 0) {  // one term per row: the output made from the sums in registers, every row in one call
+    const int act_code = !act ? 0 : *act == Activation::Relu ? 1 : *act == Activation::Gelu ? 2 : 3;
+    const kernels::PairsOut out{y, ys, zx.data(), sx.data(), w.fold_ws, w.fold_sw, bias, x, xs, w.oc, w.wo, w.no,
+                                act_code};
+    kernels::active().gemm_u8s8_pairs_out(xq.data(), M, K, K, pairs, N, out);
+    return;
+  }
   // Without second terms the GEMMs run a chunk of rows at a time, each chunk's outputs made right
   // after its GEMM: the integer sums are then read back from cache, not from memory.
-  const int64_t chunk = M2 > 0 ? base2 : std::min(base2, kGemmChunkRows);
+  const int64_t chunk = M2 > 0 ? base2 : std::min(base2, heads ? kHeadsChunkRows : kGemmChunkRows);
   const Buffer<int32_t> acc((M2 > 0 ? Mt : chunk) * N);
-  const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const Buffer<int32_t> acc3(Nrp > 0 ? chunk * Nrp : 1);
+  const int64_t Nrp = heads ? 0 : (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;  // heads' GEMM folds them in
+  const Buffer<int32_t> acc3(Nrp > 0 ? (M2 > 0 ? Mt : chunk) * Nrp : 1);
   std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
   for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
   const auto rows_out = kernels::active().int8_rows_out;
-  const lowp::PairsB::Packed pairs = heads ? w.pairs->get(w.W, N, w.Wr, Nr, K) : lowp::PairsB::Packed{};
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t c1 = std::min(M, c0 + chunk);
-    if (heads) {  // one call: the weight's rows over every row of the chunk, its residual rows over the first terms
-      const kernels::PairsProduct parts[2] = {{pairs.w, N, M2 > 0 ? Mt : c1 - c0, acc.data(), N},
-                                              {pairs.r, Nr, c1 - c0, acc3.data(), Nrp}};
-      kernels::active().gemm_u8s8_pairs(xq.data() + c0 * K, M2 > 0 ? Mt : c1 - c0, K, K, parts, Nr > 0 ? 2 : 1);
+    if (heads) {
+      const int64_t rows = M2 > 0 ? Mt : c1 - c0;
+      const kernels::PairsProduct part{pairs, N, rows, acc.data(), N};
+      kernels::active().gemm_u8s8_pairs(xq.data() + c0 * K, rows, K, K, &part, 1);
     } else {
       // Rows [c0, c0 + cm) of xq: within its first Mp rows (c0 and Mp are multiples of kShapeStep).
       const int64_t cm = (c1 - c0 + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
       gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.W, N, acc.data(), native, w.packed);
-      if (Nr > 0) gemm_u8s8(xq.data() + c0 * K, cm, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
+      if (Nr > 0) gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
     }
     const auto out_row = [&](int64_t m) {
       const int64_t j2 = second[static_cast<size_t>(m)];
       kernels::Int8Row r{acc.data() + (m - c0) * N, j2 < 0 ? nullptr : acc.data() + (base2 + j2) * N, zx[m], sx[m], sr[m],
-                         w.ws, w.sw, bias, N};
-      r.a3 = acc3.data() + (m - c0) * Nrp;
+                         heads ? w.fold_ws : w.ws, heads ? w.fold_sw : w.sw, bias, N};
+      if (!heads) {
+        r.a3 = acc3.data() + (m - c0) * Nrp;
+        r.a32 = j2 < 0 ? nullptr : acc3.data() + (base2 + j2) * Nrp;
+      }
       r.wrs = w.wrs;
       r.swr = w.swr;
       r.rows = w.rrows;
-      r.nr = Nr;
+      r.shift = w.rshift;
+      r.nr = heads ? 0 : Nr;
       r.x = x + m * xs;
       r.oc = w.oc;
       r.wo = w.wo;
@@ -423,8 +446,9 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
                 w.gemm_b_.get());
     if (out == DType::F32) apply_activation(act, y.data<float>(), M, N, N);
   } else {
-    Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(),
-                  w.row_sums().data<float>(), N};
+    Int8Weight iw{static_cast<const int8_t*>(w.data().raw_data()), w.scales().data<float>(), w.sums32_.data(), N};
+    iw.fold_sw = w.fold_scales_.data();
+    iw.fold_ws = w.fold_sums32_.data();
     iw.wide = w.wide().defined() ? w.wide().data<float>() : nullptr;
     iw.act_error = w.activation_error();
     if (w.outlier_channels().defined()) {
@@ -442,6 +466,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
       iw.Wr_padded = static_cast<const int8_t*>(w.res_padded_.raw_data());
       iw.packed_r = w.gemm_res_b_.get();
       iw.rrows = w.res_rows32_.data();
+      iw.rshift = w.res_shift_.data();
       iw.Nr = w.residual_rows().numel();
     }
     linear_int8(x.data<float>(), M, K, K, iw, bias, y.data<float>(), N, act);

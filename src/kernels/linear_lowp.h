@@ -29,27 +29,27 @@ bool onednn_native(Precision p);
 // one where some SIMD path lacks heads' integer GEMM.
 bool needs_f32_copy(Precision p);
 
-// An int8 weight W [N, K] and its residual rows Wr [Nr, K] in the layout of heads' own integer GEMM
-// (kernels/dispatch.h: kPairPanel), packed at the first call of get() and kept: shared by the
-// copies of a PackedLinear, thread-safe.
+// An int8 weight in the layout of heads' own integer GEMM (kernels/dispatch.h: kPairPanel): W [N, K]
+// with its residual rows folded in (heads/precision.h: row rows[j] is C = 2^shift[j]·W[rows[j]] +
+// Wr[j], 16 bits), packed at the first call of get() and kept: shared by the copies of a
+// PackedLinear, thread-safe.
 class PairsB {
  public:
-  struct Packed {
-    const int16_t* w;
-    const int16_t* r;  // null when Nr is 0
-  };
-  Packed get(const int8_t* W, int64_t N, const int8_t* Wr, int64_t Nr, int64_t K);
+  const int16_t* get(const int8_t* W, int64_t N, int64_t K, const int8_t* Wr, const int32_t* rows,
+                     const int32_t* shift, int64_t Nr);
 
  private:
   struct Free {
     void operator()(int16_t* p) const;
   };
   std::once_flag once_;
-  std::unique_ptr<int16_t[], Free> w_, r_;
+  std::unique_ptr<int16_t[], Free> w_;
 };
 
-// B [N, K] int8 into dst, kernels::kPairPanel's layout (pairs_size(N, K) values, 64-byte aligned).
+// B [N, K] (int8, or int16 values) into dst, kernels::kPairPanel's layout (pairs_size(N, K) values,
+// 64-byte aligned).
 int64_t pairs_size(int64_t N, int64_t K);
 void pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst);
+void pack_pairs(const int16_t* B, int64_t N, int64_t K, int16_t* dst);
 
 }  // namespace heads::lowp

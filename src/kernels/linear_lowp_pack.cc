@@ -87,6 +87,39 @@ float clip_row(const float* w, int64_t K, float s, int8_t* q) {
   return scale;
 }
 
+// The residual r of a weight row q (int8) of scale sw (heads/precision.h): of the steps sw / 2^p for
+// p = 8, ..., 0 whose row C = 2^p·q + clamp(round(r / step), ±127) is 16-bit and keeps 255·Σ|C| within
+// int32 (int8_residual_fits), the one with the least squared error (values beyond 127 steps clipped; the finest of
+// equals), its int8 values left in out; 0 when none fits (K past 33,025 only). The errors come from
+// the kernel table's scale search (the candidates past the ninth unused).
+float residual_row(const float* r, const int8_t* q, int64_t K, float sw, int8_t* out) {
+  constexpr int kScales = kernels::kInt8ScaleCandidates, kShifts = kInt8MaxResidualShift + 1;
+  float t[kScales];
+  double error[kScales];
+  for (int i = 0; i < kScales; ++i) t[i] = i < kShifts ? std::ldexp(sw, i - kInt8MaxResidualShift) : sw;
+  kernels::active().int8_scale_errors(r, K, t, error);
+  const auto values = [&](int i) {
+    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(clamp127(round_even(r[k] / t[i])));
+  };
+  int best = -1;
+  for (int i = 0; i < kShifts; ++i) {
+    if (best >= 0 && !(error[i] < error[best])) continue;
+    values(i);
+    if (int8_residual_fits(q, out, K, kInt8MaxResidualShift - i)) best = i;
+  }
+  if (best < 0) return 0.0f;
+  values(best);
+  return t[best];
+}
+
+// p when swr is sw / 2^p with 0 ≤ p ≤ kInt8MaxResidualShift, else -1.
+int shift_of(float sw, float swr) {
+  for (int p = 0; p <= kInt8MaxResidualShift; ++p) {
+    if (std::ldexp(sw, -p) == swr) return p;
+  }
+  return -1;
+}
+
 // Σ_k data[n, k] of each row of an int8 [N, K] tensor, as f32 [N] (exact: |sum| ≤ 127·K < 2^24).
 Tensor int8_row_sums(const Tensor& data) {
   const int64_t N = data.size(0), K = data.size(1);
@@ -101,6 +134,19 @@ Tensor int8_row_sums(const Tensor& data) {
 }
 
 }  // namespace
+
+bool int8_residual_fits(const int8_t* q, const int8_t* r, int64_t K, int p) {
+  int64_t sum = 0;  // 255·Σ|C| at most 2^31 − 1: every partial sum of u8 × C products fits int32
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t c = int64_t{q[k]} * (int64_t{1} << p) + r[k];
+    sum += std::abs(c);
+    if (c < std::numeric_limits<int16_t>::min() || c > std::numeric_limits<int16_t>::max() ||
+        255 * sum > std::numeric_limits<int32_t>::max()) {
+      return false;
+    }
+  }
+  return true;
+}
 
 std::string precision_name(Precision p) {
   switch (p) {
@@ -234,14 +280,25 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < Nr; ++i) {
         for (int64_t k = 0; k < K; ++k) r[k] = residual(heavy[i], k);
-        int8_t* rqi = rq.data() + i * K;
-        rs[i] = clip_row(r, K, quantize_row(r, K, rqi), rqi);
+        rs[i] = residual_row(r, q + heavy[i] * K, K, scales[heavy[i]], rq.data() + i * K);
       }
     }
-    if (Nr > 0) {
-      res_rows_ = Tensor::from_vector(heavy, {Nr});
-      res_data_ = Tensor::from_vector(rq, {Nr, K});
-      res_scales_ = Tensor::from_vector(rs, {Nr});
+    // Rows none of whose residual steps fits (K past 33,025) keep one term.
+    int64_t kept = 0;
+    for (int64_t i = 0; i < Nr; ++i) {
+      if (rs[i] == 0.0f) continue;
+      heavy[kept] = heavy[i];
+      rs[kept] = rs[i];
+      std::copy(rq.begin() + i * K, rq.begin() + (i + 1) * K, rq.begin() + kept * K);
+      ++kept;
+    }
+    if (kept > 0) {
+      heavy.resize(static_cast<size_t>(kept));
+      rq.resize(static_cast<size_t>(kept * K));
+      rs.resize(static_cast<size_t>(kept));
+      res_rows_ = Tensor::from_vector(heavy, {kept});
+      res_data_ = Tensor::from_vector(rq, {kept, K});
+      res_scales_ = Tensor::from_vector(rs, {kept});
     }
   }
   finish();
@@ -251,7 +308,10 @@ int64_t lowp::pairs_size(int64_t N, int64_t K) {
   return (N + kernels::kPairPanel - 1) / kernels::kPairPanel * ((K + 1) / 2) * 2 * kernels::kPairPanel;
 }
 
-void lowp::pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst) {
+namespace {
+
+template <class T>
+void pack_pairs_of(const T* B, int64_t N, int64_t K, int16_t* dst) {
   constexpr int64_t P = kernels::kPairPanel;
   const int64_t Kp = (K + 1) / 2, panels = (N + P - 1) / P;
   for (int64_t p = 0; p < panels; ++p) {
@@ -261,29 +321,41 @@ void lowp::pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst) {
         const int64_t n = p * P + j;
         for (int64_t h = 0; h < 2; ++h) {
           const int64_t k = 2 * i + h;
-          panel[(i * P + j) * 2 + h] = n < N && k < K ? B[n * K + k] : int16_t{0};
+          panel[(i * P + j) * 2 + h] = n < N && k < K ? static_cast<int16_t>(B[n * K + k]) : int16_t{0};
         }
       }
     }
   }
 }
 
+}  // namespace
+
+void lowp::pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst) { pack_pairs_of(B, N, K, dst); }
+void lowp::pack_pairs(const int16_t* B, int64_t N, int64_t K, int16_t* dst) { pack_pairs_of(B, N, K, dst); }
+
 void lowp::PairsB::Free::operator()(int16_t* p) const { std::free(p); }
 
-lowp::PairsB::Packed lowp::PairsB::get(const int8_t* W, int64_t N, const int8_t* Wr, int64_t Nr, int64_t K) {
+const int16_t* lowp::PairsB::get(const int8_t* W, int64_t N, int64_t K, const int8_t* Wr, const int32_t* rows,
+                                 const int32_t* shift, int64_t Nr) {
   std::call_once(once_, [&] {
-    const auto make = [&](const int8_t* B, int64_t rows) {
-      const auto bytes = static_cast<size_t>(pairs_size(rows, K)) * sizeof(int16_t);  // a multiple of 64
-      auto* p = static_cast<int16_t*>(std::aligned_alloc(64, bytes));
-      if (p == nullptr) throw std::bad_alloc();
-      std::unique_ptr<int16_t[], Free> out(p);
-      pack_pairs(B, rows, K, p);
-      return out;
-    };
-    w_ = make(W, N);
-    if (Nr > 0) r_ = make(Wr, Nr);
+    const auto bytes = static_cast<size_t>(pairs_size(N, K)) * sizeof(int16_t);  // a multiple of 64
+    auto* p = static_cast<int16_t*>(std::aligned_alloc(64, bytes));
+    if (p == nullptr) throw std::bad_alloc();
+    std::unique_ptr<int16_t[], Free> out(p);
+    if (Nr == 0) {
+      pack_pairs(W, N, K, p);
+    } else {  // the rows C = 2^p·W + Wr (16-bit: int8_residual_fits)
+      std::vector<int16_t> c(static_cast<size_t>(N * K));
+      for (int64_t i = 0; i < N * K; ++i) c[static_cast<size_t>(i)] = W[i];
+      for (int64_t j = 0; j < Nr; ++j) {
+        int16_t* row = c.data() + int64_t{rows[j]} * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<int16_t>(row[k] * (1 << shift[j]) + Wr[j * K + k]);
+      }
+      pack_pairs(c.data(), N, K, p);
+    }
+    w_ = std::move(out);
   });
-  return {w_.get(), r_.get()};
+  return w_.get();
 }
 
 void PackedLinear::make_gemm_layouts() {
@@ -291,6 +363,15 @@ void PackedLinear::make_gemm_layouts() {
   pairs_b_ = precision_ == Precision::Int8 ? std::make_shared<lowp::PairsB>() : nullptr;
   res_padded_ = Tensor();
   res_rows32_.clear();
+  res_shift_.clear();
+  sums32_.clear();
+  fold_sums32_.clear();
+  fold_scales_.clear();
+  if (precision_ == Precision::Int8) {  // the sums are exact integers below 2^24
+    sums32_.assign(sums_.data<float>(), sums_.data<float>() + sums_.numel());
+    fold_sums32_ = sums32_;
+    fold_scales_.assign(scales_.data<float>(), scales_.data<float>() + scales_.numel());
+  }
   if (precision_ == Precision::F32) return;
   gemm_b_ = std::make_shared<kernels::PackedB>();
   if (!res_data_.defined()) return;
@@ -299,7 +380,19 @@ void PackedLinear::make_gemm_layouts() {
   res_padded_.slice(0, 0, Nr).copy_from(res_data_);
   HEADS_CHECK(data_.size(0) <= std::numeric_limits<int32_t>::max(), "PackedLinear: ", data_.size(0),
               " output features with residual rows (at most 2^31 - 1)");
-  res_rows32_.assign(res_rows_.data<int64_t>(), res_rows_.data<int64_t>() + Nr);  gemm_res_b_ = std::make_shared<kernels::PackedB>();
+  res_rows32_.assign(res_rows_.data<int64_t>(), res_rows_.data<int64_t>() + Nr);
+  res_shift_.resize(static_cast<size_t>(Nr));
+  for (int64_t j = 0; j < Nr; ++j) {  // residual scales are sw / 2^p (the constructor's, from_int8's)
+    const int p = shift_of(scales_.data<float>()[res_rows32_[j]], res_scales_.data<float>()[j]);
+    HEADS_CHECK(p >= 0, "PackedLinear: residual row ", j, ": its scale is not the row's / 2^p");
+    res_shift_[static_cast<size_t>(j)] = p;
+    // C's sum, 2^p·ws + wrs: |Σ C| ≤ Σ|C| < 2^31 / 255 (int8_residual_fits)
+    const auto n = static_cast<size_t>(res_rows32_[j]);
+    fold_sums32_[n] = static_cast<int32_t>(int64_t{sums32_[n]} * (int64_t{1} << p) +
+                                           static_cast<int64_t>(res_sums_.data<float>()[j]));
+    fold_scales_[n] = res_scales_.data<float>()[j];
+  }
+  gemm_res_b_ = std::make_shared<kernels::PackedB>();
 }
 
 void PackedLinear::finish() {
@@ -391,14 +484,25 @@ PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, c
               ": residual scales: expected f32 [", Nr, "], got ", dtype_name(residual_scales.dtype()), " ",
               residual_scales.shape());
   p.res_rows_ = residual_rows.clone();
-  p.res_data_ = residual_data.clone();
+  p.res_data_ = residual_data.contiguous().clone();
   p.res_scales_ = residual_scales.clone();
+  std::vector<float> r(static_cast<size_t>(K));
   for (int64_t j = 0; j < Nr; ++j) {
-    const int64_t r = p.res_rows_.data<int64_t>()[j];
-    HEADS_CHECK(r >= 0 && r < N && (j == 0 || r > p.res_rows_.data<int64_t>()[j - 1]), name, ": residual row ", j,
-                " is ", r, ": rows must increase within [0, ", N, ")");
-    const float s = p.res_scales_.data<float>()[j];
+    const int64_t row = p.res_rows_.data<int64_t>()[j];
+    HEADS_CHECK(row >= 0 && row < N && (j == 0 || row > p.res_rows_.data<int64_t>()[j - 1]), name, ": residual row ",
+                j, " is ", row, ": rows must increase within [0, ", N, ")");
+    float& s = p.res_scales_.data<float>()[j];
     HEADS_CHECK(std::isfinite(s) && s > 0.0f, name, ": residual scale ", j, " must be finite and positive, got ", s);
+    const float sw = p.scales_.data<float>()[row];
+    auto* rq = static_cast<int8_t*>(p.res_data_.raw_data()) + j * K;
+    const auto* q = static_cast<const int8_t*>(p.data_.raw_data()) + row * K;
+    const int shift = shift_of(sw, s);
+    if (shift >= 0 && int8_residual_fits(q, rq, K, shift)) continue;
+    // Stored on another step (heads before 2026-12): the residual's values again on the row's steps.
+    for (int64_t k = 0; k < K; ++k) r[static_cast<size_t>(k)] = static_cast<float>(rq[k]) * s;
+    s = residual_row(r.data(), q, K, sw, rq);
+    HEADS_CHECK(s > 0.0f, name, ": residual row ", j, ": no step of its row's fits heads' integer sums (", K,
+                " inputs)");
   }
   if (Nr == 0) p.res_rows_ = p.res_data_ = p.res_scales_ = Tensor();
   p.finish();

@@ -99,48 +99,46 @@ inline void quantize_rows_u8(const float* x, int64_t rows, int64_t n, int64_t xs
 // Rows of an int8 linear layer's output (heads/precision.h, linear_lowp.cc) from their exact integer
 // sums, rows[m] into y + m·ys: y[n] = fma(v, sw[n], b[n]) (b null: 0) with v = float(a[n] − z·ws[n])·s,
 // or, with a second term (a2 given), v = fma(float(a2[n] − 128·ws[n]), s2, float(a[n] − z·ws[n])·s)
-// (a2 sums the second term stored plus kSecondZero); then for the
-// weight's residual rows y[rows[j]] = fma(float(a3[j] − z·wrs[j])·s, swr[j], y[rows[j]]); then for
-// each outlier channel o in order y[n] = fma(x[oc[o]], wo_t[o, n], y[n]). Every multiply-add is fused
-// explicitly, so that every path gives the same bits. The rows share one weight (its residual rows
-// and outlier channels).
+// (a2 sums the second term stored plus kSecondZero; the differences exact in int32); then each
+// residual row given apart, n = rows[j], again so from the sums of its row C (2^p·a[n] + a3[j],
+// 2^p·a2[n] + a32[j]) with C's row sums 2^p·ws[n] + wrs[j] and scale swr[j], the differences exact in
+// int64; then for each outlier channel o in order y[n] = fma(x[oc[o]], wo_t[o, n], y[n]). Every
+// multiply-add is fused explicitly, so that every path gives the same bits. The rows share one weight
+// (its residual rows and outlier channels).
 inline void int8_row_sums_out(const Int8Row& r, float* y) {
   const int32_t* a = r.a;
   const int32_t* a2 = r.a2;
-  const int32_t z = r.z;
+  const auto z = static_cast<uint32_t>(r.z);
   const float s = r.s, s2 = r.s2;
-  const float* ws = r.ws;
+  const int32_t* ws = r.ws;
   const float* sw = r.sw;
   const float* b = r.b;
   const int64_t n = r.n;
+  // a − c·w in 32 bits: exact where it fits, as |Σ (q − z)·W| ≤ 255·Σ|W| does (wrapping, not
+  // undefined, where K is past 65,793 and the weights are extreme)
+  const auto diff = [](int32_t a, uint32_t c, int32_t w) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) - c * static_cast<uint32_t>(w));
+  };
   if (a2 == nullptr) {
     for (int64_t i = 0; i < n; ++i) {
-      const float v = static_cast<float>(a[i] - z * static_cast<int32_t>(ws[i])) * s;
+      const float v = static_cast<float>(diff(a[i], z, ws[i])) * s;
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const auto wsi = static_cast<int32_t>(ws[i]);
-      const float v = std::fma(static_cast<float>(a2[i] - kSecondZero * wsi), s2, static_cast<float>(a[i] - z * wsi) * s);
+      const float v = std::fma(static_cast<float>(diff(a2[i], kSecondZero, ws[i])), s2,
+                               static_cast<float>(diff(a[i], z, ws[i])) * s);
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
   }
-  // The residual rows a chunk at a time: their v in a plain loop, then the multiply-adds on y
-  // gathered and scattered a vector at a time (the rows are distinct).
-  constexpr int64_t kChunk = 256;
-  alignas(64) float v[kChunk];
-  for (int64_t j0 = 0; j0 < r.nr; j0 += kChunk) {
-    const int64_t m = std::min(kChunk, r.nr - j0);
-    const int32_t* a3 = r.a3 + j0;
-    const float* wrs = r.wrs + j0;
-    const float* swr = r.swr + j0;
-    const int32_t* rows = r.rows + j0;
-    for (int64_t j = 0; j < m; ++j) v[j] = static_cast<float>(a3[j] - z * static_cast<int32_t>(wrs[j])) * s;
-    int64_t j = 0;
-    for (; j + qz::kW <= m; j += qz::kW) {
-      Vec::scatter(y, rows + j, Vec::fma(Vec::load(v + j), Vec::loadu(swr + j), Vec::gather(y, rows + j)));
+  for (int64_t j = 0; j < r.nr; ++j) {
+    const int64_t i = r.rows[j], p = r.shift[j];
+    const int64_t wc = int64_t{ws[i]} * (int64_t{1} << p) + static_cast<int64_t>(r.wrs[j]);
+    float v = static_cast<float>(int64_t{a[i]} * (int64_t{1} << p) + r.a3[j] - int64_t{r.z} * wc) * s;
+    if (a2 != nullptr) {
+      v = std::fma(static_cast<float>(int64_t{a2[i]} * (int64_t{1} << p) + r.a32[j] - kSecondZero * wc), s2, v);
     }
-    for (; j < m; ++j) y[rows[j]] = std::fma(v[j], swr[j], y[rows[j]]);
+    y[i] = std::fma(v, r.swr[j], b ? b[i] : 0.0f);
   }
 }
 

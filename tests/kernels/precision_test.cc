@@ -79,6 +79,29 @@ struct Int8GemmGuard {
   Int8GemmGuard& operator=(const Int8GemmGuard&) = delete;
 };
 
+// A residual row's scale as defined: of sw / 2^p for p = 8, ..., 0 whose row C = 2^p·q + Wr is 16-bit
+// (-32768 to 32767) and keeps 255·Σ|C| within int32, the first with the least squared error of
+// r - clamp(round_even(r / t), ±127)·t.
+float reference_residual_scale(const float* r, const int8_t* q, int64_t K, float sw) {
+  float best = 0.0f;
+  double best_error = std::numeric_limits<double>::infinity();
+  for (int p = kInt8MaxResidualShift; p >= 0; --p) {
+    const float t = std::ldexp(sw, -p);
+    double e = 0, c = 0;
+    bool fits = true;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::clamp(std::nearbyint(r[k] / t), -127.0f, 127.0f);
+      const double d = r[k] - v * t, ck = std::ldexp(q[k], p) + v;
+      e += d * d;
+      c += std::fabs(ck);
+      fits = fits && ck >= -32768 && ck <= 32767;
+    }
+    fits = fits && 255 * c <= std::numeric_limits<int32_t>::max();
+    if (fits && e < best_error) best = t, best_error = e;
+  }
+  return best;
+}
+
 TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   testing::IsaGuard guard;
   if (const char* cap = std::getenv("DNNL_MAX_CPU_ISA"); cap != nullptr && std::string(cap) == "AVX2") {
@@ -162,7 +185,8 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
           wq[static_cast<size_t>(k)] = wp[k];
           EXPECT_EQ(wp[k], std::clamp(std::nearbyint(W.data<float>()[n * s.K + k] / sw), -127.0f, 127.0f));
         }
-        // The residual term of a heavy row: the rounding residual of the first term, quantized alike.
+        // The residual term of a heavy row: the rounding residual of the first term on the step sw / 2^p
+        // of least squared error among those whose 16-bit row fits (the finest of equals).
         double err2 = 0, norm2 = 0;
         std::vector<double> wr(static_cast<size_t>(s.K), 0.0);
         for (int64_t k = 0; k < s.K; ++k) {
@@ -173,8 +197,16 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
         const int64_t j = res_index[static_cast<size_t>(n)];
         EXPECT_EQ(j >= 0, err2 > kInt8ResidualError * kInt8ResidualError * norm2) << "n=" << n;
         double swr = 0;
+        int shift = 0;
         if (j >= 0) {
           swr = pw.residual_scales().data<float>()[j];
+          std::vector<float> d(static_cast<size_t>(s.K));
+          for (int64_t k = 0; k < s.K; ++k) {
+            d[static_cast<size_t>(k)] = W.data<float>()[n * s.K + k] - static_cast<float>(wq[static_cast<size_t>(k)]) * sw;
+          }
+          shift = static_cast<int>(std::lround(std::log2(sw / swr)));
+          EXPECT_EQ(swr, reference_residual_scale(d.data(), wp, s.K, sw)) << "n=" << n;
+          EXPECT_EQ(swr, std::ldexp(sw, -shift)) << "n=" << n;
           const int8_t* rp = static_cast<const int8_t*>(pw.residual_data().raw_data()) + j * s.K;
           for (int64_t k = 0; k < s.K; ++k) {
             const float d = W.data<float>()[n * s.K + k] - static_cast<float>(wq[static_cast<size_t>(k)]) * sw;
@@ -182,49 +214,51 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
             wr[static_cast<size_t>(k)] = rp[k];
           }
         }
-        double acc = 0, acc_r = 0, racc = 0, racc_r = 0, exact = b.data<float>()[n], sum_w = 0;
+        // A residual row is the 16-bit row C = 2^p·Wq + Wr with scale swr; others are Wq with scale sw.
+        const double row_scale = j >= 0 ? swr : sw;
+        std::vector<double> c(static_cast<size_t>(s.K));
         for (int64_t k = 0; k < s.K; ++k) {
-          acc += xq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
-          acc_r += rq[static_cast<size_t>(k)] * wq[static_cast<size_t>(k)];
-          racc += xq[static_cast<size_t>(k)] * wr[static_cast<size_t>(k)];
-          racc_r += rq[static_cast<size_t>(k)] * wr[static_cast<size_t>(k)];
+          c[static_cast<size_t>(k)] = j >= 0 ? std::ldexp(wq[static_cast<size_t>(k)], shift) + wr[static_cast<size_t>(k)]
+                                             : wq[static_cast<size_t>(k)];
+        }
+        double acc = 0, acc_r = 0, exact = b.data<float>()[n], sum_w = 0;
+        for (int64_t k = 0; k < s.K; ++k) {
+          acc += xq[static_cast<size_t>(k)] * c[static_cast<size_t>(k)];
+          acc_r += rq[static_cast<size_t>(k)] * c[static_cast<size_t>(k)];
           exact += static_cast<double>(x.data<float>()[m * s.K + k]) * W.data<float>()[n * s.K + k];
           sum_w += std::fabs(W.data<float>()[n * s.K + k]);
         }
-        // The weight's residual term meets the activations' first term only.
-        const double defined = (acc * sx + acc_r * sr) * sw + b.data<float>()[n] + racc * sx * swr;
+        const double defined = (acc * sx + acc_r * sr) * row_scale + b.data<float>()[n];
         const double got = first.data<float>()[m * s.N + n];
         EXPECT_NEAR(got, defined,
-                    1e-6 * (std::fabs(acc * sx * sw) + std::fabs(acc_r * sr * sw) + std::fabs(b.data<float>()[n]) +
-                            std::fabs(racc * sx * swr)))
+                    1e-6 * (std::fabs(acc * sx * row_scale) + std::fabs(acc_r * sr * row_scale) +
+                            std::fabs(b.data<float>()[n])))
             << "m=" << m << " n=" << n;
         // The f32 route: the rows xq·sx + rq·sr (3 roundings) and the weight Wq·sw + Wr·swr (1), in
-        // f32, multiplied in f32 (1; so the two residuals' product is in), summed in f32 with the bias
-        // (K): within K + 6 roundings of 2^-24 of the sum of |products| of the definition with that
-        // product added.
+        // f32, multiplied in f32 (1), summed in f32 with the bias (K): within K + 6 roundings of 2^-24
+        // of the sum of |products| of the definition.
         for (const auto& [isa, y] : widened) {
           double mag = std::fabs(b.data<float>()[n]);
           for (int64_t k = 0; k < s.K; ++k) {
             const size_t i = static_cast<size_t>(k);
             mag += std::fabs((xq[i] * sx + rq[i] * sr) * (wq[i] * sw + wr[i] * swr));
           }
-          EXPECT_NEAR(y.data<float>()[m * s.N + n], defined + racc_r * sr * swr, (s.K + 6) * 6e-8 * mag)
+          EXPECT_NEAR(y.data<float>()[m * s.N + n], defined, (s.K + 6) * 6e-8 * mag)
               << isa_name(isa) << " m=" << m << " n=" << n;
         }
         // x is off by at most half a step of its last term (h; the clamp of the asymmetric first term
         // to [0, 255] adds at most a rounding of its bounds), W by |W - Wq·sw - Wr·swr| (half a step of
         // the last term, or what clipping cut off), so |y - exact| <= h·Σ|W| + Σ|x|·|ΔW| + h·Σ|ΔW|,
-        // plus the dropped product of the two residuals, |Σ rq·sr·Wr·swr|, and the f32 rounding.
-        double dw = 0, xdw = 0, dropped = 0;
+        // plus the f32 rounding.
+        double dw = 0, xdw = 0;
         for (int64_t k = 0; k < s.K; ++k) {
           const double d = std::fabs(W.data<float>()[n * s.K + k] - wq[static_cast<size_t>(k)] * sw -
                                      wr[static_cast<size_t>(k)] * swr);
           dw += d;
           xdw += std::fabs(x.data<float>()[m * s.K + k]) * d;
-          dropped += std::fabs(rq[static_cast<size_t>(k)] * sr * wr[static_cast<size_t>(k)] * swr);
         }
         const double h = (sr != 0 ? sr : sx) / 2 * (1 + 1e-5);
-        const double bound = h * sum_w + xdw + h * dw + dropped + 1e-6 * sum_x * sw * 127;
+        const double bound = h * sum_w + xdw + h * dw + 1e-6 * sum_x * sw * 127;
         EXPECT_LE(std::fabs(got - exact), bound * (1 + 1e-6) + 1e-6) << "m=" << m << " n=" << n;
       }
     }
@@ -301,7 +335,7 @@ TEST(Precision, Int8ScaleSearchFollowsItsDefinitionOnAnyThreadCount) {
           ASSERT_EQ(q[n * K + k], std::clamp(std::nearbyint(w[n * K + k] / sw), -127.0f, 127.0f)) << n << ", " << k;
         }
       }
-      // The residual rows: their residual w - q·scale (f32) searched the same way.
+      // The residual rows: their residual w - q·scale (f32) on the steps scale / 2^p.
       ASSERT_TRUE(p->residual_rows().defined());
       const auto* rq = static_cast<const int8_t*>(p->residual_data().raw_data());
       for (int64_t j = 0; j < p->residual_rows().numel(); ++j) {
@@ -311,7 +345,8 @@ TEST(Precision, Int8ScaleSearchFollowsItsDefinitionOnAnyThreadCount) {
           r[static_cast<size_t>(k)] = w[n * K + k] - static_cast<float>(q[n * K + k]) * p->scales().data<float>()[n];
         }
         const float sr = p->residual_scales().data<float>()[j];
-        ASSERT_EQ(sr, reference_scale(r.data(), K)) << "residual of row " << n;
+        ASSERT_EQ(sr, reference_residual_scale(r.data(), q + n * K, K, p->scales().data<float>()[n]))
+            << "residual of row " << n;
         for (int64_t k = 0; k < K; ++k) {
           ASSERT_EQ(rq[j * K + k], std::clamp(std::nearbyint(r[static_cast<size_t>(k)] / sr), -127.0f, 127.0f));
         }

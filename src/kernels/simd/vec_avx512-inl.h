@@ -204,6 +204,10 @@ struct I16Pairs {
   HEADS_INLINE static P load(const int16_t* p) { return _mm512_load_si512(p); }
   HEADS_INLINE static P set1(const uint32_t* pair) { return _mm512_set1_epi32(static_cast<int>(*pair)); }
   HEADS_INLINE static P dot(P acc, P a, P b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+  HEADS_INLINE static P add(P a, P b) { return _mm512_add_epi32(a, b); }
+  HEADS_INLINE static Vec::R sub_mul_f32(P a, int32_t z, P w) {
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(z), w)));
+  }
   HEADS_INLINE static __mmask16 lanes(int64_t n) {
     return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
   }
