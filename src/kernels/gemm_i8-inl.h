@@ -108,27 +108,48 @@ HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp,
     sw[v] = Vec::load_partial(o.sw + n0 + v * kW, n[v]);
     b[v] = o.b != nullptr ? Vec::load_partial(o.b + n0 + v * kW, n[v]) : Vec::zero();
   }
-  const float* wo = o.wo + p0 * o.no * kPairPanel;
+  // dequantized sums, then the outlier channels' f32 products, one channel at a time for every row
+  // and register (RT·kNV independent sums: one sum per row would wait on each FMA's latency)
+  VR out[RT][kNV];
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r) {
     const VR s = Vec::set1(o.s[m + r]);
-    const float* x = o.x + (m + r) * o.xs;
-    float* y = o.y + (m + r) * o.ys + n0;
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
       const P sum = I16Pairs::load_partial(part + r * kPairPanel + v * kW, kW);
-      VR out = Vec::fma(Vec::mul(I16Pairs::sub_mul_f32(sum, o.z[m + r], ws[v]), s), sw[v], b[v]);
-      for (int64_t c = 0; c < o.no; ++c) out = Vec::fma(Vec::set1(x[o.oc[c]]), Vec::loadu(wo + c * kPairPanel + v * kW), out);
+      out[r][v] = Vec::fma(Vec::mul(I16Pairs::sub_mul_f32(sum, o.z[m + r], ws[v]), s), sw[v], b[v]);
+    }
+  }
+  const float* wo = o.wo + p0 * o.no * kPairPanel;
+  for (int64_t c = 0; c < o.no; ++c) {
+    VR w[kNV];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) w[v] = Vec::loadu(wo + c * kPairPanel + v * kW);
+    const float* xc = o.x + m * o.xs + o.oc[c];
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      const VR xv = Vec::set1(xc[r * o.xs]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNV; ++v) out[r][v] = Vec::fma(xv, w[v], out[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r) {
+    float* y = o.y + (m + r) * o.ys + n0;
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) {
+      VR x = out[r][v];
       if (o.act == 1) {
-        out = ew::relu(out);
+        x = ew::relu(x);
       } else if (o.act == 2) {
-        out = ew::gelu_erf(out);
+        x = ew::gelu_erf(x);
       } else if (o.act == 3) {
-        out = ew::gelu_tanh(out);
+        x = ew::gelu_tanh(x);
       }
       if (n[v] == kW) {
-        Vec::storeu(y + v * kW, out);
+        Vec::storeu(y + v * kW, x);
       } else if (n[v] > 0) {
-        Vec::store_partial(y + v * kW, out, n[v]);
+        Vec::store_partial(y + v * kW, x, n[v]);
       }
     }
   }
