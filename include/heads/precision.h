@@ -110,8 +110,8 @@ class PackedLinear {
   // Int8 from stored parts (e.g. weights saved from data() and scales()): data i8 [N, K], scales f32 [N],
   // finite and positive; the residual term, when given: residual_rows i64 [N'] increasing in [0, N),
   // residual_data i8 [N', K] and residual_scales f32 [N'] finite and positive, each sw[row] / 2^p as
-  // above (a residual of another scale, as heads before 2026-12 stored it, is rounded again onto the
-  // steps above: its values move by at most half the new step); the outlier channels, when
+  // above (a residual of another scale, as heads before 2026-12 stored it, is quantized again as the
+  // constructor quantizes one: on the step sw / 2^p of least squared error that fits); the outlier channels, when
   // given: outlier_channels i64 [O] increasing in [0, K) (data's columns there are zero) and
   // outlier_weight f32 [N, O] finite; activation_error as the constructor's. Errors name `name`.
   static PackedLinear from_int8(const Tensor& data, const Tensor& scales, const std::string& name,

@@ -457,6 +457,64 @@ TEST(Precision, RowsNonFiniteInputsAndStoredParts) {
   EXPECT_THAT(testing::error_of([] { precision_from_name("fp8"); }), HasSubstr("f32, bf16 or int8, got \"fp8\""));
 }
 
+// Stored residual parts: those heads writes load as they are (the same outputs, bit for bit); a
+// residual of a scale of its own (as heads stored it before 2026-12) is quantized again as the
+// constructor quantizes a residual: on the step sw / 2^p of least squared error that fits.
+TEST(Precision, StoredResidualRowsLoadAsWrittenOrOnTheRowsSteps) {
+  const int64_t N = 37, K = 129;
+  Tensor W = randn({N, K}, 51);
+  for (int64_t n = 0; n < N; n += 2) W.data<float>()[n * K + (n * 7) % K] *= 25.0f;  // heavy rows: residual terms
+  const PackedLinear pw(W, Precision::Int8);
+  ASSERT_TRUE(pw.residual_rows().defined());
+  const Tensor x = randn({7, K}, 52), b = randn({N}, 53);
+  const PackedLinear back = PackedLinear::from_int8(pw.data(), pw.scales(), "w", pw.residual_rows(),
+                                                    pw.residual_data(), pw.residual_scales());
+  EXPECT_TRUE(testing::bitwise_equal(back.residual_data(), pw.residual_data()));
+  EXPECT_TRUE(testing::bitwise_equal(back.residual_scales(), pw.residual_scales()));
+  EXPECT_TRUE(testing::bitwise_equal(linear(x, back, b), linear(x, pw, b)));
+
+  // The legacy form: the residual r = W − q·sw on the step max|r| / 127 of its own.
+  const int64_t Nr = pw.residual_rows().numel();
+  Tensor rdata = Tensor::empty({Nr, K}, DType::I8), rscale = Tensor::empty({Nr}, DType::F32);
+  const auto* q = static_cast<const int8_t*>(pw.data().raw_data());
+  std::vector<double> legacy(static_cast<size_t>(Nr * K));
+  for (int64_t j = 0; j < Nr; ++j) {
+    const int64_t n = pw.residual_rows().data<int64_t>()[j];
+    const float sw = pw.scales().data<float>()[n];
+    float amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(W.data<float>()[n * K + k] - q[n * K + k] * sw));
+    const float s = amax / 127.0f;
+    rscale.data<float>()[j] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      const auto v = static_cast<int8_t>(std::lround((W.data<float>()[n * K + k] - q[n * K + k] * sw) / s));
+      static_cast<int8_t*>(rdata.raw_data())[j * K + k] = v;
+      legacy[static_cast<size_t>(j * K + k)] = static_cast<double>(v) * s;
+    }
+  }
+  const PackedLinear old = PackedLinear::from_int8(pw.data(), pw.scales(), "w", pw.residual_rows(), rdata, rscale);
+  ASSERT_EQ(old.residual_rows().numel(), Nr);
+  const auto* rq = static_cast<const int8_t*>(old.residual_data().raw_data());
+  std::vector<float> r(static_cast<size_t>(K));
+  for (int64_t j = 0; j < Nr; ++j) {
+    const int64_t n = pw.residual_rows().data<int64_t>()[j];
+    for (int64_t k = 0; k < K; ++k) r[static_cast<size_t>(k)] = static_cast<float>(legacy[static_cast<size_t>(j * K + k)]);
+    const float sr = old.residual_scales().data<float>()[j];
+    ASSERT_EQ(sr, reference_residual_scale(r.data(), q + n * K, K, pw.scales().data<float>()[n])) << "row " << n;
+    for (int64_t k = 0; k < K; ++k) {
+      ASSERT_EQ(rq[j * K + k], std::clamp(std::nearbyint(r[static_cast<size_t>(k)] / sr), -127.0f, 127.0f))
+          << "row " << n << ", k " << k;
+    }
+  }
+  // and the layer stays within int8's rounding of the stored weight: outputs near the original's
+  const Tensor y = linear(x, old, b), y0 = linear(x, pw, b);
+  double e = 0, m = 0;
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    e = std::max(e, static_cast<double>(std::abs(y.data<float>()[i] - y0.data<float>()[i])));
+    m = std::max(m, static_cast<double>(std::abs(y0.data<float>()[i])));
+  }
+  EXPECT_LT(e, 1e-2 * m);
+}
+
 // Rows far below 1 (down to subnormals) quantize without NaN: the product stays within the bound.
 TEST(Precision, TinyRowsQuantizeWithoutNaN) {
   testing::IsaGuard guard;
