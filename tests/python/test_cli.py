@@ -1,6 +1,7 @@
 """`heads mha` on files written from a torch state dict, against torch.nn.MultiheadAttention."""
 
 import os
+import platform
 import shutil
 import subprocess
 
@@ -131,7 +132,7 @@ def test_bad_inputs_exit_1_and_leave_no_output(tmp_path):
 
 
 def test_bench_json_contract():
-    """`heads bench sdpa|mha --json`: one JSON line with the fields of DESIGN.md (values, not speed)."""
+    """`heads bench sdpa|mha|linear --json`: one JSON line with the fields of DESIGN.md (values, not speed)."""
     import json
 
     shape = ["--batch", 2, "--heads", 3, "--q-len", 70, "--kv-len", 90, "--head-dim", 37, "--min-time", 0]
@@ -171,6 +172,23 @@ def test_bench_json_contract():
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert j["op"] == "mha" and j["ms"] > 0
+
+    # one linear layer: its shape, the GEMM route taken, G(FL)OP/s from the time
+    for dtype in ("f32", "bf16", "int8"):
+        r = run("bench", "linear", "--rows", 7, "--in", 129, "--out", 33, "--dtype", dtype, "--min-time", 0, "--json")
+        assert r.returncode == 0, r.stderr
+        j = json.loads(r.stdout)
+        assert (j["op"], j["M"], j["K"], j["N"], j["dtype"]) == ("linear", 7, 129, 33, dtype)
+        assert j["route"] in ({"native", "portable"} if dtype == "f32" else {"native", "heads", "f32", "portable"})
+        assert abs(j["gflops"] - 2 * 7 * 129 * 33 / j["ms"] / 1e6) <= 2e-2 * j["gflops"] + 1e-2
+    if platform.machine() in ("x86_64", "AMD64"):  # heads' own int8 GEMM runs on every x86 path but the portable one
+        r = subprocess.run([HEADS, "bench", "linear", "--dtype", "int8", "--rows", "5", "--in", "7", "--out", "3",
+                            "--min-time", "0", "--json"], capture_output=True, text=True,
+                           env={**os.environ, "HEADS_INT8_GEMM": "heads"})
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["route"] in ("heads", "portable")
+    r = run("bench", "linear", "--rows", 0)
+    assert r.returncode != 0 and "--rows" in r.stderr
 
     r = run("bench", "peak", "--threads", 2, "--min-time", 0.2, "--json")
     assert r.returncode == 0, r.stderr
