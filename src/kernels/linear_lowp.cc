@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -232,8 +233,7 @@ struct Int8Weight {
 // The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (uint8 A, int8 B, exact int32 sums) on the native
 // route, or plain loops (also where oneDNN turns out to have no int8 matmul for this CPU).
 void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native,
-               kernels::PackedB* packed) {
-  const int threads = kernels::gemm_threads(M, N, K);
+               kernels::PackedB* packed, int threads) {
   if (native && native_matmul("int8", {M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::U8S8}, A, B,
                                nullptr, acc, packed)) {
     return;
@@ -264,17 +264,121 @@ void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t 
 // zero in the rows quantized (x times `keep`) and added in f32 by each output row: y[m, n] +=
 // x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s (+ r·sr), and
 // go through the f32 GEMM with the dequantized weight (C·swr on residual rows).
-// Rows per GEMM call of linear_int8 when no row has a second term (a multiple of kShapeStep): a
-// chunk's int32 sums (256 x N) are still in L2 when its outputs are made.
-constexpr int64_t kGemmChunkRows = 256;
-// The same for heads' own GEMM with second terms (one of its row blocks): its sums read back from L2
-// (AMD Zen 3, heads bench embed --dtype int8 when its output pass was apart, medians of 6 interleaved
-// rounds: 158 sentences/s at 256 rows, 179 at 96, 167 at 48). With one term per row the output is
-// made from the sums in registers (kernels::PairsOut).
-constexpr int64_t kHeadsChunkRows = 96;
+
+// Output row m of x as int8_rows_out reads it, from one GEMM call's sums: the first term's at row i of
+// acc (stride N), the second term's at row i2 (−1: the row has none), and on oneDNN's route and the
+// portable loops (heads == false) the residual GEMM's at the same rows of acc3 (stride Nrp).
+kernels::Int8Row int8_out_row(const Int8Weight& w, bool heads, const float* x, int64_t xs, int64_t m,
+                              const int32_t* zx, const float* sx, const float* sr, const float* bias,
+                              const int32_t* acc, const int32_t* acc3, int64_t Nrp, int64_t i, int64_t i2) {
+  const int64_t N = w.N;
+  kernels::Int8Row r{acc + i * N, i2 < 0 ? nullptr : acc + i2 * N, zx[m], sx[m], sr[m],
+                     heads ? w.fold_ws : w.ws, heads ? w.fold_sw : w.sw, bias, N};
+  if (!heads) {
+    r.a3 = acc3 + i * Nrp;
+    r.a32 = i2 < 0 ? nullptr : acc3 + i2 * Nrp;
+  }
+  r.wrs = w.wrs;
+  r.swr = w.swr;
+  r.rows = w.rrows;
+  r.shift = w.rshift;
+  r.nr = heads ? 0 : w.Nr;
+  r.x = x + m * xs;
+  r.oc = w.oc;
+  r.wo = w.wo;
+  r.no = w.no;
+  return r;
+}
+
+// Output rows are made (and their activation applied) this many at a time, while they are in cache.
+constexpr int64_t kOutBlock = 16;
+
+// Rows per task of oneDNN's route and the portable loops (a multiple of kShapeStep and of kOutBlock).
+// Each task quantizes its rows, runs its GEMMs on one thread and makes its outputs from the sums while
+// they are in L2 (64 x N int32), and the threads take tasks as they come free, all in one parallel
+// region: a layer had been a dozen regions (the quantization, then per 256 rows a GEMM, the residual
+// GEMM and the output pass), and on a 2-vCPU VM each fork/join woke a sleeping thread (libgomp's
+// spin is cut to 1,000 iterations: tools/cli/main.cc) — 20% of an int8 embedding's samples were in
+// the kernel's futex wake-ups (Intel Xeon, AVX-512 VNNI, 2 threads).
+constexpr int64_t kTaskRows = 64;
+
+void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias,
+                       float* y, int64_t ys, std::optional<Activation> act, bool native) {
+  using lowp::kShapeStep;
+  const int64_t N = w.N, Nr = w.Nr;
+  const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t T = std::min(kTaskRows, (M + kShapeStep - 1) / kShapeStep * kShapeStep);
+  const int64_t tasks = (M + T - 1) / T;
+  const int threads = static_cast<int>(std::min<int64_t>(kernels::gemm_threads(M, N, K), tasks));
+  // Each thread's working memory: a task's codes (rows [0, cm) the first terms, zero past its rows,
+  // then the second terms packed, zero rows up to a multiple of kRowBlock), and its GEMMs' sums.
+  const int64_t q_size = 2 * T * K, acc_size = 2 * T * N, acc3_size = 2 * T * Nrp;
+  const Buffer<uint8_t> codes(threads * q_size);
+  const Buffer<int32_t> sums(threads * acc_size), sums3(std::max<int64_t>(1, threads * acc3_size));
+  const Buffer<float> sx(M), sr(M);
+  const Buffer<int32_t> zx(M);
+  const auto& k = kernels::active();
+  const double tau2x12 = 12.0 * w.act_error * w.act_error;
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int t = threads > 1 ? omp_get_thread_num() : 0;
+    uint8_t* q = codes.data() + t * q_size;
+    int32_t* acc = sums.data() + t * acc_size;
+    int32_t* acc3 = Nrp > 0 ? sums3.data() + t * acc3_size : nullptr;
+    int64_t slot[kTaskRows];  // row i's index among the task's second terms, or −1
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ti = 0; ti < tasks; ++ti) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        const int64_t c0 = ti * T, n = std::min(M, c0 + T) - c0;
+        const int64_t cm = (n + kShapeStep - 1) / kShapeStep * kShapeStep;
+        uint8_t* r = q + cm * K;
+        k.quantize_rows_u8(x + c0 * xs, n, K, xs, w.keep, tau2x12, q, sx.data() + c0, zx.data() + c0, r,
+                           sr.data() + c0);
+        std::fill(q + n * K, q + cm * K, uint8_t{0});
+        int64_t m2 = 0;
+        for (int64_t i = 0; i < n; ++i) {  // second terms packed in order: row i moves to row m2 ≤ i
+          if (sr[c0 + i] == 0.0f) {
+            slot[i] = -1;
+            continue;
+          }
+          if (m2 != i) std::memmove(r + m2 * K, r + i * K, static_cast<size_t>(K));
+          slot[i] = cm + m2++;
+        }
+        const int64_t mt = cm + std::min((m2 + kRowBlock - 1) / kRowBlock * kRowBlock, cm);
+        std::fill(r + m2 * K, q + mt * K, uint8_t{0});
+        gemm_u8s8(q, mt, K, w.W, N, acc, native, w.packed, 1);
+        if (Nr > 0) gemm_u8s8(q, mt, K, w.Wr_padded, Nrp, acc3, native, w.packed_r, 1);
+        for (int64_t b0 = 0; b0 < n; b0 += kOutBlock) {
+          const int64_t b1 = std::min(n, b0 + kOutBlock);
+          kernels::Int8Row rows[kOutBlock];
+          for (int64_t i = b0; i < b1; ++i) {
+            rows[i - b0] = int8_out_row(w, false, x, xs, c0 + i, zx.data(), sx.data(), sr.data(), bias, acc, acc3,
+                                        Nrp, i, slot[i]);
+          }
+          k.int8_rows_out(rows, b1 - b0, y + (c0 + b0) * ys, ys);
+          apply_activation(act, y + (c0 + b0) * ys, b1 - b0, N, ys);
+        }
+      } catch (...) {
+#pragma omp critical(heads_linear_int8_error)
+        if (!error) error = std::current_exception();
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
 
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys, std::optional<Activation> act) {
+  const Route route = route_of(Precision::Int8);
+  if (route == Route::Native || route == Route::Portable) {
+    linear_int8_tasks(x, M, K, xs, w, bias, y, ys, act, route == Route::Native);
+    return;
+  }
+  // The f32 route and heads' own GEMM from here.
   // Rows [0, M) of xq: the first terms, zero rows up to Mp; rows [Mp, Mp + M): the second terms
   // (where a row has one). The GEMMs run Mp rows, a multiple of kShapeStep: a model fed texts of
   // every length then meets kShapeStep times fewer GEMM shapes, each a oneDNN primitive made once
@@ -286,7 +390,6 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   const Buffer<int32_t> zx(M);
   kernels::active().quantize_rows_u8(x, M, K, xs, w.keep, 12.0 * w.act_error * w.act_error,
                                      xq.data(), sx.data(), zx.data(), xr, sr.data());
-  const Route route = route_of(Precision::Int8);
   const int threads = kernels::gemm_threads(M, w.N, K);
   if (route == Route::F32) {
     HEADS_CHECK(w.wide != nullptr, "linear (int8): the weight has no f32 copy for this CPU's f32 route");
@@ -310,85 +413,45 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     apply_activation(act, y, M, w.N, ys);
     return;
   }
-  const bool native = route == Route::Native, heads = route == Route::Heads;
+  // heads' own GEMM (CPUs without VNNI): the rows with a second term follow the M first terms
+  // directly (in order: a row never moves down), so that one GEMM reads the weight once for both (a
+  // decoder's single row: 1 or 2 rows), and the residual rows are folded into the weight (C = 2^p·W +
+  // Wr there).
   const int64_t N = w.N, Nr = w.Nr;
-  // The rows with a second term, packed after the first terms (in order: a row never moves down), so
-  // that one GEMM reads the weight once for both (a decoder's single row: 1 or 2 rows). oneDNN's
-  // GEMMs run padded row counts (kShapeStep, kRowBlock: fewer shapes to compile), heads' the rows
-  // there are: its second terms follow the M first ones directly.
   std::vector<int64_t> two;
   for (int64_t m = 0; m < M; ++m) {
     if (sr[m] != 0.0f) two.push_back(m);
   }
   const auto M2 = static_cast<int64_t>(two.size());
-  const int64_t base2 = heads ? M : Mp;  // the first second-term row of xq
-  const int64_t Mt = heads ? M + M2 : Mp + std::min((M2 + kRowBlock - 1) / kRowBlock * kRowBlock, Mp);
-  std::fill(xq.data() + M * K, xq.data() + Mp * K, uint8_t{0});
-  for (int64_t j = 0; j < M2; ++j) {  // row two[j] of xr to row base2 + j of xq: never past it (two[j] ≥ j)
-    if (base2 + j != Mp + two[j]) std::memmove(xq.data() + (base2 + j) * K, xr + two[j] * K, static_cast<size_t>(K));
+  for (int64_t j = 0; j < M2; ++j) {  // row two[j] of xr to row M + j of xq: never past it (two[j] ≥ j)
+    if (M + j != Mp + two[j]) std::memmove(xq.data() + (M + j) * K, xr + two[j] * K, static_cast<size_t>(K));
   }
-  std::fill(xq.data() + (base2 + M2) * K, xq.data() + Mt * K, uint8_t{0});
-  // heads' GEMM reads the residual rows folded into the weight (C = 2^p·W + Wr there), oneDNN's and the
-  // portable loops have them in a GEMM of their own, over the second terms too.
-  const int16_t* pairs = heads ? w.pairs->get(w.W, N, K, w.Wr, w.rrows, w.rshift, Nr) : nullptr;
-  if (heads && M2 == 0) {  // one term per row: the output made from the sums in registers, every row in one call
+  const int16_t* pairs = w.pairs->get(w.W, N, K, w.Wr, w.rrows, w.rshift, Nr);
+  if (M2 == 0) {  // one term per row: the output made from the sums in registers, every row in one call
     const int act_code = !act ? 0 : *act == Activation::Relu ? 1 : *act == Activation::Gelu ? 2 : 3;
     const kernels::PairsOut out{y, ys, zx.data(), sx.data(), w.fold_ws, w.fold_sw, bias, x, xs, w.oc, w.wo, w.no,
                                 act_code};
     kernels::active().gemm_u8s8_pairs_out(xq.data(), M, K, K, pairs, N, out);
     return;
   }
-  // Without second terms the GEMMs run a chunk of rows at a time, each chunk's outputs made right
-  // after its GEMM: the integer sums are then read back from cache, not from memory.
-  const int64_t chunk = M2 > 0 ? base2 : std::min(base2, heads ? kHeadsChunkRows : kGemmChunkRows);
-  const Buffer<int32_t> acc((M2 > 0 ? Mt : chunk) * N);
-  const int64_t Nrp = heads ? 0 : (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;  // heads' GEMM folds them in
-  const Buffer<int32_t> acc3(Nrp > 0 ? (M2 > 0 ? Mt : chunk) * Nrp : 1);
-  std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's index among the second terms
-  for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = j;
-  const auto rows_out = kernels::active().int8_rows_out;
-  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-    const int64_t c1 = std::min(M, c0 + chunk);
-    if (heads) {
-      const int64_t rows = M2 > 0 ? Mt : c1 - c0;
-      const kernels::PairsProduct part{pairs, N, rows, acc.data(), N};
-      kernels::active().gemm_u8s8_pairs(xq.data() + c0 * K, rows, K, K, &part, 1);
-    } else {
-      // Rows [c0, c0 + cm) of xq: within its first Mp rows (c0 and Mp are multiples of kShapeStep).
-      const int64_t cm = (c1 - c0 + lowp::kShapeStep - 1) / lowp::kShapeStep * lowp::kShapeStep;
-      gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.W, N, acc.data(), native, w.packed);
-      if (Nr > 0) gemm_u8s8(xq.data() + c0 * K, M2 > 0 ? Mt : cm, K, w.Wr_padded, Nrp, acc3.data(), native, w.packed_r);
-    }
-    const auto out_row = [&](int64_t m) {
-      const int64_t j2 = second[static_cast<size_t>(m)];
-      kernels::Int8Row r{acc.data() + (m - c0) * N, j2 < 0 ? nullptr : acc.data() + (base2 + j2) * N, zx[m], sx[m], sr[m],
-                         heads ? w.fold_ws : w.ws, heads ? w.fold_sw : w.sw, bias, N};
-      if (!heads) {
-        r.a3 = acc3.data() + (m - c0) * Nrp;
-        r.a32 = j2 < 0 ? nullptr : acc3.data() + (base2 + j2) * Nrp;
-      }
-      r.wrs = w.wrs;
-      r.swr = w.swr;
-      r.rows = w.rrows;
-      r.shift = w.rshift;
-      r.nr = heads ? 0 : Nr;
-      r.x = x + m * xs;
-      r.oc = w.oc;
-      r.wo = w.wo;
-      r.no = w.no;
-      return r;
-    };
-    // Blocks of rows: each block's outputs made, then its activation while they are in cache.
-    constexpr int64_t kBlock = 16;
-    const int64_t blocks = (c1 - c0 + kBlock - 1) / kBlock;
+  // With second terms one GEMM over them all, then the outputs a block of rows at a time.
+  const int64_t Mt = M + M2;
+  const Buffer<int32_t> acc(Mt * N);
+  std::vector<int64_t> second(static_cast<size_t>(M), -1);  // row m's row among the sums' second terms
+  for (int64_t j = 0; j < M2; ++j) second[static_cast<size_t>(two[j])] = M + j;
+  const kernels::PairsProduct part{pairs, N, Mt, acc.data(), N};
+  kernels::active().gemm_u8s8_pairs(xq.data(), Mt, K, K, &part, 1);
+  const int64_t blocks = (M + kOutBlock - 1) / kOutBlock;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const int64_t m0 = c0 + bi * kBlock, m1 = std::min(c1, m0 + kBlock);
-      kernels::Int8Row rows[kBlock];
-      for (int64_t m = m0; m < m1; ++m) rows[m - m0] = out_row(m);
-      rows_out(rows, m1 - m0, y + m0 * ys, ys);
-      apply_activation(act, y + m0 * ys, m1 - m0, N, ys);
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const int64_t m0 = bi * kOutBlock, m1 = std::min(M, m0 + kOutBlock);
+    kernels::Int8Row rows[kOutBlock];
+    for (int64_t m = m0; m < m1; ++m) {
+      rows[m - m0] = int8_out_row(w, true, x, xs, m, zx.data(), sx.data(), sr.data(), bias, acc.data(), nullptr, 0, m,
+                                  second[static_cast<size_t>(m)]);
     }
+    kernels::active().int8_rows_out(rows, m1 - m0, y + m0 * ys, ys);
+    apply_activation(act, y + m0 * ys, m1 - m0, N, ys);
   }
 }
 

@@ -131,14 +131,37 @@ inline void int8_row_sums_out(const Int8Row& r, float* y) {
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
   }
-  for (int64_t j = 0; j < r.nr; ++j) {
-    const int64_t i = r.rows[j], p = r.shift[j];
-    const int64_t wc = int64_t{ws[i]} * (int64_t{1} << p) + static_cast<int64_t>(r.wrs[j]);
-    float v = static_cast<float>(int64_t{a[i]} * (int64_t{1} << p) + r.a3[j] - int64_t{r.z} * wc) * s;
-    if (a2 != nullptr) {
-      v = std::fma(static_cast<float>(int64_t{a2[i]} * (int64_t{1} << p) + r.a32[j] - kSecondZero * wc), s2, v);
+  // The residual rows, kChunk at a time: their sums first, each exact in 32 bits (|Σ (q − z)·C| ≤
+  // 255·Σ|C| < 2^31, heads::int8_residual_fits), so that the products and sums may wrap on the way
+  // (unsigned arithmetic), then the outputs a vector at a time, y gathered and scattered (the rows
+  // are distinct).
+  constexpr int64_t kChunk = 64;
+  alignas(64) float v[kChunk];
+  const auto c_sum = [](const int32_t* acc, const int32_t* acc_r, uint32_t zero, const int32_t* ws, const float* wrs,
+                        int32_t i, int32_t p, int64_t j) {
+    const uint32_t wc = (static_cast<uint32_t>(ws[i]) << p) + static_cast<uint32_t>(static_cast<int32_t>(wrs[j]));
+    return static_cast<float>(static_cast<int32_t>((static_cast<uint32_t>(acc[i]) << p) +
+                                                   static_cast<uint32_t>(acc_r[j]) - zero * wc));
+  };
+  for (int64_t j0 = 0; j0 < r.nr; j0 += kChunk) {
+    const int64_t jn = std::min(kChunk, r.nr - j0);
+    const int32_t* rows = r.rows + j0;
+    const int32_t* shift = r.shift + j0;
+    if (a2 == nullptr) {
+      for (int64_t j = 0; j < jn; ++j) v[j] = c_sum(a, r.a3 + j0, z, ws, r.wrs + j0, rows[j], shift[j], j) * s;
+    } else {
+      for (int64_t j = 0; j < jn; ++j) {
+        const float first = c_sum(a, r.a3 + j0, z, ws, r.wrs + j0, rows[j], shift[j], j) * s;
+        v[j] = std::fma(c_sum(a2, r.a32 + j0, kSecondZero, ws, r.wrs + j0, rows[j], shift[j], j), s2, first);
+      }
     }
-    y[i] = std::fma(v, r.swr[j], b ? b[i] : 0.0f);
+    const float* swr = r.swr + j0;
+    int64_t j = 0;
+    for (; j + qz::kW <= jn; j += qz::kW) {
+      const qz::VR bv = b ? Vec::gather(b, rows + j) : Vec::zero();
+      Vec::scatter(y, rows + j, Vec::fma(Vec::load(v + j), Vec::loadu(swr + j), bv));
+    }
+    for (; j < jn; ++j) y[rows[j]] = std::fma(v[j], swr[j], b ? b[rows[j]] : 0.0f);
   }
 }
 

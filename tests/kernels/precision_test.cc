@@ -118,10 +118,12 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   }
   EXPECT_THAT(testing::error_of([] { set_int8_gemm("fast"); }), HasSubstr("set_int8_gemm: expected \"auto\" or \"heads\""));
   // activation_error 0 (the default): two terms on every row; 0.8%: only on the rows estimated to lose
-  // more; infinity: one term on every row (the GEMMs then run 256 rows at a time: M = 300 takes two).
+  // more; infinity: one term on every row. oneDNN's route works in tasks of 64 rows (M = 70: a ragged
+  // second one; 300: five), and makes the residual rows' outputs 64 at a time (N = 160: more than 64 of them).
   const double inf = std::numeric_limits<double>::infinity();
   for (const double tau : {0.0, 0.008, inf})
-  for (const Shapes& s : {Shapes{1, 1, 1}, Shapes{7, 3, 5}, Shapes{37, 70, 45}, Shapes{129, 384, 17}, Shapes{300, 40, 24}}) {
+  for (const Shapes& s : {Shapes{1, 1, 1}, Shapes{7, 3, 5}, Shapes{37, 70, 45}, Shapes{129, 384, 17}, Shapes{300, 40, 24},
+                          Shapes{70, 64, 160}}) {
     Tensor x = randn({s.M, s.K}, 2.0);
     const Tensor b = randn({s.N});
     for (int64_t m = 0; m < s.M; m += 3) {  // an outlier on every third row: its rounding loses more
@@ -135,6 +137,7 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     ASSERT_EQ(pw.data().dtype(), DType::I8);
     EXPECT_EQ(pw.activation_error(), tau);
     if (s.K >= 45) EXPECT_TRUE(pw.residual_rows().defined());  // the heavy rows need it
+    if (s.N >= 160) EXPECT_GT(pw.residual_rows().numel(), 64);  // more than one block of residual outputs
     // Rows with the residual term: exactly those whose rounding loses more than kInt8ResidualError.
     std::vector<int64_t> res_index(static_cast<size_t>(s.N), -1);
     for (int64_t j = 0; pw.residual_rows().defined() && j < pw.residual_rows().numel(); ++j) {
