@@ -326,7 +326,7 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
     const int t = threads > 1 ? omp_get_thread_num() : 0;
     uint8_t* q = codes.data() + t * q_size;
     int32_t* acc = sums.data() + t * acc_size;
-    int32_t* acc3 = Nrp > 0 ? sums3.data() + t * acc3_size : nullptr;
+    int32_t* acc3 = sums3.data() + (Nrp > 0 ? t * acc3_size : 0);
     int64_t slot[kTaskRows];  // row i's index among the task's second terms, or −1
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < tasks; ++ti) {
