@@ -1,12 +1,15 @@
-// linear_lowp.h — what the reduced-precision linear layers' two files share: the packing of weights
-// (linear_lowp_pack.cc) and the calls (linear_lowp.cc).
+// linear_lowp.h — what the reduced-precision linear layers' files share: the packing of weights
+// (linear_lowp_pack.cc), the calls (linear_lowp.cc) and the int8 call (linear_lowp_int8.cc).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 
+#include "heads/ops.h"
 #include "heads/precision.h"
+#include "kernels/onednn.h"
 
 namespace heads::lowp {
 
@@ -51,5 +54,70 @@ class PairsB {
 int64_t pairs_size(int64_t N, int64_t K);
 void pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst);
 void pack_pairs(const int16_t* B, int64_t N, int64_t K, int16_t* dst);
+
+// Working memory of one call, left uninitialised (every element is written before it is read).
+template <class T>
+class Buffer {
+ public:
+  explicit Buffer(int64_t n) : p_(new T[static_cast<size_t>(n)]) {}
+  T* data() const { return p_.get(); }
+  T& operator[](int64_t i) const { return p_[static_cast<size_t>(i)]; }
+
+ private:
+  std::unique_ptr<T[]> p_;
+};
+
+enum class Route { Native, Heads, F32, Portable };  // linear_gemm_route's answers
+Route route_of(Precision p);
+
+// oneDNN's matmul for a bf16 / int8 call; false where oneDNN turns out to have none for this CPU after
+// all (the caller's portable loops then run), any other failure an error naming the shapes.
+bool native_matmul(const char* precision, const kernels::MatmulCall& call, const void* a, const void* b,
+                   const float* bias, void* c, kernels::PackedB* packed);
+
+// y [M, N] (stride ys; f32, or bf16 when y_bf16) = xf [M, K] (contiguous) Wfᵀ + bias through the f32
+// GEMM: the route of a CPU without a native bf16 / int8 matmul.
+void linear_wide(const float* xf, int64_t M, int64_t K, const float* Wf, const float* bias, int64_t N, void* y,
+                 bool y_bf16, int64_t ys);
+
+// act (when given) on `rows` rows of n values (row stride ys) in place, by the kernel table's
+// elementwise ops: each value's bits as activation() gives them.
+void apply_activation(std::optional<Activation> act, float* y, int64_t rows, int64_t n, int64_t ys);
+
+// An int8 weight as linear_int8 reads it: W [N, K] with scales sw [N] and row sums ws [N] (Σ_k W[n, k],
+// exact), and the residual term's Nr rows Wr [Nr, K] with scales swr [Nr] = sw / 2^rshift and sums
+// wrs [Nr], for the outputs rrows[j] (heads/precision.h).
+struct Int8Weight {
+  const int8_t* W;
+  const float* sw;
+  const int32_t* ws;
+  int64_t N;
+  // sw and ws with the residual rows folded in (C's scales and sums there): heads' own GEMM's
+  const float* fold_sw = nullptr;
+  const int32_t* fold_ws = nullptr;
+  const int8_t* Wr = nullptr;
+  const float* swr = nullptr;
+  const float* wrs = nullptr;
+  const int32_t* rrows = nullptr;
+  const int32_t* rshift = nullptr;  // p of each residual row (its scale is the row's / 2^p)
+  int64_t Nr = 0;
+  const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
+  // The outlier channels oc [no] (heads/precision.h), W's columns there in panels (kernels::Int8Row), and
+  // keep [K]: 0 on them, 1 elsewhere (the int8 term's view of x).
+  const int64_t* oc = nullptr;
+  const float* wo = nullptr;
+  const float* keep = nullptr;
+  int64_t no = 0;
+  double act_error = 0;
+  kernels::PackedB* packed = nullptr;      // W in oneDNN's layouts
+  const int8_t* Wr_padded = nullptr;       // Wr with zero rows to a multiple of kRowBlock
+  kernels::PackedB* packed_r = nullptr;    // Wr_padded in oneDNN's layouts
+  lowp::PairsB* pairs = nullptr;           // W and Wr in heads' GEMM's layout
+};
+
+// y [M, N] (row stride ys) = x [M, K] (row stride xs) through the int8 weight w, bias and act
+// (linear_lowp_int8.cc).
+void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
+                 int64_t ys, std::optional<Activation> act);
 
 }  // namespace heads::lowp
