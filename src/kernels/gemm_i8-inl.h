@@ -27,7 +27,7 @@
 // time as threads come free (a thread's block of A mostly stays in its L2; on a shared 2-core Zen 3,
 // heads bench embed --dtype int8 201 against 171 sentences/s with a static split, medians of 5
 // interleaved rounds: a core slowed by its neighbour no longer holds the other back); A is packed
-// once per call, by all threads. Each task writes its own outputs: the bits do not depend on who
+// once per call, by all threads (and the outlier channels' values of its rows gathered). Each task writes its own outputs: the bits do not depend on who
 // runs it.
 // gemm_u8s8_pairs_out makes the int8 layer's output (kernels/dispatch.h: PairsOut) from the sums
 // while they are in registers, a tile of R rows x 16 columns at a time (the sums of earlier blocks
@@ -97,9 +97,23 @@ __attribute__((noinline)) void group_rows(const uint32_t* a, const int16_t* pane
 // panel index p0 (the outlier columns'). The epilogue reads the sums back from the tile rather
 // than from registers: sharing a function with it, GCC 12 spilled the micro-kernel's sums (2.5x
 // slower), and one store and load per output is nothing beside its K multiply-adds.
+// The activation of a tile of outputs just stored (in L1), one vector at a time: a loop of its own,
+// apart from the tile's registers, so that its constants stay in registers and consecutive vectors
+// overlap (applied to the tile's registers, GELU took 3x its streaming time: heads bench embed
+// --dtype int8 ~10% of samples on Zen 3).
+__attribute__((noinline)) inline void activate_tile(float* y, int64_t ys, int rows, int64_t cols, int act) {
+  for (int r = 0; r < rows; ++r) {
+    float* yr = y + r * ys;
+    const auto f = [act](VR x) { return act == 1 ? ew::relu(x) : act == 2 ? ew::gelu_erf(x) : ew::gelu_tanh(x); };
+    int64_t i = 0;
+    for (; i + kW <= cols; i += kW) Vec::storeu(yr + i, f(Vec::loadu(yr + i)));
+    if (i < cols) Vec::store_partial(yr + i, f(Vec::load_partial(yr + i, cols - i)), cols - i);
+  }
+}
+
 template <int RT>
 HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* part, bool add,
-                            const PairsOut& o, int64_t m, int64_t n0, int64_t cols, int64_t p0) {
+                            const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols, int64_t p0) {
   group_rows<RT>(a, panel, kp, part, kPairPanel, kPairPanel, add);
   int64_t n[kNV];
 #pragma GCC unroll 4
@@ -129,10 +143,10 @@ HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp,
     VR w[kNV];
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) w[v] = Vec::loadu(wo + c * kPairPanel + v * kW);
-    const float* xc = o.x + m * o.xs + o.oc[c];
+    const float* xc = xo + m * o.no + c;
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
-      const VR xv = Vec::set1(xc[r * o.xs]);
+      const VR xv = Vec::set1(xc[r * o.no]);
 #pragma GCC unroll 4
       for (int v = 0; v < kNV; ++v) out[r][v] = Vec::fma(xv, w[v], out[r][v]);
     }
@@ -142,21 +156,14 @@ HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp,
     float* y = o.y + (m + r) * o.ys + n0;
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
-      VR x = out[r][v];
-      if (o.act == 1) {
-        x = ew::relu(x);
-      } else if (o.act == 2) {
-        x = ew::gelu_erf(x);
-      } else if (o.act == 3) {
-        x = ew::gelu_tanh(x);
-      }
       if (n[v] == kW) {
-        Vec::storeu(y + v * kW, x);
+        Vec::storeu(y + v * kW, out[r][v]);
       } else if (n[v] > 0) {
-        Vec::store_partial(y + v * kW, x, n[v]);
+        Vec::store_partial(y + v * kW, out[r][v], n[v]);
       }
     }
   }
+  if (o.act != 0) activate_tile(o.y + m * o.ys + n0, o.ys, RT, cols, o.act);
 }
 
 // The tail groups of RT < kR rows, as above.
@@ -171,10 +178,11 @@ HEADS_INLINE void group_tail(int64_t rows, const uint32_t* a, const int16_t* pan
 
 template <int RT>
 HEADS_INLINE void group_out_tail(int64_t rows, const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* part,
-                                 bool add, const PairsOut& o, int64_t m, int64_t n0, int64_t cols, int64_t p0) {
+                                 bool add, const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols,
+                                 int64_t p0) {
   if constexpr (RT > 0) {
-    if (rows == RT) return group_out<RT>(a, panel, kp, part, add, o, m, n0, cols, p0);
-    group_out_tail<RT - 1>(rows, a, panel, kp, part, add, o, m, n0, cols, p0);
+    if (rows == RT) return group_out<RT>(a, panel, kp, part, add, o, xo, m, n0, cols, p0);
+    group_out_tail<RT - 1>(rows, a, panel, kp, part, add, o, xo, m, n0, cols, p0);
   }
 }
 
@@ -210,9 +218,9 @@ inline int64_t block_rows(int64_t M) {
 
 // The tasks of one call: for each product its row blocks, each block's panels in order; A packed on
 // the calling thread's buffer first, by all threads; task(p, m0, rows, panel, a32, Kp) runs one.
-template <class Task>
+template <class Task, class Gather>
 inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts, int count,
-                      Task task) {
+                      Task task, Gather gather) {
   const int64_t Kp = (K + 1) / 2;
   const int64_t groups = (M + kR - 1) / kR;
   const auto blocks = [](const PairsProduct& p) { return (p.M + block_rows(p.M) - 1) / block_rows(p.M); };
@@ -231,7 +239,10 @@ inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) pack_group(A, M, K, lda, g, a32 + g * Kp * kR);
+    for (int64_t g = 0; g < groups; ++g) {
+      pack_group(A, M, K, lda, g, a32 + g * Kp * kR);
+      gather(g * kR, std::min(M, g * kR + kR));
+    }
 #pragma omp for schedule(dynamic, 4)
     for (int64_t t = 0; t < tasks; ++t) {
       int p = 0;
@@ -266,15 +277,21 @@ inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
                   }
                 }
               }
-            });
+            },
+            [](int64_t, int64_t) {});
 }
 
 inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int16_t* B, int64_t N,
                                 const PairsOut& out) {
   using namespace gemm_i8;
   const PairsProduct part{B, N, M, nullptr, 0};
+  // The outlier channels' values, gathered once into rows of no (the tiles read them from L1, where
+  // x's rows, 6 KB apart at K = 1536, had each tile reach past L2 for them).
+  thread_local std::vector<float> gathered;
+  gathered.resize(static_cast<size_t>(M * out.no));
+  float* const xo = gathered.data();
   run_tasks(A, M, K, lda, &part, 1,
-            [&out](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kp) {
+            [&out, xo](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kp) {
               // the sums of the blocks of K before the last, rows x 16 (at most kRowBlock rows)
               alignas(64) int32_t partial[kRowBlock * kPairPanel];
               const int64_t n0 = panel * kPairPanel, cols = std::min(kPairPanel, pr.N - n0);
@@ -293,11 +310,17 @@ inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t 
                       group_tail<kR - 1>(rt, a, b, kp, part, kPairPanel, kPairPanel, i0 > 0);
                     }
                   } else if (rt == kR) {
-                    group_out<kR>(a, b, kp, part, i0 > 0, out, m0 + m, n0, cols, panel);
+                    group_out<kR>(a, b, kp, part, i0 > 0, out, xo, m0 + m, n0, cols, panel);
                   } else {
-                    group_out_tail<kR - 1>(rt, a, b, kp, part, i0 > 0, out, m0 + m, n0, cols, panel);
+                    group_out_tail<kR - 1>(rt, a, b, kp, part, i0 > 0, out, xo, m0 + m, n0, cols, panel);
                   }
                 }
               }
+            },
+            [&out, xo](int64_t m0, int64_t m1) {
+              for (int64_t m = m0; m < m1; ++m) {
+                for (int64_t c = 0; c < out.no; ++c) xo[m * out.no + c] = out.x[m * out.xs + out.oc[c]];
+              }
             });
+  if (gathered.size() > (size_t{1} << 20)) std::vector<float>().swap(gathered);  // at most 4 MB kept
 }
