@@ -98,9 +98,9 @@ __attribute__((noinline)) void group_rows(const uint32_t* a, const int16_t* pane
 // than from registers: sharing a function with it, GCC 12 spilled the micro-kernel's sums (2.5x
 // slower), and one store and load per output is nothing beside its K multiply-adds.
 // The activation of a tile of outputs just stored (in L1), one vector at a time: a loop of its own,
-// apart from the tile's registers, so that its constants stay in registers and consecutive vectors
-// overlap (applied to the tile's registers, GELU took 3x its streaming time: heads bench embed
-// --dtype int8 ~10% of samples on Zen 3).
+// apart from the tile's twelve live registers (no faster on Zen 3 than applying it to them, within
+// noise, and a function of its own in profiles: GELU's erf is ~10% of heads bench embed --dtype
+// int8's samples there, the ceiling of its FMA pipes at ~23 cycles a vector).
 __attribute__((noinline)) inline void activate_tile(float* y, int64_t ys, int rows, int64_t cols, int act) {
   for (int r = 0; r < rows; ++r) {
     float* yr = y + r * ys;
