@@ -27,8 +27,8 @@
 // time as threads come free (a thread's block of A mostly stays in its L2; on a shared 2-core Zen 3,
 // heads bench embed --dtype int8 201 against 171 sentences/s with a static split, medians of 5
 // interleaved rounds: a core slowed by its neighbour no longer holds the other back); A is packed
-// once per call, by all threads (and the outlier channels' values of its rows gathered). Each task writes its own outputs: the bits do not depend on who
-// runs it.
+// once per call, by all threads (and the outlier channels' values of its rows gathered). Each task
+// writes its own outputs: the bits do not depend on who runs it.
 // gemm_u8s8_pairs_out makes the int8 layer's output (kernels/dispatch.h: PairsOut) from the sums
 // while they are in registers, a tile of R rows x 16 columns at a time (the sums of earlier blocks
 // of K in a tile of the thread's own), instead of storing them.
@@ -291,7 +291,8 @@ inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t 
   gathered.resize(static_cast<size_t>(M * out.no));
   float* const xo = gathered.data();
   run_tasks(A, M, K, lda, &part, 1,
-            [&out, xo](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kp) {
+            [&out, xo](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32,
+                       int64_t Kp) {
               // the sums of the blocks of K before the last, rows x 16 (at most kRowBlock rows)
               alignas(64) int32_t partial[kRowBlock * kPairPanel];
               const int64_t n0 = panel * kPairPanel, cols = std::min(kPairPanel, pr.N - n0);
