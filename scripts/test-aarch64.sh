@@ -23,7 +23,7 @@ NANOBIND_DIR=${HEADS_NANOBIND_DIR:-$(python3 -m nanobind --cmake_dir 2>/dev/null
 
 step aarch64:deps "aarch64: cross compiler, qemu-user and the arm64 libraries (Debian multiarch)"
 PKGS=(cmake ninja-build g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 libdnnl2:arm64 libgtest-dev:arm64
-      libgmock-dev:arm64 libicu-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev libcli11-dev
+      libgmock-dev:arm64 libicu-dev:arm64 libpcre2-dev:arm64 libcairo2-dev:arm64 nlohmann-json3-dev libcli11-dev
       python3 libexpat1:arm64 zlib1g:arm64 libffi8:arm64 libblas3:arm64 liblapack3:arm64)  # python3: for CMake (nanobind);
                                                                                            # the rest: arm64 Python, numpy
 missing=()

@@ -38,6 +38,46 @@ void bind_models(nb::module_& m) {
       .def("token", &heads::WordPieceTokenizer::token, "id"_a)
       .def_prop_ro("vocab_size", &heads::WordPieceTokenizer::vocab_size);
 
+  // Texts arrive as UTF-8 bytes or str (nanobind converts str to UTF-8).
+  using Enc = heads::Tokenizer::Encoding;
+  const auto encoding = [](const Enc& e) {
+    nb::dict d;
+    d["ids"] = e.ids;
+    d["type_ids"] = e.type_ids;
+    d["truncated"] = e.truncated;
+    return d;
+  };
+  nb::class_<heads::Tokenizer>(m, "Tokenizer")
+      .def_static("from_file", &heads::Tokenizer::from_file, "path"_a)
+      .def_static("from_directory", &heads::Tokenizer::from_directory, "dir"_a)
+      .def(
+          "encode",
+          [encoding](const heads::Tokenizer& t, const std::string& text, int64_t max_length, bool add_special_tokens) {
+            Enc e;
+            {
+              nb::gil_scoped_release release;
+              e = t.encode(text, max_length, add_special_tokens);
+            }
+            return encoding(e);
+          },
+          "text"_a, "max_length"_a = 0, "add_special_tokens"_a = true)
+      .def(
+          "encode_pair",
+          [encoding](const heads::Tokenizer& t, const std::string& a, const std::string& b, int64_t max_length) {
+            Enc e;
+            {
+              nb::gil_scoped_release release;
+              e = t.encode_pair(a, b, max_length);
+            }
+            return encoding(e);
+          },
+          "a"_a, "b"_a, "max_length"_a = 0)
+      .def("decode", &heads::Tokenizer::decode, "ids"_a, "skip_special_tokens"_a = true)
+      .def("token", &heads::Tokenizer::token, "id"_a)
+      .def("id", &heads::Tokenizer::id, "token"_a)
+      .def_prop_ro("vocab_size", &heads::Tokenizer::vocab_size)
+      .def_prop_ro("pad_id", &heads::Tokenizer::pad_id);
+
   m.def(
       "quantize",
       [](const std::string& model_dir, const std::string& out_dir, const std::string& dtype) {

@@ -1,0 +1,452 @@
+// tokenizer_steps.cc — normalizers, pre-tokenizers and decoders of tokenizer.json pipelines
+// (tokenizer_steps.h), each as the tokenizers library defines it.
+#include "tokenizer_steps.h"
+
+#include <unicode/uchar.h>
+#include <unicode/unistr.h>
+#include <unicode/ustring.h>
+
+#include <algorithm>
+#include <array>
+
+#include "heads/error.h"
+#include "unicode_text.h"
+
+namespace heads::tok {
+
+using text::char_len;
+
+using text::append_utf8;
+using text::decode_utf8;
+using text::to_utf8;
+
+namespace {
+
+bool is_unicode_whitespace(char32_t c) { return u_isUWhiteSpace(static_cast<UChar32>(c)) != 0; }
+
+// Maps every character of s through f (which appends what it becomes).
+template <class F>
+std::string map_chars(const std::string& s, F f) {
+  std::string out;
+  out.reserve(s.size());
+  for (char32_t c : decode_utf8(s)) f(c, out);
+  return out;
+}
+
+// Rust's char::to_lowercase: the full lower-case mapping of one character, without context.
+void append_lower(char32_t c, std::string& out) {
+  if (c < 0x80) {
+    out.push_back(static_cast<char>(c >= 'A' && c <= 'Z' ? c + 32 : c));
+    return;
+  }
+  UChar src[2], dst[8];
+  int32_t n = 0;
+  U16_APPEND_UNSAFE(src, n, static_cast<UChar32>(c));
+  UErrorCode err = U_ZERO_ERROR;
+  const int32_t m = u_strToLower(dst, 8, src, n, "", &err);
+  if (U_FAILURE(err)) {
+    append_utf8(out, c);
+    return;
+  }
+  for (int32_t i = 0; i < m;) {
+    UChar32 x;
+    U16_NEXT(dst, i, m, x);
+    append_utf8(out, static_cast<char32_t>(x));
+  }
+}
+
+bool is_mark(char32_t c) {  // General_Category = Mark (unicode-normalization-alignments' is_combining_mark)
+  const int8_t t = u_charType(static_cast<UChar32>(c));
+  return t == U_NON_SPACING_MARK || t == U_ENCLOSING_MARK || t == U_COMBINING_SPACING_MARK;
+}
+
+// A split on the characters `is_delim` accepts, as a pattern's matches would be.
+template <class F>
+std::vector<std::pair<size_t, size_t>> char_matches(std::string_view s, F is_delim) {
+  std::vector<std::pair<size_t, size_t>> m;
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = char_len(s, i);
+    if (is_delim(decode_utf8(s.substr(i, n))[0])) m.emplace_back(i, i + n);
+    i += n;
+  }
+  return m;
+}
+
+template <class F>
+PreTokenizer split_each(F matches, SplitBehavior how, bool invert = false) {
+  return [matches, how, invert](std::vector<std::string>& pieces, bool) {
+    std::vector<std::string> out;
+    for (const auto& p : pieces) split_pieces(p, matches(p), how, invert, out);
+    pieces.swap(out);
+  };
+}
+
+}  // namespace
+
+// ---- normalizers -----------------------------------------------------------------------------
+
+Normalizer bert_normalizer(bool clean_text, bool handle_chinese_chars, bool strip_accents, bool lowercase) {
+  return [=](std::string& s) {
+    static const icu::Normalizer2* nfd = text::nfd_instance();
+    std::u32string a;
+    for (char32_t c : decode_utf8(s)) {
+      if (clean_text && (c == 0 || c == 0xFFFD || text::is_control(c))) continue;
+      if (clean_text && text::is_whitespace(c)) c = U' ';
+      if (handle_chinese_chars && text::is_cjk(c)) {
+        a += U' ';
+        a += c;
+        a += U' ';
+      } else {
+        a += c;
+      }
+    }
+    if (strip_accents) {  // NFD (canonical order), then drop the non-spacing marks
+      std::u32string d;
+      for (char32_t c : a) text::decompose(c, d, nfd);
+      for (size_t i = 0; i < d.size();) {
+        size_t j = i;
+        while (j < d.size() && text::combining_class(d[j]) != 0) ++j;
+        std::stable_sort(d.begin() + static_cast<std::ptrdiff_t>(i), d.begin() + static_cast<std::ptrdiff_t>(j),
+                         [](char32_t x, char32_t y) { return text::combining_class(x) < text::combining_class(y); });
+        i = j == i ? i + 1 : j;
+      }
+      a.clear();
+      for (char32_t c : d) {
+        if (!text::is_nonspacing_mark(c)) a += c;
+      }
+    }
+    s.clear();
+    for (char32_t c : a) {
+      if (lowercase) append_lower(c, s);
+      else append_utf8(s, c);
+    }
+  };
+}
+
+Normalizer unicode_normalizer(const std::string& form) {
+  UErrorCode err = U_ZERO_ERROR;
+  const icu::Normalizer2* n = form == "NFC"    ? icu::Normalizer2::getNFCInstance(err)
+                              : form == "NFD"  ? icu::Normalizer2::getNFDInstance(err)
+                              : form == "NFKC" ? icu::Normalizer2::getNFKCInstance(err)
+                                               : icu::Normalizer2::getNFKDInstance(err);
+  HEADS_CHECK(U_SUCCESS(err) && n != nullptr, "tokenizer: ICU ", form, " data unavailable (", u_errorName(err), ")");
+  return [n](std::string& s) {
+    UErrorCode e = U_ZERO_ERROR;
+    const icu::UnicodeString u = n->normalize(icu::UnicodeString::fromUTF8(s), e);
+    HEADS_CHECK(U_SUCCESS(e), "tokenizer: Unicode normalization failed (", u_errorName(e), ")");
+    s.clear();
+    u.toUTF8String(s);
+  };
+}
+
+Normalizer lowercase_normalizer() {
+  return [](std::string& s) { s = map_chars(s, append_lower); };
+}
+
+Normalizer strip_accents_normalizer() {
+  return [](std::string& s) {
+    s = map_chars(s, [](char32_t c, std::string& o) {
+      if (!is_mark(c)) append_utf8(o, c);
+    });
+  };
+}
+
+Normalizer strip_normalizer(bool left, bool right) {
+  return [=](std::string& s) {
+    std::u32string u = decode_utf8(s);
+    size_t b = 0, e = u.size();
+    while (left && b < e && is_unicode_whitespace(u[b])) ++b;
+    while (right && e > b && is_unicode_whitespace(u[e - 1])) --e;
+    s = to_utf8(std::u32string_view(u).substr(b, e - b));
+  };
+}
+
+Normalizer replace_normalizer(Pattern pattern, std::string content) {
+  return [pattern = std::move(pattern), content = std::move(content)](std::string& s) {
+    std::string out;
+    size_t prev = 0;
+    for (const auto& [b, e] : pattern.find_all(s)) {
+      if (e == b) continue;
+      out.append(s, prev, b - prev);
+      out += content;
+      prev = e;
+    }
+    out.append(s, prev, std::string::npos);
+    s.swap(out);
+  };
+}
+
+Normalizer prepend_normalizer(std::string prefix) {
+  return [prefix = std::move(prefix)](std::string& s) {
+    if (!s.empty()) s.insert(0, prefix);
+  };
+}
+
+Normalizer nmt_normalizer() {
+  return [](std::string& s) {
+    s = map_chars(s, [](char32_t c, std::string& o) {
+      if ((c >= 0x1 && c <= 0x8) || c == 0xB || (c >= 0xE && c <= 0x1F) || c == 0x7F || c == 0x8F || c == 0x9F) return;
+      const bool space = c == 0x9 || c == 0xA || c == 0xC || c == 0xD || c == 0x1680 || (c >= 0x200B && c <= 0x200F) ||
+                         c == 0x2028 || c == 0x2029 || c == 0x2581 || c == 0xFEFF || c == 0xFFFD;
+      append_utf8(o, space ? U' ' : c);
+    });
+  };
+}
+
+const std::string& byte_char(uint8_t b) {
+  static const std::array<std::string, 256> table = [] {
+    std::array<std::string, 256> t;
+    int n = 0;
+    for (int x = 0; x < 256; ++x) {
+      const bool printable = (x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF);
+      append_utf8(t[static_cast<size_t>(x)], static_cast<char32_t>(printable ? x : 256 + n++));
+    }
+    return t;
+  }();
+  return table[b];
+}
+
+Normalizer byte_level_normalizer() {
+  return [](std::string& s) {
+    std::string out;
+    for (char ch : s) out += byte_char(static_cast<uint8_t>(ch));
+    s.swap(out);
+  };
+}
+
+// ---- pre-tokenizers --------------------------------------------------------------------------
+
+PreTokenizer bert_pre_tokenizer() {
+  const PreTokenizer ws = split_each([](std::string_view p) { return char_matches(p, text::is_whitespace); },
+                                     SplitBehavior::Removed);
+  const PreTokenizer punct = split_each([](std::string_view p) { return char_matches(p, text::is_punctuation); },
+                                        SplitBehavior::Isolated);
+  return [ws, punct](std::vector<std::string>& pieces, bool first) {
+    ws(pieces, first);
+    punct(pieces, first);
+  };
+}
+
+PreTokenizer whitespace_pre_tokenizer() {
+  // The Rust regex crate's \w (Alphabetic, marks, decimal digits, connector punctuation, join controls).
+  const Pattern p = Pattern::regex(
+      R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}]+|[^\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}\s]+)",
+      "Whitespace pre-tokenizer");
+  return split_each([p](std::string_view s) { return p.find_all(s); }, SplitBehavior::Removed, /*invert=*/true);
+}
+
+PreTokenizer whitespace_split_pre_tokenizer() {
+  return split_each([](std::string_view p) { return char_matches(p, is_unicode_whitespace); }, SplitBehavior::Removed);
+}
+
+PreTokenizer metaspace_pre_tokenizer(std::string replacement, const std::string& prepend_scheme, bool split) {
+  const int scheme = prepend_scheme == "always" ? 0 : prepend_scheme == "first" ? 1 : 2;
+  return [replacement = std::move(replacement), scheme, split](std::vector<std::string>& pieces, bool first) {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      std::string s;
+      for (char ch : pieces[i]) {
+        if (ch == ' ') s += replacement;
+        else s.push_back(ch);
+      }
+      const bool starts = s.compare(0, replacement.size(), replacement) == 0;
+      if (!starts && (scheme == 0 || (scheme == 1 && first && i == 0))) s.insert(0, replacement);
+      if (split) split_pieces(s, Pattern::literal(replacement).find_all(s), SplitBehavior::MergedWithNext, false, out);
+      else if (!s.empty()) out.push_back(std::move(s));
+    }
+    pieces.swap(out);
+  };
+}
+
+PreTokenizer byte_level_pre_tokenizer(bool add_prefix_space, bool use_regex) {
+  const Pattern gpt2 = Pattern::regex(
+      R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)", "ByteLevel pre-tokenizer");
+  return [gpt2, add_prefix_space, use_regex](std::vector<std::string>& pieces, bool) {
+    std::vector<std::string> split;
+    for (auto& p : pieces) {
+      if (add_prefix_space && (p.empty() || p[0] != ' ')) p.insert(p.begin(), ' ');
+      if (use_regex) split_pieces(p, gpt2.find_all(p), SplitBehavior::Isolated, false, split);
+      else if (!p.empty()) split.push_back(p);
+    }
+    for (auto& p : split) {
+      std::string b;
+      for (char ch : p) b += byte_char(static_cast<uint8_t>(ch));
+      p.swap(b);
+    }
+    pieces.swap(split);
+  };
+}
+
+PreTokenizer split_pre_tokenizer(Pattern pattern, SplitBehavior how, bool invert) {
+  return split_each([pattern = std::move(pattern)](std::string_view s) { return pattern.find_all(s); }, how, invert);
+}
+
+PreTokenizer punctuation_pre_tokenizer(SplitBehavior how) {
+  return split_each([](std::string_view p) { return char_matches(p, text::is_punctuation); }, how);
+}
+
+PreTokenizer digits_pre_tokenizer(bool individual) {
+  const auto numeric = [](char32_t c) {  // Rust's char::is_numeric, Unicode 16.0
+    const int8_t t = text::category16(c);
+    return t == U_DECIMAL_DIGIT_NUMBER || t == U_LETTER_NUMBER || t == U_OTHER_NUMBER;
+  };
+  return split_each([numeric](std::string_view p) { return char_matches(p, numeric); },
+                    individual ? SplitBehavior::Isolated : SplitBehavior::Contiguous);
+}
+
+PreTokenizer char_delimiter_pre_tokenizer(char32_t delimiter) {
+  return split_each([delimiter](std::string_view p) { return char_matches(p, [&](char32_t c) { return c == delimiter; }); },
+                    SplitBehavior::Removed);
+}
+
+// ---- decoders --------------------------------------------------------------------------------
+
+std::string cleanup_spaces(std::string s) {
+  static const std::pair<const char*, const char*> kRules[] = {
+      {" .", "."},   {" ?", "?"},   {" !", "!"},         {" ,", ","},     {" ' ", "'"},   {" n't", "n't"},
+      {" 'm", "'m"}, {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+  for (const auto& [from, to] : kRules) {
+    std::string out;
+    const std::string_view f(from);
+    size_t prev = 0;
+    for (size_t at = s.find(f); at != std::string::npos; at = s.find(f, prev)) {
+      out.append(s, prev, at - prev);
+      out += to;
+      prev = at + f.size();
+    }
+    out.append(s, prev, std::string::npos);
+    s.swap(out);
+  }
+  return s;
+}
+
+Decoder byte_level_decoder() {
+  return [](std::vector<std::string>& tokens) {
+    static const std::unordered_map<char32_t, uint8_t> kBytes = [] {
+      std::unordered_map<char32_t, uint8_t> m;
+      for (int b = 0; b < 256; ++b) m[decode_utf8(byte_char(static_cast<uint8_t>(b)))[0]] = static_cast<uint8_t>(b);
+      return m;
+    }();
+    std::string bytes;
+    for (const auto& t : tokens) {
+      std::string tb;
+      bool all = true;
+      for (char32_t c : decode_utf8(t)) {
+        const auto it = kBytes.find(c);
+        if (it == kBytes.end()) {
+          all = false;
+          break;
+        }
+        tb.push_back(static_cast<char>(it->second));
+      }
+      bytes += all ? tb : t;
+    }
+    tokens.assign(1, to_utf8(decode_utf8(bytes)));  // invalid UTF-8 as U+FFFD (from_utf8_lossy)
+  };
+}
+
+Decoder metaspace_decoder(std::string replacement, bool strip_first) {
+  const char32_t rep = decode_utf8(replacement).empty() ? U'\u2581' : decode_utf8(replacement)[0];
+  return [rep, strip_first](std::vector<std::string>& tokens) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = map_chars(tokens[i], [&](char32_t c, std::string& o) {
+        if (c != rep) append_utf8(o, c);
+        else if (!(i == 0 && strip_first)) o.push_back(' ');
+      });
+    }
+  };
+}
+
+Decoder wordpiece_decoder(std::string prefix, bool cleanup) {
+  return [prefix = std::move(prefix), cleanup](std::vector<std::string>& tokens) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      std::string& t = tokens[i];
+      if (i != 0) {
+        if (!prefix.empty() && t.compare(0, prefix.size(), prefix) == 0) t.erase(0, prefix.size());
+        else t.insert(t.begin(), ' ');
+      }
+      if (cleanup) t = cleanup_spaces(t);
+    }
+  };
+}
+
+Decoder bpe_decoder(std::string suffix) {
+  return [suffix = std::move(suffix)](std::vector<std::string>& tokens) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      std::string out;
+      const std::string& t = tokens[i];
+      size_t prev = 0;
+      for (size_t at = suffix.empty() ? std::string::npos : t.find(suffix); at != std::string::npos;
+           at = t.find(suffix, prev)) {
+        out.append(t, prev, at - prev);
+        out += i + 1 == tokens.size() ? "" : " ";
+        prev = at + suffix.size();
+      }
+      out.append(t, prev, std::string::npos);
+      tokens[i].swap(out);
+    }
+  };
+}
+
+Decoder replace_decoder(Pattern pattern, std::string content) {
+  const Normalizer r = replace_normalizer(std::move(pattern), std::move(content));
+  return [r](std::vector<std::string>& tokens) {
+    for (auto& t : tokens) r(t);
+  };
+}
+
+Decoder byte_fallback_decoder() {
+  return [](std::vector<std::string>& tokens) {
+    std::vector<std::string> out;
+    std::string bytes;
+    size_t nbytes = 0;
+    const auto flush = [&] {
+      if (nbytes == 0) return;
+      const std::string valid = to_utf8(decode_utf8(bytes));
+      if (valid == bytes) {
+        out.push_back(bytes);
+      } else {
+        for (size_t k = 0; k < nbytes; ++k) out.emplace_back("\xEF\xBF\xBD");  // one U+FFFD per byte token
+      }
+      bytes.clear();
+      nbytes = 0;
+    };
+    for (auto& t : tokens) {
+      unsigned v = 0;
+      const bool byte = t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' && std::isxdigit(t[3]) &&
+                        std::isxdigit(t[4]) && std::sscanf(t.c_str() + 3, "%2x", &v) == 1;
+      if (byte) {
+        bytes.push_back(static_cast<char>(v));
+        ++nbytes;
+      } else {
+        flush();
+        out.push_back(std::move(t));
+      }
+    }
+    flush();
+    tokens.swap(out);
+  };
+}
+
+Decoder fuse_decoder() {
+  return [](std::vector<std::string>& tokens) {
+    std::string all;
+    for (const auto& t : tokens) all += t;
+    tokens.assign(1, std::move(all));
+  };
+}
+
+Decoder strip_decoder(std::string content, int64_t start, int64_t stop) {
+  return [content = std::move(content), start, stop](std::vector<std::string>& tokens) {
+    for (auto& t : tokens) {
+      std::u32string u = decode_utf8(t);
+      const std::u32string c = decode_utf8(content);
+      size_t b = 0, e = u.size();
+      for (int64_t k = 0; k < start && b < e && !c.empty() && u[b] == c[0]; ++k) ++b;
+      for (int64_t k = 0; k < stop && e > b && !c.empty() && u[e - 1] == c[0]; ++k) --e;
+      t = to_utf8(std::u32string_view(u).substr(b, e - b));
+    }
+  };
+}
+
+}  // namespace heads::tok
