@@ -1,7 +1,13 @@
 // bert.h — the BERT encoder with Hugging Face weight names (BertModel), as all-MiniLM-L6-v2 and
-// models shaped like it ship it: config.json (hidden_size, num_attention_heads, num_hidden_layers,
-// intermediate_size, hidden_act, layer_norm_eps, max_position_embeddings, type_vocab_size,
-// vocab_size) and model.safetensors (embeddings.*, encoder.layer.<i>.*, optionally under "bert.").
+// models shaped like it ship it: config.json (model_type, hidden_size, num_attention_heads,
+// num_hidden_layers, intermediate_size, hidden_act, layer_norm_eps, max_position_embeddings,
+// type_vocab_size, vocab_size, pad_token_id) and model.safetensors (embeddings.*, encoder.layer.<i>.*,
+// optionally under "bert." or "roberta.").
+//
+// model_type "bert" (or none) and the RoBERTa family ("roberta", "xlm-roberta", "camembert":
+// multilingual-e5, bge-m3, paraphrase-multilingual-*), which is BERT with position ids counted from
+// pad_token_id + 1 (the first pad_token_id + 1 rows of the position table are never used by a
+// right-padded batch); other model types are an error naming the field.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +25,10 @@ struct BertConfig {
   int64_t max_position_embeddings = 512, type_vocab_size = 2, vocab_size = 30522;
   Activation hidden_act = Activation::Gelu;
   double layer_norm_eps = 1e-12;
+  std::string model_type = "bert";
+  int64_t position_offset = 0;  // the first token's position id: 0 (BERT), pad_token_id + 1 (RoBERTa)
+  // The longest sequence the position table holds.
+  int64_t max_tokens() const { return max_position_embeddings - position_offset; }
 };
 
 // The BERT encoder: embeddings (word + position + token type 0, LayerNorm) and post-norm

@@ -1,12 +1,15 @@
-// sentence_encoder.h — the sentence-embedding pipeline of sentence-transformers around a BERT
-// encoder (all-MiniLM-L6-v2 and models shaped like it).
+// sentence_encoder.h — the sentence-embedding pipeline of sentence-transformers around a BERT-family
+// encoder (bert.h: BERT as all-MiniLM-L6-v2, bge, e5, gte; XLM-RoBERTa as multilingual-e5, bge-m3).
 //
-// A model directory holds the BERT files (bert.h: config.json, model.safetensors), vocab.txt and
-// tokenizer_config.json (do_lower_case), and, for sentence-transformers, sentence_bert_config.json
-// (max_seq_length), 1_Pooling/config.json (pooling mode) and modules.json (Normalize). Settings are read from these files; defaults apply only where a file
-// is absent.
+// A model directory holds the encoder files (config.json, model.safetensors), its tokenizer
+// (tokenizer.json, or a BERT vocab.txt with tokenizer_config.json's do_lower_case: tokenizer.h),
+// and, for sentence-transformers, sentence_bert_config.json (max_seq_length), modules.json (the
+// Pooling module's directory, Normalize) and that directory's config.json (pooling mode: mean, cls,
+// max, lasttoken). Settings are read from these files; defaults apply
+// only where a file is absent.
 // Embedding = pool(BERT(tokens), attention mask) [, L2-normalised]; padding keys are masked out
-// of attention; mean pooling averages real tokens ([CLS] and [SEP] included).
+// of attention; mean pooling averages real tokens ([CLS] and [SEP] included), lasttoken takes the
+// last real one.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +25,7 @@
 
 namespace heads {
 
-enum class Pooling { Mean, Cls, Max };
+enum class Pooling { Mean, Cls, Max, LastToken };
 
 class SentenceEncoder {
  public:
@@ -38,7 +41,7 @@ class SentenceEncoder {
   Tensor encode(const std::vector<std::string>& texts, int64_t batch_size = 32,
                 const std::function<void(int64_t, int64_t)>& progress = {},
                 int64_t* truncated = nullptr) const;
-  // Token ids with [CLS]/[SEP], truncated as the model does.
+  // Token ids with the special tokens ([CLS]/[SEP], <s>/</s>), truncated as the model does.
   std::vector<int64_t> tokenize(std::string_view text) const;
 
   struct Attention {
@@ -50,14 +53,14 @@ class SentenceEncoder {
   int64_t dim() const { return bert_.config().hidden_size; }
   int64_t max_seq_length() const { return max_seq_length_; }
   const std::string& model_dir() const { return dir_; }
-  const WordPieceTokenizer& tokenizer() const { return tok_; }
+  const Tokenizer& tokenizer() const { return tok_; }
   const BertModel& bert() const { return bert_; }
   Precision precision() const { return bert_.precision(); }
 
  private:
   std::string dir_;
   BertModel bert_;
-  WordPieceTokenizer tok_;
+  Tokenizer tok_;
   int64_t max_seq_length_ = 512;
   Pooling pooling_ = Pooling::Mean;
   bool normalize_ = false;

@@ -1,6 +1,6 @@
 // bert.cc — the BERT encoder with Hugging Face weight names (include/heads/bert.h).
 //
-// Weight names (optionally prefixed "bert."): embeddings.{word,position,token_type}_embeddings
+// Weight names (optionally prefixed "bert." or "roberta."): embeddings.{word,position,token_type}_embeddings
 // .weight, embeddings.LayerNorm.{weight,bias}; per layer i under encoder.layer.<i>.:
 // attention.self.{query,key,value}.{weight,bias} -> self_attn.in_proj_{weight,bias} (stacked),
 // attention.output.dense -> self_attn.out_proj, attention.output.LayerNorm -> norm1,
@@ -118,6 +118,11 @@ BertModel BertModel::load(const std::string& dir) {
   c.vocab_size = json_int(j, "vocab_size", c.vocab_size, cfg_path, 1, kMaxCount);
   c.layer_norm_eps = json_real(j, "layer_norm_eps", c.layer_norm_eps, cfg_path, 0.0, 1.0);
   c.hidden_act = activation_from_name(json_string(j, "hidden_act", "gelu", cfg_path));
+  c.model_type = json_string(j, "model_type", "bert", cfg_path);
+  const bool roberta = c.model_type == "roberta" || c.model_type == "xlm-roberta" || c.model_type == "camembert";
+  HEADS_CHECK(c.model_type == "bert" || roberta, cfg_path.string(), ": model_type \"", c.model_type,
+              "\" is not supported by the BERT encoder (bert, roberta, xlm-roberta, camembert)");
+  if (roberta) c.position_offset = json_int(j, "pad_token_id", 1, cfg_path, 0, kMaxCount) + 1;
   const std::string pe = json_string(j, "position_embedding_type", "absolute", cfg_path);
   HEADS_CHECK(pe == "absolute", cfg_path.string(), ": position_embedding_type \"", pe,
               "\" is not supported (absolute)");
@@ -127,6 +132,8 @@ BertModel BertModel::load(const std::string& dir) {
   HEADS_CHECK(c.num_layers > 0 && c.intermediate_size > 0 && c.vocab_size > 0 &&
                   c.max_position_embeddings > 0 && c.type_vocab_size > 0,
               cfg_path.string(), ": sizes must be positive");
+  HEADS_CHECK(c.max_tokens() >= 1, cfg_path.string(), ": max_position_embeddings ", c.max_position_embeddings,
+              " holds no position past pad_token_id + 1 = ", c.position_offset);
 
   const fs::path wpath = d / "model.safetensors";
   HEADS_CHECK(fs::exists(wpath), wpath.string(), ": not found",
@@ -134,8 +141,11 @@ BertModel BertModel::load(const std::string& dir) {
                   ? " (the directory has pytorch_model.bin: convert it once with `python3 -m heads.convert " + dir + "`)"
                   : std::string());
   Weights w{SafeTensors::open(wpath.string()), ""};
-  if (!w.has("embeddings.word_embeddings.weight") && w.file.contains("bert.embeddings.word_embeddings.weight")) {
-    w.prefix = "bert.";
+  for (const char* prefix : {"bert.", "roberta."}) {
+    if (!w.has("embeddings.word_embeddings.weight") &&
+        w.file.contains(std::string(prefix) + "embeddings.word_embeddings.weight")) {
+      w.prefix = prefix;
+    }
   }
   const int64_t E = c.hidden_size, F = c.intermediate_size;
   m.word_ = w.get("embeddings.word_embeddings.weight", {c.vocab_size, E});
@@ -192,7 +202,7 @@ std::vector<InputRanges> BertModel::input_ranges() const {
   constexpr uint64_t kSeed = 0x5eed;
   constexpr int64_t kBatch = 4;  // sequences per forward (the tapes of a few keep memory low)
   std::mt19937_64 gen(kSeed);
-  const int64_t L = std::min(kCalibrationLength, cfg_.max_position_embeddings);
+  const int64_t L = std::min(kCalibrationLength, cfg_.max_tokens());
   std::vector<InputRanges> ranges(layers_.size());
   for (int64_t done = 0; done < kCalibrationSequences; done += kBatch) {
     std::vector<std::vector<int64_t>> ids(static_cast<size_t>(std::min(kBatch, kCalibrationSequences - done)),
@@ -220,15 +230,16 @@ Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, Tensor& pa
   const auto N = static_cast<int64_t>(ids.size());
   int64_t L = 0;
   for (const auto& s : ids) L = std::max<int64_t>(L, static_cast<int64_t>(s.size()));
-  HEADS_CHECK(L <= cfg_.max_position_embeddings, "BertModel: sequence of ", L,
-              " tokens exceeds max_position_embeddings ", cfg_.max_position_embeddings);
+  HEADS_CHECK(L <= cfg_.max_tokens(), "BertModel: sequence of ", L, " tokens exceeds the ", cfg_.max_tokens(),
+              " positions of the model (max_position_embeddings ", cfg_.max_position_embeddings,
+              cfg_.position_offset > 0 ? ", counted from pad_token_id + 1" : "", ")");
   const int64_t E = cfg_.hidden_size;
-  // 1. embeddings: word[id] + position[l] + token_type[0], LayerNorm
+  // 1. embeddings: word[id] + position[offset + l] + token_type[0], LayerNorm
   Tensor x = Tensor::empty({N, L, E}, DType::F32);
   pad = Tensor::zeros({N, L}, DType::Bool);
   any_pad = false;
   const float* wd = word_.data<float>();
-  const float* ps = position_.data<float>();
+  const float* ps = position_.data<float>() + cfg_.position_offset * E;
   const float* tt = token_type_.data<float>();
   for (int64_t n = 0; n < N; ++n) {
     const auto len = static_cast<int64_t>(ids[static_cast<size_t>(n)].size());

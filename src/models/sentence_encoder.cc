@@ -27,8 +27,9 @@ constexpr int64_t kTokenBudget = 512;
 // One text's embedding from its hidden states h [len(+padding), E]: the pooled real tokens, then
 // L2-normalised when the model says so; sums in double.
 void pool(const float* h, int64_t len, int64_t E, Pooling pooling, bool normalize, float* o) {
-  if (pooling == Pooling::Cls) {
-    for (int64_t e = 0; e < E; ++e) o[e] = h[e];
+  if (pooling == Pooling::Cls || pooling == Pooling::LastToken) {
+    const float* t = pooling == Pooling::Cls ? h : h + std::max<int64_t>(len - 1, 0) * E;
+    for (int64_t e = 0; e < E; ++e) o[e] = t[e];
   } else if (pooling == Pooling::Max) {
     for (int64_t e = 0; e < E; ++e) {
       float m = h[e];
@@ -61,28 +62,36 @@ SentenceEncoder SentenceEncoder::load(const std::string& model_dir, std::optiona
   s.bert_ = BertModel::load(s.dir_);
   // A model stored in int8 is already int8 (set_precision would quantize its dequantized weights again).
   if (precision && *precision != s.bert_.precision()) s.bert_.set_precision(*precision);
-  const nlohmann::json tc = read_json(d / "tokenizer_config.json", false);
-  const bool lower = json_bool(tc, "do_lower_case", true, d / "tokenizer_config.json");
-  HEADS_CHECK(fs::exists(d / "vocab.txt"), (d / "vocab.txt").string(), ": not found");
-  s.tok_ = WordPieceTokenizer::from_vocab_file((d / "vocab.txt").string(), lower);
+  s.tok_ = Tokenizer::from_directory(s.dir_);
   const nlohmann::json sb = read_json(d / "sentence_bert_config.json", false);
-  s.max_seq_length_ = json_int(sb, "max_seq_length", s.bert_.config().max_position_embeddings,
-                               d / "sentence_bert_config.json", 2, int64_t{1} << 24);
-  s.max_seq_length_ = std::min(s.max_seq_length_, s.bert_.config().max_position_embeddings);
-  HEADS_CHECK(s.max_seq_length_ >= 2, (d / "sentence_bert_config.json").string(), ": max_seq_length ",
-              s.max_seq_length_, " leaves no room for [CLS] and [SEP]");
-  const nlohmann::json pc = read_json(d / "1_Pooling" / "config.json", false);
-  const fs::path pcp = d / "1_Pooling" / "config.json";
-  if (json_bool(pc, "pooling_mode_cls_token", false, pcp)) s.pooling_ = Pooling::Cls;
-  else if (json_bool(pc, "pooling_mode_max_tokens", false, pcp)) s.pooling_ = Pooling::Max;
-  else s.pooling_ = Pooling::Mean;
-  HEADS_CHECK(!json_bool(pc, "pooling_mode_mean_sqrt_len_tokens", false, pcp), pcp.string(),
-              ": pooling_mode_mean_sqrt_len_tokens is not supported");
-  const nlohmann::json mods = read_json(d / "modules.json", false, /*array=*/true);
+  s.max_seq_length_ = json_int(sb, "max_seq_length", s.bert_.config().max_tokens(), d / "sentence_bert_config.json",
+                               2, int64_t{1} << 24);
+  s.max_seq_length_ = std::min(s.max_seq_length_, s.bert_.config().max_tokens());
+  const int64_t special = static_cast<int64_t>(s.tok_.encode("", 0).ids.size());
+  HEADS_CHECK(s.max_seq_length_ >= std::max<int64_t>(special, 1), (d / "sentence_bert_config.json").string(),
+              ": max_seq_length ", s.max_seq_length_, " leaves no room past the ", special, " special tokens");
+  const fs::path mpath = d / "modules.json";
+  const nlohmann::json mods = read_json(mpath, false, /*array=*/true);
+  std::string pooling_dir = "1_Pooling";
   for (const auto& mod : mods) {
-    HEADS_CHECK(mod.is_object(), (d / "modules.json").string(), ": expected objects in the array, got ", mod.dump());
-    if (json_string(mod, "type", "", d / "modules.json").find("Normalize") != std::string::npos) s.normalize_ = true;
+    HEADS_CHECK(mod.is_object(), mpath.string(), ": expected objects in the array, got ", mod.dump());
+    const std::string type = json_string(mod, "type", "", mpath);
+    if (type.find("Normalize") != std::string::npos) s.normalize_ = true;
+    if (type.find("Pooling") != std::string::npos) pooling_dir = json_string(mod, "path", pooling_dir, mpath);
   }
+  const fs::path pcp = d / pooling_dir / "config.json";
+  const nlohmann::json pc = read_json(pcp, false);
+  // sentence-transformers 5+ writes "pooling_mode": "mean" | "cls" | "max" | "lasttoken" | ...; earlier
+  // versions one pooling_mode_<mode> flag per mode.
+  std::string mode = json_string(pc, "pooling_mode", "", pcp);
+  for (const char* m : {"cls_token", "max_tokens", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"}) {
+    if (mode.empty() && json_bool(pc, ("pooling_mode_" + std::string(m)).c_str(), false, pcp)) mode = m;
+  }
+  if (mode.empty() || mode == "mean" || mode == "mean_tokens") s.pooling_ = Pooling::Mean;
+  else if (mode == "cls" || mode == "cls_token") s.pooling_ = Pooling::Cls;
+  else if (mode == "max" || mode == "max_tokens") s.pooling_ = Pooling::Max;
+  else if (mode == "lasttoken") s.pooling_ = Pooling::LastToken;
+  else ::heads::fail(pcp.string(), ": pooling mode \"", mode, "\" is not supported (mean, cls, max, lasttoken)");
   return s;
 }
 

@@ -201,10 +201,15 @@ def test_missing_and_corrupt_model_files_are_clear_errors(tmp_path, monkeypatch)
     (bad / "config.json").write_text("{oops")
     with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
         heads.SentenceEncoder(str(bad))
-    os.remove(bad / "vocab.txt")
     shutil.copy(Path(MODEL) / "config.json", bad / "config.json")
     save_file(load_file(str(Path(MODEL) / "model.safetensors")), str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"vocab\.txt: not found"):
+    (bad / "tokenizer.json").write_text('{"model": {"type": "WordPiece", "vocab": {"[UNK]": 0}}')
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not valid JSON"):
+        heads.SentenceEncoder(str(bad))
+    os.remove(bad / "tokenizer.json")  # vocab.txt is read where tokenizer.json is absent
+    assert heads.SentenceEncoder(str(bad)).tokenize("hello world") == heads.SentenceEncoder(MODEL).tokenize("hello world")
+    os.remove(bad / "vocab.txt")
+    with pytest.raises(ValueError, match=r"no tokenizer: neither tokenizer\.json nor vocab\.txt"):
         heads.SentenceEncoder(str(bad))
 
 

@@ -1,0 +1,95 @@
+"""Encoder families beyond BERT against sentence-transformers: XLM-RoBERTa (RoBERTa position ids from
+pad_token_id + 1, a SentencePiece unigram tokenizer converted by transformers) with random weights and a
+tokenizer trained here, under mean pooling + Normalize and under CLS pooling; ids and embeddings.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import heads
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python" / "ref"))
+from corpus import corpus  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+spm = pytest.importorskip("sentencepiece")
+st = pytest.importorskip("sentence_transformers")
+import sentence_transformers.models  # noqa: E402
+
+TEXTS = [t for t in corpus(300, seed=11)] + ["", "hello world", "naïve café", "word " * 200, "東京 北京大学"]
+
+
+def _xlmr_tokenizer(tmp: Path) -> Path:
+    data = tmp / "train.txt"
+    data.write_text("\n".join(t for t in corpus(2000, seed=3) if t.strip()), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(data), model_prefix=str(tmp / "spm"), vocab_size=3000,
+                                   model_type="unigram", character_coverage=0.98, minloglevel=2)
+    src = tmp / "spm_dir"
+    src.mkdir()
+    (src / "sentencepiece.bpe.model").write_bytes((tmp / "spm.model").read_bytes())
+    return src
+
+
+@pytest.fixture(scope="module")
+def xlmr_dirs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("xlmr")
+    tok = transformers.XLMRobertaTokenizerFast.from_pretrained(str(_xlmr_tokenizer(tmp)))
+    torch.manual_seed(0)
+    cfg = transformers.XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
+                                        type_vocab_size=1, pad_token_id=tok.pad_token_id, hidden_act="gelu")
+    model = transformers.XLMRobertaModel(cfg, add_pooling_layer=False).eval()
+    with torch.no_grad():  # weights far from their init so that every term shows in the output
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    hf = tmp / "hf"
+    model.save_pretrained(str(hf))
+    tok.save_pretrained(str(hf))
+    out = {}
+    for name, mode, norm in (("mean", "mean", True), ("cls", "cls", False)):
+        t = st.models.Transformer(str(hf), max_seq_length=64)
+        mods = [t, st.models.Pooling(t.get_word_embedding_dimension(), pooling_mode=mode)]
+        if norm:
+            mods.append(st.models.Normalize())
+        d = tmp / name
+        st.SentenceTransformer(modules=mods, device="cpu").save(str(d))
+        assert json.loads((d / "config.json").read_text())["model_type"] == "xlm-roberta"
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_xlm_roberta_equals_sentence_transformers(xlmr_dirs, pooling):
+    d = xlmr_dirs[pooling]
+    ref = st.SentenceTransformer(str(d), device="cpu")
+    mine = heads.SentenceEncoder(str(d))
+    assert mine.max_seq_length == 64
+    for t in TEXTS:
+        assert mine.tokenize(t) == ref.tokenizer(t, truncation=True, max_length=64)["input_ids"], t
+    a = mine.encode(TEXTS)
+    b = ref.encode(TEXTS, convert_to_numpy=True)
+    cos = (a.astype(np.float64) * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    print(f"{pooling}: worst cosine {cos.min():.8f} over {len(TEXTS)} texts")
+    assert cos.min() >= 0.99999, (cos.min(), TEXTS[int(np.argmin(cos))][:60])
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    if pooling == "mean":
+        np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, rtol=1e-5)
+
+
+def test_positions_past_the_table_are_an_error(xlmr_dirs, tmp_path):
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(xlmr_dirs["mean"], d)
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1000}))
+    enc = heads.SentenceEncoder(str(d))
+    assert enc.max_seq_length == 64  # 66 positions, counted from pad_token_id + 1 = 2
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "mpnet"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r'model_type "mpnet" is not supported'):
+        heads.SentenceEncoder(str(d))
