@@ -88,8 +88,26 @@ def test_positions_past_the_table_are_an_error(xlmr_dirs, tmp_path):
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1000}))
     enc = heads.SentenceEncoder(str(d))
     assert enc.max_seq_length == 64  # 66 positions, counted from pad_token_id + 1 = 2
+    (d / "tokenizer.json").rename(d / "sentencepiece.bpe.model")
+    with pytest.raises(ValueError, match=r"only a SentencePiece sentencepiece\.bpe\.model"):
+        heads.SentenceEncoder(str(d))
+    (d / "sentencepiece.bpe.model").rename(d / "tokenizer.json")
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "mpnet"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r'model_type "mpnet" is not supported'):
         heads.SentenceEncoder(str(d))
+
+
+def test_cli_embeds_an_xlm_roberta_directory(xlmr_dirs, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    cli = os.environ.get("HEADS_CLI") or shutil.which("heads")
+    assert cli, "heads CLI not found (HEADS_CLI or PATH)"
+    texts = ["naïve café", "東京 北京大学", "word " * 100]
+    r = subprocess.run([cli, "embed", "--model", str(xlmr_dirs["mean"]), "--output", str(tmp_path / "e.npy"), *texts],
+                       capture_output=True)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "e.npy"), heads.SentenceEncoder(str(xlmr_dirs["mean"])).encode(texts),
+                               atol=2e-6)
