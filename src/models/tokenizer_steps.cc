@@ -85,41 +85,65 @@ PreTokenizer split_each(F matches, SplitBehavior how, bool invert = false) {
 
 // ---- normalizers -----------------------------------------------------------------------------
 
+namespace {
+
+// Where a long text may be cut for a per-character normaliser: before a character that starts a
+// combining sequence and decomposes to one (ASCII, CJK ideographs, Hangul syllables, whitespace).
+bool starts_sequence(std::string_view s, size_t at) {
+  const auto b = static_cast<uint8_t>(s[at]);
+  if (b < 0x80) return true;
+  if ((b & 0xC0) == 0x80) return false;
+  const char32_t c = decode_utf8(s.substr(at, char_len(s, at)))[0];
+  return text::is_cjk(c) || (c >= 0xAC00 && c <= 0xD7A3) || text::is_whitespace(c);
+}
+
+}  // namespace
+
 Normalizer bert_normalizer(bool clean_text, bool handle_chinese_chars, bool strip_accents, bool lowercase) {
   return [=](std::string& s) {
     static const icu::Normalizer2* nfd = text::nfd_instance();
-    std::u32string a;
-    for (char32_t c : decode_utf8(s)) {
-      if (clean_text && (c == 0 || c == 0xFFFD || text::is_control(c))) continue;
-      if (clean_text && text::is_whitespace(c)) c = U' ';
-      if (handle_chinese_chars && text::is_cjk(c)) {
-        a += U' ';
-        a += c;
-        a += U' ';
-      } else {
-        a += c;
-      }
-    }
-    if (strip_accents) {  // NFD (canonical order), then drop the non-spacing marks
-      std::u32string d;
-      for (char32_t c : a) text::decompose(c, d, nfd);
-      for (size_t i = 0; i < d.size();) {
-        size_t j = i;
-        while (j < d.size() && text::combining_class(d[j]) != 0) ++j;
-        std::stable_sort(d.begin() + static_cast<std::ptrdiff_t>(i), d.begin() + static_cast<std::ptrdiff_t>(j),
-                         [](char32_t x, char32_t y) { return text::combining_class(x) < text::combining_class(y); });
-        i = j == i ? i + 1 : j;
-      }
+    // Chunks of about 16 KiB, so that a text of many MB costs a few times its size, not 16x.
+    constexpr size_t kChunk = size_t{16} << 10;
+    std::string out;
+    out.reserve(s.size());
+    std::u32string a, d;
+    for (size_t begin = 0; begin < s.size();) {
+      size_t end = std::min(s.size(), begin + kChunk);
+      while (end < s.size() && !starts_sequence(s, end)) ++end;
       a.clear();
-      for (char32_t c : d) {
-        if (!text::is_nonspacing_mark(c)) a += c;
+      for (char32_t c : decode_utf8(std::string_view(s).substr(begin, end - begin))) {
+        if (clean_text && (c == 0 || c == 0xFFFD || text::is_control(c))) continue;
+        if (clean_text && text::is_whitespace(c)) c = U' ';
+        if (handle_chinese_chars && text::is_cjk(c)) {
+          a += U' ';
+          a += c;
+          a += U' ';
+        } else {
+          a += c;
+        }
+      }
+      begin = end;
+      if (strip_accents) {  // NFD (canonical order), then drop the non-spacing marks
+        d.clear();
+        for (char32_t c : a) text::decompose(c, d, nfd);
+        for (size_t i = 0; i < d.size();) {
+          size_t j = i;
+          while (j < d.size() && text::combining_class(d[j]) != 0) ++j;
+          std::stable_sort(d.begin() + static_cast<std::ptrdiff_t>(i), d.begin() + static_cast<std::ptrdiff_t>(j),
+                           [](char32_t x, char32_t y) { return text::combining_class(x) < text::combining_class(y); });
+          i = j == i ? i + 1 : j;
+        }
+        a.clear();
+        for (char32_t c : d) {
+          if (!text::is_nonspacing_mark(c)) a += c;
+        }
+      }
+      for (char32_t c : a) {
+        if (lowercase) append_lower(c, out);
+        else append_utf8(out, c);
       }
     }
-    s.clear();
-    for (char32_t c : a) {
-      if (lowercase) append_lower(c, s);
-      else append_utf8(s, c);
-    }
+    s.swap(out);
   };
 }
 
