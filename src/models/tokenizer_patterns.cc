@@ -182,8 +182,12 @@ std::vector<std::pair<size_t, size_t>> Pattern::match_all(std::string_view s) co
   HEADS_CHECK(md && ctx, "tokenizer: out of memory for a regex match");
   pcre2_set_match_limit(ctx.get(), kMatchLimit);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
-  for (size_t start = 0; start <= s.size();) {
-    const int rc = pcre2_match(code, subject, s.size(), start, 0, md.get(), ctx.get());
+  uint32_t options = 0;  // the first call checks the UTF-8 of the whole text; later ones need not (O(n) each)
+  for (size_t start = 0; start <= s.size(); options = PCRE2_NO_UTF_CHECK) {
+    int rc = pcre2_match(code, subject, s.size(), start, options, md.get(), ctx.get());
+    // the JIT's stack (32 KiB) is too small for this match: the interpreter's heap is not
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT) rc = pcre2_match(code, subject, s.size(), start, options | PCRE2_NO_JIT,
+                                                           md.get(), ctx.get());
     if (rc == PCRE2_ERROR_NOMATCH) break;
     HEADS_CHECK(rc >= 0, "tokenizer: regex match failed (PCRE2 error ", rc,
                 rc == PCRE2_ERROR_MATCHLIMIT ? ": match limit, a pathological pattern" : "", ")");
