@@ -140,8 +140,9 @@ class Bpe final : public Model {
     };
     std::priority_queue<Cand, std::vector<Cand>, std::greater<>> heap;
     const auto push = [&](int64_t i) {
+      if (i < 0) return;  // the first symbol has no left neighbour
       const int64_t j = next[static_cast<size_t>(i)];
-      if (i < 0 || j < 0) return;
+      if (j < 0) return;
       const auto it = merges_.find({sym[static_cast<size_t>(i)], sym[static_cast<size_t>(j)]});
       if (it != merges_.end()) heap.push({it->second.first, i, sym[static_cast<size_t>(i)], sym[static_cast<size_t>(j)]});
     };
