@@ -31,7 +31,7 @@ struct BertConfig {
   int64_t max_tokens() const { return max_position_embeddings - position_offset; }
 };
 
-// The BERT encoder: embeddings (word + position + token type 0, LayerNorm) and post-norm
+// The BERT encoder: embeddings (word + position + token type, LayerNorm) and post-norm
 // layers; returns the last hidden state.
 class BertModel {
  public:
@@ -58,14 +58,21 @@ class BertModel {
   // one [N, H, L, L] tensor per layer.
   Tensor forward(const std::vector<std::vector<int64_t>>& ids,
                  std::vector<Tensor>* attn_weights = nullptr) const;
+  // The same with each token's type id (the segment of a pair: 0 for the first text, 1 for the
+  // second) in place of 0: type_ids[i] as long as ids[i], each in [0, type_vocab_size).
+  Tensor forward(const std::vector<std::vector<int64_t>>& ids, const std::vector<std::vector<int64_t>>& type_ids,
+                 std::vector<Tensor>* attn_weights = nullptr) const;
 
   // The encoder layers (batch first), e.g. to run one layer's self-attention on other inputs.
   const std::vector<TransformerEncoderLayer>& layers() const { return layers_; }
 
  private:
-  // Embeddings (word + position + token type 0, LayerNorm) of ids as [N, L, hidden], L the longest,
-  // and `pad` [N, L] true past each sequence's end (`any_pad` when some entry is).
-  Tensor embed(const std::vector<std::vector<int64_t>>& ids, Tensor& pad, bool& any_pad) const;
+  // Embeddings (word + position + token type, LayerNorm) of ids as [N, L, hidden], L the longest,
+  // and `pad` [N, L] true past each sequence's end (`any_pad` when some entry is); type_ids null
+  // for type 0 throughout.
+  Tensor embed(const std::vector<std::vector<int64_t>>& ids, const std::vector<std::vector<int64_t>>* type_ids,
+               Tensor& pad, bool& any_pad) const;
+  Tensor run_layers(Tensor x, const Tensor& pad, bool any_pad, std::vector<Tensor>* attn_weights) const;
 
   BertConfig cfg_;
   Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;

@@ -12,7 +12,7 @@ from __future__ import annotations
 # The parts (each re-exported here): the extension and shared checks, functions, modules, models.
 from ._core import _arg, _heads, _int, _is_torch, _precision, _seed  # noqa: F401 (used by heads.torch, tests)
 from .functional import LinearAttentionState, _causal_bias, _mods, alibi_slopes, linear_attention, sdpa  # noqa: F401
-from .models import (CausalLM, Encoder, KVCache, SentenceEncoder, T5Encoder, Tokenizer, WordPieceTokenizer,  # noqa: F401
+from .models import (CausalLM, CrossEncoder, Encoder, KVCache, SentenceEncoder, T5Encoder, Tokenizer, WordPieceTokenizer,  # noqa: F401
                      quantize)
 from .nn import AdamW, MultiheadAttention, Tape, TransformerEncoder, TransformerEncoderLayer  # noqa: F401
 
@@ -28,6 +28,7 @@ __all__ = [
     "TransformerEncoderLayer",
     "TransformerEncoder",
     "SentenceEncoder",
+    "CrossEncoder",
     "Tokenizer",
     "WordPieceTokenizer",
     "Encoder",

@@ -1,5 +1,5 @@
 """Models from directories: sentence embeddings (SentenceEncoder, Encoder, the WordPiece tokenizer,
-quantize), decoders with their KV cache (CausalLM, KVCache), the T5 encoder."""
+quantize), rerankers (CrossEncoder), decoders with their KV cache (CausalLM, KVCache), the T5 encoder."""
 
 from __future__ import annotations
 
@@ -88,6 +88,74 @@ class SentenceEncoder:
     def attention(self, text: str):
         """(tokens, [per layer: heads x L x L attention weights])."""
         return self._m.attention(_text(text, "text"))
+
+
+class CrossEncoder:
+    """A reranker: a BERT-family encoder with a sequence-classification head (transformers'
+    ``BertForSequenceClassification``, ``RobertaForSequenceClassification``,
+    ``XLMRobertaForSequenceClassification``) scoring (query, text) pairs as
+    ``sentence_transformers.CrossEncoder`` does.
+
+        ce = heads.CrossEncoder(DIR)
+        scores = ce.predict([("query", "a passage"), ("query", "another")])   # [N] raw logits
+        ranked = ce.rank("query", ["a passage", "another"])                    # best first
+
+    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (None: as the directory stores
+    them); the head is float32.
+    """
+
+    def __init__(self, model_dir: Optional[str] = None, dtype: Any = None) -> None:
+        precision = "auto" if dtype is None or dtype == "auto" else _precision(dtype)
+        self._m = _heads.CrossEncoder.load(_model_dir(model_dir), precision)
+        self.last_truncated = 0
+
+    def __getstate__(self) -> dict:  # pickled by reference to its model directory
+        return {"model_dir": self.model_dir, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_dir"], state.get("dtype", "f32"))
+
+    dtype = property(lambda self: self._m.dtype)
+    num_labels = property(lambda self: self._m.num_labels)
+    max_length = property(lambda self: self._m.max_length)
+    model_dir = property(lambda self: self._m.model_dir)
+
+    def predict(self, pairs, activation: str = "identity", batch_size: int = 32) -> np.ndarray:
+        """Scores of ``pairs`` (a sequence of (text_a, text_b); one pair gives one row): ``[N]`` for a one-label
+        head, else ``[N, num_labels]``, float32. ``activation``: "identity" (raw logits), "sigmoid" or
+        "softmax" (over the labels)."""
+        single = isinstance(pairs, (tuple, list)) and len(pairs) == 2 and all(isinstance(p, str) for p in pairs)
+        items = [pairs] if single else pairs
+        try:
+            items = list(items)
+        except TypeError:
+            raise ValueError(f"pairs: expected a sequence of (str, str) pairs, got {type(pairs).__name__}") from None
+        checked = []
+        for i, p in enumerate(items):
+            if isinstance(p, str) or not hasattr(p, "__len__") or len(p) != 2:
+                raise ValueError(f"pairs[{i}]: expected a pair (text_a, text_b), got {p!r:.80}")
+            checked.append((_text(p[0], f"pairs[{i}][0]"), _text(p[1], f"pairs[{i}][1]")))
+        if activation not in ("identity", "sigmoid", "softmax"):
+            raise ValueError(f"activation: expected identity, sigmoid or softmax, got {activation!r}")
+        out, self.last_truncated = self._m.predict(checked, activation, _int(batch_size, "batch_size", 1, 1 << 24))
+        if self.num_labels == 1:
+            out = out[:, 0]
+        return out[0] if single else out
+
+    def rank(self, query: str, texts, activation: str = "identity", batch_size: int = 32) -> list:
+        """``[{"index", "score"}]`` for each text scored against ``query``, highest score first
+        (a one-label head)."""
+        if self.num_labels != 1:
+            raise ValueError(f"rank: needs a one-label head, the model has {self.num_labels} labels")
+        query = _text(query, "query")
+        texts = [_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
+        scores = self.predict([(query, t) for t in texts], activation, batch_size) if texts else np.zeros(0)
+        order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
+        return [{"index": i, "score": float(scores[i])} for i in order]
+
+    def tokenize(self, text_a: str, text_b: str):
+        """(ids, type_ids) of the pair, special tokens included, truncated as the model does."""
+        return self._m.tokenize(_text(text_a, "text_a"), _text(text_b, "text_b"))
 
 
 def quantize(model_dir: str, out_dir: str, dtype: str = "int8") -> dict:

@@ -1,5 +1,5 @@
-// bind_models.cc — the WordPiece tokenizer and the sentence encoder (all-MiniLM-L6-v2 and other
-// sentence-transformers BERT models).
+// bind_models.cc — the WordPiece tokenizer, the sentence encoder (all-MiniLM-L6-v2 and other
+// sentence-transformers BERT-family models) and the cross-encoder (rerankers).
 #include "convert.h"
 
 #include <nanobind/nanobind.h>
@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "heads/cross_encoder.h"
 #include "heads/precision.h"
 #include "heads/quantize.h"
 #include "heads/sentence_encoder.h"
@@ -138,6 +139,38 @@ void bind_models(nb::module_& m) {
       .def_prop_ro("dim", &heads::SentenceEncoder::dim)
       .def_prop_ro("max_seq_length", &heads::SentenceEncoder::max_seq_length)
       .def_prop_ro("model_dir", &heads::SentenceEncoder::model_dir);
+
+  nb::class_<heads::CrossEncoder>(m, "CrossEncoder")
+      .def_static(
+          "load",
+          [](const std::string& dir, const std::string& dtype) {
+            return heads::CrossEncoder::load(
+                dir, dtype == "auto" ? std::nullopt : std::optional(heads::precision_from_name(dtype)));
+          },
+          "model_dir"_a, "dtype"_a = "auto")
+      .def_prop_ro("dtype", [](const heads::CrossEncoder& c) { return heads::precision_name(c.precision()); })
+      .def("predict",
+           [](const heads::CrossEncoder& c, const std::vector<heads::CrossEncoder::Pair>& pairs,
+              const std::string& activation, int64_t batch_size) {
+             const heads::ScoreActivation act = heads::score_activation_from_name(activation);
+             heads::Tensor out;
+             int64_t truncated = 0;
+             {
+               nb::gil_scoped_release release;
+               out = c.predict(pairs, act, batch_size, {}, &truncated);
+             }
+             return nb::make_tuple(to_numpy(out), truncated);
+           },
+           "pairs"_a, "activation"_a = "identity", "batch_size"_a = 32)
+      .def("tokenize",
+           [](const heads::CrossEncoder& c, const std::string& a, const std::string& b) {
+             const auto e = c.tokenizer().encode_pair(a, b, c.max_length());
+             return nb::make_tuple(e.ids, e.type_ids);
+           },
+           "a"_a, "b"_a)
+      .def_prop_ro("num_labels", &heads::CrossEncoder::num_labels)
+      .def_prop_ro("max_length", &heads::CrossEncoder::max_length)
+      .def_prop_ro("model_dir", &heads::CrossEncoder::model_dir);
 }
 
 }  // namespace heads::py

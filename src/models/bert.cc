@@ -212,7 +212,7 @@ std::vector<InputRanges> BertModel::input_ranges() const {
     }
     Tensor pad;
     bool any_pad = false;
-    Tensor x = embed(ids, pad, any_pad);  // no padding: every sequence is L long
+    Tensor x = embed(ids, nullptr, pad, any_pad);  // no padding: every sequence is L long
     for (size_t i = 0; i < layers_.size(); ++i) {
       EncoderLayerTape tape;
       EncoderForwardArgs a;
@@ -226,15 +226,28 @@ std::vector<InputRanges> BertModel::input_ranges() const {
 
 Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }
 
-Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, Tensor& pad, bool& any_pad) const {
+Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, const std::vector<std::vector<int64_t>>* type_ids,
+                        Tensor& pad, bool& any_pad) const {
   const auto N = static_cast<int64_t>(ids.size());
   int64_t L = 0;
   for (const auto& s : ids) L = std::max<int64_t>(L, static_cast<int64_t>(s.size()));
+  if (type_ids) {
+    HEADS_CHECK(type_ids->size() == ids.size(), "BertModel: ", type_ids->size(), " sequences of type ids for ",
+                ids.size(), " sequences of token ids");
+    for (size_t n = 0; n < ids.size(); ++n) {
+      HEADS_CHECK((*type_ids)[n].size() == ids[n].size(), "BertModel: sequence ", n, " has ", ids[n].size(),
+                  " token ids and ", (*type_ids)[n].size(), " type ids");
+      for (int64_t t : (*type_ids)[n]) {
+        HEADS_CHECK(t >= 0 && t < cfg_.type_vocab_size, "BertModel: token type id ", t, " in sequence ", n,
+                    " outside the ", cfg_.type_vocab_size, " types of the model (type_vocab_size)");
+      }
+    }
+  }
   HEADS_CHECK(L <= cfg_.max_tokens(), "BertModel: sequence of ", L, " tokens exceeds the ", cfg_.max_tokens(),
               " positions of the model (max_position_embeddings ", cfg_.max_position_embeddings,
               cfg_.position_offset > 0 ? ", counted from pad_token_id + 1" : "", ")");
   const int64_t E = cfg_.hidden_size;
-  // 1. embeddings: word[id] + position[offset + l] + token_type[0], LayerNorm
+  // 1. embeddings: word[id] + position[offset + l] + token_type[type], LayerNorm
   Tensor x = Tensor::empty({N, L, E}, DType::F32);
   pad = Tensor::zeros({N, L}, DType::Bool);
   any_pad = false;
@@ -247,8 +260,9 @@ Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, Tensor& pa
       const int64_t id = l < len ? ids[static_cast<size_t>(n)][static_cast<size_t>(l)] : 0;
       HEADS_CHECK(id >= 0 && id < cfg_.vocab_size, "BertModel: token id ", id, " outside the vocabulary of ",
                   cfg_.vocab_size);
+      const int64_t type = type_ids && l < len ? (*type_ids)[static_cast<size_t>(n)][static_cast<size_t>(l)] : 0;
       float* row = x.data<float>() + (n * L + l) * E;
-      for (int64_t e = 0; e < E; ++e) row[e] = wd[id * E + e] + tt[e] + ps[l * E + e];
+      for (int64_t e = 0; e < E; ++e) row[e] = wd[id * E + e] + tt[type * E + e] + ps[l * E + e];
       if (l >= len) {
         static_cast<uint8_t*>(pad.raw_data())[n * L + l] = 1;
         any_pad = true;
@@ -262,7 +276,19 @@ Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
                           std::vector<Tensor>* attn_weights) const {
   Tensor pad;
   bool any_pad = false;
-  Tensor x = embed(ids, pad, any_pad);
+  Tensor x = embed(ids, nullptr, pad, any_pad);
+  return run_layers(std::move(x), pad, any_pad, attn_weights);
+}
+
+Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
+                          const std::vector<std::vector<int64_t>>& type_ids, std::vector<Tensor>* attn_weights) const {
+  Tensor pad;
+  bool any_pad = false;
+  Tensor x = embed(ids, &type_ids, pad, any_pad);
+  return run_layers(std::move(x), pad, any_pad, attn_weights);
+}
+
+Tensor BertModel::run_layers(Tensor x, const Tensor& pad, bool any_pad, std::vector<Tensor>* attn_weights) const {
   // 2. layers; padded positions are masked out as keys only
   if (attn_weights) attn_weights->clear();
   for (const auto& layer : layers_) {

@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <numeric>
 
 #include "config_json.h"
 #include "heads/error.h"
+#include "length_batches.h"
 
 namespace heads {
 
@@ -19,10 +19,6 @@ using models::json_string;
 using models::read_json;
 
 namespace {
-
-// Padded tokens per batch. Measured on bench/sentences.txt (2 threads): 512 → 585 sentences/s,
-// 2048 → 508, 4096 → 485; a fixed 32 texts per batch → 520.
-constexpr int64_t kTokenBudget = 512;
 
 // One text's embedding from its hidden states h [len(+padding), E]: the pooled real tokens, then
 // L2-normalised when the model says so; sums in double.
@@ -114,29 +110,20 @@ Tensor SentenceEncoder::encode(const std::vector<std::string>& texts, int64_t ba
     ids[static_cast<size_t>(i)] = std::move(e.ids);
   }
   if (truncated) *truncated = cut;
-  // Batches of similar length: longest first, padding only to the longest in the batch.
-  std::vector<int64_t> order(static_cast<size_t>(N));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return ids[static_cast<size_t>(a)].size() > ids[static_cast<size_t>(b)].size();
-  });
-  // A batch holds at most batch_size texts and kTokenBudget padded tokens: activations stay
-  // cache-sized whatever the lengths (measured: faster than a fixed count at every length).
-  const int64_t budget = kTokenBudget;
-  for (int64_t b0 = 0, nb = 0; b0 < N; b0 += nb) {
-    const auto longest = static_cast<int64_t>(ids[static_cast<size_t>(order[static_cast<size_t>(b0)])].size());
-    nb = std::clamp<int64_t>(budget / std::max<int64_t>(longest, 1), 1, std::min(batch_size, N - b0));
+  std::vector<int64_t> lengths(static_cast<size_t>(N));
+  for (size_t i = 0; i < ids.size(); ++i) lengths[i] = static_cast<int64_t>(ids[i].size());
+  models::for_each_length_batch(lengths, batch_size, [&](const std::vector<int64_t>& order, int64_t done) {
     std::vector<std::vector<int64_t>> batch;
-    for (int64_t k = 0; k < nb; ++k) batch.push_back(ids[static_cast<size_t>(order[static_cast<size_t>(b0 + k)])]);
+    for (int64_t i : order) batch.push_back(ids[static_cast<size_t>(i)]);
     const Tensor h = bert_.forward(batch);  // [nb, L, E]
     const int64_t L = h.size(1);
-    for (int64_t k = 0; k < nb; ++k) {
-      const auto len = static_cast<int64_t>(batch[static_cast<size_t>(k)].size());
-      float* row = out.data<float>() + order[static_cast<size_t>(b0 + k)] * E;
-      pool(h.data<float>() + k * L * E, len, E, pooling_, normalize_, row);
+    for (size_t k = 0; k < order.size(); ++k) {
+      const auto len = static_cast<int64_t>(batch[k].size());
+      float* row = out.data<float>() + order[k] * E;
+      pool(h.data<float>() + static_cast<int64_t>(k) * L * E, len, E, pooling_, normalize_, row);
     }
-    if (progress) progress(b0 + nb, N);
-  }
+    if (progress) progress(done, N);
+  });
   return out;
 }
 

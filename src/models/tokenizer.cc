@@ -240,10 +240,53 @@ Tokenizer::Encoding Tokenizer::encode(std::string_view text, int64_t max_length,
   return e;
 }
 
+namespace {
+
+// Cuts a pair's pieces to `max` tokens together, the longest first, as tokenizers' truncate_encodings
+// does; from the left with `left`. Returns whether anything was cut.
+bool truncate_longest_first(std::vector<int64_t>& ia, std::vector<int64_t>& ib, size_t max, bool left) {
+  if (ia.size() + ib.size() <= max) return false;
+  size_t n1 = ia.size(), n2 = ib.size();
+  const bool swap = n1 > n2;
+  if (swap) std::swap(n1, n2);
+  n2 = n1 > max ? n1 : std::max(n1, max - n1);
+  if (n1 + n2 > max) {
+    n1 = max / 2;
+    n2 = n1 + max % 2;
+  }
+  if (swap) std::swap(n1, n2);
+  const auto cut = [&](std::vector<int64_t>& v, size_t n) {
+    if (v.size() <= n) return;
+    if (left) v.erase(v.begin(), v.end() - static_cast<std::ptrdiff_t>(n));
+    else v.resize(n);
+  };
+  cut(ia, n1);
+  cut(ib, n2);
+  return true;
+}
+
+}  // namespace
+
 Tokenizer::Encoding Tokenizer::encode_pair(std::string_view a, std::string_view b, int64_t max_length) const {
-  HEADS_CHECK(pipeline_, "Tokenizer::encode_pair: a vocab.txt tokenizer encodes single texts only; pairs need the "
-                         "directory's tokenizer.json");
   HEADS_CHECK(max_length >= 0, "Tokenizer::encode_pair: max_length must be >= 0, got ", max_length);
+  if (wordpiece_) {  // BERT's pair: [CLS] a [SEP] b [SEP], types 0 through the first [SEP], then 1
+    HEADS_CHECK(max_length == 0 || max_length >= 3, "Tokenizer::encode_pair: max_length ", max_length,
+                " leaves no room for the 3 special tokens");
+    std::vector<int64_t> ia = wordpiece_->encode(a, 0).ids, ib = wordpiece_->encode(b, 0).ids;
+    const int64_t cls = ia.front(), sep = ia.back();
+    ia = std::vector<int64_t>(ia.begin() + 1, ia.end() - 1);
+    ib = std::vector<int64_t>(ib.begin() + 1, ib.end() - 1);
+    Encoding e;
+    e.truncated = max_length > 0 && truncate_longest_first(ia, ib, static_cast<size_t>(max_length - 3), false);
+    e.ids.push_back(cls);
+    e.ids.insert(e.ids.end(), ia.begin(), ia.end());
+    e.ids.push_back(sep);
+    e.type_ids.assign(e.ids.size(), 0);
+    e.ids.insert(e.ids.end(), ib.begin(), ib.end());
+    e.ids.push_back(sep);
+    e.type_ids.resize(e.ids.size(), 1);
+    return e;
+  }
   const tok::Pipeline& p = *pipeline_;
   HEADS_CHECK(!p.post.single.empty() ? !p.post.pair.empty() : true, "Tokenizer::encode_pair: the post-processor has no "
                                                                      "pair template");
@@ -253,28 +296,7 @@ Tokenizer::Encoding Tokenizer::encode_pair(std::string_view a, std::string_view 
               added, " special tokens");
   bool ta = false, tb = false;
   std::vector<int64_t> ia = tokenize_prefix(p, a, SIZE_MAX, false, ta), ib = tokenize_prefix(p, b, SIZE_MAX, false, tb);
-  bool truncated = false;
-  if (limit > 0 && static_cast<int64_t>(ia.size() + ib.size()) > limit - added) {
-    // longest first, as tokenizers' truncate_encodings does
-    const auto max = static_cast<size_t>(limit - added);
-    size_t n1 = ia.size(), n2 = ib.size();
-    const bool swap = n1 > n2;
-    if (swap) std::swap(n1, n2);
-    n2 = n1 > max ? n1 : std::max(n1, max - n1);
-    if (n1 + n2 > max) {
-      n1 = max / 2;
-      n2 = n1 + max % 2;
-    }
-    if (swap) std::swap(n1, n2);
-    const auto cut = [&](std::vector<int64_t>& v, size_t n) {
-      if (v.size() <= n) return;
-      if (p.truncate_left) v.erase(v.begin(), v.end() - static_cast<std::ptrdiff_t>(n));
-      else v.resize(n);
-    };
-    cut(ia, n1);
-    cut(ib, n2);
-    truncated = true;
-  }
+  const bool truncated = limit > 0 && truncate_longest_first(ia, ib, static_cast<size_t>(limit - added), p.truncate_left);
   Encoding e = post_process(p, ia, &ib, true);
   e.truncated = truncated;
   return e;

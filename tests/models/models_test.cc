@@ -90,6 +90,26 @@ TEST(SentenceEncoder, PortablePathGivesTheFastPathsEmbeddings) {
   EXPECT_TRUE(e.within(0, 2e-6)) << "max difference " << e.max_abs << " (isa " << isa_name(guard.saved) << ")";
 }
 
+// Token types: all 0 is the plain forward; type 1 (MiniLM's second segment) changes the states of
+// the tokens given it; bad types are errors naming the sequence.
+TEST(SentenceEncoder, TokenTypesReachTheEmbeddings) {
+  const SentenceEncoder enc = SentenceEncoder::load(testing::model_dir());
+  const BertModel& bert = enc.bert();
+  const std::vector<std::vector<int64_t>> ids{{101, 2023, 2003, 102, 7592, 102}, {101, 1037, 102}};
+  const std::vector<std::vector<int64_t>> zeros{{0, 0, 0, 0, 0, 0}, {0, 0, 0}}, pair{{0, 0, 0, 0, 1, 1}, {0, 0, 0}};
+  const Tensor plain = bert.forward(ids);
+  EXPECT_TRUE(testing::bitwise_equal(bert.forward(ids, zeros), plain));
+  const Tensor typed = bert.forward(ids, pair);
+  const auto second = testing::compare(typed.select(0, 1), plain.select(0, 1));
+  EXPECT_LE(second.max_abs, 1e-5);  // the other sequence of the batch: its rows are its own
+  EXPECT_GT(testing::compare(typed.select(0, 0), plain.select(0, 0)).max_abs, 1e-2);
+  EXPECT_THAT(testing::error_of([&] { bert.forward(ids, {{0, 0, 0, 0, 2, 0}, {0, 0, 0}}); }),
+              HasSubstr("token type id 2 in sequence 0 outside the 2 types of the model"));
+  EXPECT_THAT(testing::error_of([&] { bert.forward(ids, {{0, 0, 0, 0, 0, 0}, {0, 0}}); }),
+              HasSubstr("sequence 1 has 3 token ids and 2 type ids"));
+  EXPECT_THAT(testing::error_of([&] { bert.forward(ids, {{0}}); }), HasSubstr("1 sequences of type ids for 2"));
+}
+
 TEST(SentenceEncoder, FileErrorsNameTheFile) {
   try {
     SentenceEncoder::load("/nonexistent/model");

@@ -82,6 +82,29 @@ TEST(TokenizerJson, LongTextsEqualTheVocabTxtTokenizer) {
   }
 }
 
+// Pairs: the file's BERT template against the vocab.txt tokenizer's own [CLS] a [SEP] b [SEP], token
+// types and longest-first truncation included.
+TEST(TokenizerJson, PairsEqualTheVocabTxtTokenizer) {
+  const Tokenizer vocab = Tokenizer::from_wordpiece(vocab_tok());
+  for (uint64_t seed : {4, 5, 6}) {
+    const std::string a = random_text(seed, 300 * seed), b = random_text(seed + 10, 700);
+    for (int64_t max_len : {3, 4, 17, 128, 100000}) {  // (0 is the file's truncation in tokenizer.json)
+      for (const auto& [x, y] : {std::pair(a, b), std::pair(b, a), std::pair(a, std::string()),
+                                 std::pair(std::string(), std::string())}) {
+        const auto want = json_tok().encode_pair(x, y, max_len);
+        const auto got = vocab.encode_pair(x, y, max_len);
+        EXPECT_EQ(got.ids, want.ids) << seed << " " << max_len;
+        EXPECT_EQ(got.type_ids, want.type_ids) << seed << " " << max_len;
+        EXPECT_EQ(got.truncated, want.truncated) << seed << " " << max_len;
+      }
+    }
+  }
+  const auto e = vocab.encode_pair("a test", "hello", 0);
+  EXPECT_EQ(e.ids, (V{101, 1037, 3231, 102, 7592, 102}));
+  EXPECT_EQ(e.type_ids, (V{0, 0, 0, 0, 1, 1}));
+  EXPECT_THAT(testing::error_of([&] { vocab.encode_pair("a", "b", 2); }), HasSubstr("max_length 2 leaves no room"));
+}
+
 TEST(TokenizerJson, BpeMergesAndCharactersWithoutUnk) {
   const Tokenizer t = inline_tokenizer(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "abab": 3},
                                            "merges": ["a b", "ab ab"]}})");

@@ -17,6 +17,7 @@ void add_mha_command(CLI::App& app, Action* action);
 void add_demo_command(CLI::App& app, Action* action);
 void add_bench_command(CLI::App& app, Action* action);
 void add_embed_command(CLI::App& app, Action* action);
+void add_rerank_command(CLI::App& app, Action* action);
 void add_viz_command(CLI::App& app, Action* action);
 void add_train_demo_command(CLI::App& app, Action* action);
 void add_generate_command(CLI::App& app, Action* action);

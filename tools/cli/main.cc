@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
   heads::cli::add_demo_command(app, &action);
   heads::cli::add_bench_command(app, &action);
   heads::cli::add_embed_command(app, &action);
+  heads::cli::add_rerank_command(app, &action);
   heads::cli::add_viz_command(app, &action);
   heads::cli::add_train_demo_command(app, &action);
   heads::cli::add_generate_command(app, &action);
