@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # test-aarch64.sh — heads for 64-bit ARM, built and tested on an x86-64 Debian 12 host: the library
-# and its C++ tests cross-compiled (g++-aarch64-linux-gnu, the arm64 libraries of Debian's
+# and its kernels' C++ tests (HEADS_TEST_SUITES=kernels: the only suites run here) cross-compiled (g++-aarch64-linux-gnu, the arm64 libraries of Debian's
 # multiarch, cmake/aarch64-linux-gnu.cmake), the kernel tests run under qemu-user with every
 # extension QEMU 7.2 implements (`-cpu max`). Every test visits each ISA the CPU offers (scalar, neon,
 # neonbf16; bf16 attention on neonbf16 both with BFDOT and widened), forward and backward, f32,
@@ -64,9 +64,9 @@ if [ ! -x "$PYROOT/usr/bin/python3.11" ] || [ ! -d "$PYROOT/usr/lib/python3/dist
   rm -rf "$tmp"
 fi
 
-step aarch64:build "aarch64: cross build of the library, the C++ tests, the CLI and the Python module ($BUILD/)"
+step aarch64:build "aarch64: cross build of the library, the kernels' C++ tests, the CLI and the Python module ($BUILD/)"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
-  -DHEADS_BUILD_CLI=ON -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=ON \
+  -DHEADS_BUILD_CLI=ON -DHEADS_BUILD_SERVE=OFF -DHEADS_BUILD_PYTHON=ON -DHEADS_TEST_SUITES=kernels \
   -Ddnnl_DIR="$DNNL/usr/lib/aarch64-linux-gnu/cmake/dnnl" -Dnanobind_DIR="$NANOBIND_DIR" \
   -DPython_INCLUDE_DIR="$PYROOT/usr/include/python3.11" -DSKBUILD_SOABI=cpython-311-aarch64-linux-gnu >/dev/null
 cmake --build "$BUILD" --target heads_tests heads_cli _heads

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,9 +60,14 @@ class CausalLM {
   Tensor forward(const Tensor& ids, KVCache* cache = nullptr, bool last_only = false) const;
 
   // Greedy decoding of one prompt: up to max_new_tokens new ids (stopping after eos_token_id when
-  // >= 0), with a KV cache of `cache_dtype`.
+  // >= 0), with a KV cache of `cache_dtype`; on_token, when set, sees each new id as it is chosen
+  // (to stream the text).
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens,
-                                int64_t eos_token_id = -1, DType cache_dtype = DType::F32) const;
+                                int64_t eos_token_id = -1, DType cache_dtype = DType::F32,
+                                const std::function<void(int64_t)>& on_token = {}) const;
+  // The directory's end-of-sequence id: generation_config.json's eos_token_id, else config.json's
+  // (the first of a list); -1 when neither names one.
+  static int64_t eos_token_id(const std::string& dir);
 
  private:
   friend struct CausalLMReader;  // the readers of each model_type (causal_lm_load.cc)

@@ -237,7 +237,18 @@ class CausalLM:
         (embeddings, norms, attention and the residual stream stay float32)."""
         m = _heads.CausalLM.load(os.fspath(model_dir))
         m.set_precision(_precision(dtype))
-        return cls(m)
+        lm = cls(m)
+        lm._dir = os.fspath(model_dir)
+        return lm
+
+    @property
+    def tokenizer(self) -> "Tokenizer":
+        """The directory's tokenizer (``tokenizer.json``), read when first asked for."""
+        if getattr(self, "_tok", None) is None:
+            if getattr(self, "_dir", None) is None:
+                raise ValueError("tokenizer: this CausalLM was not loaded from a directory (from_pretrained)")
+            self._tok = Tokenizer.from_directory(self._dir)
+        return self._tok
 
     @property
     def dtype(self) -> str:
@@ -267,10 +278,24 @@ class CausalLM:
 
     forward = __call__
 
-    def generate(self, prompt: Any, max_new_tokens: int, eos_token_id: Optional[int] = None,
-                 cache_dtype: str = "f32") -> list:
+    def generate(self, prompt: Any, max_new_tokens: int, eos_token_id: Any = "auto",
+                 cache_dtype: str = "f32") -> Any:
         """Greedy decoding: the new token ids (at most ``max_new_tokens``, stopping after ``eos_token_id``).
-        ``cache_dtype``: the KV cache's storage, "f32", "bf16" or "int8" (a quarter of f32's memory and reads)."""
+        ``cache_dtype``: the KV cache's storage, "f32", "bf16" or "int8" (a quarter of f32's memory and reads).
+
+        A str ``prompt`` is tokenized with the directory's tokenizer (special tokens added, as
+        ``tokenizer(prompt)``), and the continuation comes back as text (``tokenizer.decode(ids,
+        skip_special_tokens=True)``). ``eos_token_id="auto"``: for a str prompt, the directory's
+        (generation_config.json, else config.json); for ids, none. None: no end."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(_text(prompt, "prompt"))["ids"]
+            if not ids:
+                raise ValueError("prompt: the text gives no tokens")
+            eos = _heads.CausalLM.eos_token_id(self._dir) if eos_token_id == "auto" else eos_token_id
+            new = self.generate(ids, max_new_tokens, eos, cache_dtype)
+            return self.tokenizer.decode(new)
+        if eos_token_id == "auto":
+            eos_token_id = None
         rows = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         if rows and isinstance(rows[0], (list, tuple)):  # [1, L] as transformers takes it
             if len(rows) != 1:

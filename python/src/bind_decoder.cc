@@ -154,7 +154,8 @@ void bind_decoder(nb::module_& m) {
              nb::gil_scoped_release release;
              return lm.generate(prompt, max_new_tokens, eos_token_id, cache_dtype(dtype, "cache_dtype"));
            },
-           "prompt"_a, "max_new_tokens"_a, "eos_token_id"_a = -1, "cache_dtype"_a = "f32");
+           "prompt"_a, "max_new_tokens"_a, "eos_token_id"_a = -1, "cache_dtype"_a = "f32")
+      .def_static("eos_token_id", &heads::CausalLM::eos_token_id, "model_dir"_a);
 
   nb::class_<heads::T5Encoder>(m, "T5Encoder")
       .def_static("load", &heads::T5Encoder::load, "model_dir"_a)

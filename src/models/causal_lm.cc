@@ -174,7 +174,8 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
 }
 
 std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens,
-                                        int64_t eos_token_id, DType cache_dtype) const {
+                                        int64_t eos_token_id, DType cache_dtype,
+                                        const std::function<void(int64_t)>& on_token) const {
   HEADS_CHECK(!prompt.empty(), "CausalLM::generate: the prompt is empty");
   HEADS_CHECK(max_new_tokens >= 0, "CausalLM::generate: max_new_tokens must be >= 0, got ", max_new_tokens);
   // Room for the prompt and the first 512 new tokens; past that the cache grows by doubling, so a
@@ -190,6 +191,7 @@ std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int6
       if (p[v] > p[best]) best = v;  // the first of equal maxima, as torch.argmax
     }
     out.push_back(best);
+    if (on_token) on_token(best);
     if (best == eos_token_id) break;
     ids = Tensor::from_vector(std::vector<int64_t>{best}, {1, 1});
   }

@@ -311,3 +311,21 @@ CausalLM CausalLM::load(const std::string& dir) {
 }
 
 }  // namespace heads
+
+namespace heads {
+
+int64_t CausalLM::eos_token_id(const std::string& dir) {
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    const std::filesystem::path p = std::filesystem::path(dir) / name;
+    const nlohmann::json j = models::read_json(p, false);
+    if (!j.contains("eos_token_id") || j.at("eos_token_id").is_null()) continue;
+    const nlohmann::json& v = j.at("eos_token_id");
+    const nlohmann::json& first = v.is_array() && !v.empty() ? v.at(0) : v;
+    HEADS_CHECK(first.is_number_integer() && first.get<int64_t>() >= 0, p.string(),
+                ": \"eos_token_id\" must be a token id or a list of them, got ", v.dump());
+    return first.get<int64_t>();
+  }
+  return -1;
+}
+
+}  // namespace heads

@@ -370,6 +370,114 @@ def test_cli_generate(models):
     assert r.returncode != 0 and "--cache-dtype must be f32, bf16 or int8, got f16" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def text_models(tmp_path_factory):
+    """Decoders with tokenizers trained here: GPT-2 with a byte-level BPE, Llama with a SentencePiece BPE
+    (byte fallback) converted by transformers; the vocabulary sizes are the tokenizers'."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_tokenizers import TRAIN_SMALL, _convert, _spm_model
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("sentencepiece")
+    tmp = tmp_path_factory.mktemp("text")
+    out = {}
+    b = tokenizers.ByteLevelBPETokenizer()
+    b.train_from_iterator(TRAIN_SMALL, vocab_size=700, special_tokens=["<|endoftext|>"], show_progress=False)
+    gpt2_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=b, bos_token="<|endoftext|>",
+                                                    eos_token="<|endoftext|>")
+    llama_dir = _convert(transformers.LlamaTokenizerFast, _spm_model(tmp, "bpe", 5000, byte_fallback=True),
+                         "tokenizer.model", tmp / "llama_tok", legacy=False).parent
+    llama_tok = transformers.AutoTokenizer.from_pretrained(str(llama_dir))
+    made = {
+        "gpt2": (gpt2_tok, lambda t: transformers.GPT2Config(vocab_size=len(t), n_embd=48, n_layer=2, n_head=3,
+                                                             n_positions=256, bos_token_id=t.bos_token_id,
+                                                             eos_token_id=t.eos_token_id)),
+        "llama": (llama_tok, lambda t: transformers.LlamaConfig(
+            vocab_size=len(t), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=t.bos_token_id,
+            eos_token_id=t.eos_token_id)),
+    }
+    for i, (name, (tok, make)) in enumerate(made.items()):
+        torch.manual_seed(50 + i)
+        m = _init(transformers.AutoModelForCausalLM.from_config(make(tok)), 300 + i)
+        d = tmp / name
+        m.save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+        out[name] = (m, tok, str(d))
+    return out
+
+
+PROMPTS = ["Hello world", "naïve café, 東京 and 😀", "  two  spaces ", "x"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_text_generation_equals_transformers(text_models, name):
+    models_ = text_models
+    m, tok, d = models_[name]
+    lm = heads.CausalLM.from_pretrained(d)
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        assert heads.Tokenizer.from_directory(d).encode(prompt)["ids"] == ids[0].tolist(), prompt
+        with torch.no_grad():
+            want_ids = m.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id,
+                                  eos_token_id=m.config.eos_token_id)[0, ids.shape[1]:].tolist()
+        want = tok.decode(want_ids, skip_special_tokens=True)
+        assert lm.generate(ids[0], 24, eos_token_id=m.config.eos_token_id) == want_ids, prompt
+        got = lm.generate(prompt, 24)  # the tokenizer and eos_token_id of the directory
+        assert isinstance(got, str) and got == want, (prompt, got, want)
+    # the CLI: text out (not a terminal: printed once), and --json with the ids
+    cli = os.environ.get("HEADS_CLI", "heads")
+    r = subprocess.run([cli, "generate", "--model", d, "--prompt", PROMPTS[1], "--max-new-tokens", "24"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == lm.generate(PROMPTS[1], 24) + "\n"
+    r = subprocess.run([cli, "generate", "--model", d, "--prompt", PROMPTS[0], "--max-new-tokens", "5", "--json"],
+                       capture_output=True, text=True, check=True)
+    ids0 = tok(PROMPTS[0])["input_ids"]
+    j = json.loads(r.stdout)
+    assert j["ids"] == lm.generate(ids0, 5, eos_token_id=m.config.eos_token_id) and j["text"] == tok.decode(
+        j["ids"], skip_special_tokens=True)
+
+
+def test_text_generation_streams_on_a_terminal(text_models):
+    """On a terminal the text comes piece by piece; what is printed in the end is the same text."""
+    import pty
+    models_ = text_models
+    _, _, d = models_["llama"]
+    want = heads.CausalLM.from_pretrained(d).generate(PROMPTS[1], 24)
+    cli = os.environ.get("HEADS_CLI", "heads")
+    master, slave = pty.openpty()
+    p = subprocess.Popen([cli, "generate", "--model", d, "--prompt", PROMPTS[1], "--max-new-tokens", "24"],
+                         stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert p.wait(timeout=60) == 0
+    assert b"".join(chunks).decode("utf-8").replace("\r\n", "\n") == want + "\n"
+
+
+def test_text_prompt_errors(text_models, models):
+    models_ = text_models
+    _, _, d = models_["gpt2"]
+    cli = os.environ.get("HEADS_CLI", "heads")
+    r = subprocess.run([cli, "generate", "--model", d], capture_output=True, text=True)
+    assert r.returncode != 0 and "--prompt TEXT or as --input-ids" in r.stderr
+    r = subprocess.run([cli, "generate", "--model", d, "--prompt", "a", "--input-ids", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "excludes" in r.stderr
+    _, no_tok = models["gpt2"]  # a directory without a tokenizer
+    with pytest.raises(ValueError, match="no tokenizer"):
+        heads.CausalLM.from_pretrained(no_tok).generate("hello", 3)
+
+
 @pytest.mark.parametrize("ff", ["relu", "gated-gelu"])
 def test_t5_encoder_matches_transformers(tmp_path, ff):
     cfg = transformers.T5Config(vocab_size=V, d_model=48, d_kv=16, d_ff=80, num_layers=3, num_heads=5,
