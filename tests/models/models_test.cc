@@ -14,6 +14,8 @@
 #include <random>
 
 #include "common/testing.h"
+#include "heads/cross_encoder.h"
+#include "heads/safetensors.h"
 #include "heads/sentence_encoder.h"
 #include "heads/viz.h"
 
@@ -108,6 +110,73 @@ TEST(SentenceEncoder, TokenTypesReachTheEmbeddings) {
   EXPECT_THAT(testing::error_of([&] { bert.forward(ids, {{0, 0, 0, 0, 0, 0}, {0, 0}}); }),
               HasSubstr("sequence 1 has 3 token ids and 2 type ids"));
   EXPECT_THAT(testing::error_of([&] { bert.forward(ids, {{0}}); }), HasSubstr("1 sequences of type ids for 2"));
+}
+
+// A cross-encoder made of MiniLM's encoder and a random pooler + one-label classifier: its scores are
+// the head on the first token's state of BertModel::forward with the pair's token types, in float64.
+TEST(CrossEncoder, ScoresAreTheHeadOnTheFirstTokenOfThePair) {
+  namespace fs = std::filesystem;
+  const fs::path src(testing::model_dir());
+  const fs::path dir = fs::temp_directory_path() / ("heads_ce_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  struct Remove {
+    fs::path p;
+    ~Remove() { fs::remove_all(p); }
+  } remove{dir};
+  for (const char* f : {"config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json"}) {
+    fs::copy_file(src / f, dir / f);
+  }
+  std::vector<std::pair<std::string, Tensor>> tensors = load_safetensors((src / "model.safetensors").string());
+  const int64_t E = 384;
+  std::mt19937_64 gen(7);
+  std::normal_distribution<float> nd(0.0f, 0.1f);
+  const auto random = [&](Shape shape) {
+    Tensor t = Tensor::empty(shape, DType::F32);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(gen);
+    return t;
+  };
+  const Tensor pw = random({E, E}), pb = random({E}), cw = random({1, E}), cb = random({1});
+  tensors.emplace_back("bert.pooler.dense.weight", pw);
+  tensors.emplace_back("bert.pooler.dense.bias", pb);
+  tensors.emplace_back("classifier.weight", cw);
+  tensors.emplace_back("classifier.bias", cb);
+  save_safetensors((dir / "model.safetensors").string(), tensors);
+  {
+    std::ifstream in(src / "config.json");
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    cfg.insert(cfg.find('{') + 1, "\"id2label\": {\"0\": \"LABEL_0\"}, ");
+    std::ofstream(dir / "config.json") << cfg;
+  }
+  const CrossEncoder ce = CrossEncoder::load(dir.string());
+  ASSERT_EQ(ce.num_labels(), 1);
+  EXPECT_EQ(ce.max_length(), 512);  // MiniLM's tokenizer_config model_max_length, within its 512 positions
+  const std::vector<CrossEncoder::Pair> pairs{{"how many people live in berlin?", "Berlin has 3.7 million people."},
+                                              {"a", ""},
+                                              {"what is attention", [] {
+                                                std::string t;
+                                                for (int i = 0; i < 700; ++i) t += "attention is all ";
+                                                return t;
+                                              }()}};
+  int64_t truncated = -1;
+  const Tensor s = ce.predict(pairs, ScoreActivation::Identity, 2, {}, &truncated);
+  EXPECT_EQ(truncated, 1);
+  const Tensor sig = ce.predict(pairs, ScoreActivation::Sigmoid);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const auto e = ce.tokenizer().encode_pair(pairs[i].first, pairs[i].second, ce.max_length());
+    const Tensor h = ce.bert().forward({e.ids}, {e.type_ids});
+    double z = cb.data<float>()[0];
+    for (int64_t j = 0; j < E; ++j) {
+      double a = pb.data<float>()[j];
+      for (int64_t k = 0; k < E; ++k) a += static_cast<double>(pw.data<float>()[j * E + k]) * h.data<float>()[k];
+      z += std::tanh(a) * cw.data<float>()[j];
+    }
+    EXPECT_NEAR(s.data<float>()[i], z, 1e-5) << i;
+    EXPECT_NEAR(sig.data<float>()[i], 1 / (1 + std::exp(-z)), 1e-6) << i;
+  }
+  EXPECT_THAT(testing::error_of([] { CrossEncoder::load(testing::model_dir()); }),
+              HasSubstr("tensor \"classifier.weight\" missing: not a sequence-classification model"));
+  EXPECT_THAT(testing::error_of([] { score_activation_from_name("tanh"); }),
+              HasSubstr("activation \"tanh\" is not one of identity, sigmoid, softmax"));
 }
 
 TEST(SentenceEncoder, FileErrorsNameTheFile) {
