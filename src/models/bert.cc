@@ -194,6 +194,14 @@ BertModel BertModel::load(const std::string& dir) {
   return m;
 }
 
+BertModel BertModel::load(const std::string& dir, std::optional<Precision> precision) {
+  HEADS_CHECK(!dir.empty(), "BertModel::load: model_dir is empty; pass a model directory");
+  BertModel m = load(dir);
+  // A model stored in int8 is already int8 (set_precision would quantize its dequantized weights again).
+  if (precision && *precision != m.precision()) m.set_precision(*precision);
+  return m;
+}
+
 void BertModel::set_precision(Precision p) {
   set_layers_precision(layers_, p, p == Precision::Int8 ? input_ranges() : std::vector<InputRanges>{});
 }

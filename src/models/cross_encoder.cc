@@ -51,13 +51,10 @@ int64_t pair_max_length(const fs::path& d, int64_t positions) {
 
 CrossEncoder CrossEncoder::load(const std::string& model_dir, std::optional<Precision> precision) {
   CrossEncoder c;
-  HEADS_CHECK(!model_dir.empty(), "CrossEncoder::load: model_dir is empty; pass a model directory");
   c.dir_ = model_dir;
+  c.bert_ = BertModel::load(model_dir, precision);
+  c.tok_ = Tokenizer::from_directory(model_dir);
   const fs::path d(c.dir_);
-  HEADS_CHECK(fs::is_directory(d), c.dir_, ": model directory not found");
-  c.bert_ = BertModel::load(c.dir_);
-  if (precision && *precision != c.bert_.precision()) c.bert_.set_precision(*precision);
-  c.tok_ = Tokenizer::from_directory(c.dir_);
 
   // transformers: num_labels = len(id2label), 2 when config.json has none.
   const fs::path cfg_path = d / "config.json";

@@ -51,14 +51,10 @@ void pool(const float* h, int64_t len, int64_t E, Pooling pooling, bool normaliz
 
 SentenceEncoder SentenceEncoder::load(const std::string& model_dir, std::optional<Precision> precision) {
   SentenceEncoder s;
-  HEADS_CHECK(!model_dir.empty(), "SentenceEncoder::load: model_dir is empty; pass a model directory");
   s.dir_ = model_dir;
+  s.bert_ = BertModel::load(model_dir, precision);
+  s.tok_ = Tokenizer::from_directory(model_dir);
   const fs::path d(s.dir_);
-  HEADS_CHECK(fs::is_directory(d), s.dir_, ": model directory not found");
-  s.bert_ = BertModel::load(s.dir_);
-  // A model stored in int8 is already int8 (set_precision would quantize its dequantized weights again).
-  if (precision && *precision != s.bert_.precision()) s.bert_.set_precision(*precision);
-  s.tok_ = Tokenizer::from_directory(s.dir_);
   const nlohmann::json sb = read_json(d / "sentence_bert_config.json", false);
   s.max_seq_length_ = json_int(sb, "max_seq_length", s.bert_.config().max_tokens(), d / "sentence_bert_config.json",
                                2, int64_t{1} << 24);
