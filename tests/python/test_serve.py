@@ -625,6 +625,79 @@ def test_a_huge_request_costs_a_few_times_its_bytes():
         assert s.stop() == 0
 
 
+@pytest.fixture(scope="module")
+def reranker_dir(tmp_path_factory):
+    """A BertForSequenceClassification with one label and random weights, MiniLM's tokenizer."""
+    import torch
+    import transformers
+    tok = transformers.BertTokenizerFast.from_pretrained(MODEL)
+    tok.model_max_length = 96
+    torch.manual_seed(3)
+    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=96, max_position_embeddings=128, num_labels=1)
+    m = transformers.BertForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    d = tmp_path_factory.mktemp("reranker")
+    m.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    return str(d)
+
+
+def test_rerank_route_scores_as_cross_encoder_and_batches_requests(reranker_dir):
+    s = Server("--max-wait-us", 50000, model=reranker_dir)
+    try:
+        ce = heads.CrossEncoder(reranker_dir)
+        q = "what do attention heads compute"
+        texts = fresh_texts("rerank", 12) + ["x " * 200]  # the last one truncated with the query
+        status, body, hdrs = s.post("/rerank", {"query": q, "texts": texts, "raw_scores": True, "return_text": True})
+        assert status == 200, body
+        want = ce.rank(q, texts)
+        assert [b["index"] for b in body] == [w["index"] for w in want]
+        assert [b["score"] for b in body] == pytest.approx([w["score"] for w in want], abs=1e-5)
+        assert all(b["text"] == texts[b["index"]] for b in body) and hdrs["X-Heads-Model-Version"].startswith("reranker")
+        status, body, _ = s.post("/rerank", {"query": q, "texts": texts[:3]})  # TEI's default: the sigmoid
+        raw = ce.predict([(q, t) for t in texts[:3]])
+        assert status == 200 and "text" not in body[0]
+        assert {b["index"]: b["score"] for b in body} == pytest.approx(
+            {i: 1 / (1 + np.exp(-float(raw[i]))) for i in range(3)}, abs=1e-6)
+        # concurrent requests are merged into fewer model batches, each answer its own
+        before = s.metric("heads_batch_seconds_count")
+        with cf.ThreadPoolExecutor(8) as ex:
+            outs = list(ex.map(lambda i: s.post("/rerank", {"query": f"{q} {i}", "texts": texts, "raw_scores": True}),
+                               range(8)))
+        batches = s.metric("heads_batch_seconds_count") - before
+        for i, (status, body, _) in enumerate(outs):
+            assert status == 200
+            got = {b["index"]: b["score"] for b in body}
+            want = ce.predict([(f"{q} {i}", t) for t in texts])
+            assert [got[k] for k in range(len(texts))] == pytest.approx(want.tolist(), abs=1e-5)
+        assert 1 <= batches < 8, batches
+        assert s.metric("heads_pairs_total") == 13 + 3 + 8 * 13
+        # what a reranker does not answer, and bad bodies
+        status, body, _ = s.post("/v1/embeddings", {"input": ["a"]})
+        assert status == 400 and "is a reranker: it answers /rerank" in body["error"]["message"]
+        for bad, message in (({"texts": ["a"]}, "query: expected a string"),
+                             ({"query": "q", "texts": [1]}, "texts[0]: expected a string"),
+                             ({"query": "q", "texts": []}, "texts: no texts"),
+                             ({"query": "q", "texts": ["a"], "raw_scores": "yes"}, "raw_scores: expected a boolean")):
+            status, body, _ = s.post("/rerank", bad)
+            assert status == 400 and message in body["error"]["message"], (bad, body)
+        info = json.loads(s.get("/info")[1])
+        assert info["kind"] == "reranker" and info["dim"] == 0 and info["max_seq_length"] == 96
+        status, body, _ = s.post("/tokenize", {"inputs": ["Hello, world!"]})
+        assert status == 200 and body[0]["tokens"][0] == "[CLS]"
+    finally:
+        assert s.stop() == 0, s.logs()
+
+
+def test_rerank_on_an_embedding_model_is_400(server):
+    status, body, _ = server.post("/rerank", {"query": "q", "texts": ["a"]})
+    assert status == 400 and "is an embedding model; /rerank needs a reranker" in body["error"]["message"]
+    assert json.loads(server.get("/info")[1])["kind"] == "embedding"
+
+
 def test_bad_flags_and_model():
     r = subprocess.run([HEADS, "serve", "--model", "/nonexistent", "--http-port", "0", "--grpc-port", "0"],
                        capture_output=True, text=True, timeout=60)

@@ -244,13 +244,12 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
                                 std::to_string(service_->options().max_texts));
       }
       const auto m = service_->model();
-      const SentenceEncoder& enc = *m->encoder;
       for (const std::string& t : req->texts()) {
-        const auto e = enc.tokenizer().encode(t, enc.max_seq_length());
+        const auto e = m->tokenizer().encode(t, m->max_length());
         auto* out = resp->add_texts();
         for (int64_t id : e.ids) {
           out->add_ids(id);
-          out->add_pieces(enc.tokenizer().token(id));
+          out->add_pieces(m->tokenizer().token(id));
         }
         out->set_truncated(e.truncated > 0);
       }
@@ -277,7 +276,7 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
       if (!req->has_key()) k = v = q;
       // Bounds before any work: sequences no longer than the model's positions, and weights of a
       // size a server can give (the service answers one model computation at a time).
-      const int64_t max_len = service_->model()->encoder->bert().config().max_position_embeddings;
+      const int64_t max_len = service_->model()->bert().config().max_position_embeddings;
       if (q.dim() < 2 || k.dim() < 2) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "query and key: expected [L, E] or [N, L, E]");
       }
@@ -289,7 +288,7 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
       }
       if (req->need_weights()) {
         const int64_t N = q.dim() == 3 ? q.size(0) : 1;
-        const int64_t heads = req->per_head_weights() ? service_->model()->encoder->bert().config().num_heads : 1;
+        const int64_t heads = req->per_head_weights() ? service_->model()->bert().config().num_heads : 1;
         if (N * heads * L * S > (int64_t{1} << 26)) {
           return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                               "need_weights: " + std::to_string(N * heads * L * S) +
@@ -305,7 +304,7 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
       }
       grpc::Status status = grpc::Status::OK;
       service_->with_model([&](const LoadedModel& m) {
-        const auto& layers = m.encoder->bert().layers();
+        const auto& layers = m.bert().layers();
         if (req->layer() < 0 || req->layer() >= static_cast<int64_t>(layers.size())) {
           status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                 "layer: " + std::to_string(req->layer()) + " is not a layer of this model (0 to " +
@@ -333,12 +332,12 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
   grpc::Status Info(grpc::ServerContext* ctx, const heads::v1::InfoRequest*, heads::v1::InfoResponse* resp) override {
     return timed("Info", ctx, [&] {
       const auto m = service_->model();
-      const auto& cfg = m->encoder->bert().config();
+      const auto& cfg = m->bert().config();
       resp->set_model_version(m->version);
       resp->set_model_name(m->name);
       resp->set_dtype(m->dtype);
-      resp->set_dim(m->encoder->dim());
-      resp->set_max_seq_length(m->encoder->max_seq_length());
+      resp->set_dim(m->dim());
+      resp->set_max_seq_length(m->max_length());
       resp->set_num_layers(cfg.num_layers);
       resp->set_num_heads(cfg.num_heads);
       return grpc::Status::OK;

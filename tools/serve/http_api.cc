@@ -5,7 +5,9 @@
 #include <openssl/crypto.h>
 #include <poll.h>
 
+#include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <chrono>
 #include <nlohmann/json.hpp>
@@ -153,7 +155,7 @@ class HttpFrontEnd : public FrontEnd {
     res.set("X-Heads-Model-Version", service_->model()->version);
     switch (status) {
       case 404:
-        return send_error(res, 404, "not_found", message + " (routes: POST /v1/embeddings, /embed, /tokenize, "
+        return send_error(res, 404, "not_found", message + " (routes: POST /v1/embeddings, /embed, /rerank, /tokenize, "
                                                            "/admin/reload; GET /health, /live, /info, /metrics)");
       case 413: return send_error(res, 413, "payload_too_large", message);
       case 431: return send_error(res, 431, "header_too_large", message);
@@ -293,8 +295,8 @@ class HttpFrontEnd : public FrontEnd {
         }
         format = f->get<std::string>();
       }
-      const int64_t dim = service_->model()->encoder->dim();
-      if (auto d = body.find("dimensions"); d != body.end() && !d->is_null()) {
+      const int64_t dim = service_->model()->dim();
+      if (auto d = body.find("dimensions"); d != body.end() && !d->is_null() && dim > 0) {
         if (!d->is_number_integer() || d->get<int64_t>() != dim) {
           send_error(res, 400, "invalid_request_error",
                      "dimensions: this model gives " + std::to_string(dim) + " dimensions, got " + d->dump());
@@ -343,6 +345,44 @@ class HttpFrontEnd : public FrontEnd {
       }
       reply(res, out + "]", "application/json");
     });
+    // Text Embeddings Inference's /rerank: {"query", "texts", "raw_scores" (false: the sigmoid),
+    // "return_text"} -> [{"index", "score"[, "text"]}], highest score first.
+    add(http::verb::post, "/rerank", true, [this](const auto& req, const auto& call, auto& res) {
+      json body;
+      if (!parse(req, res, &body)) return;
+      const auto q = body.find("query");
+      if (q == body.end() || !q->is_string()) {
+        return send_error(res, 400, "invalid_request_error", "query: expected a string");
+      }
+      bool raw = false, with_text = false;
+      for (const auto& [key, out] : {std::pair{"raw_scores", &raw}, std::pair{"return_text", &with_text}}) {
+        if (auto f = body.find(key); f != body.end() && !f->is_null()) {
+          if (!f->is_boolean()) return send_error(res, 400, "invalid_request_error", std::string(key) + ": expected a boolean");
+          *out = f->template get<bool>();
+        }
+      }
+      std::vector<std::string> texts;
+      std::string error;
+      bool too_many = false;
+      if (!read_texts(body, "texts", service_->options().max_texts, &texts, &error, &too_many)) {
+        return send_error(res, too_many ? 429 : 400, too_many ? "resource_exhausted" : "invalid_request_error", error);
+      }
+      const EmbedResult r = service_->rerank(q->template get<std::string>(), with_text ? texts : std::move(texts),
+                                             context(req, call)).get();
+      if (r.code != Code::Ok) return send_error(res, http_status(r.code), code_name(r.code), r.message);
+      res.set("X-Heads-Model-Version", r.version);
+      std::vector<size_t> order(r.scores.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return r.scores[a] > r.scores[b]; });
+      json out = json::array();
+      for (size_t i : order) {
+        const double z = r.scores[i];
+        json e{{"index", i}, {"score", raw ? z : 1.0 / (1.0 + std::exp(-z))}};
+        if (with_text) e["text"] = texts[i];
+        out.push_back(std::move(e));
+      }
+      reply(res, out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    });
     add(http::verb::post, "/tokenize", true, [this](const auto& req, const auto&, auto& res) {
       json body;
       if (!parse(req, res, &body)) return;
@@ -355,9 +395,9 @@ class HttpFrontEnd : public FrontEnd {
       const auto m = service_->model();
       json out = json::array();
       for (const std::string& t : texts) {
-        const auto e = m->encoder->tokenizer().encode(t, m->encoder->max_seq_length());
+        const auto e = m->tokenizer().encode(t, m->max_length());
         json pieces = json::array();
-        for (int64_t id : e.ids) pieces.push_back(m->encoder->tokenizer().token(id));
+        for (int64_t id : e.ids) pieces.push_back(m->tokenizer().token(id));
         out.push_back({{"ids", e.ids}, {"tokens", pieces}, {"truncated", e.truncated > 0}});
       }
       reply(res, out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
@@ -374,9 +414,9 @@ class HttpFrontEnd : public FrontEnd {
     });
     add(http::verb::get, "/info", false, [this](const auto&, const auto&, auto& res) {
       const auto m = service_->model();
-      const auto& cfg = m->encoder->bert().config();
+      const auto& cfg = m->bert().config();
       reply(res, json{{"model_version", m->version}, {"model_name", m->name}, {"dtype", m->dtype},
-                           {"dim", m->encoder->dim()}, {"max_seq_length", m->encoder->max_seq_length()},
+                           {"kind", m->kind()}, {"dim", m->dim()}, {"max_seq_length", m->max_length()},
                            {"num_layers", cfg.num_layers}, {"num_heads", cfg.num_heads},
                            {"max_texts", service_->options().max_texts}}
                 .dump(),

@@ -8,7 +8,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <unordered_map>
+
+#include <nlohmann/json.hpp>
 
 #include "heads/error.h"
 #include "heads/runtime.h"
@@ -45,13 +48,41 @@ std::future<EmbedResult> ready(EmbedResult r) {
   return p.get_future();
 }
 
+// A reranker's directory: config.json's architectures name a *ForSequenceClassification model.
+bool is_reranker(const std::string& dir) {
+  std::ifstream in(fs::path(dir) / "config.json");
+  if (!in) return false;  // the loader names what is missing
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("architectures") || !j.at("architectures").is_array()) return false;
+  const std::string suffix = "ForSequenceClassification";
+  for (const auto& a : j.at("architectures")) {
+    if (a.is_string() && a.get<std::string>().size() >= suffix.size() &&
+        a.get<std::string>().compare(a.get<std::string>().size() - suffix.size(), suffix.size(), suffix) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The limit on texts per request, or an error naming it.
+std::optional<EmbedResult> over_limit(const char* field, int64_t n, int64_t max_texts) {
+  if (n == 0) return failure(Code::InvalidArgument, std::string(field) + ": no texts (give a string or a list of strings)");
+  if (n > max_texts) {
+    return failure(Code::ResourceExhausted, std::string(field) + ": " + std::to_string(n) +
+                                                " texts, over the limit of " + std::to_string(max_texts) +
+                                                " per request (--max-texts); split the request");
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::string model_digest(const std::string& dir) {
-  // The files SentenceEncoder::load reads (sentence_encoder.h, bert.h), those present.
-  static const char* kFiles[] = {"config.json",        "model.safetensors", "vocab.txt",
-                                 "tokenizer_config.json", "sentence_bert_config.json", "modules.json",
-                                 "1_Pooling/config.json"};
+  // The files SentenceEncoder::load and CrossEncoder::load read (sentence_encoder.h, cross_encoder.h,
+  // bert.h, tokenizer.h), those present.
+  static const char* kFiles[] = {"config.json",           "model.safetensors",         "tokenizer.json",
+                                 "vocab.txt",             "tokenizer_config.json",     "sentence_bert_config.json",
+                                 "modules.json",          "1_Pooling/config.json"};
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   HEADS_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1, "sha256 failed");
   std::vector<char> buf(1 << 20);
@@ -86,6 +117,7 @@ Service::Service(const Options& options, Metrics* metrics)
                       {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5});
   metrics_->gauge("heads_queue_texts", "Texts waiting in the batcher's queue.");
   metrics_->counter("heads_texts_total", "Texts embedded by the encoder (cache misses).");
+  metrics_->counter("heads_pairs_total", "(query, text) pairs scored by the reranker.");
   metrics_->counter("heads_tokens_total", "Tokens of the requests run through the encoder (after truncation).");
   metrics_->counter("heads_cache_requests_total", "Cache lookups by tier and result (hit / miss).");
   metrics_->counter("heads_cache_evictions_total", "Cache evictions by tier (disk: the database was emptied).");
@@ -115,7 +147,14 @@ std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
   // The version names the files loaded: hashed before and after loading, so that a directory
   // being rewritten meanwhile is an error, not embeddings cached under another model's version.
   const std::string digest = model_digest(dir);
-  auto enc = std::make_shared<SentenceEncoder>(SentenceEncoder::load(dir, opt_.precision));
+  std::shared_ptr<const SentenceEncoder> enc;
+  std::shared_ptr<const CrossEncoder> reranker;
+  if (is_reranker(dir)) {
+    reranker = std::make_shared<CrossEncoder>(CrossEncoder::load(dir, opt_.precision));
+  } else {
+    enc = std::make_shared<SentenceEncoder>(SentenceEncoder::load(dir, opt_.precision));
+  }
+  const Precision precision = enc ? enc->precision() : reranker->precision();
   HEADS_CHECK(model_digest(dir) == digest, "model: the files of ", dir,
               " changed while they were loaded; try again once they are complete");
   // Whoever drops the last reference frees the model and gives its pages back: glibc keeps freed
@@ -125,13 +164,13 @@ std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
     delete p;
     malloc_trim(0);
   });
-  m->dtype = precision_name(enc->precision());
+  m->dtype = precision_name(precision);
   m->name = opt_.model_name;
   if (m->name.empty()) {
     const fs::path p = fs::path(dir).lexically_normal();
     m->name = (p.has_filename() ? p.filename() : p.parent_path().filename()).string();
   }
-  HEADS_CHECK(!batch_invariant() || batch_invariance_holds(enc->precision()),
+  HEADS_CHECK(!batch_invariant() || batch_invariance_holds(precision),
               "serve --batch-invariant: ", m->dtype, " on this CPU runs oneDNN's native ", m->dtype,
               " matmul, whose sums depend on the batch; serve f32 or int8 (--dtype) for batch invariance");
   // Batch-invariant results differ from the default ones in the last bits: a cache of one kind
@@ -139,6 +178,7 @@ std::shared_ptr<const LoadedModel> Service::load(const std::string& dir) const {
   m->version = m->name + "-" + m->dtype + (batch_invariant() ? "-bi" : "") + "-" + digest;
   m->dir = dir;
   m->encoder = std::move(enc);
+  m->reranker = std::move(reranker);
   return m;
 }
 
@@ -170,7 +210,7 @@ EmbedResult Service::reload(const std::string& dir) {
 
   EmbedResult r;
   r.version = next->version;
-  r.dim = next->encoder->dim();
+  r.dim = next->dim();
   return r;
 }
 
@@ -221,13 +261,12 @@ std::future<EmbedResult> Service::embed(std::vector<std::string> texts, const Re
     if (stop_) return ready(failure(Code::Unavailable, "the server is shutting down"));
   }
   const auto n = static_cast<int64_t>(texts.size());
-  if (n == 0) return ready(failure(Code::InvalidArgument, "input: no texts (give a string or a list of strings)"));
-  if (n > opt_.max_texts) {
-    return ready(failure(Code::ResourceExhausted, "input: " + std::to_string(n) + " texts, over the limit of " +
-                                                      std::to_string(opt_.max_texts) +
-                                                      " per request (--max-texts); split the request"));
-  }
+  if (auto e = over_limit("input", n, opt_.max_texts)) return ready(std::move(*e));
   const std::shared_ptr<const LoadedModel> m = model();
+  if (!m->encoder) {
+    return ready(failure(Code::InvalidArgument, "the model served (" + m->version +
+                                                    ") is a reranker: it answers /rerank, not embeddings"));
+  }
   const SentenceEncoder& enc = *m->encoder;
   auto job = std::make_unique<Job>();
   for (int64_t i = 0; i < n; ++i) {
@@ -256,6 +295,46 @@ std::future<EmbedResult> Service::embed(std::vector<std::string> texts, const Re
   }
   job->texts = std::move(texts);
   job->ctx = ctx;
+  return enqueue(std::move(job));
+}
+
+std::future<EmbedResult> Service::rerank(std::string query, std::vector<std::string> texts,
+                                         const RequestContext& ctx) {
+  {
+    std::lock_guard lock(mu_);
+    if (stop_) return ready(failure(Code::Unavailable, "the server is shutting down"));
+  }
+  if (auto e = over_limit("texts", static_cast<int64_t>(texts.size()), opt_.max_texts)) return ready(std::move(*e));
+  const std::shared_ptr<const LoadedModel> m = model();
+  if (!m->reranker) {
+    return ready(failure(Code::InvalidArgument, "the model served (" + m->version +
+                                                    ") is an embedding model; /rerank needs a reranker "
+                                                    "(a *ForSequenceClassification directory)"));
+  }
+  const CrossEncoder& ce = *m->reranker;
+  if (ce.num_labels() != 1) {
+    return ready(failure(Code::InvalidArgument, "the reranker served has " + std::to_string(ce.num_labels()) +
+                                                    " labels; ranking needs one"));
+  }
+  auto job = std::make_unique<Job>();
+  for (size_t i = 0; i < texts.size(); ++i) {
+    const auto e = ce.tokenizer().encode_pair(query, texts[i], ce.max_length());
+    if (e.truncated && !opt_.truncate) {
+      return ready(failure(Code::ResourceExhausted, "texts[" + std::to_string(i) + "]: with the query, longer than the model's " +
+                                                        std::to_string(ce.max_length()) +
+                                                        " tokens, and the server was started with --no-truncate"));
+    }
+    job->tokens += static_cast<int64_t>(e.ids.size());
+  }
+  job->rerank = true;
+  job->query = std::move(query);
+  job->texts = std::move(texts);
+  job->ctx = ctx;
+  return enqueue(std::move(job));
+}
+
+std::future<EmbedResult> Service::enqueue(std::unique_ptr<Job> job) {
+  const auto n = static_cast<int64_t>(job->texts.size());
   job->enqueued = Clock::now();
   std::future<EmbedResult> f = job->done.get_future();
   {
@@ -314,13 +393,7 @@ void Service::run_batches() {
 
 void Service::run_batch(std::vector<std::unique_ptr<Job>>& jobs) {
   const std::shared_ptr<const LoadedModel> m = model();
-  const SentenceEncoder& enc = *m->encoder;
-  const int64_t dim = enc.dim();
   const auto now = Clock::now();
-  // Texts to compute, each once; where each goes: (job, row).
-  std::vector<std::string> misses;
-  std::vector<std::vector<std::pair<size_t, int64_t>>> dest;
-  std::unordered_map<std::string_view, size_t> seen;
   std::vector<EmbedResult> results(jobs.size());
   std::vector<bool> live(jobs.size(), false);
   for (size_t j = 0; j < jobs.size(); ++j) {
@@ -328,16 +401,35 @@ void Service::run_batch(std::vector<std::unique_ptr<Job>>& jobs) {
     metrics_->observe("heads_queue_wait_seconds", {}, std::chrono::duration<double>(now - job.enqueued).count());
     if (job.ctx.cancelled && job.ctx.cancelled()) {
       results[j] = failure(Code::Cancelled, "the request was cancelled");
-      continue;
-    }
-    if (now > job.ctx.deadline) {
+    } else if (now > job.ctx.deadline) {
       results[j] = failure(Code::DeadlineExceeded, "the request's deadline passed while it was queued");
-      continue;
+    } else if (job.rerank != (m->reranker != nullptr)) {
+      results[j] = failure(Code::Unavailable, std::string("the model was reloaded as ") +
+                                                  (m->reranker ? "a reranker" : "an embedding model") +
+                                                  " (" + m->version + ") while the request was queued");
+    } else {
+      live[j] = true;
     }
-    live[j] = true;
+  }
+  if (m->encoder) embed_jobs(*m, jobs, live, results);
+  else rerank_jobs(*m, jobs, live, results);
+  for (size_t j = 0; j < jobs.size(); ++j) jobs[j]->done.set_value(std::move(results[j]));
+}
+
+void Service::embed_jobs(const LoadedModel& m, std::vector<std::unique_ptr<Job>>& jobs, const std::vector<bool>& live,
+                         std::vector<EmbedResult>& results) {
+  const SentenceEncoder& enc = *m.encoder;
+  const int64_t dim = enc.dim();
+  // Texts to compute, each once; where each goes: (job, row).
+  std::vector<std::string> misses;
+  std::vector<std::vector<std::pair<size_t, int64_t>>> dest;
+  std::unordered_map<std::string_view, size_t> seen;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!live[j]) continue;
+    Job& job = *jobs[j];
     EmbedResult& r = results[j];
     r.dim = dim;
-    r.version = m->version;
+    r.version = m.version;
     r.prompt_tokens = job.tokens;
     r.embeddings.resize(job.texts.size() * static_cast<size_t>(dim));
     for (size_t i = 0; i < job.texts.size(); ++i) {
@@ -346,42 +438,78 @@ void Service::run_batch(std::vector<std::unique_ptr<Job>>& jobs) {
       auto s = seen.find(t);
       if (s != seen.end()) {
         dest[s->second].emplace_back(j, static_cast<int64_t>(i));
-      } else if (!cache_.get(m->version, t, row, dim)) {
+      } else if (!cache_.get(m.version, t, row, dim)) {
         seen.emplace(t, misses.size());
         misses.push_back(t);
         dest.push_back({{j, static_cast<int64_t>(i)}});
       }
     }
   }
-  if (!misses.empty()) {
-    const auto t0 = Clock::now();
-    try {
-      Tensor e;
-      {
-        std::lock_guard compute(compute_mu_);
-        e = enc.encode(misses, opt_.batch_size);
-      }
-      const float* data = e.data<float>();
-      int64_t tokens = 0;
-      for (size_t k = 0; k < misses.size(); ++k) {
-        const float* row = data + static_cast<int64_t>(k) * dim;
-        cache_.put(m->version, misses[k], row, dim);
-        for (const auto& [j, i] : dest[k]) {
-          std::memcpy(results[j].embeddings.data() + i * dim, row, static_cast<size_t>(dim) * 4);
-        }
-      }
-      for (size_t j = 0; j < jobs.size(); ++j) tokens += live[j] ? jobs[j]->tokens : 0;
-      metrics_->add("heads_texts_total", {}, static_cast<double>(misses.size()));
-      metrics_->add("heads_tokens_total", {}, static_cast<double>(tokens));
-    } catch (const std::exception& ex) {
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        if (live[j]) results[j] = failure(Code::Internal, std::string("encoder: ") + ex.what());
+  if (misses.empty()) return;
+  const auto t0 = Clock::now();
+  try {
+    Tensor e;
+    {
+      std::lock_guard compute(compute_mu_);
+      e = enc.encode(misses, opt_.batch_size);
+    }
+    const float* data = e.data<float>();
+    int64_t tokens = 0;
+    for (size_t k = 0; k < misses.size(); ++k) {
+      const float* row = data + static_cast<int64_t>(k) * dim;
+      cache_.put(m.version, misses[k], row, dim);
+      for (const auto& [j, i] : dest[k]) {
+        std::memcpy(results[j].embeddings.data() + i * dim, row, static_cast<size_t>(dim) * 4);
       }
     }
-    metrics_->observe("heads_batch_texts", {}, static_cast<double>(misses.size()));
-    metrics_->observe("heads_batch_seconds", {}, std::chrono::duration<double>(Clock::now() - t0).count());
+    for (size_t j = 0; j < jobs.size(); ++j) tokens += live[j] ? jobs[j]->tokens : 0;
+    metrics_->add("heads_texts_total", {}, static_cast<double>(misses.size()));
+    metrics_->add("heads_tokens_total", {}, static_cast<double>(tokens));
+  } catch (const std::exception& ex) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (live[j]) results[j] = failure(Code::Internal, std::string("encoder: ") + ex.what());
+    }
   }
-  for (size_t j = 0; j < jobs.size(); ++j) jobs[j]->done.set_value(std::move(results[j]));
+  metrics_->observe("heads_batch_texts", {}, static_cast<double>(misses.size()));
+  metrics_->observe("heads_batch_seconds", {}, std::chrono::duration<double>(Clock::now() - t0).count());
+}
+
+void Service::rerank_jobs(const LoadedModel& m, std::vector<std::unique_ptr<Job>>& jobs, const std::vector<bool>& live,
+                          std::vector<EmbedResult>& results) {
+  // Every live job's pairs in one predict call (batched by length inside it).
+  std::vector<CrossEncoder::Pair> pairs;
+  int64_t tokens = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!live[j]) continue;
+    for (const std::string& t : jobs[j]->texts) pairs.emplace_back(jobs[j]->query, t);
+    tokens += jobs[j]->tokens;
+  }
+  if (pairs.empty()) return;
+  const auto t0 = Clock::now();
+  try {
+    Tensor s;
+    {
+      std::lock_guard compute(compute_mu_);
+      s = m.reranker->predict(pairs, ScoreActivation::Identity, opt_.batch_size);
+    }
+    const float* score = s.data<float>();
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (!live[j]) continue;
+      EmbedResult& r = results[j];
+      r.version = m.version;
+      r.prompt_tokens = jobs[j]->tokens;
+      r.scores.assign(score, score + jobs[j]->texts.size());
+      score += jobs[j]->texts.size();
+    }
+    metrics_->add("heads_pairs_total", {}, static_cast<double>(pairs.size()));
+    metrics_->add("heads_tokens_total", {}, static_cast<double>(tokens));
+  } catch (const std::exception& ex) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (live[j]) results[j] = failure(Code::Internal, std::string("reranker: ") + ex.what());
+    }
+  }
+  metrics_->observe("heads_batch_texts", {}, static_cast<double>(pairs.size()));
+  metrics_->observe("heads_batch_seconds", {}, std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
 }  // namespace heads::serve

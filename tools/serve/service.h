@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cache.h"
+#include "heads/cross_encoder.h"
 #include "heads/precision.h"
 #include "heads/sentence_encoder.h"
 #include "metrics.h"
@@ -50,8 +51,16 @@ struct Options {
   CacheOptions cache;
 };
 
+// The model served: an embedding model (a sentence-transformers directory), or a reranker (a
+// directory whose config.json names a *ForSequenceClassification architecture).
 struct LoadedModel {
-  std::shared_ptr<const SentenceEncoder> encoder;
+  std::shared_ptr<const SentenceEncoder> encoder;  // set for an embedding model
+  std::shared_ptr<const CrossEncoder> reranker;    // set for a reranker
+  const BertModel& bert() const { return encoder ? encoder->bert() : reranker->bert(); }
+  const Tokenizer& tokenizer() const { return encoder ? encoder->tokenizer() : reranker->tokenizer(); }
+  int64_t max_length() const { return encoder ? encoder->max_seq_length() : reranker->max_length(); }
+  int64_t dim() const { return encoder ? encoder->dim() : 0; }  // a reranker gives scores, no embeddings
+  const char* kind() const { return encoder ? "embedding" : "reranker"; }
   std::string version;  // "<name>-<dtype>-<12 hex digits of the files' SHA-256>"
   std::string name;     // Options::model_name, or the directory's name
   std::string dir;      // its path, as given
@@ -62,6 +71,7 @@ struct EmbedResult {
   Code code = Code::Ok;
   std::string message;
   std::vector<float> embeddings;  // [n, dim]
+  std::vector<float> scores;      // rerank: one raw score (logit) per text, in order
   int64_t dim = 0;
   std::string version;
   int64_t prompt_tokens = 0;
@@ -82,6 +92,9 @@ class Service {
   // Embeddings of `texts`, in order. Never throws: errors come back as a code and a message.
   std::future<EmbedResult> embed(std::vector<std::string> texts, const RequestContext& ctx);
   EmbedResult embed_sync(std::vector<std::string> texts, const RequestContext& ctx);
+  // Scores of (query, text) for each text by a served reranker, batched with other requests as
+  // embeddings are (not cached). Never throws; an embedding model answers InvalidArgument.
+  std::future<EmbedResult> rerank(std::string query, std::vector<std::string> texts, const RequestContext& ctx);
 
   std::shared_ptr<const LoadedModel> model() const;
 
@@ -109,6 +122,8 @@ class Service {
 
  private:
   struct Job {
+    bool rerank = false;  // texts scored against query, or embedded
+    std::string query;
     std::vector<std::string> texts;
     int64_t tokens = 0;
     RequestContext ctx;
@@ -117,7 +132,14 @@ class Service {
   };
   std::shared_ptr<const LoadedModel> load(const std::string& dir) const;
   void run_batches();
+  // Queues a job of n texts (the queue's limits), or answers it with the error.
+  std::future<EmbedResult> enqueue(std::unique_ptr<Job> job);
   void run_batch(std::vector<std::unique_ptr<Job>>& jobs);
+  // The embedding jobs and the rerank jobs of a batch (those live), results[j] for jobs[j].
+  void embed_jobs(const LoadedModel& m, std::vector<std::unique_ptr<Job>>& jobs, const std::vector<bool>& live,
+                  std::vector<EmbedResult>& results);
+  void rerank_jobs(const LoadedModel& m, std::vector<std::unique_ptr<Job>>& jobs, const std::vector<bool>& live,
+                   std::vector<EmbedResult>& results);
 
   Options opt_;
   Metrics* metrics_;
