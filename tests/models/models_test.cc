@@ -112,42 +112,16 @@ TEST(SentenceEncoder, TokenTypesReachTheEmbeddings) {
   EXPECT_THAT(testing::error_of([&] { bert.forward(ids, {{0}}); }), HasSubstr("1 sequences of type ids for 2"));
 }
 
-// A cross-encoder made of MiniLM's encoder and a random pooler + one-label classifier: its scores are
+// A cross-encoder made of MiniLM's encoder and a random pooler + one-label classifier
+// (testing::reranker_dir()): its scores are
 // the head on the first token's state of BertModel::forward with the pair's token types, in float64.
 TEST(CrossEncoder, ScoresAreTheHeadOnTheFirstTokenOfThePair) {
-  namespace fs = std::filesystem;
-  const fs::path src(testing::model_dir());
-  const fs::path dir = fs::temp_directory_path() / ("heads_ce_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  struct Remove {
-    fs::path p;
-    ~Remove() { fs::remove_all(p); }
-  } remove{dir};
-  for (const char* f : {"config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json"}) {
-    fs::copy_file(src / f, dir / f);
-  }
-  std::vector<std::pair<std::string, Tensor>> tensors = load_safetensors((src / "model.safetensors").string());
+  const std::string dir = testing::reranker_dir();
+  const SafeTensors w = SafeTensors::open(dir + "/model.safetensors");
+  const Tensor pw = w.get("bert.pooler.dense.weight"), pb = w.get("bert.pooler.dense.bias");
+  const Tensor cw = w.get("classifier.weight"), cb = w.get("classifier.bias");
   const int64_t E = 384;
-  std::mt19937_64 gen(7);
-  std::normal_distribution<float> nd(0.0f, 0.1f);
-  const auto random = [&](Shape shape) {
-    Tensor t = Tensor::empty(shape, DType::F32);
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(gen);
-    return t;
-  };
-  const Tensor pw = random({E, E}), pb = random({E}), cw = random({1, E}), cb = random({1});
-  tensors.emplace_back("bert.pooler.dense.weight", pw);
-  tensors.emplace_back("bert.pooler.dense.bias", pb);
-  tensors.emplace_back("classifier.weight", cw);
-  tensors.emplace_back("classifier.bias", cb);
-  save_safetensors((dir / "model.safetensors").string(), tensors);
-  {
-    std::ifstream in(src / "config.json");
-    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    cfg.insert(cfg.find('{') + 1, "\"id2label\": {\"0\": \"LABEL_0\"}, ");
-    std::ofstream(dir / "config.json") << cfg;
-  }
-  const CrossEncoder ce = CrossEncoder::load(dir.string());
+  const CrossEncoder ce = CrossEncoder::load(dir);
   ASSERT_EQ(ce.num_labels(), 1);
   EXPECT_EQ(ce.max_length(), 512);  // MiniLM's tokenizer_config model_max_length, within its 512 positions
   const std::vector<CrossEncoder::Pair> pairs{{"how many people live in berlin?", "Berlin has 3.7 million people."},

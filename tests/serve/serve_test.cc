@@ -170,6 +170,52 @@ Options service_options() {
   return o;
 }
 
+// A reranker served: rerank() scores as CrossEncoder::predict does, concurrent requests share model
+// batches, and each kind of model refuses the other kind's requests.
+TEST(ServeService, RerankScoresAsTheCrossEncoderAndBatchesRequests) {
+  Metrics m;
+  Options o = service_options();
+  o.model_dir = heads::testing::reranker_dir();
+  o.max_wait_us = 20000;
+  Service s(o, &m);
+  EXPECT_STREQ(s.model()->kind(), "reranker");
+  EXPECT_EQ(s.model()->dim(), 0);
+  const CrossEncoder ce = CrossEncoder::load(o.model_dir);
+  const auto score = [&](const std::string& q, const std::vector<std::string>& texts) {
+    std::vector<CrossEncoder::Pair> pairs;
+    for (const auto& t : texts) pairs.emplace_back(q, t);
+    const Tensor t = ce.predict(pairs);
+    return std::vector<float>(t.data<float>(), t.data<float>() + t.numel());
+  };
+  const auto texts = sentences(9, "rerank");
+  const EmbedResult r = s.rerank("what do heads attend to", texts, {}).get();
+  ASSERT_EQ(r.code, Code::Ok) << r.message;
+  EXPECT_EQ(r.scores, score("what do heads attend to", texts));  // alone: the same batches, bit for bit
+  std::vector<EmbedResult> got(6);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] { got[t] = s.rerank("query " + std::to_string(t), texts, {}).get(); });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 6; ++t) {
+    ASSERT_EQ(got[t].code, Code::Ok) << got[t].message;
+    const auto want = score("query " + std::to_string(t), texts);
+    ASSERT_EQ(got[t].scores.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[t].scores[i], want[i], 1e-5) << t << " " << i;
+  }
+  EXPECT_EQ(m.value("heads_pairs_total", {}), 9 * 7);
+  EXPECT_EQ(s.rerank("q", {}, {}).get().code, Code::InvalidArgument);
+  EXPECT_EQ(s.rerank("q", std::vector<std::string>(41, "x"), {}).get().code, Code::ResourceExhausted);
+  const EmbedResult e = s.embed_sync({"a"}, {});
+  EXPECT_EQ(e.code, Code::InvalidArgument);
+  EXPECT_THAT(e.message, HasSubstr("is a reranker: it answers /rerank"));
+  Metrics m2;
+  Service embedder(service_options(), &m2);
+  const EmbedResult no = embedder.rerank("q", {"a"}, {}).get();
+  EXPECT_EQ(no.code, Code::InvalidArgument);
+  EXPECT_THAT(no.message, HasSubstr("is an embedding model; /rerank needs a reranker"));
+}
+
 TEST(ServeService, EmbedsAsTheEncoderDoesUnderLimitsAndManyThreads) {
   Metrics m;
   Service s(service_options(), &m);
