@@ -36,6 +36,9 @@ using Clock = std::chrono::steady_clock;
 enum class Code { Ok, InvalidArgument, ResourceExhausted, DeadlineExceeded, Cancelled, Unavailable, Internal };
 const char* code_name(Code c);  // "ok", "invalid_argument", ...
 
+struct EmbedResult;
+EmbedResult failure(Code code, std::string message);  // a result with the error
+
 struct Options {
   std::string model_dir;
   std::string model_name;              // in versions and responses; "": the directory's name
