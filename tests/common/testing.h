@@ -98,11 +98,14 @@ inline std::mt19937_64& rng() {
 // test.sh sets N for the run under AddressSanitizer, where every case costs 5-10x), every N-th, from
 // an offset drawn from the test's seed: each run checks another share, and the seed a failing test
 // prints repeats the choice. `Sample pick; ... if (!pick(n)) continue;` with n the case's number.
+// Given the sweep's number of cases, `Sample pick(count)` checks at least one of them whatever N is
+// (every min(N, count)-th): a short sweep is never skipped whole.
 class Sample {
  public:
-  Sample() {
+  explicit Sample(int64_t count = 0) {
     const char* e = std::getenv("HEADS_TEST_SAMPLE");
     every_ = e != nullptr && *e != '\0' ? std::max(1, std::atoi(e)) : 1;
+    if (count > 0) every_ = static_cast<int>(std::min<int64_t>(every_, count));
     offset_ = static_cast<int64_t>(rng()() % static_cast<uint64_t>(every_));
   }
   bool operator()(int64_t n) const { return (n + offset_) % every_ == 0; }

@@ -232,7 +232,7 @@ TEST(SdpaBackward, LargeWriteOnceGradientsAreStreamed) {
   // and dV past the caches (whole aligned vectors; D = 63 mixes them with ordinary stores).
   IsaGuard guard;
   const int64_t Lk = 32768;
-  const testing::Sample pick;
+  const testing::Sample pick(3);  // the three shapes below
   int n = 0;
   for (auto [Lq, D] : {std::pair<int64_t, int64_t>{1, 64}, {3, 63}, {9, 64}}) {
     if (!pick(n++)) continue;

@@ -44,7 +44,7 @@ TEST(Sdpa, Bf16WideningIsTheF32KernelRoundedOnce) {
       {.H = 4, .Hkv = 2, .Lq = 150, .Lk = 2200, .D = 40, .Dv = 33, .causal = true},  // by block; grouped (16-query tiles) or chunked (32)
   };
   int checked = 0;
-  const testing::Sample pick;
+  const testing::Sample pick(std::size(cases));
   for (int n = 0; n < static_cast<int>(std::size(cases)); ++n) {
     if (!pick(n)) continue;
     SdpaCase c = cases[n];

@@ -377,7 +377,7 @@ TEST(Sdpa, TilesSharingAKeySweep) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
-  const testing::Sample pick;
+  const testing::Sample pick(7);
   for (int n = 0; n < 7; ++n) {
     if (!pick(n)) continue;
     SdpaCase c{.B = 1, .H = 4, .Hkv = 2, .Lq = 150, .Lk = 1100, .D = 40, .Dv = 33, .seed = seed + n};
@@ -427,7 +427,7 @@ TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
-  const testing::Sample pick;
+  const testing::Sample pick(10);
   for (int n = 0; n < 10; ++n) {
     if (!pick(n)) continue;
     SdpaCase c{.B = 1, .H = 2, .Hkv = 1, .Lq = 20, .Lk = 3000, .D = 40, .Dv = 33, .seed = seed + n};
