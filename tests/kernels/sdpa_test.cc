@@ -377,8 +377,9 @@ TEST(Sdpa, TilesSharingAKeySweep) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
-  const testing::Sample pick(7);
-  for (int n = 0; n < 7; ++n) {
+  constexpr int kCases = 7;
+  const testing::Sample pick(kCases);
+  for (int n = 0; n < kCases; ++n) {
     if (!pick(n)) continue;
     SdpaCase c{.B = 1, .H = 4, .Hkv = 2, .Lq = 150, .Lk = 1100, .D = 40, .Dv = 33, .seed = seed + n};
     switch (n) {
@@ -427,8 +428,9 @@ TEST(Sdpa, KeyChunksOfFewTilesMergeExactly) {
   IsaGuard guard;
   const int saved = get_num_threads();
   const uint64_t seed = testing::rng()();
-  const testing::Sample pick(10);
-  for (int n = 0; n < 10; ++n) {
+  constexpr int kCases = 10;
+  const testing::Sample pick(kCases);
+  for (int n = 0; n < kCases; ++n) {
     if (!pick(n)) continue;
     SdpaCase c{.B = 1, .H = 2, .Hkv = 1, .Lq = 20, .Lk = 3000, .D = 40, .Dv = 33, .seed = seed + n};
     switch (n) {
