@@ -23,7 +23,9 @@
 //         (int8_residual_fits: every sum of u8·C products then fits int32), the one of least squared
 //         error (the finest of equals). Such a row's output is that of the row C with scale swr: y[m, n] = (Σ_k (xq − z)·C
 //         · sx + Σ_k rq·C · sr) · swr[j] + b[n], its sums exact. In all-MiniLM-L6-v2 these are 62–90%
-//         of the feed-forward output rows and 5–26% of the others (docs/numerics.md).
+//         of the feed-forward output rows and 5–26% of the others (docs/numerics.md). The threshold
+//         is the weight's residual_error (kInt8ResidualError unless given; a calibrated model's
+//         d_model-wide layers take none: kInt8ModelWidthResidualError).
 //         Outlier channels: given the largest |x| of each input channel on calibration inputs, the
 //         channels whose largest exceeds kInt8OutlierRatio times the median channel's (at most K/16
 //         of them, the largest) are taken out of the int8 product and computed in f32:
@@ -75,6 +77,12 @@ bool int8_residual_fits(const int8_t* q, const int8_t* r, int64_t K, int p);
 // infinite, one int8 term per activation row (docs/numerics.md has how both were chosen).
 constexpr double kInt8OutlierRatio = 3.0;
 constexpr double kInt8OutlierActivationError = std::numeric_limits<double>::infinity();
+// The residual_error of calibrated weights (outlier channels, one activation term) by what they read:
+// an encoder's feed-forward output (the activation function's output, K = 4·d_model) keeps
+// kInt8ResidualError; the weights that read d_model-wide rows (q/k/v, attention output, feed-forward
+// input) take none: on all-MiniLM-L6-v2 their residual rows bought no accuracy that counts and cost a
+// tenth of the embedding's time on VNNI (docs/numerics.md).
+constexpr double kInt8ModelWidthResidualError = std::numeric_limits<double>::infinity();
 
 // Per linear layer, by the weight's parameter name, the largest |x| seen in each input channel on
 // calibration inputs (f32 [in]): what int8's outlier channels need (BertModel::input_ranges gathers them).
@@ -104,9 +112,10 @@ class PackedLinear {
   // row gets both; +inf: none does (docs/numerics.md has what larger values cost and gain).
   // input_absmax (Int8; optional): the largest |x| of each input channel on calibration inputs, a
   // floating [K] tensor of finite values ≥ 0; when given, the outlier channels it shows are computed
-  // in f32 (above).
+  // in f32 (above). residual_error (Int8): the fraction of a weight row's norm its rounding may lose
+  // before the row gets the residual term (above); +inf: no row does.
   PackedLinear(const Tensor& weight, Precision precision, double activation_error = 0,
-               const Tensor& input_absmax = {});
+               const Tensor& input_absmax = {}, double residual_error = kInt8ResidualError);
   // Int8 from stored parts (e.g. weights saved from data() and scales()): data i8 [N, K], scales f32 [N],
   // finite and positive; the residual term, when given: residual_rows i64 [N'] increasing in [0, N),
   // residual_data i8 [N', K] and residual_scales f32 [N'] finite and positive, each sw[row] / 2^p as

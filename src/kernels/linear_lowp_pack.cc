@@ -198,10 +198,12 @@ std::vector<int64_t> outlier_channels_of(const Tensor& absmax, int64_t K) {
 }  // namespace
 
 PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double activation_error,
-                           const Tensor& input_absmax)
+                           const Tensor& input_absmax, double residual_error)
     : precision_(precision), act_error_(activation_error) {
   HEADS_CHECK(activation_error >= 0, "PackedLinear: activation_error must be at least 0 (+inf: no second term), got ",
               activation_error);
+  HEADS_CHECK(residual_error >= 0, "PackedLinear: residual_error must be at least 0 (+inf: no residual rows), got ",
+              residual_error);
   HEADS_CHECK(weight.defined() && weight.dim() == 2 && is_floating(weight.dtype()),
               "PackedLinear: weight: expected a floating [out, in] tensor, got ",
               weight.defined() ? std::string(dtype_name(weight.dtype())) + " " + shape_str(weight.shape())
@@ -260,7 +262,7 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
         err += static_cast<double>(r) * r;
         norm += static_cast<double>(row[k]) * row[k];
       }
-      needs_residual[n] = err > kInt8ResidualError * kInt8ResidualError * norm;
+      needs_residual[n] = err > residual_error * residual_error * norm;
     }
     for (int64_t n = 0; n < N; ++n) {
       HEADS_CHECK(std::isfinite(scales[n]), "PackedLinear: weight row ", n, " holds NaN or inf");

@@ -61,7 +61,7 @@ std::string names_of(const StateDict& sd) {
 }
 
 void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std::string>& names,
-                         const InputRanges& ranges) {
+                         const InputRanges& ranges, const std::map<std::string, double>& residual_errors) {
   std::vector<std::pair<std::string, PackedLinear>> packed;
   if (p != Precision::F32) {
     for (const std::string& n : names) {
@@ -69,7 +69,13 @@ void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std
       if (w == nullptr) continue;
       const auto r = ranges.find(n);
       const bool calibrated = p == Precision::Int8 && r != ranges.end();
-      packed.emplace_back(n, calibrated ? PackedLinear(*w, p, kInt8OutlierActivationError, r->second) : PackedLinear(*w, p));
+      if (!calibrated) {
+        packed.emplace_back(n, PackedLinear(*w, p));
+        continue;
+      }
+      const auto e = residual_errors.find(n);
+      packed.emplace_back(n, PackedLinear(*w, p, kInt8OutlierActivationError, r->second,
+                                          e == residual_errors.end() ? kInt8ResidualError : e->second));
     }
   }
   weights = std::move(packed);
@@ -79,7 +85,7 @@ void PackedWeights::pack(Precision p, const StateDict& sd, const std::vector<std
 std::shared_ptr<const PackedWeights> PackedWeights::make(
     Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
     const std::vector<std::pair<std::string, PackedLinear>>& stored, const PackedWeights* existing,
-    const InputRanges& ranges) {
+    const InputRanges& ranges, const std::map<std::string, double>& residual_errors) {
   if (p == Precision::F32) return nullptr;
   const auto stored_as = [&](const std::string& n) -> const PackedLinear* {
     for (const auto& [sn, w] : stored) {
@@ -100,7 +106,7 @@ std::shared_ptr<const PackedWeights> PackedWeights::make(
     }
   }
   auto packed = std::make_shared<PackedWeights>();
-  packed->pack(p, merged, names, ranges);
+  packed->pack(p, merged, names, ranges, residual_errors);
   for (const std::string& n : names) {  // in `names` order, as pack() leaves them
     if (const PackedLinear* w = stored_as(n)) packed->weights.emplace_back(n, *w);
   }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -40,9 +41,11 @@ struct PackedWeights {
   std::vector<std::pair<std::string, PackedLinear>> weights;
 
   // Packs each named weight of `sd` for `p` (F32: clears), int8 ones with the input ranges recorded
-  // under their names where `ranges` has them (outlier channels, with kInt8OutlierActivationError:
+  // under their names where `ranges` has them (outlier channels, with kInt8OutlierActivationError and
+  // the residual_error `residual_errors` gives the name, kInt8ResidualError where it gives none:
   // heads/precision.h).
-  void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names, const InputRanges& ranges = {});
+  void pack(Precision p, const StateDict& sd, const std::vector<std::string>& names, const InputRanges& ranges = {},
+            const std::map<std::string, double>& residual_errors = {});
   // The named weights packed for `p`, each taken from `incoming` when it holds it, else from
   // `current`; null for F32. Throws (before anything changes) on a weight that cannot be packed.
   // `stored`: weights already packed (int8 read from a file), used as they are; `existing`: the
@@ -51,7 +54,7 @@ struct PackedWeights {
   static std::shared_ptr<const PackedWeights> make(
       Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
       const std::vector<std::pair<std::string, PackedLinear>>& stored = {}, const PackedWeights* existing = nullptr,
-      const InputRanges& ranges = {});
+      const InputRanges& ranges = {}, const std::map<std::string, double>& residual_errors = {});
   // The packed weight `name`, or null (f32, or not a packed weight).
   const PackedLinear* find(const std::string& name) const;
 };

@@ -160,7 +160,9 @@ StateDict TransformerEncoderLayer::quantized_state_dict() const {
 }
 
 void TransformerEncoderLayer::set_precision(Precision p, const InputRanges& input_ranges) {
-  auto packed = modules::PackedWeights::make(p, params_, {}, kLinearNames, {}, nullptr, input_ranges);
+  // Calibrated, the feed-forward input reads d_model-wide rows: no residual rows (heads/precision.h).
+  auto packed = modules::PackedWeights::make(p, params_, {}, kLinearNames, {}, nullptr, input_ranges,
+                                             {{"linear1.weight", kInt8ModelWidthResidualError}});
   self_attn_.set_precision(p, modules::ranges_under(input_ranges, "self_attn."));  // after the step that can fail alone
   packed_ = std::move(packed);
 }

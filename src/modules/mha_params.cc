@@ -197,7 +197,10 @@ StateDict MultiheadAttention::quantized_state_dict() const {
 }
 
 void MultiheadAttention::set_precision(Precision p, const InputRanges& input_ranges) {
-  packed_ = PackedWeights::make(p, state_dict(), {}, kPackedNames, {}, nullptr, input_ranges);
+  // Calibrated, every projection reads d_model-wide rows: no residual rows (heads/precision.h).
+  std::map<std::string, double> residual_errors;
+  for (const std::string& n : kPackedNames) residual_errors[n] = kInt8ModelWidthResidualError;
+  packed_ = PackedWeights::make(p, state_dict(), {}, kPackedNames, {}, nullptr, input_ranges, residual_errors);
 }
 
 void MultiheadAttention::record_input_ranges(const MhaTape& t, InputRanges& ranges) const {

@@ -119,7 +119,8 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   EXPECT_THAT(testing::error_of([] { set_int8_gemm("fast"); }), HasSubstr("set_int8_gemm: expected \"auto\" or \"heads\""));
   // activation_error 0 (the default): two terms on every row; 0.8%: only on the rows estimated to lose
   // more; infinity: one term on every row. oneDNN's route works in tasks of 64 rows (M = 70: a ragged
-  // second one; 300: five), and makes the residual rows' outputs 64 at a time (N = 160: more than 64 of them).
+  // second one; 300: five), and makes the residual rows' outputs 64 at a time (N = 160: more than 64 of
+  // them). The weight rows' residual_error: the default, and 0.5% with τ = 0.8%.
   const double inf = std::numeric_limits<double>::infinity();
   for (const double tau : {0.0, 0.008, inf})
   for (const Shapes& s : {Shapes{1, 1, 1}, Shapes{7, 3, 5}, Shapes{37, 70, 45}, Shapes{129, 384, 17}, Shapes{300, 40, 24},
@@ -133,12 +134,13 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     for (int64_t n = 0; n < s.N; n += 2) {  // heavy tails on every other row: one large weight
       W.data<float>()[n * s.K + (n * 7) % s.K] *= 25.0f;
     }
-    const PackedLinear pw(W, Precision::Int8, tau);
+    const double rho = tau == 0.008 ? 0.005 : kInt8ResidualError;
+    const PackedLinear pw(W, Precision::Int8, tau, {}, rho);
     ASSERT_EQ(pw.data().dtype(), DType::I8);
     EXPECT_EQ(pw.activation_error(), tau);
     if (s.K >= 45) EXPECT_TRUE(pw.residual_rows().defined());  // the heavy rows need it
     if (s.N >= 160) EXPECT_GT(pw.residual_rows().numel(), 64);  // more than one block of residual outputs
-    // Rows with the residual term: exactly those whose rounding loses more than kInt8ResidualError.
+    // Rows with the residual term: exactly those whose rounding loses more than rho.
     std::vector<int64_t> res_index(static_cast<size_t>(s.N), -1);
     for (int64_t j = 0; pw.residual_rows().defined() && j < pw.residual_rows().numel(); ++j) {
       res_index[static_cast<size_t>(pw.residual_rows().data<int64_t>()[j])] = j;
@@ -198,7 +200,7 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
           norm2 += static_cast<double>(W.data<float>()[n * s.K + k]) * W.data<float>()[n * s.K + k];
         }
         const int64_t j = res_index[static_cast<size_t>(n)];
-        EXPECT_EQ(j >= 0, err2 > kInt8ResidualError * kInt8ResidualError * norm2) << "n=" << n;
+        EXPECT_EQ(j >= 0, err2 > rho * rho * norm2) << "n=" << n;
         double swr = 0;
         int shift = 0;
         if (j >= 0) {
@@ -458,6 +460,43 @@ TEST(Precision, RowsNonFiniteInputsAndStoredParts) {
               HasSubstr("w: expected int8 [out, in] data, got f32 [6, 5]"));
   EXPECT_THAT(testing::error_of([&] { linear(randn({2, 4}), pw); }), HasSubstr("does not match the int8 weight [6, 5]"));
   EXPECT_THAT(testing::error_of([] { precision_from_name("fp8"); }), HasSubstr("f32, bf16 or int8, got \"fp8\""));
+}
+
+// residual_error: +inf gives no residual rows (one int8 term per weight row, the rest as the
+// default's: same rows, scales and outputs of the rows without one); 0 gives every row that loses
+// anything; a negative one is an error naming the argument.
+TEST(Precision, Int8ResidualErrorChoosesTheWeightRowsWithASecondTerm) {
+  const int64_t N = 41, K = 129;
+  Tensor W = randn({N, K}, 0.2);
+  for (int64_t n = 0; n < N; n += 3) W.data<float>()[n * K + (n * 11) % K] *= 20.0f;  // heavy rows
+  const Tensor x = randn({9, K}), b = randn({N});
+  const double inf = std::numeric_limits<double>::infinity();
+  const PackedLinear dflt(W, Precision::Int8), none(W, Precision::Int8, 0, {}, inf), all(W, Precision::Int8, 0, {}, 0);
+  ASSERT_TRUE(dflt.residual_rows().defined());
+  EXPECT_FALSE(none.residual_rows().defined());
+  EXPECT_FALSE(none.residual_data().defined());
+  ASSERT_TRUE(all.residual_rows().defined());
+  EXPECT_EQ(all.residual_rows().numel(), N);  // random values: no row rounds exactly
+  EXPECT_TRUE(testing::bitwise_equal(none.data(), dflt.data()));
+  EXPECT_TRUE(testing::bitwise_equal(none.scales(), dflt.scales()));
+  const Tensor y_none = linear(x, none, b), y_dflt = linear(x, dflt, b);
+  std::vector<bool> has_residual(static_cast<size_t>(N), false);
+  for (int64_t j = 0; j < dflt.residual_rows().numel(); ++j) {
+    has_residual[static_cast<size_t>(dflt.residual_rows().data<int64_t>()[j])] = true;
+  }
+  const bool integer = linear_gemm_route(Precision::Int8) != "f32";
+  int64_t differ = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const Tensor a = y_none.slice(1, n, n + 1).contiguous(), d = y_dflt.slice(1, n, n + 1).contiguous();
+    if (!has_residual[static_cast<size_t>(n)]) {
+      if (integer) EXPECT_TRUE(testing::bitwise_equal(a, d)) << "n=" << n;
+    } else {
+      differ += !testing::bitwise_equal(a, d);
+    }
+  }
+  EXPECT_GT(differ, 0);  // the second term changes the rows that have it
+  EXPECT_THAT(testing::error_of([&] { PackedLinear(W, Precision::Int8, 0, {}, -0.01); }),
+              HasSubstr("residual_error must be at least 0"));
 }
 
 // Stored residual parts: those heads writes load as they are (the same outputs, bit for bit); a

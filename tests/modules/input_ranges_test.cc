@@ -37,6 +37,18 @@ TEST(InputRanges, EncoderLayerRecordsEachLinearLayersInput) {
   o.dropout = 0.0;
   TransformerEncoderLayer layer(o, 7);
   layer.eval();
+  {  // heavy-tailed rows in every linear weight: one large weight in every other row
+    StateDict sd = layer.state_dict();
+    for (const char* name : {"self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight"}) {
+      Tensor w = testing::entry(sd, name).clone();
+      const int64_t N = w.size(0), K = w.size(1);
+      for (int64_t n = 0; n < N; n += 2) w.data<float>()[n * K + (n * 7) % K] *= 25.0f;
+      for (auto& [n, t] : sd) {
+        if (n == name) t = w;
+      }
+    }
+    layer.load_state_dict(sd);
+  }
   Tensor x = randn({2, 9, 24});
   for (int64_t r = 0; r < 18; ++r) x.data<float>()[r * 24 + 5] *= 20.0f;  // an outlier channel
   EncoderLayerTape tape;
@@ -75,6 +87,17 @@ TEST(InputRanges, EncoderLayerRecordsEachLinearLayersInput) {
   const Tensor& channels = testing::entry(stored, "self_attn.in_proj_weight_outlier_channels");
   ASSERT_EQ(channels.numel(), 1);
   EXPECT_EQ(channels.data<int64_t>()[0], 5);
+  // Calibrated, only the feed-forward output keeps residual rows (kInt8ModelWidthResidualError for the
+  // others); without calibration every weight has them (its heavy rows lose more than kInt8ResidualError).
+  const char* const linears[] = {"self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight"};
+  TransformerEncoderLayer plain = layer.clone();
+  plain.set_precision(Precision::Int8);
+  const StateDict plain_stored = plain.quantized_state_dict();
+  for (const char* name : linears) {
+    const std::string rows = std::string(name) + "_residual_rows";
+    EXPECT_NE(testing::find_entry(plain_stored, rows), nullptr) << name;
+    EXPECT_EQ(testing::find_entry(stored, rows) != nullptr, std::string(name) == "linear2.weight") << name;
+  }
   // A layer loaded from that state dict runs the same bits.
   TransformerEncoderLayer back(o, 8);
   back.eval();
