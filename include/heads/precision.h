@@ -180,6 +180,8 @@ class PackedLinear {
   // heads' own GEMM reads the weight: kernels/dispatch.h's Int8Row)
   std::vector<int32_t> sums32_, fold_sums32_;
   std::vector<float> fold_scales_;
+  std::vector<int32_t> fold_shift32_, fold_col32_;  // per output: p and the index of a residual row, else 0
+  std::vector<uint32_t> fold_mask32_;               // per output: ~0 on a residual row, else 0
 };
 
 // How linear() computes with a weight of this precision on the active kernel path: "native"

@@ -23,18 +23,17 @@ struct Int8Row {
   const float* sw;    // [n] the weight rows' scales
   const float* b;     // [n] bias, or null
   int64_t n;
-  // The weight's residual rows (heads/precision.h), where a, a2, ws and sw are W's alone (oneDNN's
-  // GEMM and the portable loops; heads' own reads the rows C in place of W, and ws and sw are then
-  // C's sums and scales there, nr 0): output rows[j] is that of the row C = 2^shift[j]·W[rows[j]] +
-  // Wr[j] with scale swr[j]; Wr's row sums wrs, and its sums with the first term a3 [nr] and with the
-  // second a32 [nr] (null without one).
+  // The weight's residual rows (heads/precision.h) on oneDNN's GEMM and the portable loops, where a
+  // and a2 are W's sums alone (heads' own GEMM reads the rows C in place of W: these stay null): the
+  // sums of Wr with the first term a3 [Nr] and with the second a32 (null without one), and per
+  // output shift [n] (p on a residual row, else 0), col [n] (its index in a3, else 0) and mask [n]
+  // (~0 on a residual row, else 0), so that output n is that of the row 2^shift·W[n] + Wr[col] with
+  // a3[col] & mask; ws and sw are then C's sums and scales on those rows (fold_ws, fold_sw).
   const int32_t* a3 = nullptr;
   const int32_t* a32 = nullptr;
-  const float* wrs = nullptr;
-  const float* swr = nullptr;
-  const int32_t* rows = nullptr;
   const int32_t* shift = nullptr;
-  int64_t nr = 0;
+  const int32_t* col = nullptr;
+  const uint32_t* mask = nullptr;
   // The outlier channels oc [no] of the row x (f32) and W's columns there in panels of
   // kOutlierPanel outputs: wo[p, o, j] = W[p·kOutlierPanel + j, oc[o]] (zero past n).
   const float* x = nullptr;

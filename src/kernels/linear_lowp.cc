@@ -271,6 +271,9 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
       iw.rrows = w.res_rows32_.data();
       iw.rshift = w.res_shift_.data();
       iw.Nr = w.residual_rows().numel();
+      iw.fold_shift = w.fold_shift32_.data();
+      iw.fold_col = w.fold_col32_.data();
+      iw.fold_mask = w.fold_mask32_.data();
     }
     lowp::linear_int8(x.data<float>(), M, K, K, iw, bias, y.data<float>(), N, act);
   }

@@ -101,6 +101,11 @@ struct Int8Weight {
   const int32_t* rrows = nullptr;
   const int32_t* rshift = nullptr;  // p of each residual row (its scale is the row's / 2^p)
   int64_t Nr = 0;
+  // Per output, for the output pass of oneDNN's GEMM and the portable loops (kernels::Int8Row): p on a
+  // residual row, else 0; its index among them, else 0; ~0 on one, else 0.
+  const int32_t* fold_shift = nullptr;
+  const int32_t* fold_col = nullptr;
+  const uint32_t* fold_mask = nullptr;
   const float* wide = nullptr;  // the whole weight in f32 (dequantize), for the f32 route
   // The outlier channels oc [no] (heads/precision.h), W's columns there in panels (kernels::Int8Row), and
   // keep [K]: 0 on them, 1 elsewhere (the int8 term's view of x).

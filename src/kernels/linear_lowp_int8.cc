@@ -63,15 +63,15 @@ kernels::Int8Row int8_out_row(const Int8Weight& w, bool heads, const float* x, i
   const int64_t N = w.N;
   kernels::Int8Row r{acc + i * N, i2 < 0 ? nullptr : acc + i2 * N, zx[m], sx[m], sr[m],
                      heads ? w.fold_ws : w.ws, heads ? w.fold_sw : w.sw, bias, N};
-  if (!heads) {
+  if (!heads && w.Nr > 0) {  // the residual GEMM's sums beside W's, C's row sums and scales
+    r.ws = w.fold_ws;
+    r.sw = w.fold_sw;
     r.a3 = acc3 + i * Nrp;
     r.a32 = i2 < 0 ? nullptr : acc3 + i2 * Nrp;
+    r.shift = w.fold_shift;
+    r.col = w.fold_col;
+    r.mask = w.fold_mask;
   }
-  r.wrs = w.wrs;
-  r.swr = w.swr;
-  r.rows = w.rrows;
-  r.shift = w.rshift;
-  r.nr = heads ? 0 : w.Nr;
   r.x = x + m * xs;
   r.oc = w.oc;
   r.wo = w.wo;
@@ -89,16 +89,37 @@ constexpr int64_t kOutBlock = 16;
 // GEMM and the output pass), and on a 2-vCPU VM each fork/join woke a sleeping thread (libgomp's
 // spin is cut to 1,000 iterations: tools/cli/main.cc) — 20% of an int8 embedding's samples were in
 // the kernel's futex wake-ups (Intel Xeon, AVX-512 VNNI, 2 threads).
+// The rows are cut into tasks of whole kShapeStep units as even as they go, as many as a multiple of
+// the threads (the larger ones first): with tasks of 64 rows and a ragged last one, a thread waited
+// up to a task at each layer's end (2 threads: 1.77× one thread's embeddings).
 constexpr int64_t kTaskRows = 64;
+
+struct TaskSplit {
+  int64_t tasks = 0, base = 0, extra = 0;  // units (of kShapeStep rows) per task: base, +1 for the first `extra`
+  int threads = 1;
+  int64_t rows_max() const { return (base + (extra > 0)) * kShapeStep; }
+  int64_t first_row(int64_t i) const { return (i * base + std::min(i, extra)) * kShapeStep; }
+};
+
+TaskSplit split_tasks(int64_t M, int64_t N, int64_t K) {
+  TaskSplit s;
+  if (M <= 0) return s;
+  const int64_t units = (M + kShapeStep - 1) / kShapeStep, fewest = (M + kTaskRows - 1) / kTaskRows;
+  s.threads = static_cast<int>(std::clamp<int64_t>(kernels::gemm_threads(M, N, K), 1, fewest));
+  s.tasks = std::min(units, (fewest + s.threads - 1) / s.threads * s.threads);
+  s.base = units / s.tasks;
+  s.extra = units % s.tasks;
+  return s;
+}
 
 void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias,
                        float* y, int64_t ys, std::optional<Activation> act, bool native) {
   using lowp::kShapeStep;
   const int64_t N = w.N, Nr = w.Nr;
   const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const int64_t T = std::min(kTaskRows, (M + kShapeStep - 1) / kShapeStep * kShapeStep);
-  const int64_t tasks = (M + T - 1) / T;
-  const int threads = static_cast<int>(std::min<int64_t>(kernels::gemm_threads(M, N, K), tasks));
+  const TaskSplit split = split_tasks(M, N, K);
+  const int64_t T = split.rows_max(), tasks = split.tasks;
+  const int threads = split.threads;
   // Each thread's working memory: a task's codes (rows [0, cm) the first terms, zero past its rows,
   // then the second terms packed, zero rows up to a multiple of kRowBlock), and its GEMMs' sums.
   const int64_t q_size = 2 * T * K, acc_size = 2 * T * N, acc3_size = 2 * T * Nrp;
@@ -121,7 +142,7 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
     for (int64_t ti = 0; ti < tasks; ++ti) {
       if (failed.load(std::memory_order_relaxed)) continue;
       try {
-        const int64_t c0 = ti * T, n = std::min(M, c0 + T) - c0;
+        const int64_t c0 = split.first_row(ti), n = std::min(M, split.first_row(ti + 1)) - c0;
         const int64_t cm = (n + kShapeStep - 1) / kShapeStep * kShapeStep;
         uint8_t* r = q + cm * K;
         k.quantize_rows_u8(x + c0 * xs, n, K, xs, w.keep, tau2x12, q, sx.data() + c0, zx.data() + c0, r,

@@ -315,6 +315,9 @@ void PackedLinear::make_gemm_layouts() {
   sums32_.clear();
   fold_sums32_.clear();
   fold_scales_.clear();
+  fold_shift32_.clear();
+  fold_col32_.clear();
+  fold_mask32_.clear();
   if (precision_ == Precision::Int8) {  // the sums are exact integers below 2^24
     sums32_.assign(sums_.data<float>(), sums_.data<float>() + sums_.numel());
     fold_sums32_ = sums32_;
@@ -330,6 +333,10 @@ void PackedLinear::make_gemm_layouts() {
               " output features with residual rows (at most 2^31 - 1)");
   res_rows32_.assign(res_rows_.data<int64_t>(), res_rows_.data<int64_t>() + Nr);
   res_shift_.resize(static_cast<size_t>(Nr));
+  const auto N = static_cast<size_t>(data_.size(0));
+  fold_shift32_.assign(N, 0);
+  fold_col32_.assign(N, 0);
+  fold_mask32_.assign(N, 0);
   for (int64_t j = 0; j < Nr; ++j) {  // residual scales are sw / 2^p (the constructor's, from_int8's)
     const int p = shift_of(scales_.data<float>()[res_rows32_[j]], res_scales_.data<float>()[j]);
     HEADS_CHECK(p >= 0, "PackedLinear: residual row ", j, ": its scale is not the row's / 2^p");
@@ -339,6 +346,9 @@ void PackedLinear::make_gemm_layouts() {
     fold_sums32_[n] = static_cast<int32_t>(int64_t{sums32_[n]} * (int64_t{1} << p) +
                                            static_cast<int64_t>(res_sums_.data<float>()[j]));
     fold_scales_[n] = res_scales_.data<float>()[j];
+    fold_shift32_[n] = p;
+    fold_col32_[n] = static_cast<int32_t>(j);
+    fold_mask32_[n] = ~uint32_t{0};
   }
   gemm_res_b_ = std::make_shared<kernels::PackedB>();
 }

@@ -99,10 +99,12 @@ inline void quantize_rows_u8(const float* x, int64_t rows, int64_t n, int64_t xs
 // Rows of an int8 linear layer's output (heads/precision.h, linear_lowp.cc) from their exact integer
 // sums, rows[m] into y + m·ys: y[n] = fma(v, sw[n], b[n]) (b null: 0) with v = float(a[n] − z·ws[n])·s,
 // or, with a second term (a2 given), v = fma(float(a2[n] − 128·ws[n]), s2, float(a[n] − z·ws[n])·s)
-// (a2 sums the second term stored plus kSecondZero; the differences exact in int32); then each
-// residual row given apart, n = rows[j], again so from the sums of its row C (2^p·a[n] + a3[j],
-// 2^p·a2[n] + a32[j]) with C's row sums 2^p·ws[n] + wrs[j] and scale swr[j], the differences exact in
-// int64; then for each outlier channel o in order y[n] = fma(x[oc[o]], wo_t[o, n], y[n]). Every
+// (a2 sums the second term stored plus kSecondZero; the differences exact in int32). With the
+// residual rows given (Int8Row::col), a residual row's sums are those of its row C, 2^p·a[n] +
+// a3[col[n]] (and 2^p·a2[n] + a32[col[n]]), with C's row sums and scale in ws and sw, every output in
+// one pass; each such sum is exact in 32 bits (|Σ (q − z)·C| ≤ 255·Σ|C| < 2^31,
+// heads::int8_residual_fits), so that the products and sums may wrap on the way (unsigned
+// arithmetic). Then for each outlier channel o in order y[n] = fma(x[oc[o]], wo_t[o, n], y[n]). Every
 // multiply-add is fused explicitly, so that every path gives the same bits. The rows share one weight
 // (its residual rows and outlier channels).
 inline void int8_row_sums_out(const Int8Row& r, float* y) {
@@ -119,6 +121,25 @@ inline void int8_row_sums_out(const Int8Row& r, float* y) {
   const auto diff = [](int32_t a, uint32_t c, int32_t w) {
     return static_cast<int32_t>(static_cast<uint32_t>(a) - c * static_cast<uint32_t>(w));
   };
+  if (r.col != nullptr) {  // residual rows: (a << p) + (a3[col] & mask) − c·ws, every output alike
+    const int32_t* p = r.shift;
+    const int32_t* col = r.col;
+    const uint32_t* mask = r.mask;
+    const auto c_sum = [&](const int32_t* acc, const int32_t* acc3, uint32_t c, int64_t i) {
+      return static_cast<float>(static_cast<int32_t>((static_cast<uint32_t>(acc[i]) << p[i]) +
+                                                     (static_cast<uint32_t>(acc3[col[i]]) & mask[i]) -
+                                                     c * static_cast<uint32_t>(ws[i])));
+    };
+    if (a2 == nullptr) {
+      for (int64_t i = 0; i < n; ++i) y[i] = std::fma(c_sum(a, r.a3, z, i) * s, sw[i], b ? b[i] : 0.0f);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = std::fma(c_sum(a2, r.a32, kSecondZero, i), s2, c_sum(a, r.a3, z, i) * s);
+        y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
+      }
+    }
+    return;
+  }
   if (a2 == nullptr) {
     for (int64_t i = 0; i < n; ++i) {
       const float v = static_cast<float>(diff(a[i], z, ws[i])) * s;
@@ -130,38 +151,6 @@ inline void int8_row_sums_out(const Int8Row& r, float* y) {
                                static_cast<float>(diff(a[i], z, ws[i])) * s);
       y[i] = std::fma(v, sw[i], b ? b[i] : 0.0f);
     }
-  }
-  // The residual rows, kChunk at a time: their sums first, each exact in 32 bits (|Σ (q − z)·C| ≤
-  // 255·Σ|C| < 2^31, heads::int8_residual_fits), so that the products and sums may wrap on the way
-  // (unsigned arithmetic), then the outputs a vector at a time, y gathered and scattered (the rows
-  // are distinct).
-  constexpr int64_t kChunk = 64;
-  alignas(64) float v[kChunk];
-  const auto c_sum = [](const int32_t* acc, const int32_t* acc_r, uint32_t zero, const int32_t* ws, const float* wrs,
-                        int32_t i, int32_t p, int64_t j) {
-    const uint32_t wc = (static_cast<uint32_t>(ws[i]) << p) + static_cast<uint32_t>(static_cast<int32_t>(wrs[j]));
-    return static_cast<float>(static_cast<int32_t>((static_cast<uint32_t>(acc[i]) << p) +
-                                                   static_cast<uint32_t>(acc_r[j]) - zero * wc));
-  };
-  for (int64_t j0 = 0; j0 < r.nr; j0 += kChunk) {
-    const int64_t jn = std::min(kChunk, r.nr - j0);
-    const int32_t* rows = r.rows + j0;
-    const int32_t* shift = r.shift + j0;
-    if (a2 == nullptr) {
-      for (int64_t j = 0; j < jn; ++j) v[j] = c_sum(a, r.a3 + j0, z, ws, r.wrs + j0, rows[j], shift[j], j) * s;
-    } else {
-      for (int64_t j = 0; j < jn; ++j) {
-        const float first = c_sum(a, r.a3 + j0, z, ws, r.wrs + j0, rows[j], shift[j], j) * s;
-        v[j] = std::fma(c_sum(a2, r.a32 + j0, kSecondZero, ws, r.wrs + j0, rows[j], shift[j], j), s2, first);
-      }
-    }
-    const float* swr = r.swr + j0;
-    int64_t j = 0;
-    for (; j + qz::kW <= jn; j += qz::kW) {
-      const qz::VR bv = b ? Vec::gather(b, rows + j) : Vec::zero();
-      Vec::scatter(y, rows + j, Vec::fma(Vec::load(v + j), Vec::loadu(swr + j), bv));
-    }
-    for (; j < jn; ++j) y[rows[j]] = std::fma(v[j], swr[j], b ? b[rows[j]] : 0.0f);
   }
 }
 
