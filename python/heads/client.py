@@ -4,6 +4,7 @@
     from heads.client import Client
     with Client("127.0.0.1:50051") as c:
         e = c.embed(["a sentence", "another"])      # float32 [2, dim]
+        ranks = c.rerank("query", ["a", "b"])        # a reranker served: [{"index", "score"}, ...]
         print(c.model_version)                      # the model that computed them
 
 Errors come back as ``grpc.RpcError`` with the server's status code and message
@@ -145,6 +146,17 @@ class Client:
         r = self._stub.Attend(req, timeout=self._t(timeout))
         self.model_version = r.model_version
         return _array(r.output), (_array(r.weights) if r.HasField("weights") else None)
+
+    def rerank(self, query: str, texts: Sequence[str] | str, *, raw_scores: bool = False, return_text: bool = False,
+               timeout: Optional[float] = None) -> list:
+        """A reranker served: [{"index", "score"[, "text"]}], highest score first (ties in text
+        order), as POST /rerank answers; score is the logit with raw_scores, else its sigmoid."""
+        if isinstance(texts, str):
+            texts = [texts]
+        r = self._stub.Rerank(heads_pb2.RerankRequest(query=query, texts=list(texts), raw_scores=raw_scores,
+                                                      return_text=return_text), timeout=self._t(timeout))
+        self.model_version = r.model_version
+        return [{"index": k.index, "score": k.score, **({"text": k.text} if return_text else {})} for k in r.ranks]
 
     def info(self, *, timeout: Optional[float] = None) -> dict:
         r = self._stub.Info(heads_pb2.InfoRequest(), timeout=self._t(timeout))

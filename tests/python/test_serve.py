@@ -586,7 +586,7 @@ def test_oversized_body_is_413():
 
 def test_malformed_grpc_messages_are_invalid_argument(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
-        for method in ("Embed", "Tokenize", "Attend", "Info"):
+        for method in ("Embed", "Tokenize", "Attend", "Info", "Rerank"):
             call = ch.unary_unary(f"/heads.v1.Embedder/{method}", request_serializer=lambda b: b,
                                   response_deserializer=lambda b: b)
             for raw in (b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f"):  # no field 31; a length past the end
@@ -675,6 +675,26 @@ def test_rerank_route_scores_as_cross_encoder_and_batches_requests(reranker_dir)
             assert [got[k] for k in range(len(texts))] == pytest.approx(want.tolist(), abs=1e-5)
         assert 1 <= batches < 8, batches
         assert s.metric("heads_pairs_total") == 13 + 3 + 8 * 13
+        # gRPC Rerank: the same ranks and scores as /rerank, the texts with return_text
+        status, http_raw, _ = s.post("/rerank", {"query": q, "texts": texts, "raw_scores": True})
+        with s.client() as c:
+            ranks = c.rerank(q, texts, raw_scores=True, return_text=True)
+            assert [r["index"] for r in ranks] == [b["index"] for b in http_raw]
+            assert [r["score"] for r in ranks] == [b["score"] for b in http_raw]
+            assert all(r["text"] == texts[r["index"]] for r in ranks)
+            assert c.model_version.startswith("reranker")
+            sig = c.rerank(q, texts[:3])
+            assert "text" not in sig[0]
+            assert {r["index"]: r["score"] for r in sig} == pytest.approx(
+                {i: 1 / (1 + np.exp(-float(raw[i]))) for i in range(3)}, abs=1e-6)
+            for bad, code in (([], grpc.StatusCode.INVALID_ARGUMENT), (["x"] * 513, grpc.StatusCode.RESOURCE_EXHAUSTED)):
+                with pytest.raises(grpc.RpcError) as e:
+                    c.rerank(q, bad)
+                assert e.value.code() == code, (len(bad), e.value)
+            with pytest.raises(grpc.RpcError) as e:
+                c.embed(["a"])
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is a reranker" in e.value.details()
+        assert s.metric("heads_requests_total", route="grpc:Rerank", code="0") == 2
         # what a reranker does not answer, and bad bodies
         status, body, _ = s.post("/v1/embeddings", {"input": ["a"]})
         assert status == 400 and "is a reranker: it answers /rerank" in body["error"]["message"]
@@ -696,6 +716,9 @@ def test_rerank_on_an_embedding_model_is_400(server):
     status, body, _ = server.post("/rerank", {"query": "q", "texts": ["a"]})
     assert status == 400 and "is an embedding model; /rerank needs a reranker" in body["error"]["message"]
     assert json.loads(server.get("/info")[1])["kind"] == "embedding"
+    with server.client() as c, pytest.raises(grpc.RpcError) as e:
+        c.rerank("q", ["a"])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs a reranker" in e.value.details()
 
 
 def test_bad_flags_and_model():

@@ -235,6 +235,26 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
     });
   }
 
+  grpc::Status Rerank(grpc::ServerContext* ctx, const heads::v1::RerankRequest* req,
+                      heads::v1::RerankResponse* resp) override {
+    return timed("Rerank", ctx, [&] {
+      std::vector<std::string> texts(req->texts().begin(), req->texts().end());
+      const EmbedResult r =
+          service_->rerank(req->query(), req->return_text() ? texts : std::move(texts),
+                           request_context(ctx, service_->options().timeout_ms)).get();
+      if (r.code != Code::Ok) return grpc::Status(grpc_code(r.code), r.message);
+      for (const auto& [i, score] : ranked(r, req->raw_scores())) {
+        auto* rank = resp->add_ranks();
+        rank->set_index(static_cast<int64_t>(i));
+        rank->set_score(score);
+        if (req->return_text()) rank->set_text(texts[i]);
+      }
+      resp->set_model_version(r.version);
+      resp->set_prompt_tokens(r.prompt_tokens);
+      return grpc::Status::OK;
+    });
+  }
+
   grpc::Status Tokenize(grpc::ServerContext* ctx, const heads::v1::TokenizeRequest* req,
                         heads::v1::TokenizeResponse* resp) override {
     return timed("Tokenize", ctx, [&] {

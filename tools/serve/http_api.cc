@@ -371,13 +371,9 @@ class HttpFrontEnd : public FrontEnd {
                                              context(req, call)).get();
       if (r.code != Code::Ok) return send_error(res, http_status(r.code), code_name(r.code), r.message);
       res.set("X-Heads-Model-Version", r.version);
-      std::vector<size_t> order(r.scores.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return r.scores[a] > r.scores[b]; });
       json out = json::array();
-      for (size_t i : order) {
-        const double z = r.scores[i];
-        json e{{"index", i}, {"score", raw ? z : 1.0 / (1.0 + std::exp(-z))}};
+      for (const auto& [i, score] : ranked(r, raw)) {
+        json e{{"index", i}, {"score", score}};
         if (with_text) e["text"] = texts[i];
         out.push_back(std::move(e));
       }

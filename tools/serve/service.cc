@@ -6,6 +6,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -38,6 +39,16 @@ EmbedResult failure(Code code, std::string message) {
   r.code = code;
   r.message = std::move(message);
   return r;
+}
+
+std::vector<Ranked> ranked(const EmbedResult& r, bool raw) {
+  std::vector<Ranked> out(r.scores.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double z = r.scores[i];
+    out[i] = {i, raw ? z : 1.0 / (1.0 + std::exp(-z))};
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Ranked& a, const Ranked& b) { return a.score > b.score; });
+  return out;
 }
 
 namespace {

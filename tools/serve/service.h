@@ -164,6 +164,14 @@ class Service {
   int64_t stream_texts_ = 0;
 };
 
+// A rerank result's texts ranked, for /rerank and gRPC Rerank: highest score first (ties in text
+// order), each score the logit (raw) or its sigmoid.
+struct Ranked {
+  size_t index;
+  double score;
+};
+std::vector<Ranked> ranked(const EmbedResult& r, bool raw);
+
 // 12 hex digits of a SHA-256 over the files of a model directory the encoder reads. A model's
 // version is "<name>-<dtype>-<digest>": the same files give the same version across restarts, so
 // the disk cache stays valid.
