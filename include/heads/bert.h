@@ -27,7 +27,10 @@ struct BertConfig {
   Activation hidden_act = Activation::Gelu;
   double layer_norm_eps = 1e-12;
   std::string model_type = "bert";
-  int64_t position_offset = 0;  // the first token's position id: 0 (BERT), pad_token_id + 1 (RoBERTa)
+  int64_t position_offset = 0;  // the first token's position id: 0 (BERT), pad_token_id + 1 (RoBERTa, MPNet)
+  // MPNet: the buckets of the relative position bias every layer adds to its scores (one table for all
+  // layers, T5's bidirectional bucketing up to distance 128); 0: none (BERT, RoBERTa).
+  int64_t relative_attention_num_buckets = 0;
   // The longest sequence the position table holds.
   int64_t max_tokens() const { return max_position_embeddings - position_offset; }
 };
@@ -78,8 +81,12 @@ class BertModel {
                Tensor& pad, bool& any_pad) const;
   Tensor run_layers(Tensor x, const Tensor& pad, bool any_pad, std::vector<Tensor>* attn_weights) const;
 
+  // The arguments every layer runs with (MPNet's relative position bias).
+  EncoderForwardArgs layer_args() const;
+
   BertConfig cfg_;
   Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;
+  Tensor relative_bias_;  // MPNet: [relative_attention_num_buckets, num_heads]
   std::vector<TransformerEncoderLayer> layers_;
 };
 

@@ -66,6 +66,9 @@ struct EncoderForwardArgs {
   Tensor src_mask;              // [L, L] or [N * nhead, L, L]
   Tensor src_key_padding_mask;  // [N, L] (unbatched: [L])
   bool is_causal = false;
+  // The self-attention's relative position bias (MhaForwardArgs::relative_attention_bias).
+  Tensor relative_attention_bias;
+  int64_t relative_attention_max_distance = 128;
   // When set, receives the attention weights [N, nhead, L, L] (unbatched: [nhead, L, L]).
   Tensor* attn_weights = nullptr;
   // When set, receives what backward() needs (training). Gradients flow from the output only.

@@ -116,6 +116,11 @@ struct MhaForwardArgs {
   Tensor attn_mask;  // [L, S] or [N * num_heads, L, S]; bool (true = masked) or float (added)
   bool average_attn_weights = true;
   bool is_causal = false;
+  // [num_buckets, num_heads] floating: a relative position bias added to the scaled scores, the
+  // table's entry of the bidirectional T5 bucket of key − query position (MPNet's, and T5's encoder:
+  // heads/sdpa.h); softmax attention only. A given term, as attn_mask: no gradient flows into it.
+  Tensor relative_attention_bias;
+  int64_t relative_attention_max_distance = 128;
   // When set, receives what backward() needs (training). Gradients flow from the output only
   // (not from the returned weights, nor into the masks).
   MhaTape* tape = nullptr;

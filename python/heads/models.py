@@ -102,7 +102,7 @@ class SentenceEncoder(_EncoderDirectory):
 class CrossEncoder(_EncoderDirectory):
     """A reranker: a BERT-family encoder with a sequence-classification head (transformers'
     ``BertForSequenceClassification``, ``RobertaForSequenceClassification``,
-    ``XLMRobertaForSequenceClassification``) scoring (query, text) pairs as
+    ``XLMRobertaForSequenceClassification``, ``MPNetForSequenceClassification``) scoring (query, text) pairs as
     ``sentence_transformers.CrossEncoder`` does.
 
         ce = heads.CrossEncoder(DIR)

@@ -5,7 +5,10 @@
 // attention.self.{query,key,value}.{weight,bias} -> self_attn.in_proj_{weight,bias} (stacked),
 // attention.output.dense -> self_attn.out_proj, attention.output.LayerNorm -> norm1,
 // intermediate.dense -> linear1, output.dense -> linear2, output.LayerNorm -> norm2.
-// LayerNorm.gamma / LayerNorm.beta are accepted for weight / bias.
+// LayerNorm.gamma / LayerNorm.beta are accepted for weight / bias. MPNet (model_type "mpnet", prefix
+// "mpnet."): no token types; attention.attn.{q,k,v} -> in_proj, attention.attn.o -> out_proj,
+// attention.LayerNorm -> norm1, the rest as BERT's; encoder.relative_attention_bias.weight
+// [buckets, heads] the relative position bias of every layer.
 #include "heads/bert.h"
 
 #include <algorithm>
@@ -120,9 +123,14 @@ BertModel BertModel::load(const std::string& dir) {
   c.hidden_act = activation_from_name(json_string(j, "hidden_act", "gelu", cfg_path));
   c.model_type = json_string(j, "model_type", "bert", cfg_path);
   const bool roberta = c.model_type == "roberta" || c.model_type == "xlm-roberta" || c.model_type == "camembert";
-  HEADS_CHECK(c.model_type == "bert" || roberta, cfg_path.string(), ": model_type \"", c.model_type,
-              "\" is not supported by the BERT encoder (bert, roberta, xlm-roberta, camembert)");
-  if (roberta) c.position_offset = json_int(j, "pad_token_id", 1, cfg_path, 0, kMaxCount) + 1;
+  const bool mpnet = c.model_type == "mpnet";
+  HEADS_CHECK(c.model_type == "bert" || roberta || mpnet, cfg_path.string(), ": model_type \"", c.model_type,
+              "\" is not supported by the BERT encoder (bert, roberta, xlm-roberta, camembert, mpnet)");
+  if (roberta || mpnet) c.position_offset = json_int(j, "pad_token_id", 1, cfg_path, 0, kMaxCount) + 1;
+  if (mpnet) {
+    c.type_vocab_size = 1;  // no token types: one zero row
+    c.relative_attention_num_buckets = json_int(j, "relative_attention_num_buckets", 32, cfg_path, 2, kMaxCount);
+  }
   const std::string pe = json_string(j, "position_embedding_type", "absolute", cfg_path);
   HEADS_CHECK(pe == "absolute", cfg_path.string(), ": position_embedding_type \"", pe,
               "\" is not supported (absolute)");
@@ -141,7 +149,7 @@ BertModel BertModel::load(const std::string& dir) {
                   ? " (the directory has pytorch_model.bin: convert it once with `python3 -m heads.convert " + dir + "`)"
                   : std::string());
   Weights w{SafeTensors::open(wpath.string()), ""};
-  for (const char* prefix : {"bert.", "roberta."}) {
+  for (const char* prefix : {"bert.", "roberta.", "mpnet."}) {
     if (!w.has("embeddings.word_embeddings.weight") &&
         w.file.contains(std::string(prefix) + "embeddings.word_embeddings.weight")) {
       w.prefix = prefix;
@@ -150,7 +158,11 @@ BertModel BertModel::load(const std::string& dir) {
   const int64_t E = c.hidden_size, F = c.intermediate_size;
   m.word_ = w.get("embeddings.word_embeddings.weight", {c.vocab_size, E});
   m.position_ = w.get("embeddings.position_embeddings.weight", {c.max_position_embeddings, E});
-  m.token_type_ = w.get("embeddings.token_type_embeddings.weight", {c.type_vocab_size, E});
+  m.token_type_ = mpnet ? Tensor::zeros({1, E}, DType::F32)
+                        : w.get("embeddings.token_type_embeddings.weight", {c.type_vocab_size, E});
+  if (mpnet) {
+    m.relative_bias_ = w.get("encoder.relative_attention_bias.weight", {c.relative_attention_num_buckets, c.num_heads});
+  }
   m.emb_ln_w_ = w.get("embeddings.LayerNorm.weight", {E});
   m.emb_ln_b_ = w.get("embeddings.LayerNorm.bias", {E});
   TransformerEncoderLayerOptions lo;
@@ -163,18 +175,22 @@ BertModel BertModel::load(const std::string& dir) {
   lo.batch_first = true;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = "encoder.layer." + std::to_string(i) + ".";
+    // The attention's names: BERT's, or MPNet's.
+    const std::string q = p + (mpnet ? "attention.attn.q" : "attention.self.query");
+    const std::string k = p + (mpnet ? "attention.attn.k" : "attention.self.key");
+    const std::string v = p + (mpnet ? "attention.attn.v" : "attention.self.value");
+    const std::string o = p + (mpnet ? "attention.attn.o" : "attention.output.dense");
+    const std::string n1 = p + (mpnet ? "attention.LayerNorm" : "attention.output.LayerNorm");
     StateDict sd;
     add_linear(sd, "self_attn.in_proj_weight",
-               {w.linear(p + "attention.self.query.weight", {E, E}), w.linear(p + "attention.self.key.weight", {E, E}),
-                w.linear(p + "attention.self.value.weight", {E, E})},
-               w.file.label() + ": " + w.prefix + p + "attention.self.{query,key,value}.weight");
-    sd.emplace_back("self_attn.in_proj_bias",
-                    cat_rows({w.get(p + "attention.self.query.bias", {E}), w.get(p + "attention.self.key.bias", {E}),
-                              w.get(p + "attention.self.value.bias", {E})}));
-    add_linear(sd, "self_attn.out_proj.weight", {w.linear(p + "attention.output.dense.weight", {E, E})}, "");
-    sd.emplace_back("self_attn.out_proj.bias", w.get(p + "attention.output.dense.bias", {E}));
-    sd.emplace_back("norm1.weight", w.get(p + "attention.output.LayerNorm.weight", {E}));
-    sd.emplace_back("norm1.bias", w.get(p + "attention.output.LayerNorm.bias", {E}));
+               {w.linear(q + ".weight", {E, E}), w.linear(k + ".weight", {E, E}), w.linear(v + ".weight", {E, E})},
+               w.file.label() + ": " + w.prefix + q + ", key and value weights");
+    sd.emplace_back("self_attn.in_proj_bias", cat_rows({w.get(q + ".bias", {E}), w.get(k + ".bias", {E}),
+                                                        w.get(v + ".bias", {E})}));
+    add_linear(sd, "self_attn.out_proj.weight", {w.linear(o + ".weight", {E, E})}, "");
+    sd.emplace_back("self_attn.out_proj.bias", w.get(o + ".bias", {E}));
+    sd.emplace_back("norm1.weight", w.get(n1 + ".weight", {E}));
+    sd.emplace_back("norm1.bias", w.get(n1 + ".bias", {E}));
     add_linear(sd, "linear1.weight", {w.linear(p + "intermediate.dense.weight", {F, E})}, "");
     sd.emplace_back("linear1.bias", w.get(p + "intermediate.dense.bias", {F}));
     add_linear(sd, "linear2.weight", {w.linear(p + "output.dense.weight", {E, F})}, "");
@@ -223,13 +239,19 @@ std::vector<InputRanges> BertModel::input_ranges() const {
     Tensor x = embed(ids, nullptr, pad, any_pad);  // no padding: every sequence is L long
     for (size_t i = 0; i < layers_.size(); ++i) {
       EncoderLayerTape tape;
-      EncoderForwardArgs a;
+      EncoderForwardArgs a = layer_args();
       a.tape = &tape;
       x = layers_[i].forward(x, a);
       layers_[i].record_input_ranges(tape, ranges[i]);
     }
   }
   return ranges;
+}
+
+EncoderForwardArgs BertModel::layer_args() const {
+  EncoderForwardArgs a;
+  a.relative_attention_bias = relative_bias_;  // MPNet's (else undefined)
+  return a;
 }
 
 Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }
@@ -300,7 +322,7 @@ Tensor BertModel::run_layers(Tensor x, const Tensor& pad, bool any_pad, std::vec
   // 2. layers; padded positions are masked out as keys only
   if (attn_weights) attn_weights->clear();
   for (const auto& layer : layers_) {
-    EncoderForwardArgs a;
+    EncoderForwardArgs a = layer_args();
     if (any_pad) a.src_key_padding_mask = pad;
     Tensor w;
     if (attn_weights) a.attn_weights = &w;

@@ -67,12 +67,14 @@ CrossEncoder CrossEncoder::load(const std::string& model_dir, std::optional<Prec
   }
   const int64_t E = c.bert_.config().hidden_size;
   const models::Checkpoint w(d);
-  const bool roberta = c.bert_.config().position_offset > 0;  // the RoBERTa family (bert.h)
+  // The RoBERTa family and MPNet (bert.h) share the classification head's names.
+  const bool roberta = c.bert_.config().position_offset > 0;
   const std::string dense = roberta ? "classifier.dense." : "bert.pooler.dense.";
   const std::string out = roberta ? "classifier.out_proj." : "classifier.";
   HEADS_CHECK(w.has(out + "weight"), c.dir_, ": tensor \"", out,
               "weight\" missing: not a sequence-classification model (",
-              roberta ? "RobertaForSequenceClassification or XLMRobertaForSequenceClassification"
+              roberta ? "RobertaForSequenceClassification, XLMRobertaForSequenceClassification or "
+                        "MPNetForSequenceClassification"
                       : "BertForSequenceClassification",
               ")");
   c.dense_w_ = w.get(dense + "weight", {E, E});

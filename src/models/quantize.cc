@@ -39,16 +39,16 @@ bool other_weights(const fs::path& rel) {
   return false;
 }
 
-// A BERT encoder's linear weight (the int8 ones), with or without the "bert." prefix.
+// A BERT (or MPNet) encoder's linear weight (the int8 ones), with or without the "bert." / "mpnet." prefix.
 bool bert_linear_weight(const std::string& name) {
   static const std::regex re(
-      R"(^(bert\.)?encoder\.layer\.[0-9]+\.(attention\.self\.(query|key|value)|attention\.output\.dense|)"
-      R"(intermediate\.dense|output\.dense)\.weight$)");
+      R"(^(bert\.|mpnet\.)?encoder\.layer\.[0-9]+\.(attention\.self\.(query|key|value)|attention\.output\.dense|)"
+      R"(attention\.attn\.(q|k|v|o)|intermediate\.dense|output\.dense)\.weight$)");
   return std::regex_match(name, re);
 }
 
 // The int8 weights of the BERT encoder in `dir` as BertModel::set_precision(Int8) makes them
-// (calibrated: the activations' outlier channels in f32), by tensor name without the "bert." prefix.
+// (calibrated: the activations' outlier channels in f32), by tensor name without the "bert." / "mpnet." prefix.
 std::map<std::string, PackedLinear> bert_int8_weights(const fs::path& dir) {
   BertModel m = BertModel::load(dir.string());
   m.set_precision(Precision::Int8);
@@ -65,10 +65,12 @@ std::map<std::string, PackedLinear> bert_int8_weights(const fs::path& dir) {
     const auto packed = [&](const std::string& n) { return int8_from_tensors(n, get, "quantize"); };
     const std::string p = "encoder.layer." + std::to_string(i) + ".";
     const PackedLinear in = packed("self_attn.in_proj_weight");
-    out.emplace(p + "attention.self.query.weight", in.rows(0, E));
-    out.emplace(p + "attention.self.key.weight", in.rows(E, 2 * E));
-    out.emplace(p + "attention.self.value.weight", in.rows(2 * E, 3 * E));
-    out.emplace(p + "attention.output.dense.weight", packed("self_attn.out_proj.weight"));
+    const bool mpnet = m.config().model_type == "mpnet";  // its attention's names (bert.cc)
+    out.emplace(p + (mpnet ? "attention.attn.q.weight" : "attention.self.query.weight"), in.rows(0, E));
+    out.emplace(p + (mpnet ? "attention.attn.k.weight" : "attention.self.key.weight"), in.rows(E, 2 * E));
+    out.emplace(p + (mpnet ? "attention.attn.v.weight" : "attention.self.value.weight"), in.rows(2 * E, 3 * E));
+    out.emplace(p + (mpnet ? "attention.attn.o.weight" : "attention.output.dense.weight"),
+                packed("self_attn.out_proj.weight"));
     out.emplace(p + "intermediate.dense.weight", packed("linear1.weight"));
     out.emplace(p + "output.dense.weight", packed("linear2.weight"));
   }
@@ -95,7 +97,9 @@ uint64_t convert_file(const fs::path& in, const fs::path& out, StorageDtype dtyp
         tensors.emplace_back(name, t);
         continue;
       }
-      const auto q = int8.find(name.rfind("bert.", 0) == 0 ? name.substr(5) : name);
+      const size_t dot = name.find('.');
+      const bool prefixed = name.rfind("bert.", 0) == 0 || name.rfind("mpnet.", 0) == 0;
+      const auto q = int8.find(prefixed ? name.substr(dot + 1) : name);
       HEADS_CHECK(q != int8.end(), file.label(), ": tensor \"", name, "\": not a weight of the BERT encoder loaded from ",
                   in.parent_path().string());
       for (auto& t : int8_tensors(name, q->second)) tensors.push_back(std::move(t));

@@ -202,6 +202,8 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
     m.attn_mask = a.src_mask;
     m.key_padding_mask = a.src_key_padding_mask;
     m.is_causal = a.is_causal;
+    m.relative_attention_bias = a.relative_attention_bias;
+    m.relative_attention_max_distance = a.relative_attention_max_distance;
     m.need_weights = a.attn_weights != nullptr;
     m.average_attn_weights = false;
     if (tape) {

@@ -78,6 +78,8 @@ class SoftmaxAttn final : public MhaAttention {
     SdpaOptions so;
     so.attn_mask = merge_masks(in, am, H, S2);
     so.is_causal = causal;
+    so.relative_attention_bias = args.relative_attention_bias;
+    so.relative_attention_max_distance = args.relative_attention_max_distance;
     so.dropout_p = dropout;
     so.need_weights = args.need_weights;
     if (var_.window >= 0) {
@@ -119,6 +121,8 @@ class LinearAttn final : public MhaAttention {
     HEADS_CHECK(!args.key_padding_mask.defined() || args.key_padding_mask.dtype() == DType::Bool, kOp,
                 ": key_padding_mask: linear attention takes a bool mask (true = ignore the key); a float mask adds to "
                 "softmax scores, which linear attention has none of");
+    HEADS_CHECK(!args.relative_attention_bias.defined(), kOp,
+                ": linear attention takes no relative_attention_bias (it adds to softmax scores)");
   }
 
   DType activations(Precision) const override { return DType::F32; }

@@ -103,6 +103,45 @@ TEST(MultiheadAttention, SelfAndCrossAttentionMatchFloat64Composition) {
   }
 }
 
+// A relative position bias [buckets, H] (MPNet's; T5's encoder) is the table's entry of each (query,
+// key) pair's bucket added to the scaled scores: the same output as that bias written out as a float
+// attn_mask [N·H, L, S], with and without a key padding mask; linear attention refuses it.
+TEST(MultiheadAttention, RelativeAttentionBiasIsTheBucketedTableAddedToTheScores) {
+  const int64_t H = 4, E = 24, N = 3, L = 7, buckets = 8, max_distance = 5;  // distances to 6: past max_distance
+  const MultiheadAttention m = make(E, H, true);
+  const Tensor x = randn({L, N, E}), table = randn({buckets, H});
+  Tensor mask = Tensor::empty({N * H, L, L}, DType::F32);
+  for (int64_t b = 0; b < N * H; ++b) {
+    for (int64_t i = 0; i < L; ++i) {
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t bucket = t5_relative_bucket(j - i, true, buckets, max_distance);
+        mask.data<float>()[(b * L + i) * L + j] = table.data<float>()[bucket * H + b % H];
+      }
+    }
+  }
+  Tensor kpm = Tensor::zeros({N, L}, DType::Bool);
+  static_cast<uint8_t*>(kpm.raw_data())[1 * L + 6] = 1;  // the last key of sequence 1 is padding
+  for (const bool padded : {false, true}) {
+    MhaForwardArgs rel, written;
+    rel.need_weights = written.need_weights = false;
+    rel.relative_attention_bias = table;
+    rel.relative_attention_max_distance = max_distance;
+    written.attn_mask = mask;
+    if (padded) rel.key_padding_mask = written.key_padding_mask = kpm;
+    const Tensor got = m.forward(x, x, x, rel).first, want = m.forward(x, x, x, written).first;
+    EXPECT_TRUE(compare(got, want).within(1e-5, 1e-6)) << "padded=" << padded;
+    EXPECT_FALSE(compare(got, m.forward(x, x, x, MhaForwardArgs{}).first).within(1e-3, 1e-3));  // it changes the output
+  }
+  MultiheadAttentionOptions o;
+  o.embed_dim = E;
+  o.num_heads = H;
+  o.variant.kind = AttentionKind::Linear;
+  MhaForwardArgs rel;
+  rel.relative_attention_bias = table;
+  EXPECT_THAT(testing::error_of([&] { MultiheadAttention(o, 1).forward(x, x, x, rel); }),
+              HasSubstr("linear attention takes no relative_attention_bias"));
+}
+
 TEST(MultiheadAttention, LayoutsAgree) {
   const MultiheadAttention seq = make(32, 4);
   MultiheadAttention bf = make(32, 4, true, false, false, 0, 0, true);

