@@ -694,7 +694,12 @@ def test_rerank_route_scores_as_cross_encoder_and_batches_requests(reranker_dir)
             with pytest.raises(grpc.RpcError) as e:
                 c.embed(["a"])
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is a reranker" in e.value.details()
-        assert s.metric("heads_requests_total", route="grpc:Rerank", code="0") == 2
+        r = subprocess.run([HEADS, "client", "rerank", "--target", f"127.0.0.1:{s.grpc}", "--query", q, "--raw-scores",
+                            "--quiet", *texts[:4]], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        with s.client() as c:
+            assert json.loads(r.stdout) == c.rerank(q, texts[:4], raw_scores=True)
+        assert s.metric("heads_requests_total", route="grpc:Rerank", code="0") == 4
         # what a reranker does not answer, and bad bodies
         status, body, _ = s.post("/v1/embeddings", {"input": ["a"]})
         assert status == 400 and "is a reranker: it answers /rerank" in body["error"]["message"]

@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "commands.h"
 #include "embeddings_out.h"
 #include "heads/error.h"
@@ -22,11 +24,12 @@ namespace heads::cli {
 namespace {
 
 struct ClientArgs {
-  std::string target = "127.0.0.1:50051", tls_ca, input, output;
+  std::string target = "127.0.0.1:50051", tls_ca, input, output, query;
   std::vector<std::string> texts;
   int64_t chunk = 256;
   double timeout = 600;
   bool quiet = false;
+  bool raw_scores = false;
 };
 
 std::unique_ptr<heads::v1::Embedder::Stub> connect(const ClientArgs& a) {
@@ -114,6 +117,26 @@ void embed(const ClientArgs& a) {
   }
 }
 
+void rerank(const ClientArgs& a) {
+  const std::vector<std::string> texts = a.input.empty() ? a.texts : read_lines(a.input);
+  HEADS_CHECK(!texts.empty(), "client rerank: no texts (give TEXT arguments or an --input file with lines)");
+  auto stub = connect(a);
+  grpc::ClientContext ctx;
+  set_deadline(&ctx, a.timeout);
+  heads::v1::RerankRequest req;
+  req.set_query(a.query);
+  for (const std::string& t : texts) req.add_texts(t);
+  req.set_raw_scores(a.raw_scores);
+  heads::v1::RerankResponse r;
+  const grpc::Status s = stub->Rerank(&ctx, req, &r);
+  if (!s.ok()) rpc_failed(a, "Rerank", s);
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& k : r.ranks()) out.push_back({{"index", k.index()}, {"score", k.score()}});
+  std::printf("%s\n", out.dump().c_str());
+  if (!a.quiet) std::fprintf(stderr, "heads: %d texts ranked by %s (model %s)\n", r.ranks_size(), a.target.c_str(),
+                             r.model_version().c_str());
+}
+
 void info(const ClientArgs& a) {
   auto stub = connect(a);
   grpc::ClientContext ctx;
@@ -153,6 +176,19 @@ void add_client_command(CLI::App& app, Action* action) {
   e->add_option("--chunk", a->chunk, "texts per streamed request")->capture_default_str()->check(int_in(1, 65536));
   e->add_flag("--quiet", a->quiet, "no note on stderr");
   e->callback([a, action] { *action = [a] { embed(*a); }; });
+  auto r = std::make_shared<ClientArgs>();
+  CLI::App* rk = c->add_subcommand(
+      "rerank",
+      "Texts (arguments or the lines of --input) scored against --query by the reranker the server\n"
+      "serves (gRPC Rerank), printed as POST /rerank answers: [{\"index\", \"score\"}], best first.");
+  add_connection_options(rk, r.get());
+  rk->add_option("--query", r->query, "the query")->required();
+  auto* rin = rk->add_option("--input", r->input, "file with one text per line");
+  auto* rtxt = rk->add_option("texts", r->texts, "texts to score");
+  rin->excludes(rtxt);
+  rk->add_flag("--raw-scores", r->raw_scores, "the model's logits (default: their sigmoid)");
+  rk->add_flag("--quiet", r->quiet, "no note on stderr");
+  rk->callback([r, action] { *action = [r] { rerank(*r); }; });
   auto b = std::make_shared<ClientArgs>();
   CLI::App* i = c->add_subcommand("info", "The model the server serves, as JSON.");
   add_connection_options(i, b.get());
