@@ -36,7 +36,8 @@ struct BertConfig {
 };
 
 // The BERT encoder: embeddings (word + position + token type, LayerNorm) and post-norm
-// layers; returns the last hidden state.
+// layers; returns the last hidden state. The RoBERTa family (position ids from pad_token_id + 1) and
+// MPNet (no token types; a relative position bias shared by the layers) load into it too (bert.cc).
 class BertModel {
  public:
   // Loads config.json and model.safetensors from `dir`; errors name the file and the tensor.
