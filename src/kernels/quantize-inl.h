@@ -157,12 +157,42 @@ inline void int8_row_sums_out(const Int8Row& r, float* y) {
 // The outlier channels of R rows at once: each vector of W's panel is loaded once for the R rows
 // (one row at a time read the whole panel, N · no floats, per row: 17% of an int8 embedding on a
 // Cascade Lake), each row's vector of y in a register across the channels, in channel order.
+// V full vectors of outputs from i at once (R·V sums in registers): each channel's R broadcasts then
+// serve V vectors of W, so that loads no longer outnumber the multiply-adds (R + 1 loads for R of
+// them with one vector: the outlier pass had been bound by loads).
+template <int R, int V>
+HEADS_INLINE void int8_outliers_block(const Int8Row* rows, float* y, int64_t ys, int64_t i) {
+  const Int8Row& r0 = rows[0];
+  qz::VR acc[R][V];
+  const float* w[V];
+  for (int v = 0; v < V; ++v) {
+    const int64_t iv = i + v * qz::kW;
+    w[v] = r0.wo + (iv / kOutlierPanel) * r0.no * kOutlierPanel + iv % kOutlierPanel;
+    for (int u = 0; u < R; ++u) acc[u][v] = Vec::loadu(y + u * ys + iv);
+  }
+  for (int64_t o = 0; o < r0.no; ++o) {
+    qz::VR wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = Vec::loadu(w[v] + o * kOutlierPanel);
+    const int64_t c = r0.oc[o];
+    for (int u = 0; u < R; ++u) {
+      const qz::VR xb = Vec::set1(rows[u].x[c]);
+      for (int v = 0; v < V; ++v) acc[u][v] = Vec::fma(xb, wv[v], acc[u][v]);
+    }
+  }
+  for (int u = 0; u < R; ++u) {
+    for (int v = 0; v < V; ++v) Vec::storeu(y + u * ys + i + v * qz::kW, acc[u][v]);
+  }
+}
+
 template <int R>
 HEADS_INLINE void int8_outliers_out(const Int8Row* rows, float* y, int64_t ys) {
   static_assert(kOutlierPanel % qz::kW == 0);
   const Int8Row& r0 = rows[0];
   const int64_t n = r0.n;
-  for (int64_t i = 0; i < n; i += qz::kW) {
+  constexpr int V = qz::kW >= 16 ? 4 : 2;  // R·V + V + 1 registers: within AVX2's 16 at V = 2
+  int64_t i = 0;
+  for (; i + V * qz::kW <= n; i += V * qz::kW) int8_outliers_block<R, V>(rows, y, ys, i);
+  for (; i < n; i += qz::kW) {  // the rest a vector at a time
     const int64_t m = std::min<int64_t>(qz::kW, n - i);
     qz::VR acc[R];
     for (int u = 0; u < R; ++u) acc[u] = m == qz::kW ? Vec::loadu(y + u * ys + i) : Vec::load_partial(y + u * ys + i, m);
