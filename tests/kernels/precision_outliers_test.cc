@@ -45,7 +45,8 @@ Tensor with_outliers(const Shapes& s, const std::vector<int64_t>& channels) {
 
 TEST(PrecisionOutliers, TheyAreTheF32PartOfTheDefinitionOnEveryPath) {
   testing::IsaGuard guard;
-  for (const Shapes& s : {Shapes{1, 33, 5}, Shapes{7, 70, 45}, Shapes{129, 384, 17}}) {
+  // N = 150: blocks of 4 (AVX-512) or 2 (AVX2) vectors of outputs per channel sweep, then the rest
+  for (const Shapes& s : {Shapes{1, 33, 5}, Shapes{7, 70, 45}, Shapes{129, 384, 17}, Shapes{9, 70, 150}}) {
     const std::vector<int64_t> channels = {0, 3, s.K - 2};  // K / 16 ≥ 2: at most 2 for K = 33 (the largest)
     const Tensor x = with_outliers(s, channels), b = randn({s.N});
     Tensor W = randn({s.N, s.K}, 0.1);
