@@ -65,9 +65,9 @@ def xlmr_dirs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("pooling", ["mean", "cls"])
-def test_xlm_roberta_equals_sentence_transformers(xlmr_dirs, pooling):
-    d = xlmr_dirs[pooling]
+def _equals_sentence_transformers(d, label):
+    """heads' token ids and embeddings of TEXTS against sentence-transformers' for the directory d
+    (max_seq_length 64); returns heads' embeddings."""
     ref = st.SentenceTransformer(str(d), device="cpu")
     mine = heads.SentenceEncoder(str(d))
     assert mine.max_seq_length == 64
@@ -76,9 +76,15 @@ def test_xlm_roberta_equals_sentence_transformers(xlmr_dirs, pooling):
     a = mine.encode(TEXTS)
     b = ref.encode(TEXTS, convert_to_numpy=True)
     cos = (a.astype(np.float64) * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-    print(f"{pooling}: worst cosine {cos.min():.8f} over {len(TEXTS)} texts")
+    print(f"{label}: worst cosine {cos.min():.8f} over {len(TEXTS)} texts")
     assert cos.min() >= 0.99999, (cos.min(), TEXTS[int(np.argmin(cos))][:60])
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    return a
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_xlm_roberta_equals_sentence_transformers(xlmr_dirs, pooling):
+    a = _equals_sentence_transformers(xlmr_dirs[pooling], pooling)
     if pooling == "mean":
         np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, rtol=1e-5)
 
@@ -142,17 +148,7 @@ def mpnet_dir(tmp_path_factory):
 
 
 def test_mpnet_equals_sentence_transformers(mpnet_dir, tmp_path):
-    ref = st.SentenceTransformer(str(mpnet_dir), device="cpu")
-    mine = heads.SentenceEncoder(str(mpnet_dir))
-    assert mine.max_seq_length == 64
-    for t in TEXTS:
-        assert mine.tokenize(t) == ref.tokenizer(t, truncation=True, max_length=64)["input_ids"], t
-    a = mine.encode(TEXTS)
-    b = ref.encode(TEXTS, convert_to_numpy=True)
-    cos = (a.astype(np.float64) * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-    print(f"mpnet: worst cosine {cos.min():.8f} over {len(TEXTS)} texts")
-    assert cos.min() >= 0.99999, (cos.min(), TEXTS[int(np.argmin(cos))][:60])
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    a = _equals_sentence_transformers(mpnet_dir, "mpnet")
     # without the relative position bias the embeddings are not these: the table is used
     from safetensors.numpy import load_file, save_file
     import shutil

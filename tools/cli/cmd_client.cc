@@ -151,6 +151,14 @@ void info(const ClientArgs& a) {
               static_cast<long long>(r.num_heads()));
 }
 
+// TEXT arguments or --input (one of them), and --quiet.
+void add_text_options(CLI::App* c, ClientArgs* a, const char* what) {
+  auto* in = c->add_option("--input", a->input, "file with one text per line");
+  auto* txt = c->add_option("texts", a->texts, what);
+  in->excludes(txt);
+  c->add_flag("--quiet", a->quiet, "no note on stderr");
+}
+
 void add_connection_options(CLI::App* c, ClientArgs* a) {
   c->add_option("--target", a->target, "the server's gRPC address, HOST:PORT")->capture_default_str();
   c->add_option("--tls-ca", a->tls_ca, "PEM certificate(s) to trust: connect over TLS");
@@ -169,12 +177,9 @@ void add_client_command(CLI::App& app, Action* action) {
       "Embeddings of texts (arguments or the lines of --input) from the server, streamed in chunks;\n"
       "written as `heads embed` writes them (.npy, .safetensors or .jsonl).");
   add_connection_options(e, a.get());
-  auto* in = e->add_option("--input", a->input, "file with one text per line");
-  auto* txt = e->add_option("texts", a->texts, "texts to embed");
-  in->excludes(txt);
+  add_text_options(e, a.get(), "texts to embed");
   e->add_option("--output", a->output, "output file (.npy, .safetensors or .jsonl)")->required();
   e->add_option("--chunk", a->chunk, "texts per streamed request")->capture_default_str()->check(int_in(1, 65536));
-  e->add_flag("--quiet", a->quiet, "no note on stderr");
   e->callback([a, action] { *action = [a] { embed(*a); }; });
   auto r = std::make_shared<ClientArgs>();
   CLI::App* rk = c->add_subcommand(
@@ -183,11 +188,8 @@ void add_client_command(CLI::App& app, Action* action) {
       "serves (gRPC Rerank), printed as POST /rerank answers: [{\"index\", \"score\"}], best first.");
   add_connection_options(rk, r.get());
   rk->add_option("--query", r->query, "the query")->required();
-  auto* rin = rk->add_option("--input", r->input, "file with one text per line");
-  auto* rtxt = rk->add_option("texts", r->texts, "texts to score");
-  rin->excludes(rtxt);
+  add_text_options(rk, r.get(), "texts to score");
   rk->add_flag("--raw-scores", r->raw_scores, "the model's logits (default: their sigmoid)");
-  rk->add_flag("--quiet", r->quiet, "no note on stderr");
   rk->callback([r, action] { *action = [r] { rerank(*r); }; });
   auto b = std::make_shared<ClientArgs>();
   CLI::App* i = c->add_subcommand("info", "The model the server serves, as JSON.");
