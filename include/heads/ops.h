@@ -69,7 +69,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, bool unit_off
 
 // Gated activation of a fused [..., 2F] gate|up product: act(gate) · up -> [..., F], with act SiLU
 // (Llama, Mistral, Qwen2) or the tanh GELU (Gemma 2).
-enum class GatedAct { Silu, GeluTanh };
+enum class GatedAct { Silu, GeluTanh, Gelu };  // Gelu: exact (erf), as Activation::Gelu
 Tensor gated_activation(const Tensor& gate_up, GatedAct act);
 
 // Rotary position embedding (RoFormer; transformers' rotate_half / GPT-J layouts).

@@ -101,16 +101,17 @@ TEST(RmsNorm, MatchesFormula) {
   EXPECT_THAT(error_of([&] { rms_norm(x, randn({36}), 1e-6); }), HasSubstr("rms_norm: weight: expected [37]"));
 }
 
-TEST(GatedActivation, SiluAndTanhGelu) {
+TEST(GatedActivation, SiluGeluAndTanhGelu) {
   const Tensor gu = randn({4, 2 * 19}, 2.0);
-  for (GatedAct act : {GatedAct::Silu, GatedAct::GeluTanh}) {
+  for (GatedAct act : {GatedAct::Silu, GatedAct::GeluTanh, GatedAct::Gelu}) {
     const Tensor y = gated_activation(gu, act);
     ASSERT_EQ(y.shape(), Shape({4, 19}));
     for (int64_t r = 0; r < 4; ++r) {
       for (int64_t i = 0; i < 19; ++i) {
         const double g = gu.data<float>()[r * 38 + i], u = gu.data<float>()[r * 38 + 19 + i];
-        const double a = act == GatedAct::Silu ? g / (1 + std::exp(-g))
-                                               : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+        const double a = act == GatedAct::Silu   ? g / (1 + std::exp(-g))
+                         : act == GatedAct::Gelu ? 0.5 * g * (1 + std::erf(g / std::sqrt(2.0)))
+                                                 : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
         ASSERT_NEAR(y.data<float>()[r * 19 + i], a * u, 1e-5 * (1 + std::fabs(a * u)));
       }
     }
