@@ -22,46 +22,12 @@ using models::json_real;
 using models::json_string;
 using models::Checkpoint;
 using models::cat_rows;
+using models::read_rope;
 using models::without_nulls;
 
 namespace {
 
 constexpr int64_t kMaxCount = int64_t{1} << 24;
-
-// RoPE settings from rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x).
-RopeOptions read_rope(const nlohmann::json& j, const fs::path& file) {
-  RopeOptions r;
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {  // either, even the one not read
-    HEADS_CHECK(!j.contains(key) || j.at(key).is_object(), file.string(), ": \"", key, "\" must be an object, got ",
-                j.contains(key) ? j.at(key).type_name() : "");
-  }
-  nlohmann::json p = j.contains("rope_parameters") ? without_nulls(j.at("rope_parameters"))
-                     : j.contains("rope_scaling")  ? without_nulls(j.at("rope_scaling"))
-                                                   : nlohmann::json::object();
-  const char* where = j.contains("rope_parameters") ? "rope_parameters" : "rope_scaling";
-  HEADS_CHECK(p.is_object(), file.string(), ": \"", where, "\" must be an object");
-  r.theta = json_real(p, "rope_theta", json_real(j, "rope_theta", 10000.0, file, 1e-6, 1e30), file, 1e-6, 1e30);
-  std::string type = json_string(p, "rope_type", json_string(p, "type", "default", file), file);
-  if (type == "default") {
-    r.scaling = RopeOptions::Scaling::None;
-  } else if (type == "linear") {
-    r.scaling = RopeOptions::Scaling::Linear;
-    r.factor = json_real(p, "factor", 1.0, file, 1e-6, 1e6);
-  } else if (type == "llama3") {
-    r.scaling = RopeOptions::Scaling::Llama3;
-    r.factor = json_real(p, "factor", 8.0, file, 1e-6, 1e6);
-    r.low_freq_factor = json_real(p, "low_freq_factor", 1.0, file, 1e-6, 1e6);
-    r.high_freq_factor = json_real(p, "high_freq_factor", 4.0, file, 1e-6, 1e6);
-    r.original_max_position = json_int(p, "original_max_position_embeddings", 8192, file, 1, kMaxCount);
-  } else {
-    fail(file.string(), ": \"", where, "\": rope_type \"", type,
-         "\" is not supported (default, linear, llama3)");
-  }
-  const double partial = json_real(p, "partial_rotary_factor", json_real(j, "partial_rotary_factor", 1.0, file, 0, 1),
-                                   file, 0, 1);
-  HEADS_CHECK(partial == 1.0, file.string(), ": \"partial_rotary_factor\" ", partial, " is not supported (1.0)");
-  return r;
-}
 
 void reject_true(const nlohmann::json& j, const char* key, const fs::path& file) {
   HEADS_CHECK(!json_bool(j, key, false, file), file.string(), ": \"", key, "\": true is not supported");

@@ -55,10 +55,7 @@ SentenceEncoder SentenceEncoder::load(const std::string& model_dir, std::optiona
   s.bert_ = BertModel::load(model_dir, precision);
   s.tok_ = Tokenizer::from_directory(model_dir);
   const fs::path d(s.dir_);
-  const nlohmann::json sb = read_json(d / "sentence_bert_config.json", false);
-  s.max_seq_length_ = json_int(sb, "max_seq_length", s.bert_.config().max_tokens(), d / "sentence_bert_config.json",
-                               2, int64_t{1} << 24);
-  s.max_seq_length_ = std::min(s.max_seq_length_, s.bert_.config().max_tokens());
+  s.max_seq_length_ = models::max_sequence_length(d, s.bert_.config().max_tokens());
   const int64_t special = static_cast<int64_t>(s.tok_.encode("", 0).ids.size());
   HEADS_CHECK(s.max_seq_length_ >= std::max<int64_t>(special, 1), (d / "sentence_bert_config.json").string(),
               ": max_seq_length ", s.max_seq_length_, " leaves no room past the ", special, " special tokens");
