@@ -7,7 +7,8 @@
 // model_type "bert" (or none) and the RoBERTa family ("roberta", "xlm-roberta", "camembert":
 // multilingual-e5, bge-m3, paraphrase-multilingual-*), which is BERT with position ids counted from
 // pad_token_id + 1 (the first pad_token_id + 1 rows of the position table are never used by a
-// right-padded batch); other model types are an error naming the field.
+// right-padded batch); MPNet ("mpnet"); and ModernBERT ("modernbert": modernbert.cc has its weight
+// names). Other model types are an error naming the field.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "heads/encoder.h"
+#include "heads/ops.h"
 #include "heads/precision.h"
 #include "heads/tensor.h"
 
@@ -31,13 +33,22 @@ struct BertConfig {
   // MPNet: the buckets of the relative position bias every layer adds to its scores (one table for all
   // layers, T5's bidirectional bucketing up to distance 128); 0: none (BERT, RoBERTa).
   int64_t relative_attention_num_buckets = 0;
-  // The longest sequence the position table holds.
+  // ModernBERT: pre-norm layers (the first without its attention norm) with rotary positions, a
+  // gated feed-forward (hidden_act of the first half times the second), no token types and a final
+  // norm. Per layer: the half width of its local attention (query i sees keys j with |i - j| <=
+  // window; -1: global attention) and its rotary settings (global and local layers have their own
+  // theta). Empty for the other types.
+  std::vector<int64_t> layer_window;
+  std::vector<RopeOptions> layer_rope;
+  bool modern() const { return model_type == "modernbert"; }
+  // The longest sequence the position table holds (ModernBERT: max_position_embeddings).
   int64_t max_tokens() const { return max_position_embeddings - position_offset; }
 };
 
 // The BERT encoder: embeddings (word + position + token type, LayerNorm) and post-norm
 // layers; returns the last hidden state. The RoBERTa family (position ids from pad_token_id + 1) and
-// MPNet (no token types; a relative position bias shared by the layers) load into it too (bert.cc).
+// MPNet (no token types; a relative position bias shared by the layers) load into it too (bert.cc), and
+// ModernBERT, whose layers are not TransformerEncoderLayer's (modernbert.cc).
 class BertModel {
  public:
   // Loads config.json and model.safetensors from `dir`; errors name the file and the tensor.
@@ -71,7 +82,8 @@ class BertModel {
   Tensor forward(const std::vector<std::vector<int64_t>>& ids, const std::vector<std::vector<int64_t>>& type_ids,
                  std::vector<Tensor>* attn_weights = nullptr) const;
 
-  // The encoder layers (batch first), e.g. to run one layer's self-attention on other inputs.
+  // The encoder layers (batch first), e.g. to run one layer's self-attention on other inputs; empty
+  // for ModernBERT, whose layers take rotary positions and a gated feed-forward.
   const std::vector<TransformerEncoderLayer>& layers() const { return layers_; }
 
  private:
@@ -82,6 +94,18 @@ class BertModel {
                Tensor& pad, bool& any_pad) const;
   Tensor run_layers(Tensor x, const Tensor& pad, bool any_pad, std::vector<Tensor>* attn_weights) const;
 
+  // ModernBERT (modernbert.cc): its config and weights, its layers (the input ranges of their linear
+  // layers gathered into `ranges` when given), its precision.
+  static BertModel load_modernbert(const std::string& dir);
+  struct PreNormLayer {
+    Tensor attn_norm_w, attn_norm_b;  // attn_norm_w undefined: no norm (the first layer)
+    Tensor wqkv, bqkv, wo, bo, mlp_norm_w, mlp_norm_b, wi, bi, wf, bf;  // wi: [2F, E], wf: [E, F]
+    PackedLinear pk_qkv, pk_o, pk_i, pk_f;  // reduced-precision copies (set_precision)
+  };
+  Tensor run_prenorm_layers(Tensor x, const Tensor& pad, bool any_pad, std::vector<Tensor>* attn_weights,
+                            std::vector<InputRanges>* ranges) const;
+  void set_prenorm_precision(Precision p, const std::vector<InputRanges>& ranges);
+
   // The arguments every layer runs with (MPNet's relative position bias).
   EncoderForwardArgs layer_args() const;
 
@@ -89,6 +113,10 @@ class BertModel {
   Tensor word_, position_, token_type_, emb_ln_w_, emb_ln_b_;
   Tensor relative_bias_;  // MPNet: [relative_attention_num_buckets, num_heads]
   std::vector<TransformerEncoderLayer> layers_;
+  std::vector<PreNormLayer> prenorm_;  // ModernBERT's
+  Tensor final_norm_w_, final_norm_b_;
+  GatedAct prenorm_act_ = GatedAct::Gelu;
+  Precision prenorm_precision_ = Precision::F32;
 };
 
 }  // namespace heads

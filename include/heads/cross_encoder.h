@@ -1,18 +1,22 @@
 // cross_encoder.h — rerankers: a BERT-family encoder with a sequence-classification head
 // (transformers' BertForSequenceClassification, RobertaForSequenceClassification,
-// XLMRobertaForSequenceClassification), scoring (query, text) pairs as sentence-transformers'
+// XLMRobertaForSequenceClassification, MPNetForSequenceClassification,
+// ModernBertForSequenceClassification), scoring (query, text) pairs as sentence-transformers'
 // CrossEncoder does.
 //
 // A model directory holds config.json (the encoder's fields, bert.h, and id2label: one label per
 // entry, 2 when absent as in transformers), model.safetensors and the tokenizer (tokenizer.h). A pair
 // is encoded as the tokenizer's pair template says ([CLS] a [SEP] b [SEP] with token types 0 and 1
-// for BERT; <s> a </s></s> b </s> for RoBERTa), truncated longest-first to the model's length:
+// for BERT; <s> a </s></s> b </s> for RoBERTa; ModernBERT has no token types), truncated longest-first to the model's length:
 // sentence_bert_config.json's max_seq_length, else tokenizer_config.json's model_max_length, capped
 // at the positions the model holds.
 //
 // The head, on the first token's hidden state h:
-//   BERT:    logits = classifier(tanh(bert.pooler.dense(h)))
-//   RoBERTa: logits = classifier.out_proj(tanh(classifier.dense(h)))
+//   BERT:      logits = classifier(tanh(bert.pooler.dense(h)))
+//   RoBERTa:   logits = classifier.out_proj(tanh(classifier.dense(h)))   (MPNet too)
+//   ModernBERT: logits = classifier(head.norm(act(head.dense(h))))      with h the first token's or,
+//              with classifier_pooling "mean", the mean of the pair's tokens; act is
+//              classifier_activation, biases where classifier_bias / norm_bias say.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +64,11 @@ class CrossEncoder {
   Tokenizer tok_;
   int64_t max_length_ = 512;
   Tensor dense_w_, dense_b_, out_w_, out_b_;  // the head: [E, E], [E], [labels, E], [labels]
+  // ModernBERT's head: a LayerNorm after the activation, and the pooling of the hidden states.
+  Tensor norm_w_, norm_b_;
+  Activation head_act_ = Activation::Gelu;  // BERT, RoBERTa: tanh (not an Activation)
+  bool mean_pooling_ = false;
+  double norm_eps_ = 1e-5;
 };
 
 }  // namespace heads

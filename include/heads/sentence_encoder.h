@@ -1,9 +1,11 @@
 // sentence_encoder.h — the sentence-embedding pipeline of sentence-transformers around a BERT-family
-// encoder (bert.h: BERT as all-MiniLM-L6-v2, bge, e5, gte; XLM-RoBERTa as multilingual-e5, bge-m3).
+// encoder (bert.h: BERT as all-MiniLM-L6-v2, bge, e5, gte; XLM-RoBERTa as multilingual-e5, bge-m3;
+// MPNet as all-mpnet-base-v2; ModernBERT).
 //
 // A model directory holds the encoder files (config.json, model.safetensors), its tokenizer
 // (tokenizer.json, or a BERT vocab.txt with tokenizer_config.json's do_lower_case: tokenizer.h),
-// and, for sentence-transformers, sentence_bert_config.json (max_seq_length), modules.json (the
+// and, for sentence-transformers, sentence_bert_config.json (max_seq_length; without one,
+// tokenizer_config.json's model_max_length, capped at the encoder's positions), modules.json (the
 // Pooling module's directory, Normalize) and that directory's config.json (pooling mode: mean, cls,
 // max, lasttoken). Settings are read from these files; defaults apply
 // only where a file is absent.

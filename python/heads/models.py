@@ -102,8 +102,9 @@ class SentenceEncoder(_EncoderDirectory):
 class CrossEncoder(_EncoderDirectory):
     """A reranker: a BERT-family encoder with a sequence-classification head (transformers'
     ``BertForSequenceClassification``, ``RobertaForSequenceClassification``,
-    ``XLMRobertaForSequenceClassification``, ``MPNetForSequenceClassification``) scoring (query, text) pairs as
-    ``sentence_transformers.CrossEncoder`` does.
+    ``XLMRobertaForSequenceClassification``, ``MPNetForSequenceClassification``,
+    ``ModernBertForSequenceClassification``) scoring (query, text) pairs as ``sentence_transformers.CrossEncoder``
+    does.
 
         ce = heads.CrossEncoder(DIR)
         scores = ce.predict([("query", "a passage"), ("query", "another")])   # [N] raw logits

@@ -108,6 +108,7 @@ BertModel BertModel::load(const std::string& dir) {
   const fs::path cfg_path = d / "config.json";
   HEADS_CHECK(fs::is_directory(d), dir, ": model directory not found");
   const nlohmann::json j = read_json(cfg_path, true);
+  if (json_string(j, "model_type", "bert", cfg_path) == "modernbert") return load_modernbert(dir);
   BertModel m;
   BertConfig& c = m.cfg_;
   constexpr int64_t kMaxCount = int64_t{1} << 24;  // vocabulary, positions, layers: far past any real model
@@ -125,7 +126,7 @@ BertModel BertModel::load(const std::string& dir) {
   const bool roberta = c.model_type == "roberta" || c.model_type == "xlm-roberta" || c.model_type == "camembert";
   const bool mpnet = c.model_type == "mpnet";
   HEADS_CHECK(c.model_type == "bert" || roberta || mpnet, cfg_path.string(), ": model_type \"", c.model_type,
-              "\" is not supported by the BERT encoder (bert, roberta, xlm-roberta, camembert, mpnet)");
+              "\" is not supported by the BERT encoder (bert, roberta, xlm-roberta, camembert, mpnet, modernbert)");
   if (roberta || mpnet) c.position_offset = json_int(j, "pad_token_id", 1, cfg_path, 0, kMaxCount) + 1;
   if (mpnet) {
     c.type_vocab_size = 1;  // no token types: one zero row
@@ -219,6 +220,10 @@ BertModel BertModel::load(const std::string& dir, std::optional<Precision> preci
 }
 
 void BertModel::set_precision(Precision p) {
+  if (cfg_.modern()) {
+    set_prenorm_precision(p, p == Precision::Int8 ? input_ranges() : std::vector<InputRanges>{});
+    return;
+  }
   set_layers_precision(layers_, p, p == Precision::Int8 ? input_ranges() : std::vector<InputRanges>{});
 }
 
@@ -227,7 +232,7 @@ std::vector<InputRanges> BertModel::input_ranges() const {
   constexpr int64_t kBatch = 4;  // sequences per forward (the tapes of a few keep memory low)
   std::mt19937_64 gen(kSeed);
   const int64_t L = std::min(kCalibrationLength, cfg_.max_tokens());
-  std::vector<InputRanges> ranges(layers_.size());
+  std::vector<InputRanges> ranges(cfg_.modern() ? prenorm_.size() : layers_.size());
   for (int64_t done = 0; done < kCalibrationSequences; done += kBatch) {
     std::vector<std::vector<int64_t>> ids(static_cast<size_t>(std::min(kBatch, kCalibrationSequences - done)),
                                           std::vector<int64_t>(static_cast<size_t>(L)));
@@ -237,6 +242,10 @@ std::vector<InputRanges> BertModel::input_ranges() const {
     Tensor pad;
     bool any_pad = false;
     Tensor x = embed(ids, nullptr, pad, any_pad);  // no padding: every sequence is L long
+    if (cfg_.modern()) {
+      (void)run_prenorm_layers(std::move(x), pad, false, nullptr, &ranges);
+      continue;
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       EncoderLayerTape tape;
       EncoderForwardArgs a = layer_args();
@@ -254,7 +263,10 @@ EncoderForwardArgs BertModel::layer_args() const {
   return a;
 }
 
-Precision BertModel::precision() const { return layers_.empty() ? Precision::F32 : layers_.front().precision(); }
+Precision BertModel::precision() const {
+  if (cfg_.modern()) return prenorm_precision_;
+  return layers_.empty() ? Precision::F32 : layers_.front().precision();
+}
 
 Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, const std::vector<std::vector<int64_t>>* type_ids,
                         Tensor& pad, bool& any_pad) const {
@@ -282,8 +294,8 @@ Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, const std:
   pad = Tensor::zeros({N, L}, DType::Bool);
   any_pad = false;
   const float* wd = word_.data<float>();
-  const float* ps = position_.data<float>() + cfg_.position_offset * E;
-  const float* tt = token_type_.data<float>();
+  const float* ps = position_.defined() ? position_.data<float>() + cfg_.position_offset * E : nullptr;
+  const float* tt = token_type_.defined() ? token_type_.data<float>() : nullptr;
   for (int64_t n = 0; n < N; ++n) {
     const auto len = static_cast<int64_t>(ids[static_cast<size_t>(n)].size());
     for (int64_t l = 0; l < L; ++l) {
@@ -292,7 +304,11 @@ Tensor BertModel::embed(const std::vector<std::vector<int64_t>>& ids, const std:
                   cfg_.vocab_size);
       const int64_t type = type_ids && l < len ? (*type_ids)[static_cast<size_t>(n)][static_cast<size_t>(l)] : 0;
       float* row = x.data<float>() + (n * L + l) * E;
-      for (int64_t e = 0; e < E; ++e) row[e] = wd[id * E + e] + tt[type * E + e] + ps[l * E + e];
+      if (ps == nullptr) {  // ModernBERT: word embeddings only (rotary positions, no token types)
+        std::copy_n(wd + id * E, E, row);
+      } else {
+        for (int64_t e = 0; e < E; ++e) row[e] = wd[id * E + e] + tt[type * E + e] + ps[l * E + e];
+      }
       if (l >= len) {
         static_cast<uint8_t*>(pad.raw_data())[n * L + l] = 1;
         any_pad = true;
@@ -320,6 +336,7 @@ Tensor BertModel::forward(const std::vector<std::vector<int64_t>>& ids,
 
 Tensor BertModel::run_layers(Tensor x, const Tensor& pad, bool any_pad, std::vector<Tensor>* attn_weights) const {
   // 2. layers; padded positions are masked out as keys only
+  if (cfg_.modern()) return run_prenorm_layers(std::move(x), pad, any_pad, attn_weights, nullptr);
   if (attn_weights) attn_weights->clear();
   for (const auto& layer : layers_) {
     EncoderForwardArgs a = layer_args();

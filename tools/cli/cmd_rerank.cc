@@ -66,9 +66,10 @@ void add_rerank_command(CLI::App& app, Action* action) {
   auto args = std::make_shared<RerankArgs>();
   CLI::App* c = app.add_subcommand(
       "rerank",
-      "Texts scored against a query by a cross-encoder (a BERT, XLM-RoBERTa or MPNet *ForSequenceClassification\n"
-      "directory with one label, as sentence-transformers' CrossEncoder runs it), printed best first:\n"
-      "rank, score, index, text; --json prints [{\"index\", \"score\"}] as /rerank answers.");
+      "Texts scored against a query by a cross-encoder (a BERT, XLM-RoBERTa, MPNet or ModernBERT\n"
+      "*ForSequenceClassification directory with one label, as sentence-transformers' CrossEncoder\n"
+      "runs it), printed best first: rank, score, index, text; --json prints [{\"index\", \"score\"}]\n"
+      "as /rerank answers.");
   c->add_option("--model", args->model, "the cross-encoder's model directory")->required();
   c->add_option("--query", args->query, "the query the texts are scored against")->required();
   auto* in = c->add_option("--input", args->input, "file with one text per line");

@@ -325,6 +325,12 @@ class EmbedderImpl final : public heads::v1::Embedder::Service {
       grpc::Status status = grpc::Status::OK;
       service_->with_model([&](const LoadedModel& m) {
         const auto& layers = m.bert().layers();
+        if (layers.empty()) {  // ModernBERT: fused, rotary, pre-norm layers (bert.h)
+          status = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                "Attention: model_type \"" + m.bert().config().model_type +
+                                    "\" has no nn.MultiheadAttention layers to run (BERT, RoBERTa, MPNet have)");
+          return;
+        }
         if (req->layer() < 0 || req->layer() >= static_cast<int64_t>(layers.size())) {
           status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                 "layer: " + std::to_string(req->layer()) + " is not a layer of this model (0 to " +
