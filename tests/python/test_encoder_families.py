@@ -307,6 +307,27 @@ def test_cli_embeds_and_stores_a_modernbert_directory(modernbert_dirs, tmp_path)
     assert not (tmp_path / "q8").exists()
 
 
+def test_serve_answers_for_a_modernbert_directory(modernbert_dirs):
+    """heads serve embeds with ModernBERT as the module does; Attend, which runs one nn.MultiheadAttention
+    layer, says ModernBERT has none."""
+    grpc = pytest.importorskip("grpc")
+    from test_serve import Server
+    texts = ["naïve café", "hello world", "word " * 100]
+    srv = Server(model=str(modernbert_dirs["st"]))
+    try:
+        status, body, _ = srv.post("/v1/embeddings", {"input": texts})
+        assert status == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], np.float32)
+        np.testing.assert_array_equal(got, heads.SentenceEncoder(str(modernbert_dirs["st"])).encode(texts))
+        with srv.client() as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.attend(np.ones((3, 72), np.float32), layer=0)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert '"modernbert" has no nn.MultiheadAttention' in e.value.details()
+    finally:
+        assert srv.stop() == 0
+
+
 def _modernbert_config_error(src, tmp_path, change, match):
     import shutil
     d = tmp_path / "bad"
