@@ -2,7 +2,9 @@
 // `tokenizers` library (the "fast" tokenizers of transformers):
 //   Tokenizer           any model directory: its tokenizer.json (the tokenizers format: normalizers,
 //                       pre-tokenizers, WordPiece / BPE / Unigram / WordLevel models, post-processors,
-//                       decoders), or a BERT vocab.txt where the directory has only that.
+//                       decoders), or a BERT vocab.txt where the directory has only that, or a
+//                       SentencePiece .model alone, read as transformers reads it (the tokenizer.json
+//                       XLMRobertaTokenizer, T5Tokenizer or LlamaTokenizer builds from it).
 //   WordPieceTokenizer  BERT WordPiece from vocab.txt (uncased or cased), described below.
 //
 // Pipeline, as tokenizers runs it: exact special tokens ([PAD] [UNK] [CLS] [SEP] [MASK]) are cut
@@ -86,7 +88,7 @@ class Tokenizer {
   // tokenizer.json at `path`.
   static Tokenizer from_file(const std::string& path);
   // A model directory: tokenizer.json if it has one, else vocab.txt (WordPiece, do_lower_case
-  // from tokenizer_config.json).
+  // from tokenizer_config.json), else sentencepiece.bpe.model / tokenizer.model / spiece.model.
   static Tokenizer from_directory(const std::string& dir);
   static Tokenizer from_wordpiece(WordPieceTokenizer wordpiece);
 

@@ -210,9 +210,11 @@ Tokenizer Tokenizer::from_directory(const std::string& dir) {
   const fs::path d(dir);
   if (fs::exists(d / "tokenizer.json")) return from_file((d / "tokenizer.json").string());
   for (const char* spm : {"sentencepiece.bpe.model", "tokenizer.model", "spiece.model"}) {
-    HEADS_CHECK(fs::exists(d / "vocab.txt") || !fs::exists(d / spm), dir, ": the tokenizer is only a SentencePiece ",
-                spm, ", which heads does not read yet; write its tokenizer.json once with transformers: "
-                "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)");
+    const fs::path p = d / spm;
+    if (fs::exists(d / "vocab.txt") || !fs::exists(p)) continue;
+    Tokenizer t;
+    t.pipeline_ = tok::load_pipeline(tok::sentencepiece_tokenizer_json(p.string(), dir), p.string());
+    return t;
   }
   HEADS_CHECK(fs::exists(d / "vocab.txt"), dir, ": no tokenizer: neither tokenizer.json nor vocab.txt");
   const nlohmann::json tc = models::read_json(d / "tokenizer_config.json", false);

@@ -405,6 +405,7 @@ def text_models(tmp_path_factory):
         m.save_pretrained(d, safe_serialization=True)
         tok.save_pretrained(d)
         out[name] = (m, tok, str(d))
+    out["llama_spm"] = llama_dir.with_name(llama_dir.name + "_spm") / "tokenizer.model"
     return out
 
 
@@ -516,3 +517,21 @@ def test_reduced_precision_weights(models, name):
     hf_err = (hf_bf16 - full).abs().max().item() / full.abs().max().item()
     bf = (heads.CausalLM.from_pretrained(d, dtype="bf16")(ids) - full).abs().max().item() / full.abs().max().item()
     assert bf <= 2 * hf_err + 1e-3, (bf, hf_err)
+
+
+def test_generation_from_a_directory_with_only_tokenizer_model(text_models, tmp_path):
+    """A Llama directory whose tokenizer is only its SentencePiece tokenizer.model: the prompt's ids are
+    transformers' for that directory, and the text out is the same as with the tokenizer.json."""
+    import shutil
+    m, tok, d = text_models["llama"]
+    d2 = tmp_path / "llama"
+    shutil.copytree(d, d2)
+    (d2 / "tokenizer.json").unlink()
+    shutil.copy(text_models["llama_spm"], d2 / "tokenizer.model")
+    ref = transformers.AutoTokenizer.from_pretrained(str(d2))
+    mine = heads.Tokenizer.from_directory(str(d2))
+    lm, lm2 = heads.CausalLM.from_pretrained(d), heads.CausalLM.from_pretrained(str(d2))
+    for prompt in PROMPTS:
+        assert mine.encode(prompt)["ids"] == ref(prompt)["input_ids"] == tok(prompt)["input_ids"], prompt
+        assert lm2.generate(prompt, 12) == lm.generate(prompt, 12), prompt
+

@@ -42,7 +42,8 @@ def _xlmr_tokenizer(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def xlmr_dirs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("xlmr")
-    tok = transformers.XLMRobertaTokenizerFast.from_pretrained(str(_xlmr_tokenizer(tmp)))
+    spm_dir = _xlmr_tokenizer(tmp)
+    tok = transformers.XLMRobertaTokenizerFast.from_pretrained(str(spm_dir))
     torch.manual_seed(0)
     cfg = transformers.XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, intermediate_size=96, max_position_embeddings=66,
@@ -54,7 +55,7 @@ def xlmr_dirs(tmp_path_factory):
     hf = tmp / "hf"
     model.save_pretrained(str(hf))
     tok.save_pretrained(str(hf))
-    out = {}
+    out = {"spm": spm_dir / "sentencepiece.bpe.model"}
     for name, mode, norm in (("mean", "mean", True), ("cls", "cls", False)):
         t = st.models.Transformer(str(hf), max_seq_length=64)
         mods = [t, st.models.Pooling(t.get_word_embedding_dimension(), pooling_mode=mode)]
@@ -91,6 +92,18 @@ def test_xlm_roberta_equals_sentence_transformers(xlmr_dirs, pooling):
         np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, rtol=1e-5)
 
 
+def test_xlm_roberta_with_only_its_sentencepiece_model(xlmr_dirs, tmp_path):
+    """An XLM-R directory whose tokenizer is only sentencepiece.bpe.model (as older snapshots ship):
+    the ids and embeddings of sentence-transformers, which converts the model through transformers."""
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(xlmr_dirs["mean"], d)
+    (d / "tokenizer.json").unlink()
+    shutil.copy(xlmr_dirs["spm"], d / "sentencepiece.bpe.model")
+    a = _equals_sentence_transformers(d, "xlm-roberta from sentencepiece.bpe.model")
+    np.testing.assert_array_equal(a, heads.SentenceEncoder(str(xlmr_dirs["mean"])).encode(TEXTS))
+
+
 def test_positions_past_the_table_are_an_error(xlmr_dirs, tmp_path):
     import shutil
     d = tmp_path / "m"
@@ -99,7 +112,7 @@ def test_positions_past_the_table_are_an_error(xlmr_dirs, tmp_path):
     enc = heads.SentenceEncoder(str(d))
     assert enc.max_seq_length == 64  # 66 positions, counted from pad_token_id + 1 = 2
     (d / "tokenizer.json").rename(d / "sentencepiece.bpe.model")
-    with pytest.raises(ValueError, match=r"only a SentencePiece sentencepiece\.bpe\.model"):
+    with pytest.raises(ValueError, match=r"sentencepiece\.bpe\.model: not a SentencePiece model"):
         heads.SentenceEncoder(str(d))
     (d / "sentencepiece.bpe.model").rename(d / "tokenizer.json")
     cfg = json.loads((d / "config.json").read_text())
