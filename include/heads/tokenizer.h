@@ -4,7 +4,8 @@
 //                       pre-tokenizers, WordPiece / BPE / Unigram / WordLevel models, post-processors,
 //                       decoders), or a BERT vocab.txt where the directory has only that, or a
 //                       SentencePiece .model alone, read as transformers reads it (the tokenizer.json
-//                       XLMRobertaTokenizer, T5Tokenizer or LlamaTokenizer builds from it).
+//                       that XLMRobertaTokenizer, CamembertTokenizer, T5Tokenizer or LlamaTokenizer
+//                       builds from it).
 //   WordPieceTokenizer  BERT WordPiece from vocab.txt (uncased or cased), described below.
 //
 // Pipeline, as tokenizers runs it: exact special tokens ([PAD] [UNK] [CLS] [SEP] [MASK]) are cut

@@ -195,7 +195,8 @@ Tokenizer = _heads.Tokenizer
 Tokenizer.__doc__ = """A model directory's tokenizer, giving the ids of Hugging Face's ``tokenizers``:
 ``Tokenizer.from_directory(dir)`` reads its ``tokenizer.json`` (WordPiece, BPE, Unigram or WordLevel with their
 normalizers, pre-tokenizers, post-processors and decoders) or, without one, a BERT ``vocab.txt`` or a
-SentencePiece ``.model`` (read as transformers' XLMRobertaTokenizer, T5Tokenizer or LlamaTokenizer builds it);
+SentencePiece ``.model`` (read as transformers' XLMRobertaTokenizer, CamembertTokenizer, T5Tokenizer or
+LlamaTokenizer builds it);
 ``Tokenizer.from_file(path)`` a ``tokenizer.json``. ``encode(text, max_length=0, add_special_tokens=True)`` and
 ``encode_pair(a, b, max_length=0)`` return ``{"ids", "type_ids", "truncated"}``; ``decode(ids,
 skip_special_tokens=True)`` the text."""

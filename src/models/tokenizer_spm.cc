@@ -1,8 +1,9 @@
 // tokenizer_spm.cc — a directory whose tokenizer is only a SentencePiece .model, read as transformers
 // reads it: the model's ModelProto (pieces, trainer and normaliser settings) turned into the
 // tokenizer.json that its tokenizer class builds from it (transformers 5: XLMRobertaTokenizer,
-// T5Tokenizer, LlamaTokenizer), which the tokenizer.json engine then runs. So the ids are those of
-// AutoTokenizer.from_pretrained(DIR), not of the sentencepiece library where the two differ.
+// CamembertTokenizer, T5Tokenizer, LlamaTokenizer), which the tokenizer.json engine then runs. So
+// the ids are those of AutoTokenizer.from_pretrained(DIR), not of the sentencepiece library where
+// the two differ.
 //
 // The .model file is untrusted input: the protobuf wire format is read with every length checked
 // against what is left, and an error names the file, the byte offset and the field.
@@ -165,8 +166,16 @@ std::string base64(std::string_view in) {
   return out;
 }
 
-json added_token(int64_t id, const std::string& content, bool special) {
-  return {{"id", id},         {"content", content}, {"single_word", false}, {"lstrip", false},
+struct Added {
+  std::string content;
+  bool special;
+  bool lstrip = false;
+};
+
+json added_token(int64_t id, const Added& a) {
+  const std::string& content = a.content;
+  const bool special = a.special;
+  return {{"id", id},         {"content", content}, {"single_word", false}, {"lstrip", a.lstrip},
           {"rstrip", false},  {"normalized", false}, {"special", special}};
 }
 
@@ -248,19 +257,21 @@ std::string sentencepiece_tokenizer_json(const std::string& model_file, const st
   if (cls.empty()) {  // AutoTokenizer's choice by model type
     const std::string type = models::json_string(models::read_json(cp, false), "model_type", "", cp);
     if (type == "xlm-roberta") cls = "XLMRobertaTokenizer";
+    if (type == "camembert") cls = "CamembertTokenizer";
     if (type == "t5" || type == "mt5") cls = "T5Tokenizer";
     HEADS_CHECK(!cls.empty(), model_file, ": which tokenizer a SentencePiece model is for comes from ", tcp.string(),
                 "'s tokenizer_class or ", cp.string(), "'s model_type; got neither (model_type \"", type,
-                "\"); known: XLMRobertaTokenizer, T5Tokenizer, LlamaTokenizer");
+                "\"); known: XLMRobertaTokenizer, CamembertTokenizer, T5Tokenizer, LlamaTokenizer");
   }
   const bool unigram = m.model_type == 1;
   json t = {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}};
   json model, normalizer = nullptr, pre, post, decoder;
-  std::vector<std::pair<std::string, bool>> added;  // (content, special), looked up in the vocabulary
+  std::vector<Added> added;  // looked up in the vocabulary by content
   std::vector<std::string> vocab_text;
   if (!m.charsmap.empty()) normalizer = {{"type", "Precompiled"}, {"precompiled_charsmap", base64(m.charsmap)}};
 
-  if (cls == "XLMRobertaTokenizer" || cls == "T5Tokenizer") {
+  const bool xlmr = cls == "XLMRobertaTokenizer", camembert = cls == "CamembertTokenizer";
+  if (xlmr || camembert || cls == "T5Tokenizer") {
     HEADS_CHECK(unigram, model_file, ": ", cls, " reads a unigram SentencePiece model; this one is BPE");
     json vocab = json::array();
     auto push = [&](const std::string& s, double score) {
@@ -270,15 +281,21 @@ std::string sentencepiece_tokenizer_json(const std::string& model_file, const st
     const bool prefix = flag(tc, "add_prefix_space", true, tcp);
     const std::string scheme = cls == "T5Tokenizer" || prefix ? "always" : "never";
     int64_t unk = 0;
-    if (cls == "XLMRobertaTokenizer") {  // fairseq's ids: 4 specials, the pieces past SentencePiece's 3, <mask>
+    if (xlmr || camembert) {
       const std::string bos = token_setting(tc, "bos_token", "<s>", tcp), pad = token_setting(tc, "pad_token", "<pad>", tcp),
                         eos = token_setting(tc, "eos_token", "</s>", tcp), unk_t = token_setting(tc, "unk_token", "<unk>", tcp),
                         mask = token_setting(tc, "mask_token", "<mask>", tcp);
-      for (const std::string* s : {&bos, &pad, &eos, &unk_t}) push(*s, 0.0);
-      for (size_t i = 3; i < m.pieces.size(); ++i) push(m.pieces[i].text, m.pieces[i].score);
+      if (xlmr) {  // fairseq's ids: 4 specials, the pieces past SentencePiece's 3, <mask>
+        for (const std::string* s : {&bos, &pad, &eos, &unk_t}) push(*s, 0.0);
+        for (size_t i = 3; i < m.pieces.size(); ++i) push(m.pieces[i].text, m.pieces[i].score);
+        unk = 3;
+      } else {  // CamemBERT's: 5 placeholders and specials, the pieces past SentencePiece's <unk>, <mask>
+        push("<s>NOTUSED", 0.0), push(pad, 0.0), push("</s>NOTUSED", 0.0), push(unk_t, 0.0), push("<unk>NOTUSED", -100.0);
+        for (size_t i = 1; i < m.pieces.size(); ++i) push(m.pieces[i].text, m.pieces[i].score);
+        unk = std::find(vocab_text.begin(), vocab_text.end(), unk_t) - vocab_text.begin();
+      }
       push(mask, 0.0);
-      unk = 3;
-      added = {{bos, true}, {pad, true}, {eos, true}, {unk_t, true}, {mask, true}};
+      added = {{bos, true}, {pad, true}, {eos, true}, {unk_t, true}, {mask, true, camembert}};
       post = {{"type", "TemplateProcessing"},
               {"single", json::array({special(bos), sequence("A"), special(eos)})},
               {"pair", json::array({special(bos), sequence("A"), special(eos), special(eos), sequence("B"), special(eos)})},
@@ -343,7 +360,7 @@ std::string sentencepiece_tokenizer_json(const std::string& model_file, const st
     post = {{"type", "TemplateProcessing"}, {"single", single}, {"pair", pair}, {"special_tokens", json::object()}};
   } else {
     fail(model_file, ": tokenizer_class \"", cls, "\" is not read from a SentencePiece model (XLMRobertaTokenizer, ",
-         "T5Tokenizer, LlamaTokenizer are); write its tokenizer.json once with transformers: "
+         "CamembertTokenizer, T5Tokenizer, LlamaTokenizer are); write its tokenizer.json once with transformers: "
          "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)");
   }
 
@@ -353,12 +370,12 @@ std::string sentencepiece_tokenizer_json(const std::string& model_file, const st
   int64_t next = static_cast<int64_t>(vocab_text.size());
   std::vector<std::pair<int64_t, json>> tokens;
   std::unordered_map<std::string, int64_t> added_id;
-  for (const auto& [content, is_special] : added) {
-    if (added_id.count(content)) continue;
-    const auto f = first.find(content);
+  for (const Added& a : added) {
+    if (added_id.count(a.content)) continue;
+    const auto f = first.find(a.content);
     const int64_t tid = f != first.end() ? f->second : next++;
-    added_id.emplace(content, tid);
-    tokens.emplace_back(tid, added_token(tid, content, is_special));
+    added_id.emplace(a.content, tid);
+    tokens.emplace_back(tid, added_token(tid, a));
   }
   std::stable_sort(tokens.begin(), tokens.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   json added_tokens = json::array();

@@ -149,8 +149,8 @@ struct Pipeline {
 std::shared_ptr<const Pipeline> load_pipeline(std::string_view json_text, const std::string& label);
 
 // The tokenizer.json that transformers builds for a directory `dir` whose tokenizer is only the
-// SentencePiece model `model_file` (tokenizer_spm.cc): XLMRobertaTokenizer, T5Tokenizer or
-// LlamaTokenizer, by tokenizer_config.json's tokenizer_class or config.json's model_type.
+// SentencePiece model `model_file` (tokenizer_spm.cc): XLMRobertaTokenizer, CamembertTokenizer,
+// T5Tokenizer or LlamaTokenizer, by tokenizer_config.json's tokenizer_class or config.json's model_type.
 std::string sentencepiece_tokenizer_json(const std::string& model_file, const std::string& dir);
 
 }  // namespace heads::tok

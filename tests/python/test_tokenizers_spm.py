@@ -1,7 +1,7 @@
 """Directories whose tokenizer is only a SentencePiece .model (no tokenizer.json): heads reads the model
 as transformers does (the tokenizer.json its tokenizer class builds from it), so ids, pairs, truncation
 and decoding equal AutoTokenizer.from_pretrained(DIR)'s. Models trained here: a unigram model in
-SentencePiece's default layout (XLM-RoBERTa's sentencepiece.bpe.model), one in T5's layout (<pad> 0,
+SentencePiece's default layout (XLM-RoBERTa's and CamemBERT's sentencepiece.bpe.model), one in T5's layout (<pad> 0,
 </s> 1, <unk> 2) and a BPE model with byte fallback (Llama's tokenizer.model); the class comes from
 tokenizer_config.json's tokenizer_class or config.json's model_type. Malformed models are clear errors.
 """
@@ -25,6 +25,7 @@ CASES = [
     ("xlmr-by-model-type", "sentencepiece.bpe.model", "unigram", None, {"model_type": "xlm-roberta"}),
     ("xlmr-no-prefix", "sentencepiece.bpe.model", "unigram",
      {"tokenizer_class": "XLMRobertaTokenizerFast", "add_prefix_space": False}, None),
+    ("camembert", "sentencepiece.bpe.model", "unigram", None, {"model_type": "camembert"}),
     ("t5", "spiece.model", "t5", None, {"model_type": "t5"}),
     ("t5-extra-ids", "spiece.model", "t5", {"tokenizer_class": "T5Tokenizer", "extra_ids": 10}, None),
     ("llama", "tokenizer.model", "bpe", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}, None),
