@@ -431,9 +431,13 @@ class GrpcFrontEnd : public FrontEnd {
     return port;
   }
 
+  void not_serving() override {
+    if (server_) server_->GetHealthCheckService()->SetServingStatus(false);
+  }
+
   void stop() override {
     if (!server_) return;
-    server_->GetHealthCheckService()->SetServingStatus(false);
+    not_serving();
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(static_cast<int64_t>(opt_.drain_seconds * 1000)));
     server_->Wait();

@@ -115,6 +115,7 @@ int run_server(const ServerOptions& o) {
   // Drain: health turns 503 / NOT_SERVING and new requests get UNAVAILABLE, while the front ends
   // finish the requests they hold (the batcher still runs them); then stop.
   log_json("draining", "{}");
+  if (grpc) grpc->not_serving();
   service.drain();
   if (grpc) grpc->stop();
   if (http) http->stop();

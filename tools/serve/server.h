@@ -37,12 +37,15 @@ void log_json(const std::string& event, const std::string& fields_json_object);
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool is_loopback(const std::string& host);
 
-// The front ends (http_api.cc, grpc_api.cc). start() binds and returns the port; stop() stops
-// taking connections and waits for the requests in flight.
+// The front ends (http_api.cc, grpc_api.cc). start() binds and returns the port; not_serving()
+// turns the front end's own health report to not serving (before the service drains, so that no
+// check sees the service draining and the front end still serving); stop() stops taking
+// connections and waits for the requests in flight.
 class FrontEnd {
  public:
   virtual ~FrontEnd() = default;
   virtual int start() = 0;
+  virtual void not_serving() {}
   virtual void stop() = 0;
 };
 std::unique_ptr<FrontEnd> make_http_front_end(Service* service, Metrics* metrics, const ServerOptions& options);
