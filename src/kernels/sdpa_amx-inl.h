@@ -9,8 +9,8 @@
 // (one configuration); tiles 0-3 accumulate a 32 x 32 block C[rt][ct] (tile 2·rt + ct), 4-5 hold A
 // (row tiles 0 and 1), 6-7 hold B (column tiles 0 and 1).
 //
-// One task = one (b, h) and kBQ = 32 query rows; keys in blocks of kBK = 128, online softmax per
-// block (FlashAttention-2 order, as sdpa_flash_fwd-inl.h):
+// One task = one (b, h) and kBQ = 32 query rows; keys in blocks of kBK = 128 (a "unit": one task's
+// block), online softmax per block (FlashAttention-2 order, as sdpa_flash_fwd-inl.h):
 //   S  [32][128] f32 = Q · Kᵀ      A = Q rows (packed [32][Dp] bf16, zero past Lq and D),
 //                                   B = K of the (b, kv head) packed by the thread: 16 keys x 32 dims
 //                                   a tile, dword (K[j][2p], K[j][2p+1]) at row p, column j.
@@ -18,23 +18,33 @@
 //                                   in registers); l and m in f32.
 //   O  [32][Dvp] f32 = O·alpha + P · V      A = P, B = V packed by the thread: 32 keys x 16 columns
 //                                   a tile, dword (V[2p][n], V[2p+1][n]) at row p.
+// A thread runs its units as a pipeline (Worker): while the vector units exponentiate unit u, the
+// tiles compute S of unit u + 1 and P · V of unit u - 1, their products handed out one by one
+// between the vectors of the softmax (TileStream, sdpa_amx_tiles-inl.h), so that the TMUL and the
+// AVX-512 units work side by side instead of in turn. S and P are kept twice; a task's Q, O, m and
+// l live in a slot of the thread's while its units are in flight (three tasks at most: units u - 1,
+// u and u + 1 may each belong to another, when tasks have a single block).
 // O lives in memory (f32, per thread) between blocks: loaded into the accumulators, P·V added, stored
 // back; rows whose max did not move (alpha = 1, most of them after the first blocks) are not rescaled.
 // q and k are exact bf16 inputs; the scale is applied in f32 to S; P is rounded to bf16 for its
 // product (as every bf16 attention kernel does), its row sum l is taken in f32 before rounding.
+// Rows of a block with nothing but the scale on their scores (no mask, window, modifier or dropout,
+// every key visible) take a shorter path: c·S - m in one FMA, exp2 through vscalefps (exp2_plain).
 // Masks, causal limits, the score modifiers (left windows, softcap, ALiBi / T5 biases, sinks, block
 // layouts), dropout, fully masked rows, non-finite values and the weights on request follow
 // sdpa_flash_fwd-inl.h exactly (the weights from a second sweep of S after the final lse).
 // Padding (keys past Lk, dims past D or Dv, query rows past Lq) is zero in the packed operands and
 // never reaches an output: padded keys are -inf in S, padded rows and columns are not stored.
-// Parallel: (b, h, query block) tasks, heaviest first under causal, handed out in runs of one head,
-// so that a thread packs the K and V it reads (into its own cache, as far as its tasks reach, once
-// per head): no packing pass, no barrier, no packed data crossing cores. One task per row block, so
-// results do not depend on the thread count.
+// Parallel: (b, h, query block) tasks, heaviest first under causal, handed out in runs of one head
+// from a shared counter, so that a thread packs the K and V it reads (into its own caches, one for
+// K and one for V, as far as its units reach, once per head): no packing pass, no barrier, no packed
+// data crossing cores. Each task is computed the same way whatever thread runs it and whatever runs
+// beside it in the pipeline, so results do not depend on the thread count.
 //
-// Files: the tile instructions (or the emulator's), the tile configuration, the tdpbf16ps block and
-// the packing of K and V are sdpa_amx_tiles-inl.h, included below; the backward's products on
-// tiles are sdpa_amx_bwd-inl.h.
+// Files: the tile instructions (or the emulator's), the tile configuration, the tdpbf16ps block,
+// the packing of K and V and the tile stream are sdpa_amx_tiles-inl.h, included below; the
+// softmax step, the rescale of O and a task's outputs are sdpa_amx_rows-inl.h; the backward's
+// products on tiles are sdpa_amx_bwd-inl.h.
 
 namespace amx {
 
@@ -44,36 +54,57 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #include "kernels/sdpa_amx_tiles-inl.h"
 
+// The task states a thread holds: units u - 1, u and u + 1 of its pipeline may belong to three
+// tasks, and a task without key blocks takes a fourth while it is finished, as soon as it is read.
+constexpr int kSlots = 4;
+
+HEADS_INLINE int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// One thread's memory: per slot a task's packed Q, O and row statistics; S and P twice (the unit
+// being exponentiated and the ones multiplied beside it); the packed K and V of one (b, kv head)
+// each, filled lazily as far as the thread's units reach.
 struct Scratch {
-  uint16_t* qp;  // [kBQ][Dp] bf16
-  float* s;      // [kBQ][kBK]
-  uint16_t* p;   // [kBQ][kBK] bf16
-  float* o;      // [kBQ][Dvp]
-  float* m;      // [kBQ] running max (log2 units)
-  float* l;      // [kBQ] running sum
-  float* alpha;  // [kBQ]
-  float* tmp;    // [16]
-  uint16_t* kv;  // the thread's packed K [Lkp][Dp] and V [Lkp][Dvp] of one (b, kv head), as tiles
-  int64_t* kv_state;  // {b, kv head, keys packed so far (a multiple of 32)}, owned by the thread
+  uint16_t* qp[kSlots];   // [kBQ][Dp] bf16
+  float* o[kSlots];       // [kBQ][Dvp]
+  float* m[kSlots];       // [kBQ] running max (log2 units)
+  float* l[kSlots];       // [kBQ] running sum
+  float* alpha[kSlots];   // [kBQ] the last block's rescale factors
+  float* s[2];            // [kBQ][kBK] raw scores
+  uint16_t* p[2];         // [kBQ][kBK] bf16
+  float* sw;              // [kBQ][kBK] scores of the weights' sweep
+  float* tmp;             // [16]
+  uint16_t* kc;           // packed K [Lkp][Dp] of (k_state[0], k_state[1]), keys [0, k_state[2])
+  uint16_t* vc;           // packed V [Lkp][Dvp] of (v_state[0], v_state[1]), keys [0, v_state[2])
+  int64_t* k_state;
+  int64_t* v_state;
+  static int64_t slot_floats(const Layout& lay) { return up16(kBQ * lay.Dp / 2) + kBQ * lay.Dvp + 3 * kBQ; }
   static int64_t floats(const Layout& lay) {
-    auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
-    return up(kBQ * lay.Dp / 2) + kBQ * kBK + kBQ * kBK / 2 + kBQ * lay.Dvp + 3 * kBQ + 16 +
-           (lay.k_elems + lay.v_elems) / 2;
+    return kSlots * slot_floats(lay) + 3 * kBQ * kBK + 2 * (kBQ * kBK / 2) + 16 + up16((lay.k_elems + 1) / 2) +
+           up16((lay.v_elems + 1) / 2);
   }
-  Scratch(float* base, const Layout& lay, int64_t* state) : kv_state(state) {
-    auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
-    qp = reinterpret_cast<uint16_t*>(base);
-    s = base + up(kBQ * lay.Dp / 2);
-    p = reinterpret_cast<uint16_t*>(s + kBQ * kBK);
-    o = s + kBQ * kBK + kBQ * kBK / 2;
-    m = o + kBQ * lay.Dvp;
-    l = m + kBQ;
-    alpha = l + kBQ;
-    tmp = alpha + kBQ;
-    kv = reinterpret_cast<uint16_t*>(tmp + 16);
+  Scratch(float* base, const Layout& lay, int64_t* state) : k_state(state), v_state(state + 4) {
+    for (int i = 0; i < kSlots; ++i) {
+      qp[i] = reinterpret_cast<uint16_t*>(base);
+      o[i] = base + up16(kBQ * lay.Dp / 2);
+      m[i] = o[i] + kBQ * lay.Dvp;
+      l[i] = m[i] + kBQ;
+      alpha[i] = l[i] + kBQ;
+      base += slot_floats(lay);
+    }
+    for (int i = 0; i < 2; ++i) {
+      s[i] = base;
+      base += kBQ * kBK;
+      p[i] = reinterpret_cast<uint16_t*>(base);
+      base += kBQ * kBK / 2;
+    }
+    sw = base;
+    tmp = sw + kBQ * kBK;
+    kc = reinterpret_cast<uint16_t*>(tmp + 16);
+    vc = kc + 2 * up16((lay.k_elems + 1) / 2);
   }
 };
 
+// One (b, h, block of kBQ query rows): where its inputs and outputs are, and its key blocks.
 struct Task {
   const SdpaProblem& pb;
   const Layout& lay;
@@ -83,47 +114,32 @@ struct Task {
   int64_t ks;
   const uint16_t* vh;  // V of (b, hk), row stride vs
   int64_t vs;
-  const uint16_t* kp;  // packed K of (b, hk): the thread's cache
-  const uint16_t* vp;  // packed V
+  const uint16_t* q;  // Q rows i0 .., stride qs
+  int64_t qs;
+  uint16_t* out;  // output rows i0 .., stride os
+  int64_t os;
+  float* lse;      // [nq]
+  float* weights;  // [nq][Lk] or null
+  int64_t jstart, jend;  // its key blocks start at jstart (a multiple of kBK) and end at jend
 };
 
-// Packs keys [0, jmax) of the task's (b, kv head) into the thread's cache, unless it holds them:
-// tasks of one head run back to back on a thread, so each thread packs what it reads, once.
-inline void ensure_packed(const Task& t, const Scratch& scr, int64_t jmax) {
-  int64_t* st = scr.kv_state;
-  if (st[0] != t.b || st[1] != t.hk) {
-    st[0] = t.b;
-    st[1] = t.hk;
-    st[2] = 0;
+// Packs keys [0, jmax) of the task's (b, kv head) into a cache (K or V) unless it holds them.
+template <typename Pack>
+inline void ensure_packed(const Task& t, int64_t* state, int64_t jmax, uint16_t* dst, Pack pack) {
+  if (state[0] != t.b || state[1] != t.hk) {
+    state[0] = t.b;
+    state[1] = t.hk;
+    state[2] = 0;
   }
-  for (; st[2] < jmax; st[2] += 32) {
-    pack_k_chunk(t.kh, t.ks, t.pb, t.lay, st[2] / 32, scr.kv);
-    pack_v_chunk(t.vh, t.vs, t.pb, t.lay, st[2] / 32, scr.kv + t.lay.k_elems);
-  }
+  for (; state[2] < jmax; state[2] += 32) pack(state[2] / 32, dst);
 }
-
-// S[0:32][0:nkp] = Q · K[j0 : j0 + nkp]ᵀ (raw products, f32), nkp a multiple of 32, j0 of 16.
-inline void scores_block(const Task& t, const Scratch& scr, int64_t j0, int64_t nkp) {
-  const int64_t Dp = t.lay.Dp, n_dc = t.lay.n_dc;
-  for (int64_t kk = 0; kk < nkp; kk += 32) {
-    HEADS_TILE_ZERO(0);
-    HEADS_TILE_ZERO(1);
-    HEADS_TILE_ZERO(2);
-    HEADS_TILE_ZERO(3);
-    const uint16_t* k0 = t.kp + ((j0 + kk) / 16) * n_dc * 512;
-    const uint16_t* k1 = k0 + n_dc * 512;
-    for (int64_t dc = 0; dc < n_dc; ++dc) {
-      HEADS_TILE_LOAD(4, scr.qp + 32 * dc, Dp * 2);
-      HEADS_TILE_LOAD(5, scr.qp + 16 * Dp + 32 * dc, Dp * 2);
-      HEADS_TILE_LOAD(6, k0 + dc * 512, 64);
-      HEADS_TILE_LOAD(7, k1 + dc * 512, 64);
-      dp_2x2();
-    }
-    HEADS_TILE_STORE(0, scr.s + kk, kBK * 4);
-    HEADS_TILE_STORE(1, scr.s + kk + 16, kBK * 4);
-    HEADS_TILE_STORE(2, scr.s + 16 * kBK + kk, kBK * 4);
-    HEADS_TILE_STORE(3, scr.s + 16 * kBK + kk + 16, kBK * 4);
-  }
+inline void ensure_k(const Task& t, const Scratch& scr, int64_t jmax) {
+  ensure_packed(t, scr.k_state, jmax, scr.kc,
+                [&](int64_t kc, uint16_t* d) { pack_k_chunk(t.kh, t.ks, t.pb, t.lay, kc, d); });
+}
+inline void ensure_v(const Task& t, const Scratch& scr, int64_t jmax) {
+  ensure_packed(t, scr.v_state, jmax, scr.vc,
+                [&](int64_t kc, uint16_t* d) { pack_v_chunk(t.vh, t.vs, t.pb, t.lay, kc, d); });
 }
 
 // Where row r's attn_mask entries for keys j0, j0 + 1, ... start, and their stride.
@@ -217,176 +233,209 @@ HEADS_INLINE int64_t row_limit(const Task& t, int64_t r, int64_t j0, int64_t nk)
   return std::clamp<int64_t>(t.pb.key_end(t.i0 + r) - j0, 0, nk);
 }
 
-inline void run_task(const Task& t, const Scratch& scr, const uint16_t* q, int64_t qs2, uint16_t* out,
-                     int64_t os2, float* lse, float* weights) {
-  const SdpaProblem& pb = t.pb;
-  const Layout& lay = t.lay;
-  const float c = static_cast<float>(pb.scale) * kLog2e;
-  const __m512 cv = _mm512_set1_ps(c);
-  // Q rows (zero past nq and D); P rows past nq stay zero for the whole task.
+
+// One block of up to kBK keys of a task: the pipeline's unit of work.
+struct Unit {
+  int slot = -1;  // -1: none
+  int64_t j0 = 0, nk = 0, nkp = 0;  // keys [j0, j0 + nk), nkp = nk rounded up to 32
+  bool first = false, last = false;  // the task's first and last block
+  explicit operator bool() const { return slot >= 0; }
+};
+
+// The S jobs of unit u (its raw scores into s) and the PV jobs of unit u (O += P · V from p).
+inline void add_scores(TileStream& ts, const Task& t, const Scratch& scr, int64_t j0, int64_t nkp,
+                       const uint16_t* qp, float* s) {
+  ts.qp = qp;
+  ts.kp = scr.kc;
+  ts.s = s;
+  ts.Dp = t.lay.Dp;
+  ts.n_dc = t.lay.n_dc;
+  ts.j0s = j0;
+  ts.s_jobs = nkp / 32;
+  ts.s_stride = kBK;
+}
+inline void add_products(TileStream& ts, const Task& t, const Scratch& scr, const Unit& u, const uint16_t* p) {
+  ts.p = p;
+  ts.vp = scr.vc;
+  ts.o = scr.o[u.slot];
+  ts.Dvp = t.lay.Dvp;
+  ts.n_ct = t.lay.n_ct;
+  ts.j0v = u.j0;
+  ts.v_keys = u.nkp / 32;
+  ts.v_jobs = t.lay.n_ct / 2;
+  ts.p_stride = kBK;
+  ts.o_from_zero = u.first;  // O is zero before the task's first block
+}
+
+// The task's Q rows packed (zero past nq and D) and its softmax started: a sink starts each row as
+// a key of logit sink with no value (m = sink, l = 1).
+inline void begin_task(const Task& t, const Scratch& scr, int slot) {
+  const int64_t Dp = t.lay.Dp;
   for (int64_t r = 0; r < kBQ; ++r) {
-    for (int64_t dc = 0; dc < lay.n_dc; ++dc) {
-      const __m512i x = r < t.nq ? _mm512_maskz_loadu_epi16(first_mask32(pb.D - 32 * dc), q + r * qs2 + 32 * dc)
+    for (int64_t dc = 0; dc < t.lay.n_dc; ++dc) {
+      const __m512i x = r < t.nq ? _mm512_maskz_loadu_epi16(first_mask32(t.pb.D - 32 * dc), t.q + r * t.qs + 32 * dc)
                                  : _mm512_setzero_si512();
-      _mm512_store_si512(scr.qp + r * lay.Dp + 32 * dc, x);
+      _mm512_store_si512(scr.qp[slot] + r * Dp + 32 * dc, x);
     }
-    if (r >= t.nq) {
-      for (int64_t kk = 0; kk < kBK; kk += 32) _mm512_store_si512(scr.p + r * kBK + kk, _mm512_setzero_si512());
-    }
-    // a sink starts the row's softmax as a key of logit sink with no value (m = sink, l = 1)
-    scr.m[r] = pb.sink_log2(t.h);
-    scr.l[r] = pb.sinks.defined() ? 1.0f : 0.0f;
-  }
-  const int64_t jend = pb.key_end(t.i0 + t.nq - 1);  // causal limit of the widest row
-  // Blocks left of the first row's window are skipped (the band's limits only grow with i).
-  const int64_t jstart = pb.key_begin(t.i0) / kBK * kBK;
-
-  for (int64_t j0 = jstart; j0 < jend; j0 += kBK) {
-    const int64_t nk = std::min(jend - j0, kBK), nkp = (nk + 31) / 32 * 32;
-    ensure_packed(t, scr, j0 + nkp);
-    scores_block(t, scr, j0, nkp);
-    bool rescale = false;
-    const int64_t n16 = nkp / 16;  // at most kBK / 16 = 8 vectors a row, kept in registers
-    for (int64_t r = 0; r < t.nq; ++r) {
-      const RowMask rm = row_mask(t, r, j0);
-      const int64_t lim = row_limit(t, r, j0, nk);
-      const float* sr = scr.s + r * kBK;
-      __m512 x[kBK / 16];
-      __m512 mxv = _mm512_set1_ps(kNegInf);
-#pragma GCC unroll 8
-      for (int64_t v = 0; v < kBK / 16; ++v) {
-        if (v < n16) {
-          x[v] = score16(t, rm, _mm512_load_ps(sr + 16 * v), t.i0 + r, j0, v, lim, cv, scr.tmp);
-          mxv = _mm512_max_ps(mxv, x[v]);  // a NaN lane may be skipped: it reaches l through 2^NaN
-        }
-      }
-      const float mx = _mm512_reduce_max_ps(mxv);
-      const float m_old = scr.m[r];
-      const float m_new = mx > m_old ? mx : m_old;
-      const float m_safe = m_new == kNegInf ? 0.0f : m_new;  // nothing visible yet: P = 0
-      const float alpha = std::exp2(m_old - m_safe);
-      const __m512 ms = _mm512_set1_ps(m_safe);
-      __m512 sum = _mm512_setzero_ps();
-      uint16_t* pr = scr.p + r * kBK;
-#pragma GCC unroll 4
-      for (int64_t w = 0; w < kBK / 32; ++w) {
-        if (2 * w < n16) {
-          __m512 p0 = exp2_nonpos(_mm512_sub_ps(x[2 * w], ms));
-          __m512 p1 = exp2_nonpos(_mm512_sub_ps(x[2 * w + 1], ms));
-          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-          if (pb.dropout_p > 0.0) {
-            // kept values as they are: 1 / (1 - p) joins 1 / l at the end (as the f32 tiles do)
-            p0 = drop16(t, scr, t.i0 + r, j0 + 32 * w, p0, 1.0f);
-            p1 = drop16(t, scr, t.i0 + r, j0 + 32 * w + 16, p1, 1.0f);
-          }
-          _mm512_store_si512(pr + 32 * w, to_bf16_2(p1, p0));
-        }
-      }
-      scr.l[r] = scr.l[r] * alpha + _mm512_reduce_add_ps(sum);
-      scr.m[r] = m_new;
-      scr.alpha[r] = alpha;
-      rescale = rescale || alpha != 1.0f;
-    }
-    // O = O · alpha (O is zero before the first block: its accumulators start from tilezero)
-    const bool first = j0 == jstart;
-    if (rescale && !first) {
-      for (int64_t r = 0; r < t.nq; ++r) {
-        if (scr.alpha[r] == 1.0f) continue;
-        const __m512 a = _mm512_set1_ps(scr.alpha[r]);
-        float* orow = scr.o + r * lay.Dvp;
-        for (int64_t d = 0; d < lay.Dvp; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(_mm512_load_ps(orow + d), a));
-      }
-    }
-    // O += P · V[j0 : j0 + nkp]
-    const int64_t ost = lay.Dvp * 4;
-    for (int64_t cp = 0; cp < lay.n_ct / 2; ++cp) {
-      float* o0 = scr.o + 32 * cp;
-      if (first) {
-        HEADS_TILE_ZERO(0);
-        HEADS_TILE_ZERO(1);
-        HEADS_TILE_ZERO(2);
-        HEADS_TILE_ZERO(3);
-      } else {
-        HEADS_TILE_LOAD(0, o0, ost);
-        HEADS_TILE_LOAD(1, o0 + 16, ost);
-        HEADS_TILE_LOAD(2, o0 + 16 * lay.Dvp, ost);
-        HEADS_TILE_LOAD(3, o0 + 16 * lay.Dvp + 16, ost);
-      }
-      for (int64_t kk = 0; kk < nkp; kk += 32) {
-        const uint16_t* vt = t.vp + (((j0 + kk) / 32) * lay.n_ct + 2 * cp) * 512;
-        HEADS_TILE_LOAD(4, scr.p + kk, kBK * 2);
-        HEADS_TILE_LOAD(5, scr.p + 16 * kBK + kk, kBK * 2);
-        HEADS_TILE_LOAD(6, vt, 64);
-        HEADS_TILE_LOAD(7, vt + 512, 64);
-        dp_2x2();
-      }
-      HEADS_TILE_STORE(0, o0, ost);
-      HEADS_TILE_STORE(1, o0 + 16, ost);
-      HEADS_TILE_STORE(2, o0 + 16 * lay.Dvp, ost);
-      HEADS_TILE_STORE(3, o0 + 16 * lay.Dvp + 16, ost);
-    }
-  }
-
-  // O / l (O · (1 / (1 - p)) / l under dropout), rounded to bf16; lse = ln 2 · (m + log2 l); a row
-  // with l = 0 saw no key: zeros, lse = -inf (with a sink, l >= 1: O is zero where no block ran).
-  const bool any_block = jstart < jend;
-  const float keep_scale = pb.dropout_p > 0.0 ? dropout_keep_scale(pb.dropout_p) : 1.0f;
-  for (int64_t r = 0; r < t.nq; ++r) {
-    const float lr = scr.l[r];
-    const __m512 inv = _mm512_set1_ps(lr != 0.0f ? keep_scale / lr : 0.0f);
-    const bool zero = lr == 0.0f || !any_block;  // zeros even where a V entry is NaN (0 · NaN in P · V)
-    const float* orow = scr.o + r * lay.Dvp;
-    uint16_t* dst = out + r * os2;
-    for (int64_t d = 0; d < pb.Dv; d += 16) {
-      const __m512 x = zero ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_load_ps(orow + d), inv);
-      _mm256_mask_storeu_epi16(dst + d, first_mask16(pb.Dv - d), to_bf16(x));
-    }
-    lse[r] = lr != 0.0f ? (scr.m[r] + std::log2(lr)) * kLn2 : kNegInf;
-  }
-
-  // Weights on request: w = 2^(score - log2-lse) over every key, dropped like P; rows that saw
-  // nothing get 0 (lse2 = +inf), NaN rows NaN.
-  if (weights == nullptr) return;
-  for (int64_t r = 0; r < t.nq; ++r) {
-    const float lr = scr.l[r];
-    scr.alpha[r] = lr != 0.0f ? scr.m[r] + std::log2(lr) : std::numeric_limits<float>::infinity();
-  }
-  for (int64_t j0 = 0; j0 < pb.Lk; j0 += kBK) {
-    const int64_t nk = std::min(pb.Lk - j0, kBK), nkp = (nk + 31) / 32 * 32;
-    const int64_t nv = std::max<int64_t>(0, std::min(nk, jend - j0));  // keys any row may see
-    if (nv > 0) {
-      ensure_packed(t, scr, j0 + (nv + 31) / 32 * 32);
-      scores_block(t, scr, j0, (nv + 31) / 32 * 32);
-    }
-    for (int64_t r = 0; r < t.nq; ++r) {
-      float* w = weights + r * pb.Lk + j0;
-      const __m512 ls = _mm512_set1_ps(scr.alpha[r]);
-      const float hidden = std::isnan(scr.alpha[r]) ? scr.alpha[r] : 0.0f;
-      const RowMask rm = row_mask(t, r, j0);
-      const int64_t lim = row_limit(t, r, j0, nv);
-      for (int64_t kk = 0; kk < nkp; kk += 16) {
-        __m512 x = _mm512_set1_ps(hidden);
-        if (kk < nv) {
-          x = score16(t, rm, _mm512_load_ps(scr.s + r * kBK + kk), t.i0 + r, j0, kk / 16, lim, cv, scr.tmp);
-          x = exp2_nonpos(_mm512_sub_ps(x, ls));
-          if (pb.dropout_p > 0.0) x = drop16(t, scr, t.i0 + r, j0 + kk, x, dropout_keep_scale(pb.dropout_p));
-        }
-        _mm512_mask_storeu_ps(w + kk, first_mask16(nk - kk), x);
-      }
-    }
+    scr.m[slot][r] = t.pb.sink_log2(t.h);
+    scr.l[slot][r] = t.pb.sinks.defined() ? 1.0f : 0.0f;
   }
 }
+
+#include "kernels/sdpa_amx_rows-inl.h"
+
+// The tensors of one call.
+struct Call {
+  const SdpaProblem& pb;
+  const Layout& lay;
+  const Tensor &q, &k, &v, &out;
+  float* lse;
+  float* weights;
+  int64_t n_qb, n_tasks, run;
+  std::atomic<int64_t>* next;  // the first task not yet handed out
+};
+
+// One thread's pipeline. Its units (a task's key blocks, tasks in runs handed out from a shared
+// counter) go through three steps: S = Q · Kᵀ on tiles, the softmax in AVX-512, O += P · V on
+// tiles. Phase u exponentiates unit u while the tiles compute S of unit u + 1 and P · V of unit
+// u - 1; the two tile jobs are spread between the rows of the softmax (TileStream), so the
+// TMUL and the vector units run side by side. Then the task of unit u - 1 is finished if that was
+// its last block, and O of unit u's task is rescaled by u's alpha (unit u - 1, if of that task,
+// has been added). Every task is computed the same way whatever the thread or its neighbours.
+class Worker {
+ public:
+  Worker(const Call& call, const Scratch& scr) : c_(call), scr_(scr) {}
+
+  void run() {
+    Unit prev, cur = fetch();
+    if (!cur) return;
+    {
+      ensure_k(task(cur), scr_, cur.j0 + cur.nkp);
+      TileStream ts;
+      add_scores(ts, task(cur), scr_, cur.j0, cur.nkp, scr_.qp[cur.slot], scr_.s[0]);
+      ts.finish();
+    }
+    int cb = 0;  // unit u's S and P are s[u % 2] and p[u % 2]
+    while (cur) {
+      const Unit next = fetch();
+      TileStream ts;
+      if (next) {
+        ensure_k(task(next), scr_, next.j0 + next.nkp);
+        add_scores(ts, task(next), scr_, next.j0, next.nkp, scr_.qp[next.slot], scr_.s[1 - cb]);
+      }
+      if (prev) {
+        ensure_v(task(prev), scr_, prev.j0 + prev.nkp);
+        add_products(ts, task(prev), scr_, prev, scr_.p[1 - cb]);
+      }
+      const bool rescale = softmax_unit(task(cur), scr_, cur, scr_.s[cb], scr_.p[cb], ts);
+      if (prev && prev.last) finish(prev.slot);
+      if (!cur.first && rescale) rescale_o(task(cur), scr_, cur.slot);
+      prev = cur;
+      cur = next;
+      cb ^= 1;
+    }
+    TileStream ts;
+    ensure_v(task(prev), scr_, prev.j0 + prev.nkp);
+    add_products(ts, task(prev), scr_, prev, scr_.p[1 - cb]);
+    ts.finish();
+    finish(prev.slot);  // the thread's last unit is its task's last
+  }
+
+ private:
+  const Task& task(const Unit& u) const { return *slots_[u.slot]; }
+
+  // The next task handed to this thread (-1: none left): runs of c_.run tasks from the counter.
+  int64_t next_task() {
+    if (run_next_ == run_end_) {
+      run_next_ = c_.next->fetch_add(c_.run, std::memory_order_relaxed);
+      run_end_ = std::min(run_next_ + c_.run, c_.n_tasks);
+      if (run_next_ >= c_.n_tasks) {
+        run_next_ = run_end_ = 0;
+        return -1;
+      }
+    }
+    return run_next_++;
+  }
+
+  // Describes task `id` in `slot` and begins it.
+  void describe(int64_t id, int slot) {
+    const SdpaProblem& pb = c_.pb;
+    const int64_t n_qb = c_.n_qb, bh = id / n_qb, b = bh / pb.H, h = bh % pb.H;
+    const int64_t qb = pb.causal ? n_qb - 1 - id % n_qb : id % n_qb;  // heaviest first
+    const int64_t i0 = qb * kBQ, nq = std::min(pb.Lq - i0, kBQ), hk = h / pb.group();
+    const Tensor &q = c_.q, &k = c_.k, &v = c_.v, &out = c_.out;
+    slots_[slot].emplace(Task{pb, c_.lay, b, h, hk, i0, nq, pb.has_left || pb.mods.any(),
+                              static_cast<const uint16_t*>(k.raw_data()) + b * k.stride(0) + hk * k.stride(1), k.stride(2),
+                              static_cast<const uint16_t*>(v.raw_data()) + b * v.stride(0) + hk * v.stride(1), v.stride(2),
+                              static_cast<const uint16_t*>(q.raw_data()) + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2),
+                              q.stride(2),
+                              static_cast<uint16_t*>(out.raw_data()) + b * out.stride(0) + h * out.stride(1) + i0 * out.stride(2),
+                              out.stride(2), c_.lse + (b * pb.H + h) * pb.Lq + i0,
+                              c_.weights ? c_.weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr,
+                              // blocks left of the first row's window are skipped (the band's limits grow with i)
+                              pb.key_begin(i0) / kBK * kBK, pb.key_end(i0 + nq - 1)});
+    begin_task(*slots_[slot], scr_, slot);
+  }
+
+  // A free task slot (there is always one: kSlots bounds the tasks in flight).
+  int take_slot() {
+    for (int i = 0; i < kSlots; ++i) {
+      if (!slots_[i]) return i;
+    }
+    HEADS_CHECK(false, "sdpa (amx): no free task slot");
+    return -1;
+  }
+  void finish(int slot) {
+    finish_task(*slots_[slot], scr_, slot);
+    slots_[slot].reset();
+  }
+
+  // The next unit: the current task's next key block, else the first of the next task with any
+  // (tasks without one are finished here); none when the thread's tasks are done.
+  Unit fetch() {
+    for (;;) {
+      if (cur_slot_ >= 0) {
+        const Task& t = *slots_[cur_slot_];
+        if (cur_j0_ < t.jend) {
+          Unit u;
+          u.slot = cur_slot_;
+          u.j0 = cur_j0_;
+          u.nk = std::min(t.jend - cur_j0_, kBK);
+          u.nkp = (u.nk + 31) / 32 * 32;
+          u.first = cur_j0_ == t.jstart;
+          cur_j0_ += kBK;
+          u.last = cur_j0_ >= t.jend;
+          return u;
+        }
+        cur_slot_ = -1;
+      }
+      const int64_t id = next_task();
+      if (id < 0) return Unit{};
+      const int64_t bh = id / c_.n_qb;
+      if (!c_.pb.head_on(bh / c_.pb.H, bh % c_.pb.H)) continue;  // a head turned off: cleared by the caller
+      const int slot = take_slot();
+      describe(id, slot);
+      if (slots_[slot]->jstart >= slots_[slot]->jend) {
+        finish(slot);  // no key block: finished now
+        continue;
+      }
+      cur_slot_ = slot;
+      cur_j0_ = slots_[slot]->jstart;
+    }
+  }
+
+  const Call& c_;
+  const Scratch& scr_;
+  std::optional<Task> slots_[kSlots];
+  int cur_slot_ = -1;  // the task whose blocks fetch hands out
+  int64_t cur_j0_ = 0;
+  int64_t run_next_ = 0, run_end_ = 0;
+};
 
 inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                      const Tensor& lse, const Tensor& weights) {
   if (pb.B == 0 || pb.H == 0 || pb.Lq == 0 || pb.Lk == 0) return;
   const Layout lay(pb);
-  const auto* qp = static_cast<const uint16_t*>(q.raw_data());
-  const auto* kb = static_cast<const uint16_t*>(k.raw_data());
-  const auto* vb = static_cast<const uint16_t*>(v.raw_data());
-  auto* op = static_cast<uint16_t*>(out.raw_data());
-  float* lp = lse.data<float>();
-  float* wp = weights.defined() ? weights.data<float>() : nullptr;
   const int64_t n_qb = (pb.Lq + kBQ - 1) / kBQ;
   const int64_t n_tasks = pb.B * pb.H * n_qb;
   const double flops = 2.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
@@ -398,26 +447,16 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
   const int64_t per = (Scratch::floats(lay) + 15) / 16 * 16;
   float* arena = thread_scratch(per * n_threads);
   std::vector<int64_t> kv_state(static_cast<size_t>(16 * n_threads), -1);  // a cache line per thread
+  std::atomic<int64_t> next{0};
+  const Call call{pb, lay, q, k, v, out, lse.data<float>(), weights.defined() ? weights.data<float>() : nullptr,
+                  n_qb, n_tasks, run, &next};
 
 #pragma omp parallel num_threads(n_threads)
   {
     const int tid = omp_get_thread_num();
     const Scratch scr(arena + per * tid, lay, kv_state.data() + 16 * tid);
     configure_tiles();
-#pragma omp for schedule(dynamic, run)
-    for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t bh = task / n_qb, b = bh / pb.H, h = bh % pb.H;
-      if (!pb.head_on(b, h)) continue;  // a head turned off: cleared by the caller
-      const int64_t qb = pb.causal ? n_qb - 1 - task % n_qb : task % n_qb;  // heaviest first
-      const int64_t i0 = qb * kBQ, hk = h / pb.group();
-      const Task t{pb, lay, b, h, hk, i0, std::min(pb.Lq - i0, kBQ),
-                   pb.has_left || pb.mods.any(),
-                   kb + b * k.stride(0) + hk * k.stride(1), k.stride(2),
-                   vb + b * v.stride(0) + hk * v.stride(1), v.stride(2), scr.kv, scr.kv + lay.k_elems};
-      run_task(t, scr, qp + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2), q.stride(2),
-               op + b * out.stride(0) + h * out.stride(1) + i0 * out.stride(2), out.stride(2),
-               lp + (b * pb.H + h) * pb.Lq + i0, wp ? wp + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr);
-    }
+    Worker(call, scr).run();
     HEADS_TILE_RELEASE();
   }
 }

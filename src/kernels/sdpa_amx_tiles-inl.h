@@ -76,6 +76,25 @@ HEADS_INLINE __m512 exp2_nonpos(__m512 x) {
   return _mm512_mask_mov_ps(r, nan, x_in);  // a NaN's payload bits would have reached the exponent
 }
 
+// 2^x for the rows without masks or score modifiers (softmax_unit's plain rows), in 11 vector
+// operations where exp2_nonpos takes 15: x clamped at -125 (so 2^x stays a normal number: an
+// underflowed weight is about 2^-125 instead of 0, far below anything a bf16 P or an f32 row sum
+// can hold beside the row's largest weight of 1), the exponent applied by vscalefps, which keeps
+// NaN (and the clamp keeps it too: max_ps returns its second operand for NaN).
+HEADS_INLINE __m512 exp2_plain(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);  // round(x)
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2C5);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 #include "kernels/simd/bf16_round_avx512-inl.h"
 
 HEADS_INLINE __mmask32 first_mask32(int64_t n) {
@@ -136,3 +155,117 @@ inline void pack_v_chunk(const uint16_t* vh, int64_t vs, const SdpaProblem& pb, 
     }
   }
 }
+
+// The tile work of one phase of the forward's pipeline (sdpa_amx-inl.h), as a stream of single
+// tdpbf16ps (an "op"; four make the 32 x 32 block of a step, whose operands the first one loads),
+// so that the caller can spread them between the vectors of its softmax: the tile unit then
+// multiplies while the vector units exponentiate. (Measured on a Xeon with AMX: a tile product and
+// the vector work between two of them overlap while that work is short; handing the tiles whole
+// steps of four products between rows of the softmax overlapped far less.)
+//   S jobs:  S[0:32][32 kk, 32 kk + 32) = Q · K[j0s + 32 kk ...]ᵀ, a job per 32 keys, a step per 32
+//            dims (n_dc steps), C from tilezero, stored to s (row stride s_stride floats).
+//   PV jobs: O[0:32][32 cp, 32 cp + 32) += P · V[j0v ...], a job per 32 output columns, a step per
+//            32 keys, C loaded from O (or tilezero for the task's first block), stored back.
+// A job holds the accumulator tiles 0-3 from its first step to its last; nothing else touches tiles
+// between ops, so vector code may run anywhere between them.
+struct TileStream {
+  // S part (s_jobs = 0: none)
+  const uint16_t* qp = nullptr;  // [32][Dp] bf16
+  const uint16_t* kp = nullptr;  // packed K of the head (tiles of 16 keys x 32 dims)
+  float* s = nullptr;            // [32][s_stride]
+  int64_t Dp = 0, n_dc = 0, j0s = 0, s_jobs = 0, s_stride = 0;
+  // PV part (v_jobs = 0: none)
+  const uint16_t* p = nullptr;  // [32][p_stride] bf16
+  const uint16_t* vp = nullptr;  // packed V of the head (tiles of 32 keys x 16 columns)
+  float* o = nullptr;            // [32][Dvp]
+  int64_t Dvp = 0, n_ct = 0, j0v = 0, v_keys = 0, v_jobs = 0, p_stride = 0;  // v_keys: keys / 32 a job
+  bool o_from_zero = false;
+  int64_t done = 0;          // ops issued
+  int64_t job = 0, sub = 0;  // the current step: job (kk of S, then cp of PV) and step within it
+
+  int64_t total() const { return 4 * (s_jobs * n_dc + v_jobs * v_keys); }
+
+  // The next op: tdpbf16ps number done % 4 of the current step.
+  HEADS_INLINE void op() {
+    switch (done++ % 4) {
+      case 0:
+        load_step();
+        HEADS_TILE_DP(0, 4, 6);
+        return;
+      case 1:
+        HEADS_TILE_DP(1, 4, 7);
+        return;
+      case 2:
+        HEADS_TILE_DP(2, 5, 6);
+        return;
+      default:
+        HEADS_TILE_DP(3, 5, 7);
+        end_step();
+    }
+  }
+  // Ops until `target` of them are done (at most total()).
+  HEADS_INLINE void advance_to(int64_t target) {
+    while (done < target) op();
+  }
+  void finish() { advance_to(total()); }
+
+ private:
+  // The step's operands into tiles 4-7 (and, at a job's first step, its accumulators into 0-3).
+  HEADS_INLINE void load_step() {
+    if (job < s_jobs) {
+      const int64_t kk = job, dc = sub;
+      if (dc == 0) {
+        HEADS_TILE_ZERO(0);
+        HEADS_TILE_ZERO(1);
+        HEADS_TILE_ZERO(2);
+        HEADS_TILE_ZERO(3);
+      }
+      const uint16_t* k0 = kp + ((j0s + 32 * kk) / 16 * n_dc + dc) * 512;
+      HEADS_TILE_LOAD(4, qp + 32 * dc, Dp * 2);
+      HEADS_TILE_LOAD(5, qp + 16 * Dp + 32 * dc, Dp * 2);
+      HEADS_TILE_LOAD(6, k0, 64);
+      HEADS_TILE_LOAD(7, k0 + n_dc * 512, 64);
+      return;
+    }
+    const int64_t cp = job - s_jobs, kk = sub;
+    if (kk == 0) {
+      float* o0 = o + 32 * cp;
+      if (o_from_zero) {
+        HEADS_TILE_ZERO(0);
+        HEADS_TILE_ZERO(1);
+        HEADS_TILE_ZERO(2);
+        HEADS_TILE_ZERO(3);
+      } else {
+        HEADS_TILE_LOAD(0, o0, Dvp * 4);
+        HEADS_TILE_LOAD(1, o0 + 16, Dvp * 4);
+        HEADS_TILE_LOAD(2, o0 + 16 * Dvp, Dvp * 4);
+        HEADS_TILE_LOAD(3, o0 + 16 * Dvp + 16, Dvp * 4);
+      }
+    }
+    const uint16_t* vt = vp + ((j0v / 32 + kk) * n_ct + 2 * cp) * 512;
+    HEADS_TILE_LOAD(4, p + 32 * kk, p_stride * 2);
+    HEADS_TILE_LOAD(5, p + 16 * p_stride + 32 * kk, p_stride * 2);
+    HEADS_TILE_LOAD(6, vt, 64);
+    HEADS_TILE_LOAD(7, vt + 512, 64);
+  }
+  // After a step's fourth product: at a job's last step, its accumulators stored.
+  HEADS_INLINE void end_step() {
+    if (job < s_jobs) {
+      if (++sub < n_dc) return;
+      float* d = s + 32 * job;
+      HEADS_TILE_STORE(0, d, s_stride * 4);
+      HEADS_TILE_STORE(1, d + 16, s_stride * 4);
+      HEADS_TILE_STORE(2, d + 16 * s_stride, s_stride * 4);
+      HEADS_TILE_STORE(3, d + 16 * s_stride + 16, s_stride * 4);
+    } else {
+      if (++sub < v_keys) return;
+      float* o0 = o + 32 * (job - s_jobs);
+      HEADS_TILE_STORE(0, o0, Dvp * 4);
+      HEADS_TILE_STORE(1, o0 + 16, Dvp * 4);
+      HEADS_TILE_STORE(2, o0 + 16 * Dvp, Dvp * 4);
+      HEADS_TILE_STORE(3, o0 + 16 * Dvp + 16, Dvp * 4);
+    }
+    sub = 0;
+    ++job;
+  }
+};
