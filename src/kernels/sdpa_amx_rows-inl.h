@@ -19,10 +19,11 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
   }
   const int64_t total = ts.total();
   const int64_t n16 = u.nkp / 16;  // at most kBK / 16 = 8 vectors a row, kept in registers
+  const int64_t n32 = n16 / 2;
   // Plain rows: nothing but the scale between the products and the softmax, every key of the
   // block visible and a positive scale (so max(c · s) = c · max(s)): the scores stay raw and the
   // scale joins the exponent's argument in one FMA.
-  const bool plain_block = !t.mods && !pb.mods.masked() && pb.dropout_p == 0.0 && pb.scale > 0.0 && u.nk == kBK;
+  const bool plain_block = !t.mods && !pb.mods.masked() && pb.dropout_p == 0.0 && pb.scale > 0.0 && u.nk == u.nkp;
   bool rescale = false;
   for (int64_t r = 0; r < t.nq; ++r) {
     const float* sr = s + r * kBK;
@@ -30,13 +31,15 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
     const float m_old = m[r];
     float m_new, alpha;
     __m512 sum = _mm512_setzero_ps();
-    if (plain_block && row_limit(t, r, u.j0, u.nk) == kBK) {
+    if (plain_block && row_limit(t, r, u.j0, u.nk) == u.nk) {
       __m512 x[kBK / 16];
       __m512 mxv = _mm512_set1_ps(kNegInf);
 #pragma GCC unroll 8
       for (int64_t v = 0; v < kBK / 16; ++v) {
-        x[v] = _mm512_load_ps(sr + 16 * v);
-        mxv = _mm512_max_ps(mxv, x[v]);
+        if (v < n16) {
+          x[v] = _mm512_load_ps(sr + 16 * v);
+          mxv = _mm512_max_ps(mxv, x[v]);
+        }
       }
       const float mx = _mm512_reduce_max_ps(mxv) * _mm512_cvtss_f32(cv);
       m_new = mx > m_old ? mx : m_old;
@@ -45,11 +48,13 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
       const __m512 neg_m = _mm512_set1_ps(-m_safe);
 #pragma GCC unroll 4
       for (int64_t w = 0; w < kBK / 32; ++w) {
-        const __m512 p0 = exp2_plain(_mm512_fmadd_ps(x[2 * w], cv, neg_m));
-        const __m512 p1 = exp2_plain(_mm512_fmadd_ps(x[2 * w + 1], cv, neg_m));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        _mm512_store_si512(pr + 32 * w, to_bf16_2(p1, p0));
-        ts.advance_to((4 * r + w + 1) * total / (4 * t.nq));
+        if (2 * w < n16) {
+          const __m512 p0 = exp2_plain(_mm512_fmadd_ps(x[2 * w], cv, neg_m));
+          const __m512 p1 = exp2_plain(_mm512_fmadd_ps(x[2 * w + 1], cv, neg_m));
+          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          _mm512_store_si512(pr + 32 * w, to_bf16_2(p1, p0));
+          ts.advance_to((r * n32 + w + 1) * total / (t.nq * n32));
+        }
       }
     } else {
       const RowMask rm = row_mask(t, r, u.j0);

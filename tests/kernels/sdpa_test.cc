@@ -236,8 +236,9 @@ TEST(Sdpa, NonFiniteInputsReachTheRowsTheyTouch) {
     for (int64_t d = 0; d < out.size(3); ++d) all = all && std::isfinite(out.item_as_double({0, h, i, d}));
     return all;
   };
-  // Lq = 3: the decode path (Lk = 1300: keys split in chunks); Lq = 40: the tiled path.
-  for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{3, 70}, {3, 1300}, {40, 70}, {40, 300}}) {
+  // Lq = 3: the decode path (Lk = 1300: keys split in chunks); Lq = 40: the tiled path (Lk = 256:
+  // the poisoned key in a whole block of 128 keys, which the AMX kernel's plain rows take).
+  for (auto [Lq, Lk] : {std::pair<int64_t, int64_t>{3, 70}, {3, 1300}, {40, 70}, {40, 300}, {40, 256}}) {
     const int64_t nk = Lk - 5;  // the poisoned key
     const std::vector<testing::KernelPath> paths = testing::kernel_paths();
     for (const testing::KernelPath& path : paths) {
