@@ -116,6 +116,10 @@ struct Task {
   int64_t vs;
   const uint16_t* q;  // Q rows i0 .., stride qs
   int64_t qs;
+  // Q as the tiles read it: the rows themselves where D is whole 32-value tiles and the task has
+  // kBQ rows, else the slot's packed copy (zero past nq and D); row stride qa_stride.
+  const uint16_t* qa;
+  int64_t qa_stride;
   uint16_t* out;  // output rows i0 .., stride os
   int64_t os;
   float* lse;      // [nq]
@@ -244,11 +248,11 @@ struct Unit {
 
 // The S jobs of unit u (its raw scores into s) and the PV jobs of unit u (O += P · V from p).
 inline void add_scores(TileStream& ts, const Task& t, const Scratch& scr, int64_t j0, int64_t nkp,
-                       const uint16_t* qp, float* s) {
-  ts.qp = qp;
+                       float* s) {
+  ts.qp = t.qa;
   ts.kp = scr.kc;
   ts.s = s;
-  ts.Dp = t.lay.Dp;
+  ts.Dp = t.qa_stride;
   ts.n_dc = t.lay.n_dc;
   ts.j0s = j0;
   ts.s_jobs = nkp / 32;
@@ -267,12 +271,15 @@ inline void add_products(TileStream& ts, const Task& t, const Scratch& scr, cons
   ts.o_from_zero = u.first;  // O is zero before the task's first block
 }
 
-// The task's Q rows packed (zero past nq and D) and its softmax started: a sink starts each row as
-// a key of logit sink with no value (m = sink, l = 1).
+// Whether the tiles read the task's Q rows where they are (no padding needed).
+inline bool q_in_place(const SdpaProblem& pb, int64_t nq) { return pb.D % 32 == 0 && nq == kBQ; }
+
+// The task's Q rows packed where the tiles need them so (zero past nq and D) and its softmax
+// started: a sink starts each row as a key of logit sink with no value (m = sink, l = 1).
 inline void begin_task(const Task& t, const Scratch& scr, int slot) {
   const int64_t Dp = t.lay.Dp;
   for (int64_t r = 0; r < kBQ; ++r) {
-    for (int64_t dc = 0; dc < t.lay.n_dc; ++dc) {
+    for (int64_t dc = 0; dc < t.lay.n_dc && t.qa == scr.qp[slot]; ++dc) {
       const __m512i x = r < t.nq ? _mm512_maskz_loadu_epi16(first_mask32(t.pb.D - 32 * dc), t.q + r * t.qs + 32 * dc)
                                  : _mm512_setzero_si512();
       _mm512_store_si512(scr.qp[slot] + r * Dp + 32 * dc, x);
@@ -312,7 +319,7 @@ class Worker {
     {
       ensure_k(task(cur), scr_, cur.j0 + cur.nkp);
       TileStream ts;
-      add_scores(ts, task(cur), scr_, cur.j0, cur.nkp, scr_.qp[cur.slot], scr_.s[0]);
+      add_scores(ts, task(cur), scr_, cur.j0, cur.nkp, scr_.s[0]);
       ts.finish();
     }
     int cb = 0;  // unit u's S and P are s[u % 2] and p[u % 2]
@@ -321,7 +328,7 @@ class Worker {
       TileStream ts;
       if (next) {
         ensure_k(task(next), scr_, next.j0 + next.nkp);
-        add_scores(ts, task(next), scr_, next.j0, next.nkp, scr_.qp[next.slot], scr_.s[1 - cb]);
+        add_scores(ts, task(next), scr_, next.j0, next.nkp, scr_.s[1 - cb]);
       }
       if (prev) {
         ensure_v(task(prev), scr_, prev.j0 + prev.nkp);
@@ -364,11 +371,12 @@ class Worker {
     const int64_t qb = pb.causal ? n_qb - 1 - id % n_qb : id % n_qb;  // heaviest first
     const int64_t i0 = qb * kBQ, nq = std::min(pb.Lq - i0, kBQ), hk = h / pb.group();
     const Tensor &q = c_.q, &k = c_.k, &v = c_.v, &out = c_.out;
+    const uint16_t* qrows = static_cast<const uint16_t*>(q.raw_data()) + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2);
     slots_[slot].emplace(Task{pb, c_.lay, b, h, hk, i0, nq, pb.has_left || pb.mods.any(),
                               static_cast<const uint16_t*>(k.raw_data()) + b * k.stride(0) + hk * k.stride(1), k.stride(2),
                               static_cast<const uint16_t*>(v.raw_data()) + b * v.stride(0) + hk * v.stride(1), v.stride(2),
-                              static_cast<const uint16_t*>(q.raw_data()) + b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2),
-                              q.stride(2),
+                              qrows, q.stride(2), q_in_place(pb, nq) ? qrows : scr_.qp[slot],
+                              q_in_place(pb, nq) ? q.stride(2) : c_.lay.Dp,
                               static_cast<uint16_t*>(out.raw_data()) + b * out.stride(0) + h * out.stride(1) + i0 * out.stride(2),
                               out.stride(2), c_.lse + (b * pb.H + h) * pb.Lq + i0,
                               c_.weights ? c_.weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr,

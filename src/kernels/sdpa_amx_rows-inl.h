@@ -142,7 +142,7 @@ inline void finish_task(const Task& t, const Scratch& scr, int slot) {
     if (nv > 0) {
       ensure_k(t, scr, j0 + (nv + 31) / 32 * 32);
       TileStream ts;
-      add_scores(ts, t, scr, j0, (nv + 31) / 32 * 32, scr.qp[slot], scr.sw);
+      add_scores(ts, t, scr, j0, (nv + 31) / 32 * 32, scr.sw);
       ts.finish();
     }
     for (int64_t r = 0; r < t.nq; ++r) {

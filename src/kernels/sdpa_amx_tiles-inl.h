@@ -170,10 +170,10 @@ inline void pack_v_chunk(const uint16_t* vh, int64_t vs, const SdpaProblem& pb, 
 // between ops, so vector code may run anywhere between them.
 struct TileStream {
   // S part (s_jobs = 0: none)
-  const uint16_t* qp = nullptr;  // [32][Dp] bf16
+  const uint16_t* qp = nullptr;  // [32][D] bf16, row stride Dp elements
   const uint16_t* kp = nullptr;  // packed K of the head (tiles of 16 keys x 32 dims)
   float* s = nullptr;            // [32][s_stride]
-  int64_t Dp = 0, n_dc = 0, j0s = 0, s_jobs = 0, s_stride = 0;
+  int64_t Dp = 0, n_dc = 0, j0s = 0, s_jobs = 0, s_stride = 0;  // Dp: Q's row stride
   // PV part (v_jobs = 0: none)
   const uint16_t* p = nullptr;  // [32][p_stride] bf16
   const uint16_t* vp = nullptr;  // packed V of the head (tiles of 32 keys x 16 columns)
