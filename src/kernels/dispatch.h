@@ -123,6 +123,8 @@ struct KernelTable {
   void (*layer_norm_f32)(const float* x, const float* res, float* y, int64_t rows, int64_t n,
                          int64_t xs, int64_t ys, const float* w, const float* b, float eps);
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
+  // y = bf16(x) (f32_to_bf16's rounding), rows of n values, row strides xs / ys.
+  void (*f32_to_bf16_rows)(const float* x, uint16_t* y, int64_t rows, int64_t n, int64_t xs, int64_t ys);
   // dx = dy · act'(x), n values; act 0 ReLU, 1 GELU (erf), 2 GELU (tanh form).
   void (*activation_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n, int act);
   // Rows of x (times c per column, when given) as an asymmetric 8-bit term q [rows, n] (unsigned) with

@@ -86,6 +86,17 @@ inline void relu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t 
   ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::relu(v); });
 }
 
+// y = bf16(x), rows of n values: f32_to_bf16's rounding (to nearest even, a NaN quieted, denormals
+// rounded as they are) on every lane; the loop is plain integer arithmetic the compiler vectorizes
+// for the ISA build.
+inline void f32_to_bf16_rows(const float* x, uint16_t* y, int64_t rows, int64_t n, int64_t xs, int64_t ys) {
+  ew::for_rows(rows, n, 16384, [&](int64_t r) {
+    const float* xr = x + r * xs;
+    uint16_t* yr = y + r * ys;
+    for (int64_t i = 0; i < n; ++i) yr[i] = f32_to_bf16(xr[i]);
+  });
+}
+
 // x + 1 for x >= 0, e^x below (NaN stays NaN).
 inline void elu_plus_one_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys) {
   ew::map_rows(x, y, rows, n, xs, ys,

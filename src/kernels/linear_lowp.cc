@@ -153,11 +153,7 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
   const uint16_t* xb = static_cast<const uint16_t*>(x);
   int64_t xbs = xs;
   if (!x_bf16) {
-    const auto* xf = static_cast<const float*>(x);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) converted[m * K + k] = f32_to_bf16(xf[m * xs + k]);
-    }
+    kernels::active().f32_to_bf16_rows(static_cast<const float*>(x), converted.data(), M, K, xs, K);
     xb = converted.data();
     xbs = K;
   }

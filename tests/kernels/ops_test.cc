@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "common/testing.h"
 #include "heads/ops.h"
 #include "heads/runtime.h"
+#include "kernels/dispatch.h"
 
 namespace heads {
 namespace {
@@ -73,6 +76,35 @@ TEST(Ops, ActivationsMatchFloat64) {
           ASSERT_LE(std::fabs(a - b), rtol * std::fabs(b) + 1e-37)
               << "x=" << x.data<float>()[i] << " act=" << static_cast<int>(act) << " isa=" << isa_name(isa);
         }
+      }
+    }
+  }
+}
+
+TEST(Ops, Bf16RowsRoundAsF32ToBf16OnEveryPath) {
+  // Ties both ways, NaN payloads, infinities, denormals (kept, not flushed), the largest finite value
+  // (rounds to inf), random values; rows of odd length at a row stride past it.
+  const float edge[] = {1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -1.0f - 0x1p-8f, 0x1p-130f, -0x1.8p-140f, 0x1.fffffep-127f,
+                        3.4028235e38f, -3.4028235e38f, std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity(), 0.0f, -0.0f};
+  const int64_t rows = 37, n = 131, xs = 140, ys = 133;
+  const Tensor r = testing::randn({rows * xs}, 5.0);
+  std::vector<float> x(r.data<float>(), r.data<float>() + rows * xs);
+  for (size_t i = 0; i < std::size(edge); ++i) x[i * 7] = edge[i];
+  for (uint32_t payload : {0x7fc00000u, 0x7f800001u, 0xffa5a5a5u, 0x7fbfffffu}) {
+    float nan;
+    std::memcpy(&nan, &payload, 4);
+    x[static_cast<size_t>(payload % 4000)] = nan;
+  }
+  IsaGuard guard;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    std::vector<uint16_t> y(rows * ys, 0xabcd);
+    kernels::active().f32_to_bf16_rows(x.data(), y.data(), rows, n, xs, ys);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < ys; ++j) {
+        const uint16_t want = j < n ? f32_to_bf16(x[i * xs + j]) : uint16_t{0xabcd};  // nothing past n written
+        ASSERT_EQ(y[i * ys + j], want) << "row " << i << " col " << j << " x=" << x[i * xs + j] << " isa=" << isa_name(isa);
       }
     }
   }
