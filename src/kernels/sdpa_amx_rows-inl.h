@@ -4,11 +4,12 @@
 // its namespace amx, after the Task, Scratch, Unit and score helpers it uses.
 
 // Unit u's softmax step on its raw scores s, row by row: P = 2^(c·S + mods - m_new) rounded to
-// bf16 into p (rows past nq zero), l and m updated, alpha = 2^(m_old - m_new) kept for O. After
-// each row the tile stream advances by its share, so that the tile unit works beside the rows.
-// Returns whether some row's alpha is not 1.
+// bf16 into p (rows past nq zero), l and m updated, alpha = 2^(m_old - m_new) kept for O. The tile
+// stream's products go out between the row's vectors (every 32 keys) by their share, so that the
+// tile unit works beside the vector units; all of them are done on return. Returns whether some
+// row's alpha is not 1.
 inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const float* s, uint16_t* p,
-                         TileStream& ts) {
+                         TileStream ts) {
   const SdpaProblem& pb = t.pb;
   const __m512 cv = _mm512_set1_ps(static_cast<float>(pb.scale) * kLog2e);
   float* m = scr.m[u.slot];
@@ -17,9 +18,17 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
   for (int64_t r = t.nq; r < kBQ; ++r) {
     for (int64_t kk = 0; kk < kBK; kk += 32) _mm512_store_si512(p + r * kBK + kk, _mm512_setzero_si512());
   }
+  // The stream's ops go out evenly over the unit's nq · n32 ticks (one per 32 keys of a row):
+  // acc gains `total` a tick and pays `ticks` an op. (The stream is taken by value: its state stays
+  // in registers across the tile instructions' memory clobbers.)
   const int64_t total = ts.total();
   const int64_t n16 = u.nkp / 16;  // at most kBK / 16 = 8 vectors a row, kept in registers
   const int64_t n32 = n16 / 2;
+  const int64_t ticks = t.nq * n32;
+  int64_t acc = 0;
+  auto tick = [&](int64_t k) __attribute__((always_inline)) {
+    for (acc += k * total; acc >= ticks; acc -= ticks) ts.op();
+  };
   // Plain rows: nothing but the scale between the products and the softmax, every key of the
   // block visible and a positive scale (so max(c · s) = c · max(s)): the scores stay raw and the
   // scale joins the exponent's argument in one FMA.
@@ -31,7 +40,8 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
     const float m_old = m[r];
     float m_new, alpha;
     __m512 sum = _mm512_setzero_ps();
-    if (plain_block && row_limit(t, r, u.j0, u.nk) == u.nk) {
+    const bool plain_row = plain_block && row_limit(t, r, u.j0, u.nk) == u.nk;
+    if (plain_row) {
       __m512 x[kBK / 16];
       __m512 mxv = _mm512_set1_ps(kNegInf);
 #pragma GCC unroll 8
@@ -53,7 +63,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
           const __m512 p1 = exp2_plain(_mm512_fmadd_ps(x[2 * w + 1], cv, neg_m));
           sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
           _mm512_store_si512(pr + 32 * w, to_bf16_2(p1, p0));
-          ts.advance_to((r * n32 + w + 1) * total / (t.nq * n32));
+          tick(1);
         }
       }
     } else {
@@ -93,7 +103,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
     m[r] = m_new;
     alpha_row[r] = alpha;
     rescale = rescale || alpha != 1.0f;
-    ts.advance_to((r + 1) * total / t.nq);
+    if (!plain_row) tick(n32);
   }
   ts.finish();
   return rescale;
