@@ -237,7 +237,6 @@ HEADS_INLINE int64_t row_limit(const Task& t, int64_t r, int64_t j0, int64_t nk)
   return std::clamp<int64_t>(t.pb.key_end(t.i0 + r) - j0, 0, nk);
 }
 
-
 // One block of up to kBK keys of a task: the pipeline's unit of work.
 struct Unit {
   int slot = -1;  // -1: none
@@ -246,7 +245,8 @@ struct Unit {
   explicit operator bool() const { return slot >= 0; }
 };
 
-// The S jobs of unit u (its raw scores into s) and the PV jobs of unit u (O += P · V from p).
+// A unit's S jobs (its raw scores Q · Kᵀ into s) and PV jobs (O += P · V, P from p), added to a
+// phase's tile stream.
 inline void add_scores(TileStream& ts, const Task& t, const Scratch& scr, int64_t j0, int64_t nkp,
                        float* s) {
   ts.qp = t.qa;
