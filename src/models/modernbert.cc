@@ -188,13 +188,18 @@ Tensor BertModel::run_prenorm_layers(Tensor x, const Tensor& pad, bool any_pad, 
     for (int64_t i = 0; i < N * L; ++i) kp[i] = pd[i] == 0;
   }
   if (attn_weights) attn_weights->clear();
-  Tensor attn = Tensor::empty({N, L, E}, DType::F32);  // SDPA writes it through `out`
+  // A bf16 model keeps q, k, v and the attention output in bf16, as the BERT layers do: the QKV
+  // projection rounds its f32 sums once, RoPE turns the bf16 rows (in f32, rounded once), attention
+  // runs the bf16 kernel (AMX tiles where present) and the output projection reads bf16 as it is.
+  const bool bf16 = prenorm_precision_ == Precision::BF16;
+  Tensor attn = Tensor::empty({N, L, E}, bf16 ? DType::BF16 : DType::F32);  // SDPA writes it through `out`
   const Tensor out = modules::split_heads(attn, H);
   for (size_t i = 0; i < prenorm_.size(); ++i) {
     const PreNormLayer& l = prenorm_[i];
     InputRanges* r = ranges != nullptr ? &(*ranges)[i] : nullptr;
     const Tensor h = l.attn_norm_w.defined() ? layer_norm(x, l.attn_norm_w, l.attn_norm_b, eps) : x;
-    const Tensor qkv = proj(h, l.wqkv, l.pk_qkv, l.bqkv, r, "attn.Wqkv.weight");  // [N, L, 3E]
+    const Tensor qkv = bf16 ? linear(h, l.pk_qkv, l.bqkv, DType::BF16)
+                            : proj(h, l.wqkv, l.pk_qkv, l.bqkv, r, "attn.Wqkv.weight");  // [N, L, 3E]
     const auto [q, k, v] = modules::fused_qkv_views(qkv, H, H, hd);
     rope_(q, 0, cfg_.layer_rope[i]);
     rope_(k, 0, cfg_.layer_rope[i]);
