@@ -122,8 +122,10 @@ bool isa_supported(Isa isa) {
 #elif defined(__aarch64__)
     case Isa::Neon: return true;  // Advanced SIMD is part of every AArch64 CPU
 #if defined(__linux__)
-    case Isa::NeonBf16:  // BFDOT, BFCVTN (FEAT_BF16); FP16 for the build's constants (isa_neonbf16.cc)
-      return (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0 && (getauxval(AT_HWCAP) & HWCAP_ASIMDHP) != 0;
+    case Isa::NeonBf16:  // BFDOT, BFCVTN (FEAT_BF16); FP16 for the build's constants, DotProd for its int8
+                         // GEMM (isa_neonbf16.cc: its target has both, as every FEAT_BF16 core does)
+      return (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0 && (getauxval(AT_HWCAP) & HWCAP_ASIMDHP) != 0 &&
+             (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
 #endif
 #endif
     default: return false;
@@ -246,6 +248,16 @@ void set_isa(Isa isa) {
 namespace kernels {
 
 const KernelTable* table_for(Isa isa) { return isa_supported(isa) ? table_of(isa) : nullptr; }
+
+bool int8_gemm_usable(const KernelTable& t) {
+  if (t.gemm_u8s8_pairs == nullptr) return false;
+  if (t.int8_layout == Int8Layout::Pairs16) return true;
+#if defined(__aarch64__) && defined(__linux__)
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+  return false;
+#endif
+}
 
 void set_amx_emulation(int mode) { g_amx_emulation.store(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
 

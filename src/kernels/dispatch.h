@@ -44,13 +44,28 @@ struct Int8Row {
 constexpr int64_t kOutlierPanel = 16;  // a multiple of every vector width
 // The second activation term's values are stored plus this, as unsigned bytes (quantize_rows_u8).
 constexpr int32_t kSecondZero = 128;
-// heads' own integer GEMM (gemm_i8-inl.h): a weight B [N, K] (int8) packed as 16-bit pairs in panels
-// of kPairPanel output columns, panel p (columns [16p, 16p + 16), zeros past N) as [Kp][16][2]
-// int16 with Kp = ceil(K / 2): element [i][j][h] = B[16p + j][2i + h] (0 past K). 64-byte aligned.
+// heads' own integer GEMM (gemm_i8-inl.h): a weight B [N, K] (int8, or the 16-bit rows of residual
+// rows folded in: linear_lowp.h) packed in panels of kPairPanel output columns, panel p (columns
+// [16p, 16p + 16), zeros past N), 64-byte aligned, in one of two layouts (KernelTable::int8_layout):
+// - Int8Layout::Pairs16 (x86-64: vpmaddwd): [Kp][16][2] int16 with Kp = ceil(K / 2): element
+//   [i][j][h] = B[16p + j][2i + h] (0 past K).
+// - Int8Layout::Quads8 (AArch64 DOTPROD: SDOT multiplies signed bytes): a header of 128 bytes, then
+//   two planes [Kq][16][4] int8 with Kq = ceil(K / 4): B = 256·H + L, L[i][j][h] the low byte of
+//   B[16p + j][4i + h] as a signed byte and H the rest (0 unless the row is a folded 16-bit one).
+//   The header: int32 [16] 128·Σ_k B[16p + j][k] (mod 2^32), the sums SDOT's signed activations
+//   (a − 128) leave out, then int32 1 where the panel has an H plane to add (0: all zero).
+enum class Int8Layout : uint8_t { Pairs16, Quads8 };
 constexpr int64_t kPairPanel = 16;
+constexpr int64_t kQuadsHeader = 128;  // bytes before a Quads8 panel's planes
+// Bytes of a packed weight [N, K] in a layout.
+constexpr int64_t int8_packed_bytes(Int8Layout layout, int64_t N, int64_t K) {
+  const int64_t panels = (N + kPairPanel - 1) / kPairPanel;
+  return layout == Int8Layout::Pairs16 ? panels * ((K + 1) / 2) * 2 * kPairPanel * 2
+                                       : panels * (kQuadsHeader + 2 * ((K + 3) / 4) * 4 * kPairPanel);
+}
 // One product of that GEMM: C [M, N] (int32, row stride ldc) = A[0, M) · Bᵀ, B packed as above.
 struct PairsProduct {
-  const int16_t* b;
+  const void* b;
   int64_t N;
   int64_t M;  // rows of A (at most the call's)
   int32_t* c;
@@ -138,13 +153,15 @@ struct KernelTable {
   // (quantize-inl.h).
   void (*int8_scale_errors)(const float* w, int64_t K, const float* t, double* err);
   // heads' own integer GEMM (gemm_i8-inl.h), for CPUs where oneDNN has no native int8 matmul: the
-  // products parts[0, count) of one A [M, K] (uint8, row stride lda) with packed weights, exact int32
-  // sums (the bits of oneDNN's u8s8 matmul), M, K >= 1; null where the path has none.
+  // products parts[0, count) of one A [M, K] (uint8, row stride lda) with weights packed in
+  // int8_layout, exact int32 sums (the bits of oneDNN's u8s8 matmul), M, K >= 1; null where the path
+  // has none, and unusable where int8_gemm_usable says so (a CPU feature the path's build assumes).
   void (*gemm_u8s8_pairs)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts,
                           int count) = nullptr;
   // The same for one product B [N, K] (packed) with the output pass fused in (PairsOut): its bits.
-  void (*gemm_u8s8_pairs_out)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int16_t* B, int64_t N,
+  void (*gemm_u8s8_pairs_out)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const void* B, int64_t N,
                               const PairsOut& out) = nullptr;
+  Int8Layout int8_layout = Int8Layout::Pairs16;
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.
@@ -176,6 +193,10 @@ void set_amx_emulation(int mode);
 const KernelTable& active();
 // The table of a path this CPU runs (null for one it cannot, or that this build left out).
 const KernelTable* table_for(Isa isa);
+// Whether path t's own int8 GEMM (gemm_u8s8_pairs) runs on this CPU: it exists, and the AArch64
+// builds' (Int8Layout::Quads8: SDOT, compiled for FEAT_DotProd, optional before Armv8.4) find the
+// feature in the kernel's hardware capabilities.
+bool int8_gemm_usable(const KernelTable& t);
 
 // Whether the avx512bf16 (neonbf16) path's bf16 attention uses vdpbf16ps (BFDOT) (true) or widens
 // bf16 to f32 and runs the f32 products (false): set_bf16_attention_products's choice when forced,

@@ -1,7 +1,8 @@
 // gemm_i8-inl.h — heads' own integer GEMM for the int8 linear layers (heads/precision.h,
 // linear_lowp.cc) on CPUs where oneDNN has no native int8 matmul (no VNNI: AVX2 CPUs such as Zen 3
-// and Haswell to Coffee Lake, AVX-512 CPUs before Cascade Lake). Included by isa_table-inl.h inside
-// namespace heads::kernels::<isa> where the vector layer has I16Pairs.
+// and Haswell to Coffee Lake, AVX-512 CPUs before Cascade Lake; AArch64, where Debian's oneDNN has
+// none). Included by isa_table-inl.h inside namespace heads::kernels::<isa> where the vector layer
+// has I16Pairs (x86-64) or I8Quads (AArch64 with DOTPROD): Dots below.
 //
 //   C[m][n] = Σ_k A[m][k]·B[n][k]     A uint8 [M, K] (row stride lda), B int8 [N, K], C int32 [M, N]
 //   (for each product of the call: its own B, C and rows M ≤ the call's, one A)
@@ -13,10 +14,17 @@
 // is off by 10% on such values); vpmaddwd multiplies 16-bit pairs into exact 32-bit sums at the same
 // rate per instruction, 16 multiply-adds per 256 bits: twice the f32 FMA's work per instruction.
 //
-// Layouts: B packed once (kernels/dispatch.h, kPairPanel): panel p holds columns [16p, 16p + 16)
-// as [Kp][16][2] int16, Kp = ceil(K / 2). A packed at each call in groups of R rows, group g as
-// [Kp][R] uint32: element [i][r] is the pair (A[gR + r][2i], A[gR + r][2i + 1]) as two uint16 (0
-// past K and past M), so that a micro-kernel reads its rows' pairs from one stream.
+// Why 8-bit quads on AArch64: SDOT (FEAT_DotProd) sums four s8·s8 products into each 32-bit lane, 16
+// multiply-adds per 128-bit instruction against FMLA's 4 (no u8 × s8 form before FEAT_I8MM's USDOT):
+// the activations enter as a − 128 (signed bytes), the weight's 128·Σ_k B starts the sums (the
+// packed panel's header), and a folded 16-bit row B = 256·H + L is two planes of bytes, the H plane's
+// sums shifted by 8 and added; all in 32-bit arithmetic modulo 2^32, exact since the true sum fits.
+// Layouts: B packed once (kernels/dispatch.h, kPairPanel, Int8Layout): panel p holds columns [16p,
+// 16p + 16) as groups of K of kG values (pairs: [Kg][16][2] int16; quads: [Kg][16][4] int8 after a
+// header, an H plane after the L plane), 64 bytes per group, Kg = ceil(K / kG). A packed at each call
+// in groups of R rows, group g as [Kg][R] uint32: element [i][r] holds A[gR + r][kG·i, kG·i + kG)
+// (pairs: two uint16; quads: four bytes a − 128; 0 past K and past M), so that a micro-kernel reads
+// its rows' groups from one stream.
 // Micro-kernel: R rows x 16 columns of int32 sums in registers over a block of kKBlock pairs; per
 // pair i, the panel's 16 column pairs (2 vectors on AVX2) loaded once, each row's pair broadcast
 // (R + 2 loads per 2R vpmaddwd on AVX2, R = 6).
@@ -35,59 +43,92 @@
 
 namespace gemm_i8 {
 
-using P = I16Pairs::P;
+#ifdef HEADS_I8_QUADS
+using Dots = I8Quads;
+#else
+using Dots = I16Pairs;
+#endif
+using P = Dots::P;
 using VR = Vec::R;
-constexpr int kR = I16Pairs::kRows;                     // rows per micro-kernel
+constexpr int kR = Dots::kRows;                         // rows per micro-kernel
 constexpr int kW = Vec::W;                              // 32-bit lanes per register
 constexpr int kNV = static_cast<int>(kPairPanel) / kW;  // registers per panel row
-constexpr int64_t kPanelRow = 2 * kPairPanel;           // int16 values per pair of a panel
+constexpr int64_t kG = Dots::kGroup;                    // values of K per 32-bit lane
+constexpr bool kQuads = Dots::kLayout == Int8Layout::Quads8;
+constexpr int64_t kGroupRow = 64;                       // bytes of a panel per group of K (16 lanes)
+static_assert(kGroupRow == kPairPanel * 4);
+constexpr int64_t kHeader = kQuads ? kQuadsHeader : 0;  // bytes before a panel's planes
 constexpr int64_t kRowBlock = 96;                       // rows per task (72 KB of A at K = 384)
 static_assert(kRowBlock % kR == 0);
 static_assert(kPairPanel == kOutlierPanel);  // PairsOut reads the outlier columns of a panel's 16 outputs
-constexpr int64_t kKBlock = 256;                        // pairs per block of K (a 16 KB slice of a panel)
+constexpr int64_t kKBlock = 256;                        // groups per block of K (a 16 KB slice of a plane)
 
-// acc[r][v] = Σ_{i < kp} a[i][r] · panel pair i (lanes v·W to v·W + W of the panel's 16 columns) for
-// r < RT ≤ kR rows; a: a group of packed A, panel: its slice of kp pairs.
+// Bytes of one packed panel of Kg groups (int8_packed_bytes's share).
+constexpr int64_t panel_bytes(int64_t Kg) { return kHeader + (kQuads ? 2 : 1) * Kg * kGroupRow; }
+
+// acc[r][v] = Σ_{i < kp} a[i][r] · plane group i (lanes v·W to v·W + W of the panel's 16 columns)
+// for r < RT ≤ kR rows; a: a group of packed A, plane: its slice of kp groups.
 template <int RT>
-HEADS_INLINE void accumulate(P (&acc)[RT][kNV], const uint32_t* a, const int16_t* panel, int64_t kp) {
+HEADS_INLINE void accumulate(P (&acc)[RT][kNV], const uint32_t* a, const uint8_t* plane, int64_t kp) {
 #ifdef HEADS_I16_PAIRS_ACCUMULATE6  // the vector layer's own kernel of 6 rows, where it has one
-  if constexpr (RT == 6 && kNV == 2) return I16Pairs::accumulate6(acc, a, panel, kp);
+  if constexpr (RT == 6 && kNV == 2) return Dots::accumulate6(acc, a, plane, kp);
 #endif
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) acc[r][v] = I16Pairs::zero();
+    for (int v = 0; v < kNV; ++v) acc[r][v] = Dots::zero();
   }
   for (int64_t i = 0; i < kp; ++i) {
     P w[kNV];
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) w[v] = I16Pairs::load(panel + i * kPanelRow + v * 2 * kW);
+    for (int v = 0; v < kNV; ++v) w[v] = Dots::load(plane + i * kGroupRow + v * 4 * kW);
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
-      const P x = I16Pairs::set1(a + i * kR + r);
+      const P x = Dots::set1(a + i * kR + r);
 #pragma GCC unroll 4
-      for (int v = 0; v < kNV; ++v) acc[r][v] = I16Pairs::dot(acc[r][v], x, w[v]);
+      for (int v = 0; v < kNV; ++v) acc[r][v] = Dots::dot(acc[r][v], x, w[v]);
     }
   }
 }
 
-// C[r][0, cols) (+)= the sums above. Not inlined: a function of its own keeps its RT·kNV sums in
-// registers (inlined into the task loop, GCC 12 spilled some of them to the stack: 30% slower).
+// C[r][0, cols) (+)= the sums above over groups [i0, i0 + kp) of the panel (of Kg groups; quads: its
+// header's sums start them, its H plane's are added). Not inlined: a function of its own keeps its
+// RT·kNV sums in registers (inlined into the task loop, GCC 12 spilled some of them to the stack: 30%
+// slower).
 template <int RT>
-__attribute__((noinline)) void group_rows(const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* c, int64_t ldc,
-                                          int64_t cols, bool add) {
+__attribute__((noinline)) void group_rows(const uint32_t* a, const uint8_t* panel, int64_t i0, int64_t kp, int64_t Kg,
+                                          int32_t* c, int64_t ldc, int64_t cols, bool add) {
   int64_t n[kNV];  // live lanes of each register of a row
 #pragma GCC unroll 4
   for (int v = 0; v < kNV; ++v) n[v] = std::clamp<int64_t>(cols - v * kW, 0, kW);
+  const uint8_t* plane = panel + kHeader + i0 * kGroupRow;
   P acc[RT][kNV];
-  accumulate<RT>(acc, a, panel, kp);
+  accumulate<RT>(acc, a, plane, kp);
+  const auto* header = reinterpret_cast<const int32_t*>(panel);
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r) {
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
-      const int32_t* cr = c + r * ldc + v * kW;
-      I16Pairs::store(c + r * ldc + v * kW, add ? I16Pairs::add(acc[r][v], I16Pairs::load_partial(cr, n[v])) : acc[r][v],
-                      n[v]);
+      int32_t* cr = c + r * ldc + v * kW;
+      P sum = acc[r][v];
+      if (add) {
+        sum = Dots::add(sum, Dots::load_partial(cr, n[v]));
+      } else if constexpr (kQuads) {
+        sum = Dots::add(sum, Dots::load_partial(header + v * kW, kW));
+      }
+      Dots::store(cr, sum, n[v]);
+    }
+  }
+  if constexpr (kQuads) {
+    if (header[kPairPanel] == 0) return;  // no H plane to add
+    accumulate<RT>(acc, a, plane + Kg * kGroupRow, kp);
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kNV; ++v) {
+        int32_t* cr = c + r * ldc + v * kW;
+        Dots::store(cr, Dots::add(Dots::load_partial(cr, n[v]), Dots::shl8(acc[r][v])), n[v]);
+      }
     }
   }
 }
@@ -112,9 +153,10 @@ __attribute__((noinline)) inline void activate_tile(float* y, int64_t ys, int ro
 }
 
 template <int RT>
-HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* part, bool add,
-                            const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols, int64_t p0) {
-  group_rows<RT>(a, panel, kp, part, kPairPanel, kPairPanel, add);
+HEADS_INLINE void group_out(const uint32_t* a, const uint8_t* panel, int64_t i0, int64_t kp, int64_t Kg, int32_t* part,
+                            bool add, const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols,
+                            int64_t p0) {
+  group_rows<RT>(a, panel, i0, kp, Kg, part, kPairPanel, kPairPanel, add);
   int64_t n[kNV];
 #pragma GCC unroll 4
   for (int v = 0; v < kNV; ++v) n[v] = std::clamp<int64_t>(cols - v * kW, 0, kW);
@@ -122,7 +164,7 @@ HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp,
   VR sw[kNV], b[kNV];
 #pragma GCC unroll 4
   for (int v = 0; v < kNV; ++v) {
-    ws[v] = I16Pairs::load_partial(o.ws + n0 + v * kW, n[v]);
+    ws[v] = Dots::load_partial(o.ws + n0 + v * kW, n[v]);
     sw[v] = Vec::load_partial(o.sw + n0 + v * kW, n[v]);
     b[v] = o.b != nullptr ? Vec::load_partial(o.b + n0 + v * kW, n[v]) : Vec::zero();
   }
@@ -134,8 +176,8 @@ HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp,
     const VR s = Vec::set1(o.s[m + r]);
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
-      const P sum = I16Pairs::load_partial(part + r * kPairPanel + v * kW, kW);
-      out[r][v] = Vec::fma(Vec::mul(I16Pairs::sub_mul_f32(sum, o.z[m + r], ws[v]), s), sw[v], b[v]);
+      const P sum = Dots::load_partial(part + r * kPairPanel + v * kW, kW);
+      out[r][v] = Vec::fma(Vec::mul(Dots::sub_mul_f32(sum, o.z[m + r], ws[v]), s), sw[v], b[v]);
     }
   }
   const float* wo = o.wo + p0 * o.no * kPairPanel;
@@ -168,41 +210,41 @@ HEADS_INLINE void group_out(const uint32_t* a, const int16_t* panel, int64_t kp,
 
 // The tail groups of RT < kR rows, as above.
 template <int RT>
-HEADS_INLINE void group_tail(int64_t rows, const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* c,
-                             int64_t ldc, int64_t cols, bool add) {
+HEADS_INLINE void group_tail(int64_t rows, const uint32_t* a, const uint8_t* panel, int64_t i0, int64_t kp, int64_t Kg,
+                             int32_t* c, int64_t ldc, int64_t cols, bool add) {
   if constexpr (RT > 0) {
-    if (rows == RT) return group_rows<RT>(a, panel, kp, c, ldc, cols, add);
-    group_tail<RT - 1>(rows, a, panel, kp, c, ldc, cols, add);
+    if (rows == RT) return group_rows<RT>(a, panel, i0, kp, Kg, c, ldc, cols, add);
+    group_tail<RT - 1>(rows, a, panel, i0, kp, Kg, c, ldc, cols, add);
   }
 }
 
 template <int RT>
-HEADS_INLINE void group_out_tail(int64_t rows, const uint32_t* a, const int16_t* panel, int64_t kp, int32_t* part,
-                                 bool add, const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols,
-                                 int64_t p0) {
+HEADS_INLINE void group_out_tail(int64_t rows, const uint32_t* a, const uint8_t* panel, int64_t i0, int64_t kp,
+                                 int64_t Kg, int32_t* part, bool add, const PairsOut& o, const float* xo, int64_t m,
+                                 int64_t n0, int64_t cols, int64_t p0) {
   if constexpr (RT > 0) {
-    if (rows == RT) return group_out<RT>(a, panel, kp, part, add, o, xo, m, n0, cols, p0);
-    group_out_tail<RT - 1>(rows, a, panel, kp, part, add, o, xo, m, n0, cols, p0);
+    if (rows == RT) return group_out<RT>(a, panel, i0, kp, Kg, part, add, o, xo, m, n0, cols, p0);
+    group_out_tail<RT - 1>(rows, a, panel, i0, kp, Kg, part, add, o, xo, m, n0, cols, p0);
   }
 }
 
 // Group g of A's packed layout (above) from rows [gR, gR + R) of A.
 inline void pack_group(const uint8_t* A, int64_t M, int64_t K, int64_t lda, int64_t g, uint32_t* dst) {
-  const int64_t Kp = (K + 1) / 2;
-  alignas(64) uint16_t row[2 * kKBlock];
-  for (int64_t i0 = 0; i0 < Kp; i0 += kKBlock) {  // a block of pairs at a time, through one row's buffer
-    const int64_t np = std::min(kKBlock, Kp - i0);
+  const int64_t Kg = (K + kG - 1) / kG;
+  alignas(64) uint16_t row[2 * kKBlock];  // 4 bytes a group
+  for (int64_t i0 = 0; i0 < Kg; i0 += kKBlock) {  // a block of groups at a time, through one row's buffer
+    const int64_t np = std::min(kKBlock, Kg - i0);
     for (int r = 0; r < kR; ++r) {
       const int64_t m = g * kR + r;
       if (m < M) {
-        I16Pairs::widen_u8(A + m * lda + 2 * i0, std::min(2 * np, K - 2 * i0), row, 2 * np);
+        Dots::groups_of(A + m * lda + kG * i0, std::min(kG * np, K - kG * i0), row, np);
       } else {
         std::fill(row, row + 2 * np, uint16_t{0});
       }
       for (int64_t i = 0; i < np; ++i) {
-        uint32_t pair;
-        std::memcpy(&pair, row + 2 * i, sizeof pair);
-        dst[(i0 + i) * kR + r] = pair;
+        uint32_t group;
+        std::memcpy(&group, row + 2 * i, sizeof group);
+        dst[(i0 + i) * kR + r] = group;
       }
     }
   }
@@ -217,11 +259,11 @@ inline int64_t block_rows(int64_t M) {
 }
 
 // The tasks of one call: for each product its row blocks, each block's panels in order; A packed on
-// the calling thread's buffer first, by all threads; task(p, m0, rows, panel, a32, Kp) runs one.
+// the calling thread's buffer first, by all threads; task(p, m0, rows, panel, a32, Kg) runs one.
 template <class Task, class Gather>
 inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts, int count,
                       Task task, Gather gather) {
-  const int64_t Kp = (K + 1) / 2;
+  const int64_t Kg = (K + kG - 1) / kG;
   const int64_t groups = (M + kR - 1) / kR;
   const auto blocks = [](const PairsProduct& p) { return (p.M + block_rows(p.M) - 1) / block_rows(p.M); };
   const auto panels = [](const PairsProduct& p) { return (p.N + kPairPanel - 1) / kPairPanel; };
@@ -233,14 +275,14 @@ inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const
   }
   if (tasks == 0) return;
   thread_local std::vector<uint32_t> packed;
-  packed.resize(static_cast<size_t>(groups * Kp * kR));
+  packed.resize(static_cast<size_t>(groups * Kg * kR));
   uint32_t* const a32 = packed.data();
   const int threads = threads_for(2.0 * macs, tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
-      pack_group(A, M, K, lda, g, a32 + g * Kp * kR);
+      pack_group(A, M, K, lda, g, a32 + g * Kg * kR);
       gather(g * kR, std::min(M, g * kR + kR));
     }
 #pragma omp for schedule(dynamic, 4)
@@ -250,7 +292,7 @@ inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const
       for (; local >= blocks(parts[p]) * panels(parts[p]); ++p) local -= blocks(parts[p]) * panels(parts[p]);
       const PairsProduct& pr = parts[p];
       const int64_t br = block_rows(pr.M), m0 = local / panels(pr) * br;
-      task(pr, m0, std::min(br, pr.M - m0), local % panels(pr), a32, Kp);
+      task(pr, m0, std::min(br, pr.M - m0), local % panels(pr), a32, Kg);
     }
   }
   if (packed.size() > (size_t{1} << 22)) std::vector<uint32_t>().swap(packed);  // a thread keeps at most 16 MB
@@ -262,18 +304,18 @@ inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
                             int count) {
   using namespace gemm_i8;
   run_tasks(A, M, K, lda, parts, count,
-            [](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kp) {
+            [](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32, int64_t Kg) {
               const int64_t n0 = panel * kPairPanel, cols = std::min(kPairPanel, pr.N - n0);
-              for (int64_t i0 = 0; i0 < Kp; i0 += kKBlock) {
-                const int64_t kp = std::min(kKBlock, Kp - i0);
-                const int16_t* b = pr.b + (panel * Kp + i0) * kPanelRow;
+              const uint8_t* b = static_cast<const uint8_t*>(pr.b) + panel * panel_bytes(Kg);
+              for (int64_t i0 = 0; i0 < Kg; i0 += kKBlock) {
+                const int64_t kp = std::min(kKBlock, Kg - i0);
                 for (int64_t m = 0; m < rows; m += kR) {
-                  const uint32_t* a = a32 + ((m0 + m) / kR * Kp + i0) * kR;
+                  const uint32_t* a = a32 + ((m0 + m) / kR * Kg + i0) * kR;
                   int32_t* c = pr.c + (m0 + m) * pr.ldc + n0;
                   if (rows - m >= kR) {
-                    group_rows<kR>(a, b, kp, c, pr.ldc, cols, i0 > 0);
+                    group_rows<kR>(a, b, i0, kp, Kg, c, pr.ldc, cols, i0 > 0);
                   } else {
-                    group_tail<kR - 1>(rows - m, a, b, kp, c, pr.ldc, cols, i0 > 0);
+                    group_tail<kR - 1>(rows - m, a, b, i0, kp, Kg, c, pr.ldc, cols, i0 > 0);
                   }
                 }
               }
@@ -281,7 +323,7 @@ inline void gemm_u8s8_pairs(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
             [](int64_t, int64_t) {});
 }
 
-inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int16_t* B, int64_t N,
+inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const void* B, int64_t N,
                                 const PairsOut& out) {
   using namespace gemm_i8;
   const PairsProduct part{B, N, M, nullptr, 0};
@@ -292,28 +334,28 @@ inline void gemm_u8s8_pairs_out(const uint8_t* A, int64_t M, int64_t K, int64_t 
   float* const xo = gathered.data();
   run_tasks(A, M, K, lda, &part, 1,
             [&out, xo](const PairsProduct& pr, int64_t m0, int64_t rows, int64_t panel, const uint32_t* a32,
-                       int64_t Kp) {
+                       int64_t Kg) {
               // the sums of the blocks of K before the last, rows x 16 (at most kRowBlock rows)
               alignas(64) int32_t partial[kRowBlock * kPairPanel];
               const int64_t n0 = panel * kPairPanel, cols = std::min(kPairPanel, pr.N - n0);
-              for (int64_t i0 = 0; i0 < Kp; i0 += kKBlock) {
-                const int64_t kp = std::min(kKBlock, Kp - i0);
-                const bool last = i0 + kp == Kp;
-                const int16_t* b = pr.b + (panel * Kp + i0) * kPanelRow;
+              const uint8_t* b = static_cast<const uint8_t*>(pr.b) + panel * panel_bytes(Kg);
+              for (int64_t i0 = 0; i0 < Kg; i0 += kKBlock) {
+                const int64_t kp = std::min(kKBlock, Kg - i0);
+                const bool last = i0 + kp == Kg;
                 for (int64_t m = 0; m < rows; m += kR) {
-                  const uint32_t* a = a32 + ((m0 + m) / kR * Kp + i0) * kR;
+                  const uint32_t* a = a32 + ((m0 + m) / kR * Kg + i0) * kR;
                   const int64_t rt = std::min<int64_t>(kR, rows - m);
                   int32_t* part = partial + m * kPairPanel;
                   if (!last) {  // all 16 columns: the panel's past N are zero
                     if (rt == kR) {
-                      group_rows<kR>(a, b, kp, part, kPairPanel, kPairPanel, i0 > 0);
+                      group_rows<kR>(a, b, i0, kp, Kg, part, kPairPanel, kPairPanel, i0 > 0);
                     } else {
-                      group_tail<kR - 1>(rt, a, b, kp, part, kPairPanel, kPairPanel, i0 > 0);
+                      group_tail<kR - 1>(rt, a, b, i0, kp, Kg, part, kPairPanel, kPairPanel, i0 > 0);
                     }
                   } else if (rt == kR) {
-                    group_out<kR>(a, b, kp, part, i0 > 0, out, xo, m0 + m, n0, cols, panel);
+                    group_out<kR>(a, b, i0, kp, Kg, part, i0 > 0, out, xo, m0 + m, n0, cols, panel);
                   } else {
-                    group_out_tail<kR - 1>(rt, a, b, kp, part, i0 > 0, out, xo, m0 + m, n0, cols, panel);
+                    group_out_tail<kR - 1>(rt, a, b, i0, kp, Kg, part, i0 > 0, out, xo, m0 + m, n0, cols, panel);
                   }
                 }
               }

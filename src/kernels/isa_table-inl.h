@@ -8,8 +8,15 @@
 #include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
 #include "kernels/quantize-inl.h"
-#ifdef HEADS_I16_PAIRS
+#if defined(HEADS_I16_PAIRS)
 #include "kernels/gemm_i8-inl.h"
+#elif defined(HEADS_I8_QUADS)
+// SDOT is FEAT_DotProd's (optional from Armv8.2): only this GEMM is compiled for it (HEADS_DOTPROD_PUSH,
+// the ISA file's), and it runs only where the CPU has it (kernels::int8_gemm_usable); the rest of the
+// build keeps its own target.
+HEADS_DOTPROD_PUSH
+#include "kernels/gemm_i8-inl.h"
+#pragma GCC pop_options
 #endif
 
 const KernelTable kTable{
@@ -33,9 +40,10 @@ const KernelTable kTable{
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_u8 = &quantize_rows_u8,
     .int8_scale_errors = &int8_scale_errors,
-#ifdef HEADS_I16_PAIRS
+#if defined(HEADS_I16_PAIRS) || defined(HEADS_I8_QUADS)
     .gemm_u8s8_pairs = &gemm_u8s8_pairs,
     .gemm_u8s8_pairs_out = &gemm_u8s8_pairs_out,
+    .int8_layout = gemm_i8::Dots::kLayout,
 #endif
     .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
@@ -52,3 +60,4 @@ const KernelTable kTable{
 };
 #undef HEADS_I16_PAIRS
 #undef HEADS_I16_PAIRS_ACCUMULATE6
+#undef HEADS_I8_QUADS

@@ -75,7 +75,7 @@ bool int8_gemm_forced() {
 lowp::Route lowp::route_of(Precision p) {
   const auto& k = kernels::active();
   if (!k.onednn) return Route::Portable;
-  if (p == Precision::Int8 && k.gemm_u8s8_pairs != nullptr && (int8_gemm_forced() || !onednn_native(p))) {
+  if (p == Precision::Int8 && kernels::int8_gemm_usable(k) && (int8_gemm_forced() || !onednn_native(p))) {
     return Route::Heads;
   }
   return onednn_native(p) ? Route::Native : Route::F32;
@@ -86,7 +86,7 @@ bool lowp::needs_f32_copy(Precision p) {
   if (p == Precision::BF16) return true;
   for (Isa isa : supported_isas()) {  // int8: a SIMD path without heads' GEMM takes the f32 route
     const kernels::KernelTable* t = kernels::table_for(isa);
-    if (t != nullptr && t->onednn && t->gemm_u8s8_pairs == nullptr) return true;
+    if (t != nullptr && t->onednn && !kernels::int8_gemm_usable(*t)) return true;
   }
   return false;
 }

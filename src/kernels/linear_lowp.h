@@ -9,6 +9,7 @@
 
 #include "heads/ops.h"
 #include "heads/precision.h"
+#include "kernels/dispatch.h"
 #include "kernels/onednn.h"
 
 namespace heads::lowp {
@@ -32,28 +33,27 @@ bool onednn_native(Precision p);
 // one where some SIMD path lacks heads' integer GEMM.
 bool needs_f32_copy(Precision p);
 
-// An int8 weight in the layout of heads' own integer GEMM (kernels/dispatch.h: kPairPanel): W [N, K]
+// An int8 weight in a layout of heads' own integer GEMM (kernels/dispatch.h: Int8Layout): W [N, K]
 // with its residual rows folded in (heads/precision.h: row rows[j] is C = 2^shift[j]·W[rows[j]] +
-// Wr[j], 16 bits), packed at the first call of get() and kept: shared by the copies of a
-// PackedLinear, thread-safe.
+// Wr[j], 16 bits), packed at the first call of get() for that layout and kept: shared by the copies
+// of a PackedLinear, thread-safe.
 class PairsB {
  public:
-  const int16_t* get(const int8_t* W, int64_t N, int64_t K, const int8_t* Wr, const int32_t* rows,
-                     const int32_t* shift, int64_t Nr);
+  const void* get(kernels::Int8Layout layout, const int8_t* W, int64_t N, int64_t K, const int8_t* Wr,
+                  const int32_t* rows, const int32_t* shift, int64_t Nr);
 
  private:
   struct Free {
-    void operator()(int16_t* p) const;
+    void operator()(void* p) const;
   };
-  std::once_flag once_;
-  std::unique_ptr<int16_t[], Free> w_;
+  std::once_flag once_[2];
+  std::unique_ptr<void, Free> w_[2];
 };
 
-// B [N, K] (int8, or int16 values) into dst, kernels::kPairPanel's layout (pairs_size(N, K) values,
-// 64-byte aligned).
-int64_t pairs_size(int64_t N, int64_t K);
-void pack_pairs(const int8_t* B, int64_t N, int64_t K, int16_t* dst);
-void pack_pairs(const int16_t* B, int64_t N, int64_t K, int16_t* dst);
+// B [N, K] (int8, or 16-bit values: at most 256·127 + 127 in Quads8) into dst in the layout
+// (kernels::int8_packed_bytes(layout, N, K) bytes, 64-byte aligned).
+void pack_int8_gemm(kernels::Int8Layout layout, const int8_t* B, int64_t N, int64_t K, void* dst);
+void pack_int8_gemm(kernels::Int8Layout layout, const int16_t* B, int64_t N, int64_t K, void* dst);
 
 // Working memory of one call, left uninitialised (every element is written before it is read).
 template <class T>

@@ -238,7 +238,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   for (int64_t j = 0; j < M2; ++j) {  // row two[j] of xr to row M + j of xq: never past it (two[j] ≥ j)
     if (M + j != Mp + two[j]) std::memmove(xq.data() + (M + j) * K, xr + two[j] * K, static_cast<size_t>(K));
   }
-  const int16_t* pairs = w.pairs->get(w.W, N, K, w.Wr, w.rrows, w.rshift, Nr);
+  const void* pairs = w.pairs->get(kernels::active().int8_layout, w.W, N, K, w.Wr, w.rrows, w.rshift, Nr);
   if (M2 == 0) {  // one term per row: the output made from the sums in registers, every row in one call
     const int act_code = !act ? 0 : *act == Activation::Relu ? 1 : *act == Activation::Gelu ? 2 : 3;
     const kernels::PairsOut out{y, ys, zx.data(), sx.data(), w.fold_ws, w.fold_sw, bias, x, xs, w.oc, w.wo, w.no,

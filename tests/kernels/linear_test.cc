@@ -1,6 +1,7 @@
 // linear_test.cc — the GEMM-backed linear layer against a float64 loop, odd sizes and strides.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <random>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "common/testing.h"
+#include "heads/isa.h"
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
@@ -77,33 +79,46 @@ TEST(Linear, MatmulWithStridesMatchesFloat64) {
   }
 }
 
-// heads' own integer GEMM (gemm_i8-inl.h) on every path that has it, against int64 loops: bytes of
-// the whole range (0 and 255 against -128 and 127 included), odd sizes (K odd: a half pair; N past a
-// panel; rows past a micro-kernel, a block, several blocks; K past a block of pairs), two products
-// of different rows in one call, row strides wider than the rows (the padding never written), and
-// the same bits on 1, 2 and 3 threads.
+// heads' own integer GEMM (gemm_i8-inl.h) on every path this CPU runs it on, in the path's weight
+// layout (16-bit pairs; 8-bit quads in two planes), against int64 loops: bytes of the whole range (0
+// and 255 against -128 and 127 included), odd sizes (K odd or not a multiple of 4: a part group; N
+// past a panel; rows past a micro-kernel, a block, several blocks; K past a block of groups), two
+// products of different rows in one call, the second with 16-bit rows folded in as the residual rows
+// make them (±(256·127 + 127) included: the quads' H plane, in some panels and not others), row
+// strides wider than the rows (the padding never written), and the same bits on 1, 2 and 3 threads.
 TEST(Linear, Int8PairsGemmIsExactOnOddShapes) {
   const int saved_threads = get_num_threads();
   int paths = 0;
   std::mt19937_64 gen(testing::rng()());
-  std::uniform_int_distribution<int> u8(0, 255), s8(-128, 127), pick(0, 9);
+  std::uniform_int_distribution<int> u8(0, 255), s8(-128, 127), pick(0, 9), wide(-(256 * 127 + 127), 256 * 127 + 127);
   for (Isa isa : supported_isas()) {
     const kernels::KernelTable* t = kernels::table_for(isa);
-    if (t == nullptr || t->gemm_u8s8_pairs == nullptr) continue;
+    if (t == nullptr || !kernels::int8_gemm_usable(*t)) continue;
     ++paths;
     for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 17}, {2, 2, 16}, {129, 383, 33},
-                           {300, 77, 100}, {13, 1537, 15}, {97, 514, 31}}) {
+                           {300, 77, 100}, {13, 1537, 15}, {97, 514, 31}, {5, 1030, 40}}) {
       const int64_t lda = K + 5, M2 = std::max<int64_t>(1, M / 3), N2 = N / 2 + 1;
       std::vector<uint8_t> A(static_cast<size_t>(M * lda));
-      std::vector<int8_t> B(static_cast<size_t>(N * K)), B2(static_cast<size_t>(N2 * K));
+      std::vector<int8_t> B(static_cast<size_t>(N * K));
+      std::vector<int16_t> B2(static_cast<size_t>(N2 * K));
       const auto byte = [&](int lo, int hi, int v) { const int p = pick(gen); return p == 0 ? lo : p == 1 ? hi : v; };
       for (auto& a : A) a = static_cast<uint8_t>(byte(0, 255, u8(gen)));
       for (auto& b : B) b = static_cast<int8_t>(byte(-128, 127, s8(gen)));
-      for (auto& b : B2) b = static_cast<int8_t>(byte(-128, 127, s8(gen)));
-      const auto packed = [&](const std::vector<int8_t>& w, int64_t n) {
-        std::vector<int16_t> buf(static_cast<size_t>(lowp::pairs_size(n, K) + 32));
-        auto* p = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-        lowp::pack_pairs(w.data(), n, K, p);
+      // B2: rows of bytes, and every third row (from the second) 16-bit, bounded as the residual rows'
+      // |C| so that 255·Σ|C| fits int32 (int8_residual_fits): the sums fit their int32 exactly.
+      const int64_t row_cap = std::min<int64_t>(256 * 127 + 127, (int64_t{1} << 31) / 255 / K);
+      for (int64_t n = 0; n < N2; ++n) {
+        for (int64_t k = 0; k < K; ++k) {
+          const int v = n % 3 == 1 ? static_cast<int>(std::clamp<int64_t>(byte(-(256 * 127 + 127), 256 * 127 + 127, wide(gen)),
+                                                                           -row_cap, row_cap))
+                                   : byte(-128, 127, s8(gen));
+          B2[static_cast<size_t>(n * K + k)] = static_cast<int16_t>(v);
+        }
+      }
+      const auto packed = [&](const auto& w, int64_t n) {
+        std::vector<uint8_t> buf(static_cast<size_t>(kernels::int8_packed_bytes(t->int8_layout, n, K) + 64));
+        auto* p = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+        lowp::pack_int8_gemm(t->int8_layout, w.data(), n, K, p);
         return std::make_pair(std::move(buf), p);
       };
       const auto [b1, p1] = packed(B, N);
@@ -117,8 +132,7 @@ TEST(Linear, Int8PairsGemmIsExactOnOddShapes) {
         t->gemm_u8s8_pairs(A.data(), M, K, lda, parts, 2);
         const std::string what = "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N) +
                                  " isa=" + isa_name(isa) + " threads=" + std::to_string(threads);
-        const auto check = [&](const std::vector<int32_t>& c, const std::vector<int8_t>& w, int64_t rows, int64_t n,
-                               int64_t ld) {
+        const auto check = [&](const std::vector<int32_t>& c, const auto& w, int64_t rows, int64_t n, int64_t ld) {
           for (int64_t m = 0; m < rows; ++m) {
             for (int64_t j = 0; j < ld; ++j) {
               const int32_t got = c[static_cast<size_t>(m * ld + j)];
@@ -142,6 +156,8 @@ TEST(Linear, Int8PairsGemmIsExactOnOddShapes) {
   set_num_threads(saved_threads);
 #if defined(__x86_64__)
   if (isa_supported(Isa::Avx2)) EXPECT_GT(paths, 0) << "no x86 SIMD path has heads' int8 GEMM";
+#elif defined(__aarch64__) && defined(__linux__)
+  if (cpu_features().find(" dotprod") != std::string::npos) EXPECT_GT(paths, 0) << "no NEON path has heads' int8 GEMM";
 #endif
 }
 

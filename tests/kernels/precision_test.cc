@@ -110,7 +110,7 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
     for (Isa isa : supported_isas()) {
       set_isa(isa);
       const std::string want = isa == Isa::Scalar ? "portable" : "f32";
-      const bool pairs = kernels::active().gemm_u8s8_pairs != nullptr;
+      const bool pairs = kernels::int8_gemm_usable(kernels::active());
       EXPECT_EQ(linear_gemm_route(Precision::Int8), isa == Isa::Scalar ? "portable" : pairs ? "heads" : "f32")
           << isa_name(isa);
       EXPECT_EQ(linear_gemm_route(Precision::BF16), want) << isa_name(isa);

@@ -165,16 +165,18 @@ struct I16Pairs {
   // Zen 3, one core, the whole GEMM (M 256, K 384, N 1536): 142 G integer ops per second with 6 rows,
   // 133 with 3 (vpmaddwd + vpaddd alone reach 150).
   static constexpr int kRows = 6;
+  static constexpr int kGroup = 2;  // values of K per 32-bit lane
+  static constexpr Int8Layout kLayout = Int8Layout::Pairs16;
   // The micro-kernel of 6 rows (gemm_i8-inl.h: accumulate) in assembly, one pair of K per step:
   // GCC 12 compiles the intrinsics' loop with all 16 registers live into register moves and
   // accumulators on the stack. Zen 3, one core, the kernel alone on a 192-pair slice in L1, 1.57x
   // (131 against 83 G integer ops per second, the same sums).
 #define HEADS_I16_PAIRS_ACCUMULATE6 1
-  HEADS_INLINE static void accumulate6(P (&acc)[6][2], const uint32_t* a, const int16_t* panel, int64_t kp) {
+  HEADS_INLINE static void accumulate6(P (&acc)[6][2], const uint32_t* a, const uint8_t* panel, int64_t kp) {
     // the sums in 12 variables, not in acc: operands of an array stay in memory
     P c00 = zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00,
       c50 = c00, c51 = c00;
-    for (int64_t i = 0; i < kp; ++i, a += 6, panel += 32) {
+    for (int64_t i = 0; i < kp; ++i, a += 6, panel += 64) {
       P w0, w1, x, t;
       asm("vmovdqa (%[b]), %[w0]\n\t"
           "vmovdqa 32(%[b]), %[w1]\n\t"
@@ -196,12 +198,13 @@ struct I16Pairs {
     acc[3][0] = c30, acc[3][1] = c31, acc[4][0] = c40, acc[4][1] = c41, acc[5][0] = c50, acc[5][1] = c51;
   }
   HEADS_INLINE static P zero() { return _mm256_setzero_si256(); }
-  HEADS_INLINE static P load(const int16_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+  HEADS_INLINE static P load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   HEADS_INLINE static P set1(const uint32_t* pair) {  // the pair at p in every lane
     return _mm256_set1_epi32(static_cast<int>(*pair));
   }
   HEADS_INLINE static P dot(P acc, P a, P b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
   HEADS_INLINE static P add(P a, P b) { return _mm256_add_epi32(a, b); }
+  HEADS_INLINE static P shl8(P a) { return _mm256_slli_epi32(a, 8); }  // (gemm_i8-inl.h names it for every layout)
   // float(a − z·w) per lane, the difference wrapping around in 32 bits
   HEADS_INLINE static Vec::R sub_mul_f32(P a, int32_t z, P w) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(a, _mm256_mullo_epi32(_mm256_set1_epi32(z), w)));
@@ -217,8 +220,9 @@ struct I16Pairs {
       _mm256_maskstore_epi32(p, Vec::lanes_below(n), x);
     }
   }
-  // dst[i] = src[i] for i < n, 0 for n ≤ i < np (np even, at least n).
-  HEADS_INLINE static void widen_u8(const uint8_t* src, int64_t n, uint16_t* dst, int64_t np) {
+  // The first `groups` pairs of a row of A into dst: dst[i] = src[i] for i < n, 0 for n ≤ i < 2·groups.
+  HEADS_INLINE static void groups_of(const uint8_t* src, int64_t n, uint16_t* dst, int64_t groups) {
+    const int64_t np = 2 * groups;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),

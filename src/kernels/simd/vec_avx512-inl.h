@@ -200,11 +200,14 @@ struct Bf16Pairs {
 struct I16Pairs {
   using P = __m512i;
   static constexpr int kRows = 6;  // 6 x 1 sums (not measured: no AVX-512 CPU without VNNI was at hand)
+  static constexpr int kGroup = 2;  // values of K per 32-bit lane
+  static constexpr Int8Layout kLayout = Int8Layout::Pairs16;
   HEADS_INLINE static P zero() { return _mm512_setzero_si512(); }
-  HEADS_INLINE static P load(const int16_t* p) { return _mm512_load_si512(p); }
+  HEADS_INLINE static P load(const uint8_t* p) { return _mm512_load_si512(p); }
   HEADS_INLINE static P set1(const uint32_t* pair) { return _mm512_set1_epi32(static_cast<int>(*pair)); }
   HEADS_INLINE static P dot(P acc, P a, P b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
   HEADS_INLINE static P add(P a, P b) { return _mm512_add_epi32(a, b); }
+  HEADS_INLINE static P shl8(P a) { return _mm512_slli_epi32(a, 8); }  // (gemm_i8-inl.h names it for every layout)
   HEADS_INLINE static Vec::R sub_mul_f32(P a, int32_t z, P w) {
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(z), w)));
   }
@@ -213,7 +216,9 @@ struct I16Pairs {
   }
   HEADS_INLINE static P load_partial(const int32_t* p, int64_t n) { return _mm512_maskz_loadu_epi32(lanes(n), p); }
   HEADS_INLINE static void store(int32_t* p, P x, int64_t n) { _mm512_mask_storeu_epi32(p, lanes(n), x); }
-  HEADS_INLINE static void widen_u8(const uint8_t* src, int64_t n, uint16_t* dst, int64_t np) {
+  // The first `groups` pairs of a row of A into dst: dst[i] = src[i] for i < n, 0 for n ≤ i < 2·groups.
+  HEADS_INLINE static void groups_of(const uint8_t* src, int64_t n, uint16_t* dst, int64_t groups) {
+    const int64_t np = 2 * groups;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
       _mm512_storeu_si512(dst + i, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));

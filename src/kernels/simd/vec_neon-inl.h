@@ -247,3 +247,69 @@ struct Bf16Pairs {
   }
 };
 #endif
+
+// Quads of signed bytes for heads' own int8 GEMM (gemm_i8-inl.h) on cores with FEAT_DotProd (SDOT:
+// Neoverse N1 / V1 / V2 / N2, Graviton 2 on, Ampere Altra): a P holds W 32-bit lanes in two
+// registers; dot adds Σ_h a[4i + h]·b[4i + h] (signed bytes) to lane i, exact and wrapping in 32
+// bits. The row of A enters as a − 128 (kernels/dispatch.h: Int8Layout::Quads8). Compiled for
+// FEAT_DotProd, as gemm_i8-inl.h is (isa_table-inl.h), its only user.
+// Micro-kernel rows: 6 x 4 registers of sums, 4 of weights and a broadcast: 29 of the 32. Per group
+// of K a row costs 4 SDOT for one broadcast load, the 4 weight loads shared by the 6 rows: 24 SDOT
+// against 10 loads (Neoverse V1 / V2 issue 4 SDOT or FMLA and 3 loads a cycle: SDOT-bound at 64
+// multiply-adds a cycle, 4x FMLA's 16 f32 ones).
+#define HEADS_I8_QUADS 1
+HEADS_DOTPROD_PUSH  // the ISA file's target with FEAT_DotProd
+struct I8Quads {
+  struct P {
+    int32x4_t lo, hi;
+  };
+  static constexpr int kRows = 6;
+  static constexpr int kGroup = 4;  // values of K per 32-bit lane
+  static constexpr Int8Layout kLayout = Int8Layout::Quads8;
+  HEADS_INLINE static P zero() { return P{vdupq_n_s32(0), vdupq_n_s32(0)}; }
+  HEADS_INLINE static P load(const uint8_t* p) {
+    return P{vreinterpretq_s32_u8(vld1q_u8(p)), vreinterpretq_s32_u8(vld1q_u8(p + 16))};
+  }
+  HEADS_INLINE static P set1(const uint32_t* quad) {  // the 4 bytes at quad in every lane
+    const int32x4_t x = vreinterpretq_s32_u32(vld1q_dup_u32(quad));
+    return P{x, x};
+  }
+  HEADS_INLINE static P dot(P acc, P a, P b) {
+    return P{vdotq_s32(acc.lo, vreinterpretq_s8_s32(a.lo), vreinterpretq_s8_s32(b.lo)),
+             vdotq_s32(acc.hi, vreinterpretq_s8_s32(a.hi), vreinterpretq_s8_s32(b.hi))};
+  }
+  HEADS_INLINE static P add(P a, P b) { return P{vaddq_s32(a.lo, b.lo), vaddq_s32(a.hi, b.hi)}; }
+  HEADS_INLINE static P shl8(P a) { return P{vshlq_n_s32(a.lo, 8), vshlq_n_s32(a.hi, 8)}; }
+  // float(a − z·w) per lane, the difference wrapping around in 32 bits
+  HEADS_INLINE static Vec::R sub_mul_f32(P a, int32_t z, P w) {
+    return Vec::R{vcvtq_f32_s32(vmlsq_n_s32(a.lo, w.lo, z)), vcvtq_f32_s32(vmlsq_n_s32(a.hi, w.hi, z))};
+  }
+  HEADS_INLINE static P load_partial(const int32_t* p, int64_t n) {  // the first n lanes (the rest 0)
+    if (n >= 8) return P{vld1q_s32(p), vld1q_s32(p + 4)};
+    alignas(16) int32_t t[8] = {};
+    for (int64_t i = 0; i < n; ++i) t[i] = p[i];
+    return P{vld1q_s32(t), vld1q_s32(t + 4)};
+  }
+  HEADS_INLINE static void store(int32_t* p, P x, int64_t n) {  // the first n lanes
+    if (n >= 8) {
+      vst1q_s32(p, x.lo);
+      vst1q_s32(p + 4, x.hi);
+      return;
+    }
+    alignas(16) int32_t t[8];
+    vst1q_s32(t, x.lo);
+    vst1q_s32(t + 4, x.hi);
+    for (int64_t i = 0; i < n; ++i) p[i] = t[i];
+  }
+  // The first `groups` quads of a row of A into dst (4 bytes a group): src[i] − 128 as signed bytes
+  // for i < n, 0 for n ≤ i < 4·groups.
+  HEADS_INLINE static void groups_of(const uint8_t* src, int64_t n, uint16_t* dst, int64_t groups) {
+    auto* d = reinterpret_cast<uint8_t*>(dst);
+    const int64_t nb = 4 * groups;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) vst1q_u8(d + i, veorq_u8(vld1q_u8(src + i), vdupq_n_u8(0x80)));
+    for (; i < n; ++i) d[i] = static_cast<uint8_t>(src[i] ^ 0x80u);
+    for (; i < nb; ++i) d[i] = 0;
+  }
+};
+#pragma GCC pop_options
