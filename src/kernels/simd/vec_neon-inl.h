@@ -255,8 +255,9 @@ struct Bf16Pairs {
 // FEAT_DotProd, as gemm_i8-inl.h is (isa_table-inl.h), its only user.
 // Micro-kernel rows: 6 x 4 registers of sums, 4 of weights and a broadcast: 29 of the 32. Per group
 // of K a row costs 4 SDOT for one broadcast load, the 4 weight loads shared by the 6 rows: 24 SDOT
-// against 10 loads (Neoverse V1 / V2 issue 4 SDOT or FMLA and 3 loads a cycle: SDOT-bound at 64
-// multiply-adds a cycle, 4x FMLA's 16 f32 ones).
+// against 10 loads. The model (no ARM hardware has measured it): SDOT issuing on the vector pipes at
+// FMLA's rate and 2-3 loads a cycle (Neoverse N1 / V1 / V2), so SDOT-bound at 16 multiply-adds per
+// instruction against FMLA's 4 f32 ones: 4x the f32 GEMM's rate per core.
 #define HEADS_I8_QUADS 1
 HEADS_DOTPROD_PUSH  // the ISA file's target with FEAT_DotProd
 struct I8Quads {
