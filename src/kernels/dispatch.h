@@ -57,11 +57,15 @@ constexpr int32_t kSecondZero = 128;
 enum class Int8Layout : uint8_t { Pairs16, Quads8 };
 constexpr int64_t kPairPanel = 16;
 constexpr int64_t kQuadsHeader = 128;  // bytes before a Quads8 panel's planes
-// Bytes of a packed weight [N, K] in a layout.
+// Values of K per 32-bit lane of a panel (2 or 4); bytes of one panel of a weight of K columns (a
+// group of K is 64 bytes: 16 lanes); bytes of a packed weight [N, K].
+constexpr int64_t int8_group(Int8Layout layout) { return layout == Int8Layout::Pairs16 ? 2 : 4; }
+constexpr int64_t int8_panel_bytes(Int8Layout layout, int64_t K) {
+  const int64_t groups = (K + int8_group(layout) - 1) / int8_group(layout), plane = groups * 4 * kPairPanel;
+  return layout == Int8Layout::Pairs16 ? plane : kQuadsHeader + 2 * plane;
+}
 constexpr int64_t int8_packed_bytes(Int8Layout layout, int64_t N, int64_t K) {
-  const int64_t panels = (N + kPairPanel - 1) / kPairPanel;
-  return layout == Int8Layout::Pairs16 ? panels * ((K + 1) / 2) * 2 * kPairPanel * 2
-                                       : panels * (kQuadsHeader + 2 * ((K + 3) / 4) * 4 * kPairPanel);
+  return (N + kPairPanel - 1) / kPairPanel * int8_panel_bytes(layout, K);
 }
 // One product of that GEMM: C [M, N] (int32, row stride ldc) = A[0, M) · Bᵀ, B packed as above.
 struct PairsProduct {

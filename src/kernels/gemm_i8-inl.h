@@ -53,7 +53,7 @@ using VR = Vec::R;
 constexpr int kR = Dots::kRows;                         // rows per micro-kernel
 constexpr int kW = Vec::W;                              // 32-bit lanes per register
 constexpr int kNV = static_cast<int>(kPairPanel) / kW;  // registers per panel row
-constexpr int64_t kG = Dots::kGroup;                    // values of K per 32-bit lane
+constexpr int64_t kG = int8_group(Dots::kLayout);       // values of K per 32-bit lane
 constexpr bool kQuads = Dots::kLayout == Int8Layout::Quads8;
 constexpr int64_t kGroupRow = 64;                       // bytes of a panel per group of K (16 lanes)
 static_assert(kGroupRow == kPairPanel * 4);
@@ -63,8 +63,8 @@ static_assert(kRowBlock % kR == 0);
 static_assert(kPairPanel == kOutlierPanel);  // PairsOut reads the outlier columns of a panel's 16 outputs
 constexpr int64_t kKBlock = 256;                        // groups per block of K (a 16 KB slice of a plane)
 
-// Bytes of one packed panel of Kg groups (int8_packed_bytes's share).
-constexpr int64_t panel_bytes(int64_t Kg) { return kHeader + (kQuads ? 2 : 1) * Kg * kGroupRow; }
+// Bytes of one packed panel of Kg groups.
+constexpr int64_t panel_bytes(int64_t Kg) { return int8_panel_bytes(Dots::kLayout, Kg * kG); }
 
 // acc[r][v] = Σ_{i < kp} a[i][r] · plane group i (lanes v·W to v·W + W of the panel's 16 columns)
 // for r < RT ≤ kR rows; a: a group of packed A, plane: its slice of kp groups.

@@ -45,7 +45,7 @@ constexpr int64_t kMaxQuadsValue = 256 * 127 + 127;
 template <class T>
 void pack_quads_of(const T* B, int64_t N, int64_t K, uint8_t* dst) {
   const int64_t Kq = (K + 3) / 4, panels = (N + kP - 1) / kP;
-  const int64_t plane = Kq * 4 * kP, stride = kernels::kQuadsHeader + 2 * plane;
+  const int64_t plane = Kq * 4 * kP, stride = kernels::int8_panel_bytes(Int8Layout::Quads8, K);
   for (int64_t p = 0; p < panels; ++p) {
     uint8_t* panel = dst + p * stride;
     auto* lo = reinterpret_cast<int8_t*>(panel + kernels::kQuadsHeader);

@@ -165,7 +165,6 @@ struct I16Pairs {
   // Zen 3, one core, the whole GEMM (M 256, K 384, N 1536): 142 G integer ops per second with 6 rows,
   // 133 with 3 (vpmaddwd + vpaddd alone reach 150).
   static constexpr int kRows = 6;
-  static constexpr int kGroup = 2;  // values of K per 32-bit lane
   static constexpr Int8Layout kLayout = Int8Layout::Pairs16;
   // The micro-kernel of 6 rows (gemm_i8-inl.h: accumulate) in assembly, one pair of K per step:
   // GCC 12 compiles the intrinsics' loop with all 16 registers live into register moves and

@@ -200,7 +200,6 @@ struct Bf16Pairs {
 struct I16Pairs {
   using P = __m512i;
   static constexpr int kRows = 6;  // 6 x 1 sums (not measured: no AVX-512 CPU without VNNI was at hand)
-  static constexpr int kGroup = 2;  // values of K per 32-bit lane
   static constexpr Int8Layout kLayout = Int8Layout::Pairs16;
   HEADS_INLINE static P zero() { return _mm512_setzero_si512(); }
   HEADS_INLINE static P load(const uint8_t* p) { return _mm512_load_si512(p); }

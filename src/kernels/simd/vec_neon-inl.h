@@ -265,7 +265,6 @@ struct I8Quads {
     int32x4_t lo, hi;
   };
   static constexpr int kRows = 6;
-  static constexpr int kGroup = 4;  // values of K per 32-bit lane
   static constexpr Int8Layout kLayout = Int8Layout::Quads8;
   HEADS_INLINE static P zero() { return P{vdupq_n_s32(0), vdupq_n_s32(0)}; }
   HEADS_INLINE static P load(const uint8_t* p) {
