@@ -192,8 +192,9 @@ class PackedLinear {
 std::string linear_gemm_route(Precision p);
 
 // Which integer GEMM the int8 linear layers run: "auto" (oneDNN's native u8s8 matmul where the CPU
-// has VNNI or AMX-INT8, else heads' own where the active path has it) or "heads" (heads' own wherever
-// the active path has it, VNNI or not: to compare the two, which give the same bits).
+// has VNNI or AMX-INT8 — but on the amx path heads' tile GEMM for weights whose activation rows take
+// one term, activation_error ∞ — else heads' own where the active path has it) or "heads" (heads'
+// own wherever the active path has it, VNNI or not: to compare the two, which give the same bits).
 // HEADS_INT8_GEMM=auto|heads sets it at start-up. Throws heads::Error for another name.
 void set_int8_gemm(const std::string& how);
 

@@ -1,7 +1,7 @@
 // amx_emulator.h — the AMX tile operations the kernels use (ldtilecfg, tileloadd, tilestored,
-// tilezero, tdpbf16ps, tilerelease), in scalar C++, for isa_amx_emu.cc: sdpa_amx-inl.h compiled
-// over these instead of the instructions, from the same text, so that the AMX kernels run (slowly,
-// with the instruction's numerics) on a CPU without tiles. HEADS_AMX_EMULATE=1 offers that build
+// tilezero, tdpbf16ps, tdpbusd, tilerelease), in scalar C++, for isa_amx_emu.cc: sdpa_amx-inl.h and
+// gemm_i8_amx-inl.h compiled over these instead of the instructions, from the same text, so that the
+// AMX kernels run (slowly, with the instruction's numerics) on a CPU without tiles. HEADS_AMX_EMULATE=1 offers that build
 // as the `amx` ISA where the CPU has AVX-512 (the kernels' vector code) and no usable AMX.
 //
 // Numerics of tdpbf16ps, as the current Intel SDM's pseudo-code gives them (the older text's
@@ -127,6 +127,33 @@ inline void dpbf16ps(int c, int a, int b) {
         odd = add_product(odd, arow[2 * k + 1], brow[2 * n + 1]);
       }
       crow[n] = add_flushed(crow[n], add_flushed(even, odd));
+    }
+  }
+}
+
+// C[m][n] += Σ_k Σ_{i<4} A[m][4k + i]·B[k][4n + i], A unsigned bytes, B signed bytes, C int32: the SDM's
+// pseudo-code for tdpbusd sums the four products of each 32-bit lane in 32 bits and adds them to C,
+// without saturation (wrapping modulo 2^32, done here in unsigned arithmetic).
+inline void dpbusd(int c, int a, int b) {
+  Tiles& t = configured(c);
+  configured(a);
+  configured(b);
+  const int M = t.rows[c], N = t.colsb[c] / 4, K = t.colsb[a] / 4;
+  HEADS_CHECK(t.rows[a] == M && t.rows[b] == K && t.colsb[b] == t.colsb[c],
+              "AMX emulator: tdpbusd: shapes do not chain (C ", M, " x ", N, ", A ", int{t.rows[a]}, " x ", K,
+              ", B ", int{t.rows[b]}, " x ", t.colsb[b] / 4, ")");
+  for (int m = 0; m < M; ++m) {
+    auto* crow = reinterpret_cast<int32_t*>(t.reg[c] + m * 64);
+    const uint8_t* arow = t.reg[a] + m * 64;
+    for (int n = 0; n < N; ++n) {
+      uint32_t sum = static_cast<uint32_t>(crow[n]);
+      for (int k = 0; k < K; ++k) {
+        const auto* brow = reinterpret_cast<const int8_t*>(t.reg[b] + k * 64);
+        for (int i = 0; i < 4; ++i) {
+          sum += static_cast<uint32_t>(int32_t{arow[4 * k + i]} * int32_t{brow[4 * n + i]});
+        }
+      }
+      crow[n] = static_cast<int32_t>(sum);
     }
   }
 }

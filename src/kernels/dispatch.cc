@@ -254,6 +254,12 @@ bool int8_gemm_usable(const KernelTable& t) {
   if (t.int8_layout == Int8Layout::Pairs16) return true;
 #if defined(__aarch64__) && defined(__linux__)
   return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__x86_64__) && defined(__linux__)
+  // the AMX builds' tile GEMM (tdpbusd): AMX-INT8 beside the tiles amx_usable checked, or the emulator
+  if (t.isa != Isa::Amx) return false;
+  if (amx_emulated()) return true;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1u) != 0;
 #else
   return false;
 #endif

@@ -53,7 +53,9 @@ constexpr int32_t kSecondZero = 128;
 //   two planes [Kq][16][4] int8 with Kq = ceil(K / 4): B = 256·H + L, L[i][j][h] the low byte of
 //   B[16p + j][4i + h] as a signed byte and H the rest (0 unless the row is a folded 16-bit one).
 //   The header: int32 [16] 128·Σ_k B[16p + j][k] (mod 2^32), the sums SDOT's signed activations
-//   (a − 128) leave out, then int32 1 where the panel has an H plane to add (0: all zero).
+//   (a − 128) leave out, then int32 1 where the panel has an H plane to add (0: all zero). x86-64
+//   AMX reads the same panels (gemm_i8_amx-inl.h: 16 groups of a plane are one tdpbusd B tile; u8
+//   activations as they are, so the header's sums are not used there).
 enum class Int8Layout : uint8_t { Pairs16, Quads8 };
 constexpr int64_t kPairPanel = 16;
 constexpr int64_t kQuadsHeader = 128;  // bytes before a Quads8 panel's planes
@@ -199,7 +201,8 @@ const KernelTable& active();
 const KernelTable* table_for(Isa isa);
 // Whether path t's own int8 GEMM (gemm_u8s8_pairs) runs on this CPU: it exists, and the AArch64
 // builds' (Int8Layout::Quads8: SDOT, compiled for FEAT_DotProd, optional before Armv8.4) find the
-// feature in the kernel's hardware capabilities.
+// feature in the kernel's hardware capabilities; the amx path's (tdpbusd) needs AMX-INT8 beside the
+// tiles, or the tile emulator.
 bool int8_gemm_usable(const KernelTable& t);
 
 // Whether the avx512bf16 (neonbf16) path's bf16 attention uses vdpbf16ps (BFDOT) (true) or widens

@@ -133,11 +133,6 @@ __attribute__((noinline)) void group_rows(const uint32_t* a, const uint8_t* pane
   }
 }
 
-// Rows [m, m + RT) x columns [n0, n0 + cols) of the output (PairsOut): the sums above into part
-// [RT][16] (added to the sums of earlier blocks of K there if add), then the output from part;
-// panel index p0 (the outlier columns'). The epilogue reads the sums back from the tile rather
-// than from registers: sharing a function with it, GCC 12 spilled the micro-kernel's sums (2.5x
-// slower), and one store and load per output is nothing beside its K multiply-adds.
 // The activation of a tile of outputs just stored (in L1), one vector at a time: a loop of its own,
 // apart from the tile's twelve live registers (no faster on Zen 3 than applying it to them, within
 // noise, and a function of its own in profiles: GELU's erf is ~10% of heads bench embed --dtype
@@ -152,11 +147,14 @@ __attribute__((noinline)) inline void activate_tile(float* y, int64_t ys, int ro
   }
 }
 
-template <int RT>
-HEADS_INLINE void group_out(const uint32_t* a, const uint8_t* panel, int64_t i0, int64_t kp, int64_t Kg, int32_t* part,
-                            bool add, const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols,
-                            int64_t p0) {
-  group_rows<RT>(a, panel, i0, kp, Kg, part, kPairPanel, kPairPanel, add);
+// Rows [m, m + RT) x columns [n0, n0 + cols) of the output (PairsOut) from their int32 sums in part
+// (row stride ldp; heads' vector GEMM and the tile GEMM, gemm_i8_amx-inl.h, store them there), panel
+// index p0 (the outlier columns').
+// kActInRegisters: the activation applied to the sums in registers before they are stored (AVX-512's 32
+// registers hold RT = 8 rows and GELU's temporaries) rather than by activate_tile after.
+template <int RT, bool kActInRegisters = false>
+HEADS_INLINE void out_rows(const int32_t* part, int64_t ldp, const PairsOut& o, const float* xo, int64_t m, int64_t n0,
+                           int64_t cols, int64_t p0) {
   int64_t n[kNV];
 #pragma GCC unroll 4
   for (int v = 0; v < kNV; ++v) n[v] = std::clamp<int64_t>(cols - v * kW, 0, kW);
@@ -176,7 +174,7 @@ HEADS_INLINE void group_out(const uint32_t* a, const uint8_t* panel, int64_t i0,
     const VR s = Vec::set1(o.s[m + r]);
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
-      const P sum = Dots::load_partial(part + r * kPairPanel + v * kW, kW);
+      const P sum = Dots::load_partial(part + r * ldp + v * kW, kW);
       out[r][v] = Vec::fma(Vec::mul(Dots::sub_mul_f32(sum, o.z[m + r], ws[v]), s), sw[v], b[v]);
     }
   }
@@ -193,6 +191,18 @@ HEADS_INLINE void group_out(const uint32_t* a, const uint8_t* panel, int64_t i0,
       for (int v = 0; v < kNV; ++v) out[r][v] = Vec::fma(xv, w[v], out[r][v]);
     }
   }
+  if constexpr (kActInRegisters) {
+    const auto apply = [&out](auto f) {
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v) out[r][v] = f(out[r][v]);
+      }
+    };
+    if (o.act == 1) apply([](VR x) { return ew::relu(x); });
+    if (o.act == 2) apply([](VR x) { return ew::gelu_erf(x); });
+    if (o.act == 3) apply([](VR x) { return ew::gelu_tanh(x); });
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r) {
     float* y = o.y + (m + r) * o.ys + n0;
@@ -205,7 +215,20 @@ HEADS_INLINE void group_out(const uint32_t* a, const uint8_t* panel, int64_t i0,
       }
     }
   }
-  if (o.act != 0) activate_tile(o.y + m * o.ys + n0, o.ys, RT, cols, o.act);
+  if (!kActInRegisters && o.act != 0) activate_tile(o.y + m * o.ys + n0, o.ys, RT, cols, o.act);
+}
+
+// Rows [m, m + RT) x columns [n0, n0 + cols) of the output: the sums above into part [RT][16] (added
+// to the sums of earlier blocks of K there if add), then the output from part. The epilogue reads the
+// sums back from the tile rather than from registers: sharing a function with it, GCC 12 spilled the
+// micro-kernel's sums (2.5x slower), and one store and load per output is nothing beside its K
+// multiply-adds.
+template <int RT>
+HEADS_INLINE void group_out(const uint32_t* a, const uint8_t* panel, int64_t i0, int64_t kp, int64_t Kg, int32_t* part,
+                            bool add, const PairsOut& o, const float* xo, int64_t m, int64_t n0, int64_t cols,
+                            int64_t p0) {
+  group_rows<RT>(a, panel, i0, kp, Kg, part, kPairPanel, kPairPanel, add);
+  out_rows<RT>(part, kPairPanel, o, xo, m, n0, cols, p0);
 }
 
 // The tail groups of RT < kR rows, as above.

@@ -13,7 +13,7 @@
 // ... and about the undefined operand _mm512_reduce_add_ps passes (_mm256_undefined_pd).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2,amx-tile,amx-bf16,amx-int8")
 
 #define HEADS_NATIVE_BF16 1  // compiled for the vdpbf16ps probe of `heads bench peak`
 #define HEADS_AMX 1

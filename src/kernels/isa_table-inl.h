@@ -10,6 +10,9 @@
 #include "kernels/quantize-inl.h"
 #if defined(HEADS_I16_PAIRS)
 #include "kernels/gemm_i8-inl.h"
+#ifdef HEADS_AMX
+#include "kernels/gemm_i8_amx-inl.h"  // the tiles' integer GEMM in place of the 16-bit pairs' (tdpbusd)
+#endif
 #elif defined(HEADS_I8_QUADS)
 // SDOT is FEAT_DotProd's (optional from Armv8.2): only this GEMM is compiled for it (HEADS_DOTPROD_PUSH,
 // the ISA file's), and it runs only where the CPU has it (kernels::int8_gemm_usable); the rest of the
@@ -40,7 +43,11 @@ const KernelTable kTable{
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_u8 = &quantize_rows_u8,
     .int8_scale_errors = &int8_scale_errors,
-#if defined(HEADS_I16_PAIRS) || defined(HEADS_I8_QUADS)
+#if defined(HEADS_AMX)
+    .gemm_u8s8_pairs = &gemm_u8s8_tiles,
+    .gemm_u8s8_pairs_out = &gemm_u8s8_tiles_out,
+    .int8_layout = Int8Layout::Quads8,
+#elif defined(HEADS_I16_PAIRS) || defined(HEADS_I8_QUADS)
     .gemm_u8s8_pairs = &gemm_u8s8_pairs,
     .gemm_u8s8_pairs_out = &gemm_u8s8_pairs_out,
     .int8_layout = gemm_i8::Dots::kLayout,

@@ -12,6 +12,7 @@
 #define HEADS_TILE_STORE(t, base, stride) amx_emulator::store(t, base, static_cast<int64_t>(stride))
 #define HEADS_TILE_ZERO(t) amx_emulator::zero(t)
 #define HEADS_TILE_DP(c, a, b) amx_emulator::dpbf16ps(c, a, b)
+#define HEADS_TILE_DP_I8(c, a, b) amx_emulator::dpbusd(c, a, b)
 #define HEADS_TILE_CONFIG(cfg) amx_emulator::configure(&(cfg))
 #define HEADS_TILE_RELEASE() amx_emulator::release()
 #else
@@ -21,6 +22,7 @@
 #define HEADS_TILE_STORE(t, base, stride) _tile_stored(t, base, static_cast<int64_t>(stride))
 #define HEADS_TILE_ZERO(t) _tile_zero(t)
 #define HEADS_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define HEADS_TILE_DP_I8(c, a, b) _tile_dpbusd(c, a, b)
 // ldtilecfg reads all 64 bytes (GCC's _tile_loadconfig declares an 8-byte operand).
 #define HEADS_TILE_CONFIG(cfg) __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory")
 #define HEADS_TILE_RELEASE() _tile_release()

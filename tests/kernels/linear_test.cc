@@ -91,9 +91,21 @@ TEST(Linear, Int8PairsGemmIsExactOnOddShapes) {
   int paths = 0;
   std::mt19937_64 gen(testing::rng()());
   std::uniform_int_distribution<int> u8(0, 255), s8(-128, 127), pick(0, 9), wide(-(256 * 127 + 127), 256 * 127 + 127);
+  // every path's GEMM, and the amx path's tile GEMM over the tile emulator as well where the CPU has
+  // AVX-512 (the real tiles' too, where it has them: both must give the exact sums)
+  std::vector<std::pair<std::string, const kernels::KernelTable*>> tables;
   for (Isa isa : supported_isas()) {
     const kernels::KernelTable* t = kernels::table_for(isa);
-    if (t == nullptr || !kernels::int8_gemm_usable(*t)) continue;
+    if (t != nullptr && kernels::int8_gemm_usable(*t)) tables.emplace_back(isa_name(isa), t);
+  }
+  kernels::set_amx_emulation(1);
+  if (const kernels::KernelTable* t = kernels::table_for(Isa::Amx);
+      t != nullptr && kernels::int8_gemm_usable(*t) &&
+      std::none_of(tables.begin(), tables.end(), [t](const auto& e) { return e.second == t; })) {
+    tables.emplace_back("amx (emulated)", t);
+  }
+  kernels::set_amx_emulation(-1);
+  for (const auto& [name, t] : tables) {
     ++paths;
     for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 17}, {2, 2, 16}, {129, 383, 33},
                            {300, 77, 100}, {13, 1537, 15}, {97, 514, 31}, {5, 1030, 40}}) {
@@ -131,7 +143,7 @@ TEST(Linear, Int8PairsGemmIsExactOnOddShapes) {
         const kernels::PairsProduct parts[2] = {{p1, N, M, C.data(), ldc}, {p2, N2, M2, C2.data(), ldc2}};
         t->gemm_u8s8_pairs(A.data(), M, K, lda, parts, 2);
         const std::string what = "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N) +
-                                 " isa=" + isa_name(isa) + " threads=" + std::to_string(threads);
+                                 " isa=" + name + " threads=" + std::to_string(threads);
         const auto check = [&](const std::vector<int32_t>& c, const auto& w, int64_t rows, int64_t n, int64_t ld) {
           for (int64_t m = 0; m < rows; ++m) {
             for (int64_t j = 0; j < ld; ++j) {
