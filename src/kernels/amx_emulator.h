@@ -106,16 +106,27 @@ inline float add_flushed(float x, float y) {
   return flush(static_cast<float>(static_cast<double>(flush(x)) + static_cast<double>(flush(y))));
 }
 
+// The shapes of C += A·B on tiles c, a, b, 32-bit lanes: M rows, N lanes of C, K lanes of A (rows of
+// B); a configuration where they do not chain is an error (the instruction would fault).
+struct Chain {
+  int M, N, K;
+};
+inline Chain chain(const char* op, int c, int a, int b) {
+  const Tiles& t = configured(c);
+  configured(a);
+  configured(b);
+  const int M = t.rows[c], N = t.colsb[c] / 4, K = t.colsb[a] / 4;
+  HEADS_CHECK(t.rows[a] == M && t.rows[b] == K && t.colsb[b] == t.colsb[c], "AMX emulator: ", op,
+              ": shapes do not chain (C ", M, " x ", N, ", A ", int{t.rows[a]}, " x ", K, ", B ", int{t.rows[b]},
+              " x ", t.colsb[b] / 4, ")");
+  return {M, N, K};
+}
+
 // C[m][n] += (sum over k of A[m][2k] B[k][2n]) + (sum over k of A[m][2k+1] B[k][2n+1]) (bf16 pairs,
 // f32 C): the even and the odd partial sums apart, then added, then added to C.
 inline void dpbf16ps(int c, int a, int b) {
   Tiles& t = configured(c);
-  configured(a);
-  configured(b);
-  const int M = t.rows[c], N = t.colsb[c] / 4, K = t.colsb[a] / 4;
-  HEADS_CHECK(t.rows[a] == M && t.rows[b] == K && t.colsb[b] == t.colsb[c],
-              "AMX emulator: tdpbf16ps: shapes do not chain (C ", M, " x ", N, ", A ", int{t.rows[a]}, " x ", K,
-              ", B ", int{t.rows[b]}, " x ", t.colsb[b] / 4, ")");
+  const auto [M, N, K] = chain("tdpbf16ps", c, a, b);
   for (int m = 0; m < M; ++m) {
     float* crow = reinterpret_cast<float*>(t.reg[c] + m * 64);
     const auto* arow = reinterpret_cast<const uint16_t*>(t.reg[a] + m * 64);
@@ -136,12 +147,7 @@ inline void dpbf16ps(int c, int a, int b) {
 // without saturation (wrapping modulo 2^32, done here in unsigned arithmetic).
 inline void dpbusd(int c, int a, int b) {
   Tiles& t = configured(c);
-  configured(a);
-  configured(b);
-  const int M = t.rows[c], N = t.colsb[c] / 4, K = t.colsb[a] / 4;
-  HEADS_CHECK(t.rows[a] == M && t.rows[b] == K && t.colsb[b] == t.colsb[c],
-              "AMX emulator: tdpbusd: shapes do not chain (C ", M, " x ", N, ", A ", int{t.rows[a]}, " x ", K,
-              ", B ", int{t.rows[b]}, " x ", t.colsb[b] / 4, ")");
+  const auto [M, N, K] = chain("tdpbusd", c, a, b);
   for (int m = 0; m < M; ++m) {
     auto* crow = reinterpret_cast<int32_t*>(t.reg[c] + m * 64);
     const uint8_t* arow = t.reg[a] + m * 64;

@@ -12,9 +12,10 @@
 // threads, heads bench embed --dtype int8) oneDNN's GEMMs were 29% of the samples and the output
 // passes 14% more. Here each 32 x 32 block of sums is made into outputs while it is in L1 (GELU
 // applied in registers), and a folded 16-bit weight row costs a second tile product over the H plane
-// of its pair of panels. Side by side on that CPU (medians of 5 interleaved runs): embeddings 1,033
-// against 952 sentences/s; one layer of 864 rows, K 384, N 1536, one activation term: 1.01 against
-// 1.24 ms. Used where every activation row has one term (linear_lowp_int8.cc): with second terms
+// of its panel (the pair's first only, where the second has none). Side by side on that CPU:
+// embeddings 1,015 against 900 sentences/s (medians of 11 interleaved runs; in five other runs of 5
+// to 9 the ratio went from 0.99 to 1.16, the host being noisy); one layer of 864 rows, K 384, N 1536,
+// one activation term: 1.01 against 1.24 ms. Used where every activation row has one term (linear_lowp_int8.cc): with second terms
 // the sums are stored and made into outputs apart, and oneDNN's GEMM is faster there.
 // In all-MiniLM-L6-v2 (calibrated) the layers of K = 384 have no folded rows, and 93% of the
 // feed-forward output's pairs of panels (K = 1536) have them in both panels: the H planes double that
