@@ -190,6 +190,10 @@ class PackedLinear {
 // a CPU without native bf16, or int8 on a path without heads' GEMM) or "portable" (plain loops: the
 // scalar path).
 std::string linear_gemm_route(Precision p);
+// The route linear() takes with this weight: linear_gemm_route(w.precision()), but for an int8 weight
+// whose activation rows take one term (activation_error ∞) on the amx path "heads" (heads' AMX-INT8 tile
+// GEMM, which "auto" prefers there; set_int8_gemm below).
+std::string linear_gemm_route(const PackedLinear& w);
 
 // Which integer GEMM the int8 linear layers run: "auto" (oneDNN's native u8s8 matmul where the CPU
 // has VNNI or AMX-INT8 — but on the amx path heads' tile GEMM for weights whose activation rows take

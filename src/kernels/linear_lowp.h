@@ -69,6 +69,9 @@ class Buffer {
 
 enum class Route { Native, Heads, F32, Portable };  // linear_gemm_route's answers
 Route route_of(Precision p);
+// The route of an int8 call through a weight of this activation_error: route_of's, but heads' tile
+// GEMM on the amx path for one-term rows (activation_error ∞; linear_lowp.cc says why).
+Route int8_route(double activation_error);
 
 // oneDNN's matmul for a bf16 / int8 call; false where oneDNN turns out to have none for this CPU after
 // all (the caller's portable loops then run), any other failure an error naming the shapes.

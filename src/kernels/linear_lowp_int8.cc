@@ -3,7 +3,6 @@
 // the portable path, or the f32 route), the outputs made from the exact sums.
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <exception>
 #include <omp.h>
@@ -186,17 +185,7 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
 
 void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Weight& w, const float* bias, float* y,
                  int64_t ys, std::optional<Activation> act) {
-  Route route = route_of(Precision::Int8);
-  // On AMX, heads' tile GEMM (gemm_i8_amx-inl.h), whose output pass runs on each block of sums while
-  // it is in L1, where every activation row has one term (a weight with activation_error ∞: the
-  // calibrated models); with second terms its sums are stored and made into outputs after, as
-  // oneDNN's are, and oneDNN's GEMM is faster there (Intel Xeon with AMX, 2 threads, heads bench
-  // linear --rows 864 --dtype int8: one term 1.01 against 1.24 ms at K 384, N 1536; two terms 3.3
-  // against 2.2 ms).
-  if (route == Route::Native && std::isinf(w.act_error) && kernels::active().isa == Isa::Amx &&
-      kernels::int8_gemm_usable(kernels::active())) {
-    route = Route::Heads;
-  }
+  const Route route = int8_route(w.act_error);
   if (route == Route::Native || route == Route::Portable) {
     linear_int8_tasks(x, M, K, xs, w, bias, y, ys, act, route == Route::Native);
     return;

@@ -102,6 +102,30 @@ float reference_residual_scale(const float* r, const int8_t* q, int64_t K, float
   return best;
 }
 
+// The route of a weight: its precision's, but heads' tile GEMM on the amx path for int8 weights whose
+// rows take one term (where oneDNN's native route would otherwise run; HEADS_INT8_GEMM=heads gives
+// heads' GEMM to both).
+TEST(Precision, RouteOfAWeight) {
+  testing::IsaGuard guard;
+  const Tensor W = randn({20, 30});
+  const double inf = std::numeric_limits<double>::infinity();
+  const PackedLinear one(W, Precision::Int8, inf), two(W, Precision::Int8), bf(W, Precision::BF16);
+  int tiles = 0;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    EXPECT_EQ(linear_gemm_route(two), linear_gemm_route(Precision::Int8)) << isa_name(isa);
+    EXPECT_EQ(linear_gemm_route(bf), linear_gemm_route(Precision::BF16)) << isa_name(isa);
+    const bool amx = isa == Isa::Amx && kernels::int8_gemm_usable(kernels::active()) &&
+                     linear_gemm_route(Precision::Int8) == "native";
+    tiles += amx;
+    EXPECT_EQ(linear_gemm_route(one), amx ? "heads" : linear_gemm_route(Precision::Int8)) << isa_name(isa);
+  }
+  if (std::string(cpu_features()).find("amx-int8") != std::string::npos && amx_status() == "tiles") {
+    EXPECT_EQ(tiles, 1) << "a CPU with AMX-INT8 tiles: the amx path's int8 takes them";
+  }
+  EXPECT_THAT(testing::error_of([] { linear_gemm_route(PackedLinear()); }), HasSubstr("the packed weight is empty"));
+}
+
 TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   testing::IsaGuard guard;
   if (const char* cap = std::getenv("DNNL_MAX_CPU_ISA"); cap != nullptr && std::string(cap) == "AVX2") {

@@ -362,7 +362,7 @@ void run_linear(const BenchArgs& a) {
   const PackedLinear w(W, p, p == Precision::Int8 ? a.activation_error : 0.0);
   const double ms = median_ms([&] { linear(x, w, b); }, a.min_time);
   const double gflops = 2.0 * a.M * a.N * a.K / ms / 1e6;
-  const std::string route = linear_gemm_route(p);
+  const std::string route = linear_gemm_route(w);
   if (a.json) {
     std::printf("{\"op\":\"linear\",\"M\":%lld,\"K\":%lld,\"N\":%lld,\"dtype\":\"%s\",\"route\":\"%s\",\"isa\":\"%s\","
                 "\"threads\":%d,\"ms\":%.4f,\"gflops\":%.2f}\n",
