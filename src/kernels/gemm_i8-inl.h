@@ -281,6 +281,40 @@ inline int64_t block_rows(int64_t M) {
   return ((M + n - 1) / n + kR - 1) / kR * kR;
 }
 
+// The tasks of one call, shared by this GEMM and the tile GEMM (gemm_i8_amx-inl.h): for each product
+// in turn blocks(product) row blocks, each of cols(product) column blocks in order.
+template <class Blocks, class Cols>
+struct TaskGrid {
+  const PairsProduct* parts;
+  int count;
+  Blocks blocks;
+  Cols cols;
+  int64_t of(const PairsProduct& p) const { return blocks(p) * cols(p); }
+  int64_t size() const {
+    int64_t n = 0;
+    for (int i = 0; i < count; ++i) n += of(parts[i]);
+    return n;
+  }
+  double macs(int64_t K) const {  // of every product
+    double n = 0;
+    for (int i = 0; i < count; ++i) n += static_cast<double>(parts[i].M) * static_cast<double>(parts[i].N) * K;
+    return n;
+  }
+  struct Task {
+    const PairsProduct& pr;
+    int64_t block, col;
+  };
+  Task operator[](int64_t t) const {  // t: the task within product i
+    int i = 0;
+    for (; t >= of(parts[i]); ++i) t -= of(parts[i]);
+    return {parts[i], t / cols(parts[i]), t % cols(parts[i])};
+  }
+};
+template <class Blocks, class Cols>
+TaskGrid<Blocks, Cols> task_grid(const PairsProduct* parts, int count, Blocks blocks, Cols cols) {
+  return {parts, count, blocks, cols};
+}
+
 // The tasks of one call: for each product its row blocks, each block's panels in order; A packed on
 // the calling thread's buffer first, by all threads; task(p, m0, rows, panel, a32, Kg) runs one.
 template <class Task, class Gather>
@@ -288,19 +322,15 @@ inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const
                       Task task, Gather gather) {
   const int64_t Kg = (K + kG - 1) / kG;
   const int64_t groups = (M + kR - 1) / kR;
-  const auto blocks = [](const PairsProduct& p) { return (p.M + block_rows(p.M) - 1) / block_rows(p.M); };
-  const auto panels = [](const PairsProduct& p) { return (p.N + kPairPanel - 1) / kPairPanel; };
-  int64_t tasks = 0;
-  double macs = 0;
-  for (int p = 0; p < count; ++p) {
-    tasks += blocks(parts[p]) * panels(parts[p]);
-    macs += static_cast<double>(parts[p].M) * static_cast<double>(parts[p].N) * static_cast<double>(K);
-  }
+  const auto grid = task_grid(
+      parts, count, [](const PairsProduct& p) { return (p.M + block_rows(p.M) - 1) / block_rows(p.M); },
+      [](const PairsProduct& p) { return (p.N + kPairPanel - 1) / kPairPanel; });
+  const int64_t tasks = grid.size();
   if (tasks == 0) return;
   thread_local std::vector<uint32_t> packed;
   packed.resize(static_cast<size_t>(groups * Kg * kR));
   uint32_t* const a32 = packed.data();
-  const int threads = threads_for(2.0 * macs, tasks);
+  const int threads = threads_for(2.0 * grid.macs(K), tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
@@ -310,12 +340,9 @@ inline void run_tasks(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const
     }
 #pragma omp for schedule(dynamic, 4)
     for (int64_t t = 0; t < tasks; ++t) {
-      int p = 0;
-      int64_t local = t;  // the task within product p
-      for (; local >= blocks(parts[p]) * panels(parts[p]); ++p) local -= blocks(parts[p]) * panels(parts[p]);
-      const PairsProduct& pr = parts[p];
-      const int64_t br = block_rows(pr.M), m0 = local / panels(pr) * br;
-      task(pr, m0, std::min(br, pr.M - m0), local % panels(pr), a32, Kg);
+      const auto at = grid[t];
+      const int64_t br = block_rows(at.pr.M), m0 = at.block * br;
+      task(at.pr, m0, std::min(br, at.pr.M - m0), at.col, a32, Kg);
     }
   }
   if (packed.size() > (size_t{1} << 22)) std::vector<uint32_t>().swap(packed);  // a thread keeps at most 16 MB

@@ -230,20 +230,16 @@ template <class SinkOf, class Gather>
 inline void run(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const PairsProduct* parts, int count,
                 SinkOf sink_of, Gather gather) {
   const Shape s(K);
-  const auto blocks = [](const PairsProduct& p) { return (p.M + kBlockRows - 1) / kBlockRows; };
-  const auto pairs = [](const PairsProduct& p) { return (p.N + 2 * kT - 1) / (2 * kT); };
-  int64_t tasks = 0;
-  double macs = 0;
-  for (int i = 0; i < count; ++i) {
-    tasks += blocks(parts[i]) * pairs(parts[i]);
-    macs += static_cast<double>(parts[i].M) * static_cast<double>(parts[i].N) * static_cast<double>(K);
-  }
+  const auto grid = gemm_i8::task_grid(
+      parts, count, [](const PairsProduct& p) { return (p.M + kBlockRows - 1) / kBlockRows; },
+      [](const PairsProduct& p) { return (p.N + 2 * kT - 1) / (2 * kT); });  // pairs of panels
+  const int64_t tasks = grid.size();
   if (tasks == 0) return;
   const int64_t row_tiles = (M + kT - 1) / kT;
   thread_local std::vector<uint8_t> packed;  // 64 bytes more, for the rows to start on cache lines
   packed.resize(static_cast<size_t>(row_tiles * kT * s.Kp + 64));
   uint8_t* const a = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t{63});
-  const int threads = threads_for(2.0 * macs, tasks);
+  const int threads = threads_for(2.0 * grid.macs(K), tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
@@ -260,11 +256,9 @@ inline void run(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const Pairs
     amx::configure_tiles();
 #pragma omp for schedule(dynamic, 2)
     for (int64_t t = 0; t < tasks; ++t) {
-      int i = 0;
-      int64_t local = t;  // the task within product i
-      for (; local >= blocks(parts[i]) * pairs(parts[i]); ++i) local -= blocks(parts[i]) * pairs(parts[i]);
-      const PairsProduct& pr = parts[i];
-      const int64_t m0 = local / pairs(pr) * kBlockRows, p0 = local % pairs(pr) * 2;
+      const auto at = grid[t];
+      const PairsProduct& pr = at.pr;
+      const int64_t m0 = at.block * kBlockRows, p0 = at.col * 2;
       const int n = static_cast<int>(std::min<int64_t>(2, (pr.N + kT - 1) / kT - p0));
       task(a, s, pr, m0, std::min(kBlockRows, pr.M - m0), p0, n, panels, sink_of(pr));
     }
