@@ -91,17 +91,29 @@ FILTER='Sdpa.*:SdpaBackward.*:SdpaVariants.*:SdpaSplit.*:SdpaMerge.*:SdpaKv.*:Qu
 FILTER+=':Rope.*:RmsNorm.*:GatedActivation.*:KVCache.*:LinearAttention.*:Linear.*:Precision.*:PrecisionOutliers.*'
 # Not the model's embeddings (all-MiniLM-L6-v2 through every layer: minutes under QEMU; the x86 runs have it).
 FILTER+=':-Precision.SentenceEmbeddingsStayCloseToF32'
-# Two processes of half the tests each (gtest sharding), one per core.
-pids=()
-for shard in 0 1; do
-  GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard HEADS_TEST_SAMPLE=$SAMPLE OMP_NUM_THREADS=2 OMP_WAIT_POLICY=passive \
-    qemu-aarch64 -cpu max "$BUILD/tests/heads_tests" --gtest_filter="$FILTER" --gtest_brief=1 >"$BUILD/qemu-shard$shard.log" 2>&1 &
-  pids+=($!)
-done
+# Eight processes of an eighth of the tests each (gtest sharding), two at a time (one per core), the next
+# starting as one ends: the tests' times differ by 50x, and two halves had ended 60 s apart.
+SHARDS=8
+run_shard() {
+  GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$1 HEADS_TEST_SAMPLE=$SAMPLE OMP_NUM_THREADS=2 OMP_WAIT_POLICY=passive \
+    qemu-aarch64 -cpu max "$BUILD/tests/heads_tests" --gtest_filter="$FILTER" --gtest_brief=1 >"$BUILD/qemu-shard$1.log" 2>&1
+}
 rc=0
-for i in 0 1; do
-  wait "${pids[$i]}" || rc=1
-  tail -n 3 "$BUILD/qemu-shard$i.log"
+running=0
+for ((shard = 0; shard < SHARDS; ++shard)); do
+  if ((running == 2)); then
+    wait -n || rc=1
+    running=$((running - 1))
+  fi
+  run_shard "$shard" &
+  running=$((running + 1))
+done
+while ((running > 0)); do
+  wait -n || rc=1
+  running=$((running - 1))
+done
+for ((shard = 0; shard < SHARDS; ++shard)); do
+  tail -n 3 "$BUILD/qemu-shard$shard.log" | grep -v '^$' | sed "s/^/   shard $shard: /"
 done
 if ((rc)); then
   cat "$BUILD"/qemu-shard*.log
