@@ -93,7 +93,7 @@ constexpr int64_t kMaxBlocks = 8;  // key blocks per key group
 constexpr int64_t kStreamBytes = int64_t{16} << 20;  // half the L3 of the machines this is tuned on
 
 struct Scratch {
-  float *qt, *dot, *s, *dp, *pd, *tg, *tmp, *drow;
+  float *qt, *dot, *s, *dp, *pd, *tg, *drow;
   float* drel;  // [H][rel_len] this thread's dS sums along i - j (T5 table gradient), or null
   // bf16 inputs widened: a key group's K [span][D] and V [span][Dv] rows, a step's Q [kLd][D],
   // dO and O [kLd][Dv] rows (null for f32 inputs, read in place)
@@ -106,7 +106,7 @@ struct Scratch {
   float* ctmp;
   // rows: G·Lq values of D_i
   static int64_t floats(int64_t D, int64_t Dv, int64_t rows) {
-    return kSub * (D + Dv) * kTQ + 4 * kTK * kLd + kTQ + rows + 64;
+    return kSub * (D + Dv) * kTQ + 4 * kTK * kLd + rows + 64;
   }
   // The widened rows of bf16 inputs, for key groups of `span` keys.
   static int64_t widened_floats(int64_t D, int64_t Dv, int64_t span) { return span * (D + Dv) + kLd * (D + 2 * Dv); }
@@ -373,9 +373,8 @@ inline void sdpa_bwd(const SdpaProblem& pb, const Tensor& dout, const Tensor& q,
     scr.dp = scr.s + kTK * kLd;
     scr.pd = scr.dp + kTK * kLd;
     scr.tg = scr.pd + kTK * kLd;
-    scr.tmp = scr.tg + kTK * kLd;
     scr.drel = nullptr;
-    scr.drow = scr.tmp + kTQ;
+    scr.drow = scr.tg + kTK * kLd;
     scr.kin = scr.vin = scr.qin = scr.gin = scr.oin = nullptr;
     if (bf16) {
       scr.kin = base + own;

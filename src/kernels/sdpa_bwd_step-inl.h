@@ -118,7 +118,7 @@ HEADS_INLINE void dp_to_ds(const Call& C, const Step& st, const fwd::Tile& t, in
 HEADS_INLINE void tile_ds(const Call& C, Step& st, int64_t j0, int64_t nk, int64_t u, const Scratch& scr) {
   const SdpaProblem& pb = C.pb;
   const int64_t i0 = st.I0 + u * kTQ, nq = std::min(st.nqs - u * kTQ, kTQ);
-  const fwd::Tile t{pb, st.b, st.h, st.hk, i0, nq, scr.tmp};
+  const fwd::Tile t{pb, st.b, st.h, st.hk, i0, nq};
   float* const mrow =
       C.dmask_full == nullptr ? nullptr : C.dmask_full + ((st.b * pb.H + st.h) * pb.Lq + i0) * pb.Lk + j0;
   if (st.few) {

@@ -58,26 +58,25 @@ HEADS_INLINE float widen(uint16_t x) {
 #include "kernels/sdpa_fwd_products-inl.h"
 #include "kernels/sdpa_fwd_scores-inl.h"
 
-// A thread's scratch, viewed by one tile of its group (qt and ot are the tile's own; s, tmp, aux
-// and the cache are shared by the group, whose tiles take turns).
+// A thread's scratch, viewed by one tile of its group (qt and ot are the tile's own; s, aux and
+// the cache are shared by the group, whose tiles take turns).
 struct Scratch {
   float* qt;   // [D][kTQ] (a policy may store another layout in the same space)
   float* s;    // [kTK][kTQ]
   float* ot;   // [Dv][kTQ]
-  float* tmp;  // [kTQ]
   float* aux;  // policy scratch: [kTK][kTQ + Dv + W] floats
   float* cache;          // policy's per-thread cache across tiles (Pol::cache_floats)
   int64_t* cache_state;  // its key and fill level (4 integers), owned by the thread
-  // Floats for a group of n_tiles: n_tiles x (qt, ot), then s, tmp, aux.
+  // Floats for a group of n_tiles: n_tiles x (qt, ot), then s, aux.
   static int64_t floats(int64_t D, int64_t Dv, int64_t n_tiles) {
-    return n_tiles * (D + Dv) * kTQ + (kTK + 1) * kTQ + kTK * (kTQ + Dv + kW);
+    return n_tiles * (D + Dv) * kTQ + kTK * kTQ + kTK * (kTQ + Dv + kW);
   }
   // Tile g's view of the group scratch at base.
   static Scratch view(float* base, int64_t D, int64_t Dv, int64_t n_tiles, int64_t g, float* cache,
                       int64_t* cache_state) {
     float* shared = base + n_tiles * (D + Dv) * kTQ;
     float* own = base + g * (D + Dv) * kTQ;
-    return Scratch{own, shared, own + D * kTQ, shared + kTK * kTQ, shared + (kTK + 1) * kTQ, cache, cache_state};
+    return Scratch{own, shared, own + D * kTQ, shared + kTK * kTQ, cache, cache_state};
   }
 };
 
@@ -264,7 +263,7 @@ inline void forward_tiles(const SdpaProblem& pb, const typename Pol::In* q, cons
     const int64_t i0 = (qt_first + g) * kTQ, nq = std::min(pb.Lq - i0, kTQ);
     const Scratch scr = scr_of(g);
     TileRun& run = group[g].emplace(
-        TileRun{Tile{pb, b, h, hk, i0, nq, scr.tmp}, scr,
+        TileRun{Tile{pb, b, h, hk, i0, nq}, scr,
                 std::max(keys.lo, pb.key_begin(i0) / 2 * 2),  // left limit of its first row (even: bf16 pairs)
                 std::min(keys.hi, pb.key_end(i0 + nq - 1)),   // causal limit of its widest row
                 {}, {}});
@@ -384,7 +383,7 @@ inline void sdpa_tiled(const SdpaProblem& pb, const Tensor& q, const Tensor& k, 
           if (!pb.head_on(b, h)) continue;
           const int64_t nq = std::min(pb.Lq - i0, kTQ), hk = h / pb.group(), row = (b * pb.H + h) * pb.Lq + i0;
           const Scratch scr = Scratch::view(base, pb.D, pb.Dv, G, 0, cache_base, state);
-          const Tile t{pb, b, h, hk, i0, nq, scr.tmp};
+          const Tile t{pb, b, h, hk, i0, nq};
           Pol::pack_q(qp + b * qs[0] + h * qs[1] + i0 * qs[2], qs[2], nq, pb.D, c, scr.qt);
           alignas(64) float lse2[kTQ];  // +inf for rows that saw nothing (weight 0), as finish_tile
           for (int64_t r = 0; r < kTQ; ++r) lse2[r] = r < nq && lp[row + r] != -kInf ? lp[row + r] * kLog2e : kInf;

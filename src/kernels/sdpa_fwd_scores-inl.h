@@ -5,7 +5,6 @@
 struct Tile {
   const SdpaProblem& pb;
   int64_t b, h, hk, i0, nq;
-  float* tmp;  // [kTQ] scratch for gathered mask values
 };
 
 // tanh(x): an odd Taylor polynomial below |x| = 0.3 (relative error < 1e-7 there), else
@@ -66,15 +65,36 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   const int64_t mrow0 = has_mask ? pb.mods.mask_offset(t.b, t.h, t.i0) : 0;
   const int64_t ms2 = has_mask ? pb.mods.mask.stride(2) : 0;
   auto value = [&](int64_t off) { return pb.mods.mask_term<float>(off, kLog2e); };  // log2 units
+  // A mask with a row per query ([Lq, Lk] per head: nn.MultiheadAttention's attn_mask, a 4-D padding
+  // mask expanded over the queries) is read along each query's row, where its keys lie, kMaskKeys
+  // keys at a time, into `terms` [key][query] (the scores' layout): mask_term's values, written
+  // out for each kind (reading it one element at a time, down the queries, was half of a short
+  // sequence's time).
+  constexpr int64_t kMaskKeys = 16;
+  alignas(64) float terms[kMaskKeys][kTQ];
+  const void* mask_data = has_mask ? pb.mods.mask.raw_data() : nullptr;
+  auto read_terms = [&](int64_t r0, int64_t n) {
+    for (int64_t l = 0; l < kTQ; ++l) {
+      const int64_t off = mrow0 + l * ms2 + (j0 + r0) * ms3;
+      if (l >= t.nq) {
+        for (int64_t c = 0; c < n; ++c) terms[c][l] = 0.0f;
+      } else if (bool_mask) {
+        const uint8_t* m = static_cast<const uint8_t*>(mask_data) + off;
+        for (int64_t c = 0; c < n; ++c) terms[c][l] = m[c * ms3] ? 0.0f : -kInf;
+      } else {
+        const float* m = static_cast<const float*>(mask_data) + off;
+        for (int64_t c = 0; c < n; ++c) terms[c][l] = m[c * ms3] * kLog2e;
+      }
+    }
+  };
   for (int64_t r = 0; r < nk; ++r) {
     const int64_t j = j0 + r;
     VR add[kNQ] = {Vec::zero(), Vec::zero()};
     if (row_bcast) {
       add[0] = add[1] = Vec::set1(value(mrow0 + j * ms3));
     } else if (has_mask) {
-      for (int64_t l = 0; l < kTQ; ++l) t.tmp[l] = l < t.nq ? value(mrow0 + l * ms2 + j * ms3) : 0.0f;
-      add[0] = Vec::load(t.tmp);
-      add[1] = Vec::load(t.tmp + kW);
+      if (r % kMaskKeys == 0) read_terms(r, std::min<int64_t>(kMaskKeys, nk - r));
+      for (int v = 0; v < kNQ; ++v) add[v] = Vec::load(terms[r % kMaskKeys] + v * kW);
     }
     const VR jv = Vec::set1(static_cast<float>(j));
     if (blocks && j / pb.mods.block_size != blk_kb) {
