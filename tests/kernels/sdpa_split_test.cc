@@ -32,7 +32,7 @@ struct Shape {
 };
 
 // bench/shapes.json, and GQA prefill and decode as Llama-class models run them.
-std::vector<Shape> shapes() {
+std::vector<Shape> split_shapes() {
   return {{"bert128", 8, 12, 12, 128, 128, 64, false}, {"bert512", 2, 12, 12, 512, 512, 64, false},
           {"gpt2k", 1, 16, 16, 2048, 2048, 64, true},  {"long4k", 1, 8, 8, 4096, 4096, 128, false},
           {"decode4k", 1, 32, 32, 1, 4096, 128, false}, {"gqa-prefill2k", 1, 32, 8, 2048, 2048, 128, true},
@@ -106,7 +106,7 @@ std::vector<double> decode_tasks(const SdpaProblem& pb) {
 }
 
 TEST(SdpaSplit, BackwardKeySplitsCoverTheKeys) {
-  std::vector<Shape> all = shapes();
+  std::vector<Shape> all = split_shapes();
   for (const Shape& s : band_shapes()) all.push_back(s);
   for (const Shape& s : all) {
     const SdpaProblem pb = problem(s);
@@ -136,7 +136,7 @@ TEST(SdpaSplit, BackwardKeySplitsCoverTheKeys) {
 
 TEST(SdpaSplit, BackwardCausalSplitsCarryAboutEqualWork) {
   // gpt2k: cut into equal key ranges, the first would carry 3x the second's work.
-  for (const Shape& s : shapes()) {
+  for (const Shape& s : split_shapes()) {
     const SdpaProblem pb = problem(s);
     const kernels::KeySplits ks = kernels::backward_key_splits(pb);
     if (ks.n == 1) continue;
@@ -150,7 +150,7 @@ TEST(SdpaSplit, BackwardCausalSplitsCarryAboutEqualWork) {
 TEST(SdpaSplit, BackwardAndDecodeFeedSixteenThreads) {
   std::ostringstream table;
   table << "modelled parallel efficiency (threads 2 / 4 / 8 / 16 / 32 / 64):\n";
-  for (const Shape& s : shapes()) {
+  for (const Shape& s : split_shapes()) {
     const SdpaProblem pb = problem(s);
     const bool decode = s.Lq <= 4;
     const std::vector<double> work = decode ? decode_tasks(pb) : backward_tasks(pb);
@@ -173,7 +173,7 @@ TEST(SdpaSplit, BackwardAndDecodeFeedSixteenThreads) {
 // budget and no left window is set, and they never leave 2 to 16 threads with too few tasks
 // (modelled as above, a group's work being its queries' visible pairs).
 TEST(SdpaSplit, ForwardGroupsTilesOnlyForLongKeys) {
-  std::vector<Shape> all = shapes();
+  std::vector<Shape> all = split_shapes();
   for (const Shape& s : band_shapes()) all.push_back(s);
   bool grouped = false;
   for (const Shape& s : all) {
@@ -214,8 +214,8 @@ TEST(SdpaSplit, ForwardGroupsTilesOnlyForLongKeys) {
     }
   }
   EXPECT_TRUE(grouped);  // long4k and gpt2k group on every thread count up to 16
-  EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(shapes()[3]), 16, 4, 2), kernels::kMaxSweepTiles);  // long4k
-  EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(shapes()[0]), 16, 4, 2), 1);  // bert128: 64 KB of K and V
+  EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(split_shapes()[3]), 16, 4, 2), kernels::kMaxSweepTiles);  // long4k
+  EXPECT_EQ(kernels::forward_tiles_per_sweep(problem(split_shapes()[0]), 16, 4, 2), 1);  // bert128: 64 KB of K and V
 }
 
 // A few query rows against long keys (a chunk of a long prompt, speculative decoding, one head):
@@ -227,7 +227,7 @@ TEST(SdpaSplit, ForwardKeyChunksFeedSixteenThreads) {
                                   {"four-heads-64q", 1, 4, 4, 64, 8192, 64, false},
                                   {"short-keys", 1, 2, 2, 16, 900, 64, false}};
   std::vector<Shape> all = few;
-  for (const Shape& s : shapes()) all.push_back(s);
+  for (const Shape& s : split_shapes()) all.push_back(s);
   for (const Shape& s : all) {
     const SdpaProblem pb = problem(s);
     for (int64_t tile : {16, 32}) {

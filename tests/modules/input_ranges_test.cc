@@ -17,7 +17,7 @@ namespace {
 using testing::randn;
 
 // max |x| over every dimension but the last, f32 [K].
-Tensor column_absmax(const Tensor& x_in) {
+Tensor columns_absmax(const Tensor& x_in) {
   const Tensor x = x_in.contiguous();
   const int64_t K = x.size(-1), M = x.numel() / K;
   Tensor a = Tensor::zeros({K}, DType::F32);
@@ -74,9 +74,9 @@ TEST(InputRanges, EncoderLayerRecordsEachLinearLayersInput) {
                                                  {"linear2.weight", g}};
   for (const auto& [name, input] : want) {
     ASSERT_TRUE(ranges.count(name)) << name;
-    EXPECT_TRUE(testing::compare(ranges.at(name), column_absmax(input)).within(1e-5, 1e-6)) << name;
+    EXPECT_TRUE(testing::compare(ranges.at(name), columns_absmax(input)).within(1e-5, 1e-6)) << name;
   }
-  EXPECT_TRUE(testing::bitwise_equal(ranges.at("self_attn.in_proj_weight"), column_absmax(x)));
+  EXPECT_TRUE(testing::bitwise_equal(ranges.at("self_attn.in_proj_weight"), columns_absmax(x)));
 
   // Packed with them, the in-projection computes channel 5 in f32; the layer's int8 output stays close.
   TransformerEncoderLayer q = layer.clone();
