@@ -1,10 +1,11 @@
 // cmd_bench.cc — `heads bench sdpa|mha|linear|embed|peak`: time one shape (or, for sdpa, a grid of shapes),
-// report the median (DESIGN.md contract).
+// report the median (DESIGN.md contract). `heads bench sdpa` itself is cmd_bench_sdpa.cc; what the
+// subcommands share, bench.h.
 //
 // Warm-up, then repeats until at least --min-time seconds (default 1) and 5 runs; reports the
 // median. flops = 4·B·H·Lq·Lk·D for sdpa (half when causal); mha adds 2·B·L·E·E per projection.
-// sdpa --backward: forward alone and forward + backward timed in alternating blocks (8 rounds).
 #include "commands.h"
+#include "bench.h"
 
 #include <sys/resource.h>
 
@@ -25,33 +26,11 @@
 #include "heads/precision.h"
 #include "heads/runtime.h"
 #include "heads/sdpa.h"
-#include "kernels/sdpa_case.h"
 #include "heads/sentence_encoder.h"
 
 namespace heads::cli {
 
-namespace {
-
-struct BenchArgs {
-  std::string model, input;
-  int64_t batch_size = 32;
-  int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
-  int64_t M = 256, K = 384, N = 1536;  // bench linear
-  double activation_error = 0.0;
-  bool causal = false, json = false, backward = false;
-  std::string dtype = "f32", mask = "none", window;
-  std::string kv_dtype;  // bench sdpa: K/V storage (empty: --dtype's)
-  std::string embed_dtype = "auto";  // bench embed: as the model directory stores it by default
-  double dropout = 0.0, softcap = 0.0;
-  bool alibi = false, sinks = false, batch_invariant = false;
-  std::string block_sparse;  // DENSITY,BLOCK
-  int64_t heads_off = 0;     // heads per batch entry turned off by head_mask (gated off)
-  uint64_t seed = 1;
-  int threads = 0;
-  double min_time = 1.0;
-  // bench sdpa: each size a comma-separated list; every combination is timed (a grid).
-  std::string grid_B = "1", grid_H = "1", grid_Hkv, grid_Lq = "128", grid_Lk, grid_D = "64", grid_Dv;
-};
+namespace bench {
 
 Tensor random_tensor(const Shape& shape, uint64_t seed) {
   Tensor t = Tensor::empty(shape, DType::F32);
@@ -68,30 +47,9 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
-// Runs of fn (at least min_runs) until `seconds` have passed, each run's milliseconds appended to ms.
-template <class F>
-void time_runs(F&& fn, double seconds, size_t min_runs, std::vector<double>& ms) {
-  using clock = std::chrono::steady_clock;
-  const auto start = clock::now();
-  for (size_t n = 0; n < min_runs || std::chrono::duration<double>(clock::now() - start).count() < seconds; ++n) {
-    const auto t0 = clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
-  }
-}
-
 double median(std::vector<double> v) {
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
   return v[v.size() / 2];
-}
-
-// Median milliseconds of fn over repeats lasting at least min_time seconds.
-template <class F>
-double median_ms(F&& fn, double min_time) {
-  fn();  // warm-up
-  std::vector<double> ms;
-  time_runs(fn, min_time, 5, ms);
-  return median(ms);
 }
 
 DType parse_dtype(const std::string& dtype) {
@@ -100,229 +58,7 @@ DType parse_dtype(const std::string& dtype) {
   fail("bench: --dtype must be f32 or bf16, got ", dtype);
 }
 
-// The case `heads bench sdpa` times, from its flags.
-SdpaCase sdpa_case(const BenchArgs& a) {
-  SdpaCase c;
-  c.B = a.B;
-  c.H = a.H;
-  c.Hkv = a.Hkv;
-  c.Lq = a.Lq;
-  c.Lk = a.Lk;
-  c.D = a.D;
-  c.Dv = a.Dv;
-  c.dtype = parse_dtype(a.dtype);
-  c.causal = a.causal;
-  c.mask = a.mask == "bool" ? SdpaMask::Bool : a.mask == "float" ? SdpaMask::Float : SdpaMask::None;
-  c.dropout_p = a.dropout;
-  c.pad = a.pad;
-  c.seed = a.seed;
-  return c;
-}
-
-struct SdpaTiming {
-  SdpaCase c;
-  double ms, gflops;
-};
-
-// --window LEFT,RIGHT as the two extents (-1: unbounded).
-std::pair<int64_t, int64_t> window_extents(const std::string& w) {
-  if (w.empty()) return {-1, -1};
-  const size_t comma = w.find(',');
-  HEADS_CHECK(comma != std::string::npos, "bench sdpa: --window: expected LEFT,RIGHT (-1 = unbounded), got '", w, "'");
-  try {
-    size_t n1 = 0, n2 = 0;
-    const long long l = std::stoll(w.substr(0, comma), &n1), r = std::stoll(w.substr(comma + 1), &n2);
-    HEADS_CHECK(n1 == comma && n2 == w.size() - comma - 1 && l >= -1 && r >= -1, "");
-    return {l, r};
-  } catch (const std::exception&) {
-    fail("bench sdpa: --window: expected LEFT,RIGHT with each -1 (unbounded) or >= 0, got '", w, "'");
-  }
-}
-
-// (query, key) pairs the band lets through, for the FLOP count of a windowed call.
-double visible_pairs(const SdpaCase& c, int64_t left, int64_t right) {
-  double n = 0;
-  const int64_t Lk = c.key_len(), a = c.causal_align == CausalAlign::BottomRight ? Lk - c.Lq : 0;
-  const int64_t r = c.causal ? 0 : right;
-  for (int64_t i = 0; i < c.Lq; ++i) {
-    const int64_t hi = r < 0 ? Lk : std::clamp<int64_t>(i + a + r + 1, 0, Lk);
-    const int64_t lo = left < 0 ? 0 : std::clamp<int64_t>(i + a - left, 0, Lk);
-    n += static_cast<double>(std::max<int64_t>(0, hi - lo));
-  }
-  return n;
-}
-
-SdpaTiming time_sdpa(const BenchArgs& a) {
-  const SdpaCase c = sdpa_case(a);
-  SdpaCase::Inputs in = c.draw();
-  SdpaOptions o = in.options;
-  // K and V stored as a cache stores them (the query keeps --dtype): bf16, or int8 with a scale per row
-  const std::string kv_dtype = a.kv_dtype.empty() ? a.dtype : a.kv_dtype;
-  if (kv_dtype != a.dtype) {
-    HEADS_CHECK(!a.backward, "bench sdpa: --backward takes K/V of the query's dtype (--kv-dtype ", kv_dtype,
-                " is for inference)");
-    if (kv_dtype == "int8") {
-      const Int8Rows qk = quantize_kv(in.k), qv = quantize_kv(in.v);
-      in.k = qk.values;
-      in.v = qv.values;
-      o.k_scale = qk.scales;
-      o.v_scale = qv.scales;
-    } else {
-      in.k = in.k.to(parse_dtype(kv_dtype));
-      in.v = in.v.to(parse_dtype(kv_dtype));
-    }
-  }
-  // bytes of K and V (and their scales) one forward reads at least once
-  const double kv_bytes = static_cast<double>(in.k.numel()) * static_cast<double>(dtype_size(in.k.dtype())) +
-                          static_cast<double>(in.v.numel()) * static_cast<double>(dtype_size(in.v.dtype())) +
-                          (o.k_scale.defined() ? 4.0 * static_cast<double>(o.k_scale.numel() + o.v_scale.numel()) : 0.0);
-  const auto [left, right] = window_extents(a.window);
-  o.window_left = left;
-  o.window_right = right;
-  o.softcap = a.softcap;
-  if (a.alibi) o.alibi_slopes = alibi_slopes(c.H);
-  if (a.sinks) o.sinks = random_tensor({c.H}, a.seed + 1);
-  double density = 1.0;
-  if (!a.block_sparse.empty()) {  // a random per-head layout of that density
-    const size_t comma = a.block_sparse.find(',');
-    int64_t bs = 0;
-    try {
-      density = std::stod(a.block_sparse.substr(0, comma));
-      bs = comma == std::string::npos ? 128 : std::stoll(a.block_sparse.substr(comma + 1));
-    } catch (const std::exception&) {
-      density = -1;
-    }
-    HEADS_CHECK(density > 0 && density <= 1 && bs >= 1, "bench sdpa: --block-sparse: expected DENSITY[,BLOCK] with ",
-                "0 < DENSITY <= 1 and BLOCK >= 1, got '", a.block_sparse, "'");
-    const int64_t nqb = (c.Lq + bs - 1) / bs, nkb = (c.key_len() + bs - 1) / bs;
-    Tensor layout = Tensor::empty({c.H, nqb, nkb}, DType::Bool);
-    std::mt19937_64 gen(a.seed + 2);
-    std::bernoulli_distribution keep(density);
-    for (int64_t x = 0; x < layout.numel(); ++x) static_cast<uint8_t*>(layout.raw_data())[x] = keep(gen);
-    o.block_mask = layout;
-    o.block_size = bs;
-  }
-  if (a.heads_off > 0) {  // that many heads of each batch entry off, chosen at random (seeded)
-    HEADS_CHECK(a.heads_off < c.H, "bench sdpa: --heads-off: expected fewer than --heads (", c.H, "), got ", a.heads_off);
-    Tensor hm = Tensor::empty({c.B, c.H}, DType::Bool);
-    auto* on = static_cast<uint8_t*>(hm.raw_data());
-    std::mt19937_64 gen(a.seed + 3);
-    for (int64_t b = 0; b < c.B; ++b) {
-      std::vector<int64_t> order(static_cast<size_t>(c.H));
-      for (int64_t h = 0; h < c.H; ++h) order[static_cast<size_t>(h)] = h;
-      std::shuffle(order.begin(), order.end(), gen);
-      for (int64_t x = 0; x < c.H; ++x) on[b * c.H + order[static_cast<size_t>(x)]] = x >= a.heads_off;
-    }
-    o.head_mask = hm;
-    density *= static_cast<double>(c.H - a.heads_off) / static_cast<double>(c.H);
-  }
-  const bool windowed = left >= 0 || right >= 0;
-  std::string mods;  // the modifiers, as the case string shows them
-  if (windowed) mods += " window=" + std::to_string(left) + "," + std::to_string(right);
-  if (a.softcap > 0) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, " softcap=%g", a.softcap);
-    mods += buf;
-  }
-  if (a.alibi) mods += " alibi";
-  if (a.sinks) mods += " sinks";
-  if (!a.block_sparse.empty()) mods += " block_sparse=" + a.block_sparse;
-  if (a.heads_off > 0) mods += " heads_off=" + std::to_string(a.heads_off);
-  Tensor out = Tensor::empty({c.B, c.H, c.Lq, c.value_dim()}, c.dtype);
-  double ms = 0, bwd_ms = 0, bwd_call_ms = 0;
-  if (!a.backward) {
-    ms = median_ms([&] { sdpa_out(out, in.q, in.k, in.v, o); }, a.min_time);
-  } else {  // forward + backward, as training runs them
-    // Forward alone and forward + backward in alternating blocks, so that a slow spell of a shared
-    // machine weighs on both medians alike; the backward call is also timed alone in its loop.
-    constexpr int kRounds = 8;
-    std::vector<double> fwd_runs, both_runs, calls;
-    const auto forward = [&] { sdpa_out(out, in.q, in.k, in.v, o); };
-    const Tensor dout = in.dout.to(c.dtype);
-    const auto both = [&] {
-      const SdpaResult f = sdpa(in.q, in.k, in.v, o);
-      const auto t0 = std::chrono::steady_clock::now();
-      sdpa_backward(dout, in.q, in.k, in.v, f, o);
-      calls.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    };
-    both();  // warm-up
-    calls.clear();
-    for (int r = 0; r < kRounds; ++r) {
-      time_runs(forward, a.min_time / kRounds, 1, fwd_runs);
-      time_runs(both, a.min_time / kRounds, 1, both_runs);
-    }
-    ms = median(both_runs);
-    bwd_ms = ms - median(fwd_runs);
-    bwd_call_ms = median(calls);
-  }
-  // The backward's five products are 2.5x the forward's two. A window counts only the pairs it lets through.
-  // A block layout counts its density of the pairs (the expected share of blocks kept).
-  const double fwd_flops = (windowed ? 2.0 * c.B * c.H * static_cast<double>(c.D + c.value_dim()) *
-                                           visible_pairs(c, left, right)
-                                     : c.forward_flops()) *
-                           density;
-  const double gflops = fwd_flops * (a.backward ? 3.5 : 1.0) / ms / 1e6;
-  const std::string case_str = c.str() + mods;
-  const std::string isa = isa_name(active_isa());
-  if (a.json) {
-    std::printf("{\"op\":\"sdpa\",\"B\":%lld,\"H\":%lld,\"Hkv\":%lld,\"Lq\":%lld,\"Lk\":%lld,\"D\":%lld,"
-                "\"Dv\":%lld,\"causal\":%s,\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,"
-                "\"ms\":%.4f,\"gflops\":%.2f,\"kv_gbs\":%.2f,\"peak_rss_mb\":%.1f,\"case\":\"%s\"%s}\n",
-                (long long)c.B, (long long)c.H, (long long)c.kv_heads(), (long long)c.Lq, (long long)c.key_len(),
-                (long long)c.D, (long long)c.value_dim(), c.causal ? "true" : "false", a.dtype.c_str(),
-                kv_dtype.c_str(), isa.c_str(), get_num_threads(), ms, gflops, kv_bytes / ms / 1e6, peak_rss_mb(),
-                case_str.c_str(),
-                a.backward ? (",\"backward\":true,\"backward_ms\":" + std::to_string(bwd_ms) +
-                              ",\"backward_call_ms\":" + std::to_string(bwd_call_ms)).c_str()
-                           : "");
-  } else {
-    if (a.backward) {
-      std::printf("forward+backward (backward ~%.3f ms = this minus the forward alone; the backward call itself "
-                  "%.3f ms): ",
-                  bwd_ms, bwd_call_ms);
-    }
-    std::printf("sdpa %s%s %s threads=%d: %.3f ms, %.1f GFLOP/s, K/V read at %.1f GB/s, peak RSS %.1f MB\n",
-                case_str.c_str(), kv_dtype != a.dtype ? (" kv=" + kv_dtype).c_str() : "", isa.c_str(), get_num_threads(),
-                ms, gflops, kv_bytes / ms / 1e6, peak_rss_mb());
-  }
-  std::fflush(stdout);
-  return {c, ms, gflops};
-}
-
-// Every combination of the size lists, in the order given (the last list varies fastest). One point
-// prints as before; with --json, one line per point; otherwise a grid also prints one table.
-void run_sdpa(const BenchArgs& a) {
-  apply_threads(a.threads);
-  std::vector<std::vector<int64_t>> lists;
-  for (const std::string* s : {&a.grid_B, &a.grid_H, &a.grid_Hkv, &a.grid_Lq, &a.grid_Lk, &a.grid_D, &a.grid_Dv}) {
-    lists.push_back(s->empty() ? std::vector<int64_t>{0} : int_list(*s));  // 0: "the default" (Hkv = H, ...)
-  }
-  size_t points = 1;
-  for (const auto& l : lists) points *= l.size();
-  std::vector<BenchArgs> grid;
-  for (size_t p = 0; p < points; ++p) {
-    BenchArgs one = a;
-    int64_t* fields[] = {&one.B, &one.H, &one.Hkv, &one.Lq, &one.Lk, &one.D, &one.Dv};
-    size_t rest = p;
-    for (size_t f = lists.size(); f-- > 0;) {
-      *fields[f] = lists[f][rest % lists[f].size()];
-      rest /= lists[f].size();
-    }
-    // Every point is checked before any is timed.
-    HEADS_CHECK(one.Hkv == 0 || one.H % one.Hkv == 0, "bench sdpa: --heads ", one.H,
-                " is not a multiple of --kv-heads ", one.Hkv);
-    grid.push_back(one);
-  }
-  std::vector<SdpaTiming> rows;
-  for (const BenchArgs& one : grid) rows.push_back(time_sdpa(one));
-  if (points == 1 || a.json) return;
-  std::printf("\n| B | H | Hkv | Lq | Lk | D | Dv | ms | GFLOP/s |\n|---|---|---|---|---|---|---|---|---|\n");
-  for (const SdpaTiming& r : rows) {
-    std::printf("| %lld | %lld | %lld | %lld | %lld | %lld | %lld | %.3f | %.1f |\n", (long long)r.c.B, (long long)r.c.H,
-                (long long)r.c.kv_heads(), (long long)r.c.Lq, (long long)r.c.key_len(), (long long)r.c.D,
-                (long long)r.c.value_dim(), r.ms, r.gflops);
-  }
-}
+namespace {
 
 void run_mha(const BenchArgs& a) {
   apply_threads(a.threads);
@@ -434,12 +170,14 @@ void run_peak(const BenchArgs& a) {
 
 }  // namespace
 
-void add_bench_command(CLI::App& app, Action* action) {
-  auto args = std::make_shared<BenchArgs>();
-  CLI::App* bench = app.add_subcommand("bench", "Time an operation on random inputs (median of repeats).");
-  bench->require_subcommand(1);
+}  // namespace bench
 
-  CLI::App* s = bench->add_subcommand(
+void add_bench_command(CLI::App& app, Action* action) {
+  auto args = std::make_shared<bench::BenchArgs>();
+  CLI::App* group = app.add_subcommand("bench", "Time an operation on random inputs (median of repeats).");
+  group->require_subcommand(1);
+
+  CLI::App* s = group->add_subcommand(
       "sdpa", "Scaled dot-product attention forward. Each size takes a comma-separated list "
               "(--heads 1,4,8,16 --q-len 128,512,2048): every combination is timed, one JSON line each with "
               "--json, else one line each and a table.");
@@ -487,9 +225,9 @@ void add_bench_command(CLI::App& app, Action* action) {
   add_threads_option(s, &args->threads);
   s->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   s->add_flag("--json", args->json, "one JSON line (per point of a grid)");
-  s->callback([args, action] { *action = [args] { run_sdpa(*args); }; });
+  s->callback([args, action] { *action = [args] { bench::run_sdpa(*args); }; });
 
-  CLI::App* m = bench->add_subcommand("mha", "MultiheadAttention forward (self-attention, batch_first, eval).");
+  CLI::App* m = group->add_subcommand("mha", "MultiheadAttention forward (self-attention, batch_first, eval).");
   m->add_option("--batch", args->B, "B")->capture_default_str()->check(int_in(1, kMaxCount));
   m->add_option("--seq", args->L, "sequence length L")->capture_default_str()->check(int_in(1, kMaxCount));
   m->add_option("--embed", args->E, "embed_dim E")->capture_default_str()->check(int_in(1, kMaxCount));
@@ -498,9 +236,9 @@ void add_bench_command(CLI::App& app, Action* action) {
   add_threads_option(m, &args->threads);
   m->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   m->add_flag("--json", args->json, "one JSON line");
-  m->callback([args, action] { *action = [args] { run_mha(*args); }; });
+  m->callback([args, action] { *action = [args] { bench::run_mha(*args); }; });
 
-  CLI::App* li = bench->add_subcommand(
+  CLI::App* li = group->add_subcommand(
       "linear", "One linear layer y = x W^T + b (random normal x [M, K], W [N, K]) through a weight packed for --dtype.");
   li->add_option("--rows", args->M, "rows of x, M")->capture_default_str()->check(int_in(1, kMaxCount));
   li->add_option("--in", args->K, "in_features K")->capture_default_str()->check(int_in(1, kMaxCount));
@@ -525,9 +263,9 @@ void add_bench_command(CLI::App& app, Action* action) {
   add_threads_option(li, &args->threads);
   li->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   li->add_flag("--json", args->json, "one JSON line (with the GEMM route: native, heads, f32 or portable)");
-  li->callback([args, action] { *action = [args] { run_linear(*args); }; });
+  li->callback([args, action] { *action = [args] { bench::run_linear(*args); }; });
 
-  CLI::App* e = bench->add_subcommand(
+  CLI::App* e = group->add_subcommand(
       "embed", "Sentence embeddings per second (tokenize, encode, pool) on a file of one text per line.");
   e->add_option("--input", args->input, "texts, one per line (e.g. bench/sentences.txt)")->required();
   add_model_option(e, &args->model);
@@ -537,13 +275,13 @@ void add_bench_command(CLI::App& app, Action* action) {
   add_batch_invariant_option(e, &args->batch_invariant);
   e->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   e->add_flag("--json", args->json, "one JSON line");
-  e->callback([args, action] { *action = [args] { run_embed(*args); }; });
+  e->callback([args, action] { *action = [args] { bench::run_embed(*args); }; });
 
-  CLI::App* p = bench->add_subcommand("peak", "Measured f32 FMA throughput of this machine (and its bf16 dot product and AMX tiles, where the path has them), and its memory read bandwidth.");
+  CLI::App* p = group->add_subcommand("peak", "Measured f32 FMA throughput of this machine (and its bf16 dot product and AMX tiles, where the path has them), and its memory read bandwidth.");
   add_threads_option(p, &args->threads);
   p->add_option("--min-time", args->min_time, "seconds of measurement")->capture_default_str()->check(real_in(0, 3600));
   p->add_flag("--json", args->json, "one JSON line");
-  p->callback([args, action] { *action = [args] { run_peak(*args); }; });
+  p->callback([args, action] { *action = [args] { bench::run_peak(*args); }; });
 }
 
 }  // namespace heads::cli
