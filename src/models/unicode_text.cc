@@ -62,14 +62,19 @@ int8_t category16(char32_t c) {
   return a != nullptr ? a->category : t;
 }
 
+// Each class below answers ASCII (c < 0x80) from the characters' fixed classes, without asking ICU
+// (most text is mostly ASCII; tests/models/unicode_text_test.cc checks every ASCII answer against ICU's).
+
 // clean_text deletes these: Cc, Cf, Co as of Unicode 8.0, except TAB, LF, CR.
 bool is_control(char32_t c) {
   if (c == U'\t' || c == U'\n' || c == U'\r') return false;
+  if (c < 0x80) return c < 0x20 || c == 0x7F;  // Cc; ASCII has no Cf or Co
   const int8_t t = category(c);
   return (t == U_CONTROL_CHAR || t == U_FORMAT_CHAR || t == U_PRIVATE_USE_CHAR) && age_at_most(c, 8, 0);
 }
 
 bool is_whitespace(char32_t c) {
+  if (c < 0x80) return c == U' ' || (c >= 0x09 && c <= 0x0D);  // White_Space in ASCII: TAB, LF, VT, FF, CR, space
   return c == U'\t' || c == U'\n' || c == U'\r' || u_isUWhiteSpace(static_cast<UChar32>(c));
 }
 
@@ -85,6 +90,7 @@ bool is_punctuation(char32_t c) {
       (c >= 0x7B && c <= 0x7E)) {
     return true;
   }
+  if (c < 0x80) return false;  // ASCII's other characters are letters, digits, controls and space
   if (c == 0x166D || c == 0x111C9) return true;  // punctuation in Unicode 8.0, not any more
   const int8_t t = category(c);
   const bool p = t == U_CONNECTOR_PUNCTUATION || t == U_DASH_PUNCTUATION || t == U_START_PUNCTUATION ||
@@ -95,12 +101,14 @@ bool is_punctuation(char32_t c) {
 
 // Non-spacing marks as of Unicode 8.0 (strip_accents removes them).
 bool is_nonspacing_mark(char32_t c) {
+  if (c < 0x80) return false;
   if (c == 0x1734) return true;  // Mn in 8.0, Mc now
   if (c == 0x1885 || c == 0x1886 || c == 0xA9BD || c == 0x111C9) return false;  // not Mn in 8.0
   return category(c) == U_NON_SPACING_MARK && age_at_most(c, 8, 0);
 }
 
 int combining_class(char32_t c) {
+  if (c < 0x80) return 0;
   if (!age_at_most(c, 9, 0)) return 0;
   return u_getCombiningClass(static_cast<UChar32>(c));
 }
@@ -109,6 +117,10 @@ int combining_class(char32_t c) {
 void decompose(char32_t c, std::u32string& out, const icu::Normalizer2* nfd) {
   constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
   constexpr int kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount, kSCount = 19 * kNCount;
+  if (c < 0x80) {  // ASCII decomposes to itself
+    out.push_back(c);
+    return;
+  }
   if (c >= kSBase && c < kSBase + kSCount) {
     const int s = static_cast<int>(c - kSBase);
     out.push_back(kLBase + s / kNCount);
