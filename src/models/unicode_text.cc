@@ -142,17 +142,19 @@ void decompose(char32_t c, std::u32string& out, const icu::Normalizer2* nfd) {
 
 // UTF-8 -> code points; malformed sequences become U+FFFD.
 std::u32string decode_utf8(std::string_view s) {
-  std::u32string out;
-  out.reserve(s.size());
+  std::u32string out(s.size(), U'\0');  // at most one code point per byte; written through a pointer
+  char32_t* o = out.data();
   size_t i = 0;
   while (i < s.size()) {
     const auto b0 = static_cast<uint8_t>(s[i]);
+    if (b0 < 0x80) {
+      *o++ = b0;
+      ++i;
+      continue;
+    }
     char32_t c;
     size_t n;
-    if (b0 < 0x80) {
-      c = b0;
-      n = 1;
-    } else if (b0 >= 0xC2 && b0 <= 0xDF) {
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
       c = b0 & 0x1F;
       n = 2;
     } else if (b0 >= 0xE0 && b0 <= 0xEF) {
@@ -162,7 +164,7 @@ std::u32string decode_utf8(std::string_view s) {
       c = b0 & 0x07;
       n = 4;
     } else {
-      out.push_back(0xFFFD);
+      *o++ = 0xFFFD;
       ++i;
       continue;
     }
@@ -177,13 +179,14 @@ std::u32string decode_utf8(std::string_view s) {
       ok = false;
     }
     if (!ok) {
-      out.push_back(0xFFFD);
+      *o++ = 0xFFFD;
       ++i;  // resynchronise on the next byte
       continue;
     }
-    out.push_back(c);
+    *o++ = c;
     i += n;
   }
+  out.resize(static_cast<size_t>(o - out.data()));
   return out;
 }
 

@@ -46,5 +46,20 @@ TEST(UnicodeText, AsciiClassesAreIcusOwn) {
   EXPECT_TRUE(text::is_punctuation(U'$') && text::is_punctuation(U'_') && !text::is_punctuation(U'a'));
 }
 
+// UTF-8 in: ASCII runs, every sequence length, and each malformed form as U+FFFD per byte skipped.
+TEST(UnicodeText, DecodeUtf8ReplacesWhatIsMalformed) {
+  const std::u32string r(1, 0xFFFD);
+  EXPECT_EQ(text::decode_utf8("plain ascii"), U"plain ascii");
+  EXPECT_EQ(text::decode_utf8("a\xC3\xA9" "b\xE2\x82\xAC\xF0\x9F\x98\x80z"), U"a\u00E9b\u20AC\U0001F600z");
+  EXPECT_EQ(text::decode_utf8("\xC0\xAF"), r + r);                       // overlong two-byte lead
+  EXPECT_EQ(text::decode_utf8("\xE0\x80\xAF"), r + r + r);              // overlong three-byte form
+  EXPECT_EQ(text::decode_utf8("\xED\xA0\x80x"), r + r + r + U"x");      // a surrogate
+  EXPECT_EQ(text::decode_utf8("\xF4\x90\x80\x80"), r + r + r + r);     // past U+10FFFF
+  EXPECT_EQ(text::decode_utf8("x\xE2\x82"), U"x" + r + r);               // cut short at the end
+  EXPECT_EQ(text::decode_utf8("\xE2\x82x"), r + r + U"x");               // cut short by ASCII
+  EXPECT_EQ(text::decode_utf8(std::string_view("a\0b", 3)), std::u32string(U"a\0b", 3));
+  EXPECT_EQ(text::to_utf8(text::decode_utf8("a\xC3\xA9\xF0\x9F\x98\x80")), "a\xC3\xA9\xF0\x9F\x98\x80");
+}
+
 }  // namespace
 }  // namespace heads
