@@ -66,12 +66,13 @@ HEADS_TEST_SAMPLE=3 HEADS_SCRATCH_POISON=1 ASAN_OPTIONS=detect_leaks=1:abort_on_
 [ "$(id -u)" -eq 0 ] && export HEADS_REQUIRE_NETNS=1
 # One process per core (at most 4: each holds PyTorch and a model), one thread each (OMP_NUM_THREADS,
 # which heads and PyTorch follow; the tests that compare thread counts set theirs); a test file stays
-# in one process, so its module fixtures (models, servers, the Ray cluster) are made once.
+# in one process, so its module fixtures (models, servers, the Ray cluster) are made once. The ten
+# slowest tests are listed at the end (what to look at when CI nears its time budget).
 WORKERS=$(nproc)
 ((WORKERS <= 4)) || WORKERS=4
 step pytest "Python tests (PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)'), $WORKERS processes)"
 HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
-  "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile tests/python tests/portable
+  "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile --durations=10 tests/python tests/portable
 
 # The Python bf16 tests again on the AMX kernels: over the tile emulator where the CPU has
 # AVX-512 and no tiles (docs/architecture.md), on the tiles where it has them.
