@@ -67,24 +67,14 @@ inline void apply_masks(const Tile& t, int64_t j0, int64_t nk, bool causal_here,
   auto value = [&](int64_t off) { return pb.mods.mask_term<float>(off, kLog2e); };  // log2 units
   // A mask with a row per query ([Lq, Lk] per head: nn.MultiheadAttention's attn_mask, a 4-D padding
   // mask expanded over the queries) is read along each query's row, where its keys lie, kMaskKeys
-  // keys at a time, into `terms` [key][query] (the scores' layout): mask_term's values, written
-  // out for each kind (reading it one element at a time, down the queries, was half of a short
-  // sequence's time).
+  // keys at a time, into `terms` [key][query] (the scores' layout): reading it one element at a
+  // time down the queries was half of a short sequence's time.
   constexpr int64_t kMaskKeys = 16;
   alignas(64) float terms[kMaskKeys][kTQ];
-  const void* mask_data = has_mask ? pb.mods.mask.raw_data() : nullptr;
   auto read_terms = [&](int64_t r0, int64_t n) {
     for (int64_t l = 0; l < kTQ; ++l) {
       const int64_t off = mrow0 + l * ms2 + (j0 + r0) * ms3;
-      if (l >= t.nq) {
-        for (int64_t c = 0; c < n; ++c) terms[c][l] = 0.0f;
-      } else if (bool_mask) {
-        const uint8_t* m = static_cast<const uint8_t*>(mask_data) + off;
-        for (int64_t c = 0; c < n; ++c) terms[c][l] = m[c * ms3] ? 0.0f : -kInf;
-      } else {
-        const float* m = static_cast<const float*>(mask_data) + off;
-        for (int64_t c = 0; c < n; ++c) terms[c][l] = m[c * ms3] * kLog2e;
-      }
+      for (int64_t c = 0; c < n; ++c) terms[c][l] = l < t.nq ? value(off + c * ms3) : 0.0f;
     }
   };
   for (int64_t r = 0; r < nk; ++r) {
