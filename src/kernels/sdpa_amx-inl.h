@@ -22,8 +22,9 @@
 // tiles compute S of unit u + 1 and P · V of unit u - 1, their products handed out one by one
 // between the vectors of the softmax (TileStream, sdpa_amx_tiles-inl.h), so that the TMUL and the
 // AVX-512 units work side by side instead of in turn. S and P are kept twice; a task's Q, O, m and
-// l live in a slot of the thread's while its units are in flight (three tasks at most: units u - 1,
-// u and u + 1 may each belong to another, when tasks have a single block).
+// l live in a slot of the thread's while its units are in flight. Units come from a group of tasks
+// (consecutive query blocks of one head) key block by key block (see kGroup): the group's tasks and
+// the last two of the previous group are in flight at most.
 // O lives in memory (f32, per thread) between blocks: loaded into the accumulators, P·V added, stored
 // back; rows whose max did not move (alpha = 1, most of them after the first blocks) are not rescaled.
 // q and k are exact bf16 inputs; the scale is applied in f32 to S; P is rounded to bf16 for its
@@ -36,9 +37,9 @@
 // Padding (keys past Lk, dims past D or Dv, query rows past Lq) is zero in the packed operands and
 // never reaches an output: padded keys are -inf in S, padded rows and columns are not stored.
 // Parallel: (b, h, query block) tasks, heaviest first under causal, handed out in runs of one head
-// from a shared counter, so that a thread packs the K and V it reads (into its own caches, one for
-// K and one for V, as far as its units reach, once per head): no packing pass, no barrier, no packed
-// data crossing cores. Each task is computed the same way whatever thread runs it and whatever runs
+// from a shared counter (a thread's groups are cut from its runs), so that a thread packs the K and
+// V it reads (into its own caches, one for K and one for V, as far as its units reach, once per
+// head): no packing pass, no barrier, no packed data crossing cores. Each task is computed the same way whatever thread runs it and whatever runs
 // beside it in the pipeline, so results do not depend on the thread count.
 //
 // Files: the tile instructions (or the emulator's), the tile configuration, the tdpbf16ps block,
@@ -54,9 +55,17 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #include "kernels/sdpa_amx_tiles-inl.h"
 
-// The task states a thread holds: units u - 1, u and u + 1 of its pipeline may belong to three
-// tasks, and a task without key blocks takes a fourth while it is finished, as soon as it is read.
-constexpr int kSlots = 4;
+// A thread runs the tasks of a group (up to kGroup consecutive query blocks of one head, as
+// forward_tiles_per_sweep counts them: grouped when a head's K and V outgrow the cache) key block by
+// key block: the units of every task of the group on one key block, then the next block. A K or V
+// block is then read from the thread's caches kGroup times in a row, while it is close (L1, L2),
+// instead of once per task: at 4096 keys of 128 dims a head's packed K and V are 2 MB, a core's L2,
+// and the order of one task's blocks after the other streamed them from L3 for every 32 rows. Each
+// task's arithmetic is the same in any order.
+constexpr int kGroup = 4;
+// The task states a thread holds: the group's, and the two tasks of the last group still in the
+// pipeline (units u - 1 and u) when the next group is formed.
+constexpr int kSlots = kGroup + 2;
 
 HEADS_INLINE int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -299,6 +308,7 @@ struct Call {
   float* lse;
   float* weights;
   int64_t n_qb, n_tasks, run;
+  int64_t group;  // tasks per group (at most kGroup)
   std::atomic<int64_t>* next;  // the first task not yet handed out
 };
 
@@ -398,45 +408,76 @@ class Worker {
     slots_[slot].reset();
   }
 
-  // The next unit: the current task's next key block, else the first of the next task with any
-  // (tasks without one are finished here); none when the thread's tasks are done.
+  // The next unit: the group's next (task, key block), tasks in order within a key block; when the
+  // group is done, the next group's first. Tasks without a key block are finished as they are
+  // described. None when the thread's tasks are done.
   Unit fetch() {
     for (;;) {
-      if (cur_slot_ >= 0) {
-        const Task& t = *slots_[cur_slot_];
-        if (cur_j0_ < t.jend) {
+      for (; group_j0_ < group_jend_; group_j0_ += kBK, group_next_ = 0) {
+        while (group_next_ < group_n_) {
+          const int slot = group_[group_next_++];
+          const Task& t = *slots_[slot];
+          if (group_j0_ < t.jstart || group_j0_ >= t.jend) continue;
           Unit u;
-          u.slot = cur_slot_;
-          u.j0 = cur_j0_;
-          u.nk = std::min(t.jend - cur_j0_, kBK);
+          u.slot = slot;
+          u.j0 = group_j0_;
+          u.nk = std::min(t.jend - group_j0_, kBK);
           u.nkp = (u.nk + 31) / 32 * 32;
-          u.first = cur_j0_ == t.jstart;
-          cur_j0_ += kBK;
-          u.last = cur_j0_ >= t.jend;
+          u.first = group_j0_ == t.jstart;
+          u.last = group_j0_ + kBK >= t.jend;
           return u;
         }
-        cur_slot_ = -1;
       }
-      const int64_t id = next_task();
-      if (id < 0) return Unit{};
+      if (!next_group()) return Unit{};
+    }
+  }
+
+  // Describes the next group: up to c_.group of the thread's next tasks on one (b, h) that have key
+  // blocks. False when none is left.
+  bool next_group() {
+    for (;;) {
+      fill_group();
+      if (group_n_ > 0) return true;
+      if (pending_ < 0) return false;  // (tasks of one head without key blocks, another head's next)
+    }
+  }
+  void fill_group() {
+    group_n_ = 0;
+    group_next_ = 0;
+    group_j0_ = std::numeric_limits<int64_t>::max();
+    group_jend_ = 0;
+    int64_t bh0 = -1;
+    while (group_n_ < c_.group) {
+      const int64_t id = pending_ >= 0 ? pending_ : next_task();
+      pending_ = -1;
+      if (id < 0) break;
       const int64_t bh = id / c_.n_qb;
       if (!c_.pb.head_on(bh / c_.pb.H, bh % c_.pb.H)) continue;  // a head turned off: cleared by the caller
+      if (bh0 >= 0 && bh != bh0) {
+        pending_ = id;  // another head: the next group's
+        break;
+      }
+      bh0 = bh;
       const int slot = take_slot();
       describe(id, slot);
-      if (slots_[slot]->jstart >= slots_[slot]->jend) {
+      const Task& t = *slots_[slot];
+      if (t.jstart >= t.jend) {
         finish(slot);  // no key block: finished now
         continue;
       }
-      cur_slot_ = slot;
-      cur_j0_ = slots_[slot]->jstart;
+      group_[group_n_++] = slot;
+      group_j0_ = std::min(group_j0_, t.jstart);
+      group_jend_ = std::max(group_jend_, t.jend);
     }
   }
 
   const Call& c_;
   const Scratch& scr_;
   std::optional<Task> slots_[kSlots];
-  int cur_slot_ = -1;  // the task whose blocks fetch hands out
-  int64_t cur_j0_ = 0;
+  int group_[kGroup] = {};  // the group's slots, in task order
+  int group_n_ = 0, group_next_ = 0;  // its tasks; the next one to look at on block group_j0_
+  int64_t group_j0_ = 0, group_jend_ = 0;  // the key block being handed out; the end of the group's
+  int64_t pending_ = -1;  // a task taken from the counter for the next group (another head's)
   int64_t run_next_ = 0, run_end_ = 0;
 };
 
@@ -457,7 +498,7 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
   std::vector<int64_t> kv_state(static_cast<size_t>(16 * n_threads), -1);  // a cache line per thread
   std::atomic<int64_t> next{0};
   const Call call{pb, lay, q, k, v, out, lse.data<float>(), weights.defined() ? weights.data<float>() : nullptr,
-                  n_qb, n_tasks, run, &next};
+                  n_qb, n_tasks, run, std::min<int64_t>(kGroup, forward_tiles_per_sweep(pb, kBQ, 2, n_threads)), &next};
 
 #pragma omp parallel num_threads(n_threads)
   {
