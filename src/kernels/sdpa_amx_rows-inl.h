@@ -22,7 +22,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
   // acc gains `total` a tick and pays `ticks` an op. (The stream is taken by value: its state stays
   // in registers across the tile instructions' memory clobbers.)
   const int64_t total = ts.total();
-  const int64_t n16 = u.nkp / 16;  // at most kBK / 16 = 8 vectors a row, kept in registers
+  const int64_t n16 = u.nkp / 16;  // at most kBK / 16 = 16 vectors a row, kept in registers
   const int64_t n32 = n16 / 2;
   const int64_t ticks = t.nq * n32;
   int64_t acc = 0;
@@ -44,7 +44,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
     if (plain_row) {
       __m512 x[kBK / 16];
       __m512 mxv = _mm512_set1_ps(kNegInf);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int64_t v = 0; v < kBK / 16; ++v) {
         if (v < n16) {
           x[v] = _mm512_load_ps(sr + 16 * v);
@@ -56,7 +56,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
       const float m_safe = m_new == kNegInf ? 0.0f : m_new;
       alpha = m_new == m_old && m_old != kNegInf ? 1.0f : std::exp2(m_old - m_safe);
       const __m512 neg_m = _mm512_set1_ps(-m_safe);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int64_t w = 0; w < kBK / 32; ++w) {
         if (2 * w < n16) {
           const __m512 p0 = exp2_plain(_mm512_fmadd_ps(x[2 * w], cv, neg_m));
@@ -71,7 +71,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
       const int64_t lim = row_limit(t, r, u.j0, u.nk);
       __m512 x[kBK / 16];
       __m512 mxv = _mm512_set1_ps(kNegInf);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int64_t v = 0; v < kBK / 16; ++v) {
         if (v < n16) {
           x[v] = score16(t, rm, _mm512_load_ps(sr + 16 * v), t.i0 + r, u.j0, v, lim, cv, scr.tmp);
@@ -84,7 +84,7 @@ inline bool softmax_unit(const Task& t, const Scratch& scr, const Unit& u, const
       // 2^0 = 1 exactly: exp2 only where the maximum moved (or nothing is visible yet)
       alpha = m_new == m_old && m_old != kNegInf ? 1.0f : std::exp2(m_old - m_safe);
       const __m512 ms = _mm512_set1_ps(m_safe);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int64_t w = 0; w < kBK / 32; ++w) {
         if (2 * w < n16) {
           __m512 p0 = exp2_nonpos(_mm512_sub_ps(x[2 * w], ms));
