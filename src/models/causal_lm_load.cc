@@ -27,7 +27,7 @@ using models::without_nulls;
 
 namespace {
 
-constexpr int64_t kMaxCount = int64_t{1} << 24;
+constexpr int64_t kMaxLmCount = int64_t{1} << 24;
 
 void reject_true(const nlohmann::json& j, const char* key, const fs::path& file) {
   HEADS_CHECK(!json_bool(j, key, false, file), file.string(), ": \"", key, "\": true is not supported");
@@ -47,7 +47,7 @@ struct CausalLMReader {
     CausalLMConfig& c = m.cfg_;
     const std::string& t = c.model_type;
     c.hidden_size = json_int(j, "hidden_size", 0, cp, 1, kMaxWidth);
-    c.num_layers = json_int(j, "num_hidden_layers", 0, cp, 1, kMaxCount);
+    c.num_layers = json_int(j, "num_hidden_layers", 0, cp, 1, kMaxLmCount);
     c.num_heads = json_int(j, "num_attention_heads", 0, cp, 1, kMaxWidth);
     c.num_kv_heads = json_int(j, "num_key_value_heads", c.num_heads, cp, 1, c.num_heads);
     HEADS_CHECK(c.num_heads % c.num_kv_heads == 0, cp.string(), ": num_attention_heads ", c.num_heads,
@@ -56,13 +56,13 @@ struct CausalLMReader {
                 c.hidden_size, " is not divisible by num_attention_heads ", c.num_heads);
     c.head_dim = json_int(j, "head_dim", c.hidden_size / c.num_heads, cp, 2, kMaxWidth);
     c.intermediate_size = json_int(j, "intermediate_size", 0, cp, 1, kMaxWidth);
-    c.max_positions = json_int(j, "max_position_embeddings", 4096, cp, 1, kMaxCount);
+    c.max_positions = json_int(j, "max_position_embeddings", 4096, cp, 1, kMaxLmCount);
     c.norm_eps = json_real(j, "rms_norm_eps", 1e-6, cp, 0, 1);
     c.tie_word_embeddings = json_bool(j, "tie_word_embeddings", t == "gemma2", cp);
     c.rope = read_rope(j, cp);
     c.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
     reject_true(j, "use_bidirectional_attention", cp);
-    const int64_t tp = json_int(j, "pretraining_tp", 1, cp, 1, kMaxCount);
+    const int64_t tp = json_int(j, "pretraining_tp", 1, cp, 1, kMaxLmCount);
     (void)tp;  // a training-time split of the same product: no effect on the result
     const std::string act = json_string(j, t == "gemma2" ? "hidden_activation" : "hidden_act",
                                         t == "gemma2" ? "gelu_pytorch_tanh" : "silu", cp);
@@ -83,7 +83,7 @@ struct CausalLMReader {
     }
     // Sliding windows: layer_types when given, else mistral's window on every layer and gemma2's on
     // every other layer (from the first).
-    const int64_t window = json_int(j, "sliding_window", 0, cp, 0, kMaxCount);
+    const int64_t window = json_int(j, "sliding_window", 0, cp, 0, kMaxLmCount);
     c.window_left.assign(static_cast<size_t>(c.num_layers), -1);
     if (j.contains("layer_types")) {
       const auto& lt = j.at("layer_types");
@@ -144,13 +144,13 @@ struct CausalLMReader {
   static void gpt2(CausalLM& m, const nlohmann::json& j, const fs::path& cp, const Checkpoint& w) {
     CausalLMConfig& c = m.cfg_;
     c.hidden_size = json_int(j, "n_embd", 768, cp, 1, kMaxWidth);
-    c.num_layers = json_int(j, "n_layer", 12, cp, 1, kMaxCount);
+    c.num_layers = json_int(j, "n_layer", 12, cp, 1, kMaxLmCount);
     c.num_heads = c.num_kv_heads = json_int(j, "n_head", 12, cp, 1, kMaxWidth);
     HEADS_CHECK(c.hidden_size % c.num_heads == 0, cp.string(), ": n_embd ", c.hidden_size,
                 " is not divisible by n_head ", c.num_heads);
     c.head_dim = c.hidden_size / c.num_heads;
     c.intermediate_size = json_int(j, "n_inner", 4 * c.hidden_size, cp, 1, kMaxWidth);
-    c.max_positions = json_int(j, "n_positions", 1024, cp, 1, kMaxCount);
+    c.max_positions = json_int(j, "n_positions", 1024, cp, 1, kMaxLmCount);
     c.norm_eps = json_real(j, "layer_norm_epsilon", 1e-5, cp, 0, 1);
     c.tie_word_embeddings = true;
     c.scale = json_bool(j, "scale_attn_weights", true, cp) ? 1.0 / std::sqrt(static_cast<double>(c.head_dim)) : 1.0;
@@ -197,13 +197,13 @@ struct CausalLMReader {
   static void bloom(CausalLM& m, const nlohmann::json& j, const fs::path& cp, const Checkpoint& w) {
     CausalLMConfig& c = m.cfg_;
     c.hidden_size = json_int(j, "hidden_size", json_int(j, "n_embed", 64, cp, 1, kMaxWidth), cp, 1, kMaxWidth);
-    c.num_layers = json_int(j, "n_layer", 2, cp, 1, kMaxCount);
+    c.num_layers = json_int(j, "n_layer", 2, cp, 1, kMaxLmCount);
     c.num_heads = c.num_kv_heads = json_int(j, "n_head", 8, cp, 1, kMaxWidth);
     HEADS_CHECK(c.hidden_size % c.num_heads == 0, cp.string(), ": hidden_size ", c.hidden_size,
                 " is not divisible by n_head ", c.num_heads);
     c.head_dim = c.hidden_size / c.num_heads;
     c.intermediate_size = 4 * c.hidden_size;
-    c.max_positions = kMaxCount;
+    c.max_positions = kMaxLmCount;
     c.norm_eps = json_real(j, "layer_norm_epsilon", 1e-5, cp, 0, 1);
     c.tie_word_embeddings = true;
     c.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
@@ -271,7 +271,7 @@ CausalLM CausalLM::load(const std::string& dir) {
   HEADS_CHECK(reader != kReaders.end(), cp.string(), ": model_type \"", m.cfg_.model_type,
               "\" is not supported (llama, mistral, qwen2, gemma2, gpt2, bloom)");
   const Checkpoint w(d);
-  m.cfg_.vocab_size = json_int(j, "vocab_size", 0, cp, 1, kMaxCount);
+  m.cfg_.vocab_size = json_int(j, "vocab_size", 0, cp, 1, kMaxLmCount);
   reader->second(m, j, cp, w);
   return m;
 }

@@ -21,7 +21,7 @@ using modules::uniform;
 
 namespace {
 
-constexpr const char* kOp = "TransformerEncoderLayer";
+constexpr const char* kEncoderOp = "TransformerEncoderLayer";
 const std::vector<std::string> kLinearNames = {"linear1.weight", "linear2.weight"};  // packed in reduced precision
 
 // Entries of sd under `prefix`, with the prefix removed.
@@ -40,11 +40,11 @@ std::string norm_name(int i, const char* what) { return "norm" + std::to_string(
 TransformerEncoderLayer::TransformerEncoderLayer(const TransformerEncoderLayerOptions& o, SkipInit)
     : opt_(o),
       self_attn_([&] {
-        HEADS_CHECK(o.d_model >= 1 && o.d_model <= kMaxWidth, kOp, ": d_model must be in [1, ", kMaxWidth,
+        HEADS_CHECK(o.d_model >= 1 && o.d_model <= kMaxWidth, kEncoderOp, ": d_model must be in [1, ", kMaxWidth,
                     "], got ", o.d_model);
-        HEADS_CHECK(o.dim_feedforward >= 1 && o.dim_feedforward <= kMaxWidth, kOp,
+        HEADS_CHECK(o.dim_feedforward >= 1 && o.dim_feedforward <= kMaxWidth, kEncoderOp,
                     ": dim_feedforward must be in [1, ", kMaxWidth, "], got ", o.dim_feedforward);
-        HEADS_CHECK(o.dropout >= 0.0 && o.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
+        HEADS_CHECK(o.dropout >= 0.0 && o.dropout <= 1.0, kEncoderOp, ": dropout must be in [0, 1], got ",
                     o.dropout);
         MultiheadAttentionOptions m;
         m.embed_dim = o.d_model;
@@ -104,7 +104,7 @@ StateDict TransformerEncoderLayer::state_dict() const {
 
 void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool strict) {
   // int8 linear weights (with their scales) are used as stored and switch the whole layer to int8.
-  const modules::LoadedWeights loaded = modules::read_int8_weights(stored, kLinearNames, kOp);
+  const modules::LoadedWeights loaded = modules::read_int8_weights(stored, kLinearNames, kEncoderOp);
   const StateDict& sd = loaded.floating;
   bool any_int8 = !loaded.int8.empty();
   for (const auto& [n, t] : sd) any_int8 = any_int8 || (n.rfind("self_attn.", 0) == 0 && t.dtype() == DType::I8);
@@ -112,16 +112,16 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool stri
   // Check everything before copying anything.
   for (const auto& [n, t] : params_) {
     const Tensor* src = find(sd, n);
-    HEADS_CHECK(src != nullptr || !strict, kOp, "::load_state_dict: tensor \"", n, "\" missing");
+    HEADS_CHECK(src != nullptr || !strict, kEncoderOp, "::load_state_dict: tensor \"", n, "\" missing");
     if (src) {
-      HEADS_CHECK(src->shape() == t.shape() && is_floating(src->dtype()), kOp,
+      HEADS_CHECK(src->shape() == t.shape() && is_floating(src->dtype()), kEncoderOp,
                   "::load_state_dict: \"", n, "\": expected ", t.shape(), ", got ", src->shape(),
                   " ", dtype_name(src->dtype()));
     }
   }
   if (strict) {
     for (const auto& [n, t] : sd) {
-      HEADS_CHECK(n.rfind("self_attn.", 0) == 0 || find(params_, n) != nullptr, kOp,
+      HEADS_CHECK(n.rfind("self_attn.", 0) == 0 || find(params_, n) != nullptr, kEncoderOp,
                   "::load_state_dict: unexpected tensor \"", n, "\"");
     }
   }
@@ -168,7 +168,7 @@ void TransformerEncoderLayer::set_precision(Precision p, const InputRanges& inpu
 }
 
 void TransformerEncoderLayer::record_input_ranges(const EncoderLayerTape& t, InputRanges& ranges) const {
-  HEADS_CHECK(t.defined(), kOp, "::record_input_ranges: empty tape; run forward with a tape");
+  HEADS_CHECK(t.defined(), kEncoderOp, "::record_input_ranges: empty tape; run forward with a tape");
   InputRanges attn;
   self_attn_.record_input_ranges(t.attn, attn);
   for (const auto& [n, a] : attn) modules::record_absmax(ranges, "self_attn." + n, a);  // a max of maxima
@@ -179,9 +179,9 @@ void TransformerEncoderLayer::record_input_ranges(const EncoderLayerTape& t, Inp
 Precision TransformerEncoderLayer::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 
 Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardArgs& a) const {
-  HEADS_CHECK(src.defined() && (src.dim() == 2 || src.dim() == 3), kOp,
+  HEADS_CHECK(src.defined() && (src.dim() == 2 || src.dim() == 3), kEncoderOp,
               ": src: expected [L, E], [L, N, E] or [N, L, E], got ", src.defined() ? src.shape() : Shape{});
-  HEADS_CHECK(src.size(-1) == opt_.d_model, kOp, ": src: expected d_model ", opt_.d_model,
+  HEADS_CHECK(src.size(-1) == opt_.d_model, kEncoderOp, ": src: expected d_model ", opt_.d_model,
               " in the last dim, got ", src.shape());
   const double p = training_ ? opt_.dropout : 0.0;
   const uint64_t seed_attn = p > 0 ? next_seed() : 0;
@@ -249,10 +249,10 @@ Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardA
 }
 
 EncoderGrads TransformerEncoderLayer::backward(const EncoderLayerTape& t, const Tensor& dout_in) const {
-  HEADS_CHECK(t.defined(), kOp, "::backward: empty tape; run forward with EncoderForwardArgs::tape set");
-  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.norm1_in.shape(), kOp, "::backward: dout: expected ",
+  HEADS_CHECK(t.defined(), kEncoderOp, "::backward: empty tape; run forward with EncoderForwardArgs::tape set");
+  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.norm1_in.shape(), kEncoderOp, "::backward: dout: expected ",
               t.norm1_in.shape(), " (the forward's output), got ", dout_in.defined() ? dout_in.shape() : Shape{});
-  HEADS_CHECK(is_floating(dout_in.dtype()), kOp, "::backward: dout: expected a floating dtype, got ",
+  HEADS_CHECK(is_floating(dout_in.dtype()), kEncoderOp, "::backward: dout: expected a floating dtype, got ",
               dtype_name(dout_in.dtype()));
   const double eps = opt_.layer_norm_eps;
   StateDict pg;  // parameter gradients, collected by name
@@ -297,7 +297,7 @@ EncoderGrads TransformerEncoderLayer::backward(const EncoderLayerTape& t, const 
   out.dsrc = dx;
   for (const auto& [n, v] : state_dict()) {
     const Tensor* g = find(pg, n);
-    HEADS_CHECK(g != nullptr, kOp, "::backward: no gradient for \"", n, "\"");
+    HEADS_CHECK(g != nullptr, kEncoderOp, "::backward: no gradient for \"", n, "\"");
     out.params.emplace_back(n, *g);
   }
   return out;

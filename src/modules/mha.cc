@@ -29,15 +29,15 @@ using modules::PackedWeights;
 using modules::project;
 using modules::rows;
 using modules::split_heads;
+using modules::kMhaOp;
 
 namespace {
 
-constexpr const char* kOp = "MultiheadAttention";
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Bool mask (true = masked out) -> 0 / -inf; float mask -> f32 copy. Contiguous result.
 Tensor additive_mask(const Tensor& m, const char* name) {
-  HEADS_CHECK(m.dtype() == DType::Bool || is_floating(m.dtype()), kOp, ": ", name,
+  HEADS_CHECK(m.dtype() == DType::Bool || is_floating(m.dtype()), kMhaOp, ": ", name,
               ": only bool and floating masks are supported, got ", dtype_name(m.dtype()));
   if (m.dtype() != DType::Bool) return m.to(DType::F32);
   const Tensor b = m.contiguous();
@@ -55,28 +55,28 @@ namespace {
 MhaInputs check_inputs(const MultiheadAttentionOptions& o, const Tensor& query, const Tensor& key,
                        const Tensor& value, const MhaForwardArgs& args) {
   const int64_t E = o.embed_dim, H = o.num_heads;
-  HEADS_CHECK(query.defined() && key.defined() && value.defined(), kOp, ": query, key and value are required");
-  HEADS_CHECK(query.dim() == 2 || query.dim() == 3, kOp,
+  HEADS_CHECK(query.defined() && key.defined() && value.defined(), kMhaOp, ": query, key and value are required");
+  HEADS_CHECK(query.dim() == 2 || query.dim() == 3, kMhaOp,
               ": query should be unbatched 2-D or batched 3-D, got ", query.shape());
   MhaInputs in;
   in.batched = query.dim() == 3;
   in.batch_first = in.batched && o.batch_first;
-  HEADS_CHECK(key.dim() == query.dim() && value.dim() == query.dim(), kOp, ": for ",
+  HEADS_CHECK(key.dim() == query.dim() && value.dim() == query.dim(), kMhaOp, ": for ",
               in.batched ? "batched (3-D)" : "unbatched (2-D)", " query ", query.shape(),
               ", expected key and value of the same rank, got key ", key.shape(), " and value ",
               value.shape());
   for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}}) {
-    HEADS_CHECK(is_floating(t->dtype()), kOp, ": ", name, ": expected a floating dtype, got ",
+    HEADS_CHECK(is_floating(t->dtype()), kMhaOp, ": ", name, ": expected a floating dtype, got ",
                 dtype_name(t->dtype()));
   }
   const Tensor& kpm = args.key_padding_mask;
   const Tensor& am = args.attn_mask;
   if (kpm.defined()) {
-    HEADS_CHECK(kpm.dim() == (in.batched ? 2 : 1), kOp, ": key_padding_mask: expected ",
+    HEADS_CHECK(kpm.dim() == (in.batched ? 2 : 1), kMhaOp, ": key_padding_mask: expected ",
                 in.batched ? "[N, S]" : "[S]", " for query ", query.shape(), ", got ", kpm.shape());
   }
   if (am.defined()) {
-    HEADS_CHECK(am.dim() == 2 || am.dim() == 3, kOp,
+    HEADS_CHECK(am.dim() == 2 || am.dim() == 3, kMhaOp,
                 ": attn_mask: expected 2-D [L, S] or 3-D [N * num_heads, L, S], got ", am.shape());
   }
   auto native = [&](const Tensor& x) {  // [d0, d1, width] with rows in memory order
@@ -92,20 +92,20 @@ MhaInputs check_inputs(const MultiheadAttentionOptions& o, const Tensor& query, 
   in.xv = in.self_attn ? in.xq : native(value);
   const Shape qs = in.nle(in.xq).shape(), ks = in.nle(in.xk).shape(), vs = in.nle(in.xv).shape();
   in.N = qs[0], in.L = qs[1], in.S = ks[1];
-  HEADS_CHECK(qs[2] == E, kOp, ": query: expected embed_dim ", E, " in the last dim, got ", query.shape());
-  HEADS_CHECK(ks[2] == o.kdim, kOp, ": key: expected kdim ", o.kdim, " in the last dim, got ", key.shape());
-  HEADS_CHECK(vs[2] == o.vdim, kOp, ": value: expected vdim ", o.vdim, " in the last dim, got ", value.shape());
-  HEADS_CHECK(ks[0] == in.N && vs[0] == in.N, kOp, ": key ", key.shape(), " and value ", value.shape(),
+  HEADS_CHECK(qs[2] == E, kMhaOp, ": query: expected embed_dim ", E, " in the last dim, got ", query.shape());
+  HEADS_CHECK(ks[2] == o.kdim, kMhaOp, ": key: expected kdim ", o.kdim, " in the last dim, got ", key.shape());
+  HEADS_CHECK(vs[2] == o.vdim, kMhaOp, ": value: expected vdim ", o.vdim, " in the last dim, got ", value.shape());
+  HEADS_CHECK(ks[0] == in.N && vs[0] == in.N, kMhaOp, ": key ", key.shape(), " and value ", value.shape(),
               " must have the batch size of query ", query.shape());
-  HEADS_CHECK(vs[1] == in.S, kOp, ": key ", key.shape(), " and value ", value.shape(),
+  HEADS_CHECK(vs[1] == in.S, kMhaOp, ": key ", key.shape(), " and value ", value.shape(),
               " must have the same sequence length");
   if (kpm.defined()) {
     const Shape want = in.batched ? Shape{in.N, in.S} : Shape{in.S};
-    HEADS_CHECK(kpm.shape() == want, kOp, ": key_padding_mask: expected ", want, ", got ", kpm.shape());
+    HEADS_CHECK(kpm.shape() == want, kMhaOp, ": key_padding_mask: expected ", want, ", got ", kpm.shape());
   }
   if (am.defined()) {
     const Shape want = am.dim() == 2 ? Shape{in.L, in.S} : Shape{in.N * H, in.L, in.S};
-    HEADS_CHECK(am.shape() == want, kOp, ": attn_mask: expected ", want,
+    HEADS_CHECK(am.shape() == want, kMhaOp, ": attn_mask: expected ", want,
                 am.dim() == 3 ? " ([N * num_heads, L, S])" : " ([L, S])", ", got ", am.shape());
   }
   in.kpm = kpm.defined() ? additive_mask(kpm, "key_padding_mask") : Tensor();
@@ -241,7 +241,7 @@ Tensor MultiheadAttention::head_gates(const Tensor& query) const {
   if (opt_.variant.head_gate == HeadGate::None) return Tensor();
   HEADS_CHECK(query.defined() && (query.dim() == 2 || query.dim() == 3) && query.size(-1) == opt_.embed_dim &&
                   is_floating(query.dtype()),
-              kOp, "::head_gates: query: expected a floating [L, N, E] ([N, L, E] with batch_first) or [L, E] with E = ",
+              kMhaOp, "::head_gates: query: expected a floating [L, N, E] ([N, L, E] with batch_first) or [L, E] with E = ",
               opt_.embed_dim, ", got ", query.defined() ? query.shape() : Shape{});
   MhaInputs in{};
   in.batched = query.dim() == 3;
@@ -258,7 +258,7 @@ std::pair<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const
   const AttentionVariant& var = opt_.variant;
   const MhaInputs in = check_inputs(opt_, query, key, value, args);
   attention_->check_call(args);
-  HEADS_CHECK(!(args.is_causal && var.head_gate == HeadGate::MeanPool), kOp,
+  HEADS_CHECK(!(args.is_causal && var.head_gate == HeadGate::MeanPool), kMhaOp,
               ": head_gate mean pools every query token, which a causal call must not see; use head_gate first");
 
   const PackedWeights* packed = args.tape == nullptr ? packed_.get() : nullptr;  // training runs in f32

@@ -8,7 +8,6 @@ namespace heads::modules {
 
 namespace {
 
-constexpr const char* kOp = "MultiheadAttention";
 
 // key_padding_mask merged into attn_mask as one additive mask [N|1, H|1, L|1, S2] (keys appended by
 // add_bias_kv / add_zero_attn get 0, as torch's pad(mask, (0, 1))); undefined when neither is given.
@@ -116,12 +115,12 @@ class LinearAttn final : public MhaAttention {
   explicit LinearAttn(const AttentionVariant& v) : var_(v) {}
 
   void check_call(const MhaForwardArgs& args) const override {
-    HEADS_CHECK(!args.attn_mask.defined(), kOp,
+    HEADS_CHECK(!args.attn_mask.defined(), kMhaOp,
                 ": linear attention takes no attn_mask (is_causal selects its causal form; key_padding_mask ignores keys)");
-    HEADS_CHECK(!args.key_padding_mask.defined() || args.key_padding_mask.dtype() == DType::Bool, kOp,
+    HEADS_CHECK(!args.key_padding_mask.defined() || args.key_padding_mask.dtype() == DType::Bool, kMhaOp,
                 ": key_padding_mask: linear attention takes a bool mask (true = ignore the key); a float mask adds to "
                 "softmax scores, which linear attention has none of");
-    HEADS_CHECK(!args.relative_attention_bias.defined(), kOp,
+    HEADS_CHECK(!args.relative_attention_bias.defined(), kMhaOp,
                 ": linear attention takes no relative_attention_bias (it adds to softmax scores)");
   }
 
@@ -133,7 +132,7 @@ class LinearAttn final : public MhaAttention {
   SdpaResult attend(const MhaInputs& in, const MhaForwardArgs& args, const MhaHeads& h, double,
                     MhaTape* tape) const override {
     const int64_t H = h.q4.size(1), S2 = h.k4.size(2);
-    HEADS_CHECK(!(args.is_causal && S2 != in.L), kOp, ": causal linear attention needs as many keys as ",
+    HEADS_CHECK(!(args.is_causal && S2 != in.L), kMhaOp, ": causal linear attention needs as many keys as ",
                 "queries, got ", in.L, " queries and ", S2, " keys",
                 S2 != in.S ? " (with the appended bias_k / zero keys)" : "");
     LinearAttentionOptions lo;

@@ -13,6 +13,9 @@
 
 namespace heads::modules {
 
+// The name errors of nn.MultiheadAttention's calls begin with.
+constexpr const char* kMhaOp = "MultiheadAttention";
+
 // A module call's inputs after _mha_shape_check: [d0, d1, width] f32 views in the inputs' own row
 // order ([L, N] or [N, L]; unbatched [L, 1]), their sizes, and the masks as additive f32 tensors.
 struct MhaInputs {

@@ -22,10 +22,10 @@ namespace heads {
 
 using modules::rows;
 using modules::split_heads;
+using modules::kMhaOp;
 
 namespace {
 
-constexpr const char* kOp = "MultiheadAttention";
 
 using Grads = std::map<std::string, Tensor>;  // parameter gradients by name
 
@@ -143,15 +143,15 @@ void add_pool_grad(const MhaTape& t, const Tensor& dpool, HeadGate kind, bool ba
 
 MhaGrads MultiheadAttention::backward(const MhaTape& t, const Tensor& dout_in) const {
   const int64_t E = opt_.embed_dim, H = opt_.num_heads, Ei = H * opt_.head_dim;
-  HEADS_CHECK(t.defined(), kOp, "::backward: empty tape; run forward with MhaForwardArgs::tape set");
+  HEADS_CHECK(t.defined(), kMhaOp, "::backward: empty tape; run forward with MhaForwardArgs::tape set");
   HEADS_CHECK(t.attn3.size(2) == Ei && t.q4.size(1) == H && t.gates.defined() == (opt_.variant.head_gate != HeadGate::None),
-              kOp, "::backward: the tape comes from a module of other dimensions");
-  HEADS_CHECK(t.linear == (opt_.variant.kind == AttentionKind::Linear), kOp,
+              kMhaOp, "::backward: the tape comes from a module of other dimensions");
+  HEADS_CHECK(t.linear == (opt_.variant.kind == AttentionKind::Linear), kMhaOp,
               "::backward: the tape comes from a module with ", t.linear ? "linear" : "softmax", " attention, this one has ",
               opt_.variant.kind == AttentionKind::Linear ? "linear" : "softmax", " attention");
-  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.out_shape, kOp, "::backward: dout: expected ",
+  HEADS_CHECK(dout_in.defined() && dout_in.shape() == t.out_shape, kMhaOp, "::backward: dout: expected ",
               t.out_shape, " (the forward's output), got ", dout_in.defined() ? dout_in.shape() : Shape{});
-  HEADS_CHECK(is_floating(dout_in.dtype()), kOp, "::backward: dout: expected a floating dtype, got ",
+  HEADS_CHECK(is_floating(dout_in.dtype()), kMhaOp, "::backward: dout: expected a floating dtype, got ",
               dtype_name(dout_in.dtype()));
   const bool bf = t.batched && opt_.batch_first;
   Grads pg;

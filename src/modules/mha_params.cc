@@ -18,28 +18,28 @@ using modules::PackedWeights;
 using modules::normal;
 using modules::uniform;
 using modules::xavier_uniform;
+using modules::kMhaOp;
 
 namespace {
 
 // The weights a reduced precision packs (those present: in_proj_weight or q/k/v_proj_weight).
 const std::vector<std::string> kPackedNames = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
                                                "out_proj.weight"};
-constexpr const char* kOp = "MultiheadAttention";
 
 void check_variant(const MultiheadAttentionOptions& o) {
   const AttentionVariant& v = o.variant;
-  HEADS_CHECK(v.window >= -1, kOp, ": window must be -1 (every key) or >= 0, got ", v.window);
-  HEADS_CHECK(v.sparse_block >= 0, kOp, ": sparse_block must be >= 0 (0: dense), got ", v.sparse_block);
-  HEADS_CHECK(v.sparse_stride >= 1, kOp, ": sparse_stride must be at least 1, got ", v.sparse_stride);
-  HEADS_CHECK(v.gate_threshold >= 0.0 && v.gate_threshold <= 1.0, kOp, ": gate_threshold must be in [0, 1], got ",
+  HEADS_CHECK(v.window >= -1, kMhaOp, ": window must be -1 (every key) or >= 0, got ", v.window);
+  HEADS_CHECK(v.sparse_block >= 0, kMhaOp, ": sparse_block must be >= 0 (0: dense), got ", v.sparse_block);
+  HEADS_CHECK(v.sparse_stride >= 1, kMhaOp, ": sparse_stride must be at least 1, got ", v.sparse_stride);
+  HEADS_CHECK(v.gate_threshold >= 0.0 && v.gate_threshold <= 1.0, kMhaOp, ": gate_threshold must be in [0, 1], got ",
               v.gate_threshold);
-  HEADS_CHECK((v.window == -1 && v.sparse_block == 0) || (!o.add_bias_kv && !o.add_zero_attn), kOp,
+  HEADS_CHECK((v.window == -1 && v.sparse_block == 0) || (!o.add_bias_kv && !o.add_zero_attn), kMhaOp,
               ": window and sparse_block place keys by position; the keys add_bias_kv / add_zero_attn append have "
               "none: use one or the other");
   if (v.kind == AttentionKind::Linear) {
-    HEADS_CHECK(v.window == -1 && v.sparse_block == 0, kOp,
+    HEADS_CHECK(v.window == -1 && v.sparse_block == 0, kMhaOp,
                 ": window and sparse_block select softmax attention's keys; linear attention takes neither");
-    HEADS_CHECK(o.dropout == 0.0, kOp, ": dropout (", o.dropout,
+    HEADS_CHECK(o.dropout == 0.0, kMhaOp, ": dropout (", o.dropout,
                 ") drops softmax attention weights; linear attention has none to drop: use 0");
   }
 }
@@ -62,24 +62,24 @@ HeadGate head_gate_from_name(const std::string& name) {
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options, SkipInit) : opt_(options) {
   const int64_t E = opt_.embed_dim;
-  HEADS_CHECK(E >= 1 && E <= kMaxWidth, kOp, ": embed_dim must be in [1, ", kMaxWidth, "], got ", E);
-  HEADS_CHECK(opt_.num_heads >= 1 && opt_.num_heads <= kMaxWidth, kOp, ": num_heads must be in [1, ", kMaxWidth,
+  HEADS_CHECK(E >= 1 && E <= kMaxWidth, kMhaOp, ": embed_dim must be in [1, ", kMaxWidth, "], got ", E);
+  HEADS_CHECK(opt_.num_heads >= 1 && opt_.num_heads <= kMaxWidth, kMhaOp, ": num_heads must be in [1, ", kMaxWidth,
               "], got ", opt_.num_heads);
-  HEADS_CHECK(opt_.head_dim >= 0 && opt_.head_dim <= kMaxWidth, kOp, ": head_dim must be in [1, ", kMaxWidth,
+  HEADS_CHECK(opt_.head_dim >= 0 && opt_.head_dim <= kMaxWidth, kMhaOp, ": head_dim must be in [1, ", kMaxWidth,
               "] (0: embed_dim / num_heads), got ", opt_.head_dim);
   if (opt_.head_dim == 0) {
-    HEADS_CHECK(E % opt_.num_heads == 0, kOp, ": embed_dim ", E, " is not divisible by num_heads ",
+    HEADS_CHECK(E % opt_.num_heads == 0, kMhaOp, ": embed_dim ", E, " is not divisible by num_heads ",
                 opt_.num_heads);
     opt_.head_dim = E / opt_.num_heads;
   }
-  HEADS_CHECK(opt_.num_heads * opt_.head_dim <= kMaxWidth, kOp, ": num_heads ", opt_.num_heads, " x head_dim ",
+  HEADS_CHECK(opt_.num_heads * opt_.head_dim <= kMaxWidth, kMhaOp, ": num_heads ", opt_.num_heads, " x head_dim ",
               opt_.head_dim, " exceeds ", kMaxWidth);
   check_variant(opt_);
   attention_ = modules::make_attention(opt_.variant);
   const int64_t Ei = opt_.num_heads * opt_.head_dim;  // the heads' total width (E unless pruned)
-  HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout <= 1.0, kOp, ": dropout must be in [0, 1], got ",
+  HEADS_CHECK(opt_.dropout >= 0.0 && opt_.dropout <= 1.0, kMhaOp, ": dropout must be in [0, 1], got ",
               opt_.dropout);
-  HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0 && opt_.kdim <= kMaxWidth && opt_.vdim <= kMaxWidth, kOp,
+  HEADS_CHECK(opt_.kdim >= 0 && opt_.vdim >= 0 && opt_.kdim <= kMaxWidth && opt_.vdim <= kMaxWidth, kMhaOp,
               ": kdim and vdim must be in [1, ", kMaxWidth, "] (0: embed_dim), got ", opt_.kdim, " and ", opt_.vdim);
   if (opt_.kdim == 0) opt_.kdim = E;
   if (opt_.vdim == 0) opt_.vdim = E;
@@ -151,25 +151,25 @@ StateDict MultiheadAttention::state_dict() const {
 
 void MultiheadAttention::load_state_dict(const StateDict& stored, bool strict) {
   // int8 weights (with their scales) are used as they are stored and switch the module to int8.
-  const modules::LoadedWeights loaded = modules::read_int8_weights(stored, kPackedNames, kOp);
+  const modules::LoadedWeights loaded = modules::read_int8_weights(stored, kPackedNames, kMhaOp);
   const StateDict& sd = loaded.floating;
   // Validate everything first, then copy: a failed load leaves the module unchanged.
   for (const auto& p : params_) {
     const Tensor* t = find(sd, p.name);
     if (t == nullptr) {
-      HEADS_CHECK(!strict, kOp, "::load_state_dict: tensor \"", p.name, "\" missing (have: ",
+      HEADS_CHECK(!strict, kMhaOp, "::load_state_dict: tensor \"", p.name, "\" missing (have: ",
                   names_of(sd), ")");
       continue;
     }
-    HEADS_CHECK(t->defined() && t->shape() == p.value.shape(), kOp, "::load_state_dict: \"",
+    HEADS_CHECK(t->defined() && t->shape() == p.value.shape(), kMhaOp, "::load_state_dict: \"",
                 p.name, "\": expected shape ", p.value.shape(), ", got ",
                 t->defined() ? t->shape() : Shape{});
-    HEADS_CHECK(is_floating(t->dtype()), kOp, "::load_state_dict: \"", p.name,
+    HEADS_CHECK(is_floating(t->dtype()), kMhaOp, "::load_state_dict: \"", p.name,
                 "\": expected a floating dtype, got ", dtype_name(t->dtype()));
   }
   if (strict) {
     for (const auto& [n, t] : sd) {
-      HEADS_CHECK(param(n) != nullptr, kOp, "::load_state_dict: unexpected tensor \"", n,
+      HEADS_CHECK(param(n) != nullptr, kMhaOp, "::load_state_dict: unexpected tensor \"", n,
                   "\" for a module with ", [&] {
                     std::string s;
                     for (const auto& p : params_) s += (s.empty() ? "" : ", ") + p.name;
@@ -233,18 +233,18 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
                                                        bool batch_first, bool add_zero_attn,
                                                        const AttentionVariant& variant) {
   const Tensor* wo = find(sd, "out_proj.weight");
-  HEADS_CHECK(wo != nullptr, kOp, ": tensor \"out_proj.weight\" missing (have: ", names_of(sd), ")");
-  HEADS_CHECK(wo->dim() == 2, kOp, ": out_proj.weight: expected [E, num_heads * head_dim], got ", wo->shape());
+  HEADS_CHECK(wo != nullptr, kMhaOp, ": tensor \"out_proj.weight\" missing (have: ", names_of(sd), ")");
+  HEADS_CHECK(wo->dim() == 2, kMhaOp, ": out_proj.weight: expected [E, num_heads * head_dim], got ", wo->shape());
   MultiheadAttentionOptions o;
   o.embed_dim = wo->size(0);
   o.num_heads = num_heads;
   if (wo->size(1) != wo->size(0)) {  // heads of their own width (e.g. pruned); square: torch's E / H
-    HEADS_CHECK(num_heads >= 1 && wo->size(1) % num_heads == 0, kOp, ": out_proj.weight ", wo->shape(),
+    HEADS_CHECK(num_heads >= 1 && wo->size(1) % num_heads == 0, kMhaOp, ": out_proj.weight ", wo->shape(),
                 ": its ", wo->size(1), " input features do not split into ", num_heads, " heads");
     o.head_dim = wo->size(1) / num_heads;
   }
   o.variant = variant;
-  HEADS_CHECK((find(sd, "head_gate.weight") != nullptr) == (variant.head_gate != HeadGate::None), kOp,
+  HEADS_CHECK((find(sd, "head_gate.weight") != nullptr) == (variant.head_gate != HeadGate::None), kMhaOp,
               find(sd, "head_gate.weight") != nullptr
                   ? ": the state dict has head gates (head_gate.weight): pass the variant's head_gate (first or mean)"
                   : ": the variant has head gates, the state dict no head_gate.weight");
@@ -255,16 +255,16 @@ MultiheadAttention MultiheadAttention::from_state_dict(const StateDict& sd, int6
   if (find(sd, "in_proj_weight") == nullptr) {
     const Tensor* wk = find(sd, "k_proj_weight");
     const Tensor* wv = find(sd, "v_proj_weight");
-    HEADS_CHECK(wk != nullptr && wv != nullptr && find(sd, "q_proj_weight") != nullptr, kOp,
+    HEADS_CHECK(wk != nullptr && wv != nullptr && find(sd, "q_proj_weight") != nullptr, kMhaOp,
                 ": tensor \"in_proj_weight\" missing, and no q_proj_weight/k_proj_weight/"
                 "v_proj_weight either (have: ", names_of(sd), ")");
-    HEADS_CHECK(wk->dim() == 2 && wv->dim() == 2, kOp,
+    HEADS_CHECK(wk->dim() == 2 && wv->dim() == 2, kMhaOp,
                 ": k_proj_weight/v_proj_weight must be 2-D, got ", wk->shape(), " and ",
                 wv->shape());
     o.kdim = wk->size(1);
     o.vdim = wv->size(1);
     // A module with kdim == vdim == E still stores separate weights when built with kdim/vdim.
-    HEADS_CHECK(!(o.kdim == o.embed_dim && o.vdim == o.embed_dim), kOp,
+    HEADS_CHECK(!(o.kdim == o.embed_dim && o.vdim == o.embed_dim), kMhaOp,
                 ": separate q/k/v projection weights with kdim == vdim == embed_dim are not "
                 "supported; store them as in_proj_weight [3E, E]");
   }
@@ -277,14 +277,14 @@ void MultiheadAttention::prune_heads(const std::vector<int64_t>& heads) {
   const int64_t H = opt_.num_heads, hd = opt_.head_dim, Ei = H * hd;
   std::vector<bool> drop(static_cast<size_t>(H), false);
   for (int64_t h : heads) {
-    HEADS_CHECK(h >= 0 && h < H, kOp, "::prune_heads: head ", h, " is out of range for ", H, " heads");
+    HEADS_CHECK(h >= 0 && h < H, kMhaOp, "::prune_heads: head ", h, " is out of range for ", H, " heads");
     drop[static_cast<size_t>(h)] = true;
   }
   std::vector<int64_t> keep;
   for (int64_t h = 0; h < H; ++h) {
     if (!drop[static_cast<size_t>(h)]) keep.push_back(h);
   }
-  HEADS_CHECK(!keep.empty(), kOp, "::prune_heads: removing all ", H, " heads would leave no attention");
+  HEADS_CHECK(!keep.empty(), kMhaOp, "::prune_heads: removing all ", H, " heads would leave no attention");
   if (static_cast<int64_t>(keep.size()) == H) return;
   const int64_t K = static_cast<int64_t>(keep.size());
   // Rows (dim 0) or columns (dim 1) of the kept heads, for each of `parts` consecutive H·hd blocks

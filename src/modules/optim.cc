@@ -11,14 +11,14 @@ namespace heads {
 
 namespace {
 
-constexpr const char* kOp = "AdamW";
+constexpr const char* kOptimOp = "AdamW";
 
 void check_options(const AdamWOptions& o) {
-  HEADS_CHECK(o.lr >= 0.0, kOp, ": lr must be >= 0, got ", o.lr);
-  HEADS_CHECK(o.eps >= 0.0, kOp, ": eps must be >= 0, got ", o.eps);
-  HEADS_CHECK(o.beta1 >= 0.0 && o.beta1 < 1.0, kOp, ": beta1 must be in [0, 1), got ", o.beta1);
-  HEADS_CHECK(o.beta2 >= 0.0 && o.beta2 < 1.0, kOp, ": beta2 must be in [0, 1), got ", o.beta2);
-  HEADS_CHECK(o.weight_decay >= 0.0, kOp, ": weight_decay must be >= 0, got ", o.weight_decay);
+  HEADS_CHECK(o.lr >= 0.0, kOptimOp, ": lr must be >= 0, got ", o.lr);
+  HEADS_CHECK(o.eps >= 0.0, kOptimOp, ": eps must be >= 0, got ", o.eps);
+  HEADS_CHECK(o.beta1 >= 0.0 && o.beta1 < 1.0, kOptimOp, ": beta1 must be in [0, 1), got ", o.beta1);
+  HEADS_CHECK(o.beta2 >= 0.0 && o.beta2 < 1.0, kOptimOp, ": beta2 must be in [0, 1), got ", o.beta2);
+  HEADS_CHECK(o.weight_decay >= 0.0, kOptimOp, ": weight_decay must be >= 0, got ", o.weight_decay);
 }
 
 }  // namespace
@@ -26,9 +26,9 @@ void check_options(const AdamWOptions& o) {
 AdamW::AdamW(StateDict params, const AdamWOptions& options) : opt_(options) {
   check_options(opt_);
   for (auto& [name, p] : params) {
-    HEADS_CHECK(p.defined() && p.dtype() == DType::F32 && p.is_contiguous(), kOp, ": parameter \"", name,
+    HEADS_CHECK(p.defined() && p.dtype() == DType::F32 && p.is_contiguous(), kOptimOp, ": parameter \"", name,
                 "\" must be a contiguous f32 tensor");
-    for (const Slot& s : slots_) HEADS_CHECK(s.name != name, kOp, ": parameter \"", name, "\" given twice");
+    for (const Slot& s : slots_) HEADS_CHECK(s.name != name, kOptimOp, ": parameter \"", name, "\" given twice");
     Slot s;
     s.name = name;
     s.param = p;
@@ -40,7 +40,7 @@ AdamW::AdamW(StateDict params, const AdamWOptions& options) : opt_(options) {
 }
 
 void AdamW::set_lr(double lr) {
-  HEADS_CHECK(lr >= 0.0, kOp, ": lr must be >= 0, got ", lr);
+  HEADS_CHECK(lr >= 0.0, kOptimOp, ": lr must be >= 0, got ", lr);
   opt_.lr = lr;
 }
 
@@ -52,11 +52,11 @@ void AdamW::step(const StateDict& grads) {
   for (const auto& [name, g] : grads) {
     size_t i = 0;
     while (i < slots_.size() && slots_[i].name != name) ++i;
-    HEADS_CHECK(i < slots_.size(), kOp, "::step: gradient for unknown parameter \"", name, "\"");
-    HEADS_CHECK(g.defined() && g.shape() == slots_[i].param.shape() && is_floating(g.dtype()), kOp,
+    HEADS_CHECK(i < slots_.size(), kOptimOp, "::step: gradient for unknown parameter \"", name, "\"");
+    HEADS_CHECK(g.defined() && g.shape() == slots_[i].param.shape() && is_floating(g.dtype()), kOptimOp,
                 "::step: gradient \"", name, "\": expected ", slots_[i].param.shape(), " floating, got ",
                 g.defined() ? g.shape() : Shape{});
-    HEADS_CHECK(g_of[i] == nullptr, kOp, "::step: two gradients for \"", name, "\"");
+    HEADS_CHECK(g_of[i] == nullptr, kOptimOp, "::step: two gradients for \"", name, "\"");
     keep.push_back(g.to(DType::F32));
     g_of[i] = &keep.back();
   }

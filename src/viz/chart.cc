@@ -177,7 +177,7 @@ void render_charts(const std::vector<ChartPanel>& panels, const std::string& tit
   }
   const double W = kPanelW * static_cast<double>(panels.size()), H = kPanelH + 40;
   Canvas c(path, W, H);
-  text(c.cr, title, W / 2, 20, 15, 0, false, true, true);
+  viz::text(c.cr, title, W / 2, 20, 15, 0, false, true, true);
   for (size_t i = 0; i < panels.size(); ++i) panel(c.cr, panels[i], names, kPanelW * static_cast<double>(i), 40);
   c.finish();
 }
