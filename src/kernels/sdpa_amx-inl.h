@@ -137,7 +137,9 @@ struct Task {
   int64_t os;
   float* lse;      // [nq]
   float* weights;  // [nq][Lk] or null
-  int64_t jstart, jend;  // its key blocks start at jstart (a multiple of kBK) and end at jend
+  // Its key blocks: kBK keys each from jstart (a multiple of 32, the packing's chunk), the last ending
+  // at jend. Tasks of one group share jstart (0: groups form only without a left window).
+  int64_t jstart, jend;
 };
 
 // Packs keys [0, jmax) of the task's (b, kv head) into a cache (K or V) unless it holds them.
@@ -394,8 +396,8 @@ class Worker {
                               static_cast<uint16_t*>(out.raw_data()) + b * out.stride(0) + h * out.stride(1) + i0 * out.stride(2),
                               out.stride(2), c_.lse + (b * pb.H + h) * pb.Lq + i0,
                               c_.weights ? c_.weights + ((b * pb.H + h) * pb.Lq + i0) * pb.Lk : nullptr,
-                              // blocks left of the first row's window are skipped (the band's limits grow with i)
-                              pb.key_begin(i0) / kBK * kBK, pb.key_end(i0 + nq - 1)});
+                              // keys left of the first row's window are skipped (the band's limits grow with i)
+                              pb.key_begin(i0) / 32 * 32, pb.key_end(i0 + nq - 1)});
     begin_task(*slots_[slot], scr_, slot);
   }
 
@@ -502,7 +504,9 @@ inline void sdpa_fwd(const SdpaProblem& pb, const Tensor& q, const Tensor& k, co
   std::vector<int64_t> kv_state(static_cast<size_t>(16 * n_threads), -1);  // a cache line per thread
   std::atomic<int64_t> next{0};
   const Call call{pb, lay, q, k, v, out, lse.data<float>(), weights.defined() ? weights.data<float>() : nullptr,
-                  n_qb, n_tasks, run, std::min<int64_t>(kGroup, forward_tiles_per_sweep(pb, kBQ, 2, n_threads)), &next};
+                  n_qb, n_tasks, run,
+                  // a group's tasks share their first key: no groups under a left window
+                  pb.has_left ? 1 : std::min<int64_t>(kGroup, forward_tiles_per_sweep(pb, kBQ, 2, n_threads)), &next};
 
 #pragma omp parallel num_threads(n_threads)
   {
