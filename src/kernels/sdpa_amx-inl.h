@@ -39,8 +39,9 @@
 // Parallel: (b, h, query block) tasks, heaviest first under causal, handed out in runs of one head
 // from a shared counter (a thread's groups are cut from its runs), so that a thread packs the K and
 // V it reads (into its own caches, one for K and one for V, as far as its units reach, once per
-// head): no packing pass, no barrier, no packed data crossing cores. Each task is computed the same way whatever thread runs it and whatever runs
-// beside it in the pipeline, so results do not depend on the thread count.
+// head): no packing pass, no barrier, no packed data crossing cores. Each task is computed the same
+// way whatever thread runs it and whatever runs beside it in the pipeline, so results do not depend
+// on the thread count.
 //
 // Files: the tile instructions (or the emulator's), the tile configuration, the tdpbf16ps block,
 // the packing of K and V and the tile stream are sdpa_amx_tiles-inl.h, included below; the
