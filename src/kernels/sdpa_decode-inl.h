@@ -72,33 +72,83 @@ HEADS_INLINE VR dot_partial(const T* kj, const float* qr, int64_t D) {
   return Vec::add(a0, a1);
 }
 
+// dot_partial for D = NV vectors exactly, unrolled (no loop or tail per key), with the same sums
+// in the same order (the same bits): the common head dims. NV = 0: any D (dot_partial itself).
+template <int NV, class T>
+HEADS_INLINE VR dot_fixed(const T* kj, const float* qr, int64_t D) {
+  if constexpr (NV == 0) {
+    return dot_partial(kj, qr, D);
+  } else {
+    VR a0 = Vec::fma(load_row(kj), Vec::load(qr), Vec::zero());
+    VR a1 = NV > 1 ? Vec::fma(load_row(kj + kW), Vec::load(qr + kW), Vec::zero()) : Vec::zero();
+#pragma GCC unroll 16
+    for (int c = 2; c + 1 < NV; c += 2) {
+      a0 = Vec::fma(load_row(kj + c * kW), Vec::load(qr + c * kW), a0);
+      a1 = Vec::fma(load_row(kj + (c + 1) * kW), Vec::load(qr + (c + 1) * kW), a1);
+    }
+    if constexpr (NV > 2 && NV % 2 == 1) a0 = Vec::fma(load_row(kj + (NV - 1) * kW), Vec::load(qr + (NV - 1) * kW), a0);
+    return Vec::add(a0, a1);
+  }
+}
+
 // Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
-// sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf.
-template <class T>
-inline void row_scores(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                       int64_t i, int64_t j0, int64_t nk, float* sr) {
+// sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf. NV: D in vectors
+// when it is one of the unrolled sizes, else 0.
+template <int NV, class T>
+inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
+                         int64_t i, int64_t j0, int64_t nk, float* sr) {
   const SdpaProblem& pb = S.pb;
   // The band hides a prefix and a suffix of the block: only keys [j0 + nb, j0 + nv) are computed.
   const int64_t nv = std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk);
   const int64_t nb = std::clamp<int64_t>(pb.key_begin(i) - j0, 0, nv);
+  const int64_t kst = S.ks[2];
   for (int64_t g = 0; g < kBlock; g += kW) {
     if (g >= nv || g + kW <= nb) {
       Vec::store(sr + g, Vec::set1(-kInf));
       continue;
     }
+    const bool whole = g >= nb && g + kW <= nv;  // every key of the group visible
+    const T* kg = kh + (j0 + g) * kst;
     VR part[kW];
-    for (int u = 0; u < kW; ++u) {
-      part[u] = g + u < nv && g + u >= nb ? dot_partial(kh + (j0 + g + u) * S.ks[2], qr, pb.D) : Vec::zero();
+    if (whole) {
+#pragma GCC unroll 16
+      for (int u = 0; u < kW; ++u) part[u] = dot_fixed<NV>(kg + u * kst, qr, pb.D);
+    } else {
+      for (int u = 0; u < kW; ++u) {
+        part[u] = g + u < nv && g + u >= nb ? dot_fixed<NV>(kg + u * kst, qr, pb.D) : Vec::zero();
+      }
     }
-    Vec::store(sr + g, Vec::reduce_lanes(part));
+    VR x = Vec::reduce_lanes(part);
+    if (whole) {
+      if (ksc != nullptr && S.kss[2] == 1) x = Vec::mul(x, Vec::loadu(ksc + j0 + g));  // int8: times the scales
+      Vec::store(sr + g, x);
+      if (ksc != nullptr && S.kss[2] != 1) {
+        for (int64_t u = g; u < g + kW; ++u) sr[u] *= ksc[(j0 + u) * S.kss[2]];
+      }
+      continue;
+    }
+    Vec::store(sr + g, x);
     for (int64_t u = g; u < std::min(nb, g + kW); ++u) sr[u] = -kInf;  // before nb
     for (int64_t u = std::max(g, nv); u < g + kW; ++u) sr[u] = -kInf;  // past nv
-  }
-  if (ksc != nullptr) {  // int8 keys: q·k_j times the key's scale
-    for (int64_t u = nb; u < nv; ++u) sr[u] *= ksc[(j0 + u) * S.kss[2]];
+    if (ksc != nullptr) {  // int8 keys: q·k_j times the key's scale
+      for (int64_t u = std::max(g, nb); u < std::min(nv, g + kW); ++u) sr[u] *= ksc[(j0 + u) * S.kss[2]];
+    }
   }
   if (pb.mods.any()) {
     for (int64_t u = nb; u < nv; ++u) sr[u] = mod_score_log2(pb, b, h, i, j0 + u, sr[u]);
+  }
+}
+
+template <class T>
+inline void row_scores(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
+                       int64_t i, int64_t j0, int64_t nk, float* sr) {
+  const int64_t nvec = S.pb.D % kW == 0 ? S.pb.D / kW : 0;
+  switch (nvec) {  // unrolled for the head dims of the usual models: D 64 and 128 (and 32 on AVX-512)
+    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
+    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
+    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
+    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
+    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
   }
 }
 
@@ -111,7 +161,11 @@ HEADS_INLINE void pv_row_regs(const T* vh, int64_t vs, const float* p, int64_t n
   for (int c = 0; c < NV; ++c) acc[c] = Vec::load(orow + c * kW);
   const int64_t tail = Dv - (NV - 1) * kW;  // lanes used in the last vector
   for (int64_t j = 0; j < nk; ++j) {
-    if (p[j] == 0.0f) continue;
+    // Hidden keys (p = 0) are skipped: a value there may be inf or NaN. int8 values are finite, and
+    // without the test the broadcast reads p[j] from memory instead of taking a shuffle port.
+    if constexpr (!std::is_same_v<T, int8_t>) {
+      if (p[j] == 0.0f) continue;
+    }
     const VR pv = Vec::set1(p[j]);
     const T* vj = vh + j * vs;
 #pragma GCC unroll 16
@@ -244,7 +298,11 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
     for (int64_t r = 0; r < S.rows; ++r) {
       const float* pr = s + r * kBlock;
       if (vsc != nullptr) {
-        for (int64_t jj = 0; jj < nk; ++jj) ps[jj] = pr[jj] * vsc[(b0 + jj) * S.vss[2]];
+        int64_t jj = 0;
+        if (S.vss[2] == 1) {
+          for (; jj + kW <= nk; jj += kW) Vec::store(ps + jj, Vec::mul(Vec::load(pr + jj), Vec::loadu(vsc + b0 + jj)));
+        }
+        for (; jj < nk; ++jj) ps[jj] = pr[jj] * vsc[(b0 + jj) * S.vss[2]];
         pr = ps;
       }
       pv_row(vh + b0 * S.vs[2], S.vs[2], pr, nk, pb.Dv, o + r * S.Dvp);
