@@ -17,6 +17,7 @@
 
 #define HEADS_NATIVE_BF16 1  // compiled for the vdpbf16ps probe of `heads bench peak`
 #define HEADS_AMX 1
+#define HEADS_VNNI_KEYS 1  // int8 keys of the decode through vpdpbusd where the CPU has AVX512_VNNI
 namespace heads::kernels::amx {
 constexpr Isa kIsa = Isa::Amx;
 #include "kernels/simd/vec_avx512-inl.h"
@@ -24,5 +25,6 @@ constexpr Isa kIsa = Isa::Amx;
 }  // namespace heads::kernels::amx
 #undef HEADS_AMX
 #undef HEADS_NATIVE_BF16
+#undef HEADS_VNNI_KEYS
 
 #pragma GCC pop_options

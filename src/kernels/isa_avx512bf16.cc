@@ -12,11 +12,13 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
 
 #define HEADS_NATIVE_BF16 1
+#define HEADS_VNNI_KEYS 1  // int8 keys of the decode through vpdpbusd where the CPU has AVX512_VNNI
 namespace heads::kernels::avx512bf16 {
 constexpr Isa kIsa = Isa::Avx512Bf16;
 #include "kernels/simd/vec_avx512-inl.h"
 #include "kernels/isa_table-inl.h"
 }  // namespace heads::kernels::avx512bf16
 #undef HEADS_NATIVE_BF16
+#undef HEADS_VNNI_KEYS
 
 #pragma GCC pop_options

@@ -91,12 +91,136 @@ HEADS_INLINE VR dot_fixed(const T* kj, const float* qr, int64_t D) {
   }
 }
 
+// A query row for int8 keys through VNNI (vpdpbusd), where the build has it (HEADS_VNNI_KEYS) and
+// the CPU too: the row, scaled as pack_queries leaves it, rounded to 24-bit integers q24 = q / s
+// (s = max |q| / kQ24Max, to nearest even: 2^-24 of the row's largest element, f32's precision)
+// and cut into three signed bytes, q24 = hi·2^16 + mid·2^8 + lo. vpdpbusd multiplies unsigned by
+// signed bytes, so a key's bytes enter as k + 128 (k xor 0x80) and the bias's share, 128·Σ digit,
+// is taken off. Every sum is exact in int32 for D <= 128; q·k = ((H·2^16) + ML)·s in f32 (two
+// roundings), H = Σ k·hi, ML = 256·Σ k·mid + Σ k·lo. Three vpdpbusd per 64 bytes of a key take
+// the place of 3 · 4 f32 vector operations (widen, convert, FMA).
+struct QDigits {
+  const int8_t* d = nullptr;  // [3][128] bytes: hi, mid, lo, zero past D; null: f32 dot products
+  int32_t corr_hi = 0, corr_ml = 0;  // 128·Σ hi, 128·(256·Σ mid + Σ lo)
+  float scale = 0.0f;                // s
+};
+constexpr int32_t kQ24Max = 127 * 65536 + 127 * 256 + 127;  // the largest q24 whose digits all fit a signed byte
+constexpr int64_t kDigitsMaxD = 128;                         // beyond it the sums may leave int32
+
+// Digits of the row q [D] (D <= kDigitsMaxD) into dst [3][128].
+inline QDigits pack_digits(const float* q, int64_t D, int8_t* dst) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float inv = amax > 0.0f ? static_cast<float>(kQ24Max) / amax : 0.0f;
+  std::memset(dst, 0, 3 * kDigitsMaxD);
+  int32_t sum[3] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const auto x = static_cast<int32_t>(std::clamp(std::nearbyint(q[d] * inv), -float{kQ24Max}, float{kQ24Max}));
+    const int32_t lo = ((x + 128) & 255) - 128, x1 = (x - lo) / 256;
+    const int32_t mid = ((x1 + 128) & 255) - 128, hi = (x1 - mid) / 256;
+    dst[d] = static_cast<int8_t>(hi);
+    dst[kDigitsMaxD + d] = static_cast<int8_t>(mid);
+    dst[2 * kDigitsMaxD + d] = static_cast<int8_t>(lo);
+    sum[0] += hi;
+    sum[1] += mid;
+    sum[2] += lo;
+  }
+  return QDigits{dst, 128 * sum[0], 128 * (256 * sum[1] + sum[2]), amax / static_cast<float>(kQ24Max)};
+}
+
+#ifdef HEADS_VNNI_KEYS
+inline bool digits_usable(const SdpaProblem& pb) {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni && pb.D <= kDigitsMaxD;
+}
+
+// The 16 lanes' sums of a[0..15] (lane u: Σ a[u]), exact int32; Vec::reduce_lanes's network.
+HEADS_INLINE __m512i reduce_lanes_i32(const __m512i* a) {
+  const auto sh = [](__m512i x, __m512i y, auto imm) {
+    return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y), decltype(imm)::value));
+  };
+  __m512i s[8], t[4], w[2];
+  for (int p = 0; p < 8; ++p) {
+    s[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * p], a[2 * p + 1], 0x44), _mm512_shuffle_i32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  }
+  for (int r = 0; r < 4; ++r) {
+    t[r] = _mm512_add_epi32(_mm512_shuffle_i32x4(s[2 * r], s[2 * r + 1], 0x88), _mm512_shuffle_i32x4(s[2 * r], s[2 * r + 1], 0xDD));
+  }
+  for (int m = 0; m < 2; ++m) {
+    w[m] = _mm512_add_epi32(sh(t[2 * m], t[2 * m + 1], std::integral_constant<int, 0x44>{}),
+                            sh(t[2 * m], t[2 * m + 1], std::integral_constant<int, 0xEE>{}));
+  }
+  const __m512i z = _mm512_add_epi32(sh(w[0], w[1], std::integral_constant<int, 0x88>{}),
+                                     sh(w[0], w[1], std::integral_constant<int, 0xDD>{}));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+// q·k (log2 units, before the keys' scales) of 16 int8 keys at kg (stride kst) against q's digits.
+__attribute__((noinline)) inline __m512 key_digit_scores(const int8_t* kg, int64_t kst, const QDigits& q, int64_t D) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __mmask64 m0 = D >= 64 ? ~__mmask64{0} : (__mmask64{1} << D) - 1;
+  __m512i H[16], ML[16];
+  const __m512i h0 = _mm512_load_si512(q.d), mi0 = _mm512_load_si512(q.d + kDigitsMaxD),
+                l0 = _mm512_load_si512(q.d + 2 * kDigitsMaxD);
+  if (D > 64) {
+    const __mmask64 m1 = D >= 128 ? ~__mmask64{0} : (__mmask64{1} << (D - 64)) - 1;
+    const __m512i h1 = _mm512_load_si512(q.d + 64), mi1 = _mm512_load_si512(q.d + kDigitsMaxD + 64),
+                  l1 = _mm512_load_si512(q.d + 2 * kDigitsMaxD + 64);
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) {
+      const int8_t* kj = kg + u * kst;
+      const __m512i k0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m0, kj), bias);
+      const __m512i k1 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m1, kj + 64), bias);
+      const __m512i z = _mm512_setzero_si512();
+      const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, k0, h0), k1, h1);
+      const __m512i mi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, k0, mi0), k1, mi1);
+      const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, k0, l0), k1, l1);
+      H[u] = h;
+      ML[u] = _mm512_add_epi32(_mm512_slli_epi32(mi, 8), l);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) {
+      const __m512i k0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m0, kg + u * kst), bias);
+      const __m512i z = _mm512_setzero_si512();
+      H[u] = _mm512_dpbusd_epi32(z, k0, h0);
+      ML[u] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, k0, mi0), 8), _mm512_dpbusd_epi32(z, k0, l0));
+    }
+  }
+  // (the bias's 128·(k + 128) products past D are 128·0: the digits are zero there)
+  const __m512i hs = _mm512_sub_epi32(reduce_lanes_i32(H), _mm512_set1_epi32(q.corr_hi));
+  const __m512i ms = _mm512_sub_epi32(reduce_lanes_i32(ML), _mm512_set1_epi32(q.corr_ml));
+  const __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hs), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(ms));
+  return _mm512_mul_ps(x, _mm512_set1_ps(q.scale));
+}
+#pragma GCC pop_options
+#endif  // HEADS_VNNI_KEYS
+
+// x = q·k of a group of 16 visible int8 keys by their digits, where the build, the CPU and the row
+// have them (qd.d); else false, and the caller takes the f32 dot products.
+template <class T>
+HEADS_INLINE bool digit_group([[maybe_unused]] const T* kg, [[maybe_unused]] int64_t kst,
+                              [[maybe_unused]] const QDigits& qd, [[maybe_unused]] int64_t D, [[maybe_unused]] bool whole,
+                              [[maybe_unused]] VR& x) {
+#ifdef HEADS_VNNI_KEYS
+  if constexpr (std::is_same_v<T, int8_t>) {
+    if (whole && qd.d != nullptr) {
+      x = key_digit_scores(kg, kst, qd, D);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
 // sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf. NV: D in vectors
-// when it is one of the unrolled sizes, else 0.
+// when it is one of the unrolled sizes, else 0. qd: the row's digits for int8 keys (QDigits), or none.
 template <int NV, class T>
 inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                         int64_t i, int64_t j0, int64_t nk, float* sr) {
+                         int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd) {
   const SdpaProblem& pb = S.pb;
   // The band hides a prefix and a suffix of the block: only keys [j0 + nb, j0 + nv) are computed.
   const int64_t nv = std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk);
@@ -109,16 +233,19 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
     }
     const bool whole = g >= nb && g + kW <= nv;  // every key of the group visible
     const T* kg = kh + (j0 + g) * kst;
-    VR part[kW];
-    if (whole) {
+    VR x;
+    if (!digit_group(kg, kst, qd, pb.D, whole, x)) {
+      VR part[kW];
+      if (whole) {
 #pragma GCC unroll 16
-      for (int u = 0; u < kW; ++u) part[u] = dot_fixed<NV>(kg + u * kst, qr, pb.D);
-    } else {
-      for (int u = 0; u < kW; ++u) {
-        part[u] = g + u < nv && g + u >= nb ? dot_fixed<NV>(kg + u * kst, qr, pb.D) : Vec::zero();
+        for (int u = 0; u < kW; ++u) part[u] = dot_fixed<NV>(kg + u * kst, qr, pb.D);
+      } else {
+        for (int u = 0; u < kW; ++u) {
+          part[u] = g + u < nv && g + u >= nb ? dot_fixed<NV>(kg + u * kst, qr, pb.D) : Vec::zero();
+        }
       }
+      x = Vec::reduce_lanes(part);
     }
-    VR x = Vec::reduce_lanes(part);
     if (whole) {
       if (ksc != nullptr && S.kss[2] == 1) x = Vec::mul(x, Vec::loadu(ksc + j0 + g));  // int8: times the scales
       Vec::store(sr + g, x);
@@ -141,14 +268,14 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
 
 template <class T>
 inline void row_scores(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                       int64_t i, int64_t j0, int64_t nk, float* sr) {
+                       int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd) {
   const int64_t nvec = S.pb.D % kW == 0 ? S.pb.D / kW : 0;
   switch (nvec) {  // unrolled for the head dims of the usual models: D 64 and 128 (and 32 on AVX-512)
-    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
-    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
-    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
-    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
-    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr);
+    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
+    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
+    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
+    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
+    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
   }
 }
 
@@ -228,9 +355,10 @@ inline void pack_queries(const Setup& S, int64_t b, int64_t hk, float* qp) {
 }
 
 // Partial attention of every row of (b, hk) over keys [j0, j1): m, l, O (unnormalised).
+// digits: [rows] QDigits and [rows][3][128] bytes of scratch where int8 keys go through VNNI, else null.
 template <class TQ, class T>
 inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* qp,
-                  float* s, float* m, float* l, float* o) {
+                  float* s, float* m, float* l, float* o, QDigits* digits) {
   const SdpaProblem& pb = S.pb;
   const T* kh = static_cast<const T*>(S.k) + b * S.ks[0] + hk * S.ks[1];
   const T* vh = static_cast<const T*>(S.v) + b * S.vs[0] + hk * S.vs[1];
@@ -238,6 +366,11 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
   const float* vsc = S.value_scales(b, hk);
   const float keep_scale = dropout_keep_scale(pb.dropout_p);
   pack_queries<TQ>(S, b, hk, qp);
+  const QDigits none;
+  if (digits != nullptr) {
+    auto* bytes = reinterpret_cast<int8_t*>(reinterpret_cast<float*>(digits) + round_up(S.rows * 6, 16));
+    for (int64_t r = 0; r < S.rows; ++r) digits[r] = pack_digits(qp + r * S.Dp, pb.D, bytes + r * 3 * kDigitsMaxD);
+  }
   for (int64_t r = 0; r < S.rows; ++r) {
     m[r] = -kInf;
     l[r] = 0.0f;
@@ -256,18 +389,17 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
     // 1. S = q K_j^T (+ mask), one row per query
     for (int64_t r = 0; r < S.rows; ++r) {
       const int64_t h = hk * pb.group() + S.head(r);
-      row_scores(S, kh, ksc, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock);
+      row_scores(S, kh, ksc, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock,
+                 digits != nullptr ? digits[r] : none);
     }
     // 2-3. online softmax per row
     for (int64_t r = 0; r < S.rows; ++r) {
       float* sr = s + r * kBlock;
       VR mxv = Vec::set1(-kInf);
-      for (int64_t jj = 0; jj < kBlock; jj += kW) mxv = Vec::max(mxv, Vec::load(sr + jj));
-      alignas(64) float mxl[kW];
-      Vec::store(mxl, mxv);
-      float mx = -kInf;
-      for (int u = 0; u < kW; ++u) mx = std::max(mx, mxl[u]);
-      // m stays free of NaN (std::max drops it); a NaN score reaches l and O through its P.
+      // max(x, m) is m where x is NaN: m stays free of NaN (a NaN score reaches l and O through its
+      // P), and the lanes' maximum is a tree, not a chain of 16 dependent scalar maxima.
+      for (int64_t jj = 0; jj < kBlock; jj += kW) mxv = Vec::max(Vec::load(sr + jj), mxv);
+      const float mx = Vec::reduce_max(mxv);
       const float m_new = std::max(m[r], mx);
       const float m_safe = m_new == -kInf ? 0.0f : m_new;  // nothing visible yet: P = 0
       VR sum = Vec::zero();
@@ -405,7 +537,14 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
   float* po_base = po.data() + (16 - (reinterpret_cast<uintptr_t>(po.data()) / 4) % 16) % 16;
   const int n_threads = threads_for(2.0 * static_cast<double>(pb.B * pb.H * pb.Lq) * static_cast<double>(pb.Lk) *
                                         static_cast<double>(pb.D + pb.Dv), n_tasks);
-  const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock + S.Dvp, 16);
+  bool use_digits = false;  // int8 keys through VNNI (QDigits)
+#ifdef HEADS_VNNI_KEYS
+  if constexpr (std::is_same_v<TKV, int8_t>) use_digits = digits_usable(pb);
+#endif
+  static_assert(sizeof(QDigits) == 24 && alignof(QDigits) <= 8);
+  // QDigits [rows] (24 bytes each) and their bytes [rows][3][128], 64-byte aligned after them
+  const int64_t digit_floats = use_digits ? round_up(S.rows * 6, 16) + S.rows * 96 : 0;
+  const int64_t per = round_up(S.rows * S.Dp + S.rows * kBlock + S.Dvp, 16) + digit_floats;
   float* arena = thread_scratch(per * n_threads);
   float* lse_p = lse.data<float>();
   T* out_p = static_cast<T*>(out.raw_data());
@@ -415,13 +554,14 @@ inline void sdpa_decode(const SdpaProblem& pb, const Tensor& q, const Tensor& k,
   {
     float* qp = arena + per * omp_get_thread_num();
     float* sc = qp + S.rows * S.Dp;
+    auto* digits = use_digits ? reinterpret_cast<QDigits*>(qp + per - digit_floats) : nullptr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const int64_t bh = t / S.n_chunks, c = t % S.n_chunks;
       if (!pb.group_on(bh / pb.Hkv, bh % pb.Hkv)) continue;  // every head of the group off
       const int64_t j0 = c * S.chunk, j1 = std::min(pb.Lk, j0 + S.chunk);
       chunk<T, TKV>(S, bh / pb.Hkv, bh % pb.Hkv, j0, j1, qp, sc, pm.data() + t * S.rows,
-            pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp);
+            pl.data() + t * S.rows, po_base + t * S.rows * S.Dvp, digits);
     }
     // Merge the chunks of each (b, hk): O /= l; lse = ln 2 · (m + log2 l).
 #pragma omp for schedule(static)

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "common/testing.h"
 #include "heads/runtime.h"
@@ -154,6 +155,32 @@ TEST(SdpaKv, StoredKeysAndValuesMatchReferenceOnEveryPath) {
       }
     }
     o.k_scale = o.v_scale = Tensor();
+  }
+}
+
+// The decode's q·k over int8 keys keeps f32's precision on every path (the VNNI one sums 24-bit
+// digits of q exactly): with large scores, the log-sum-exp (about the largest score) against the
+// float64 reference on the same stored keys, relative to its size. 24-bit q: ~1e-7; q rounded to 16
+// bits (or its lowest digit lost) ~1e-5.
+TEST(SdpaKv, Int8DecodeScoresKeepF32Precision) {
+  IsaGuard guard;
+  for (const auto& [Hkv, Lk, D] : {std::tuple<int64_t, int64_t, int64_t>{2, 300, 128}, {1, 129, 80}, {3, 64, 32}, {1, 50, 7}}) {
+    const int64_t H = 2 * Hkv;
+    const Tensor q = randn({1, H, 1, D}, 6.0), k = randn({1, Hkv, Lk, D}), v = randn({1, Hkv, Lk, D});
+    const Int8Rows qk = quantize_kv(k), qv = quantize_kv(v);
+    SdpaOptions o;
+    o.enable_gqa = true;
+    o.k_scale = qk.scales;
+    o.v_scale = qv.scales;
+    const SdpaResult ref = ref::sdpa_fwd_f64(q, qk.values, qv.values, o);
+    for (Isa isa : testing::test_isas()) {
+      set_isa(isa);
+      const SdpaResult r = sdpa(q, qk.values, qv.values, o);
+      const auto e = compare(r.lse, ref.lse);
+      EXPECT_LT(e.max_abs / e.max_ref, 1e-6) << "Hkv=" << Hkv << " Lk=" << Lk << " D=" << D << " isa "
+                                             << isa_name(isa) << ": lse err " << e.max_abs << " of " << e.max_ref;
+      EXPECT_TRUE(compare(r.out, ref.out).within(1e-5, 1e-6)) << "D=" << D << " isa " << isa_name(isa);
+    }
   }
 }
 
