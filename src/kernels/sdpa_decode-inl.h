@@ -218,9 +218,10 @@ HEADS_INLINE bool digit_group([[maybe_unused]] const T* kg, [[maybe_unused]] int
 // Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
 // sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf. NV: D in vectors
 // when it is one of the unrolled sizes, else 0. qd: the row's digits for int8 keys (QDigits), or none.
+// sr[pre[0], pre[1]) (whole groups, visible to the row) already holds q·k (rows_dots).
 template <int NV, class T>
 inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                         int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd) {
+                         int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd, const int64_t* pre) {
   const SdpaProblem& pb = S.pb;
   // The band hides a prefix and a suffix of the block: only keys [j0 + nb, j0 + nv) are computed.
   const int64_t nv = std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk);
@@ -234,7 +235,9 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
     const bool whole = g >= nb && g + kW <= nv;  // every key of the group visible
     const T* kg = kh + (j0 + g) * kst;
     VR x;
-    if (!digit_group(kg, kst, qd, pb.D, whole, x)) {
+    if (g >= pre[0] && g + kW <= pre[1]) {  // q·k already there (rows_dots)
+      x = Vec::load(sr + g);
+    } else if (!digit_group(kg, kst, qd, pb.D, whole, x)) {
       VR part[kW];
       if (whole) {
 #pragma GCC unroll 16
@@ -266,16 +269,101 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
   }
 }
 
+// q·k (log2 units, before int8 key scales) of R query rows (qr, stride Dp) against the 16 keys at kg,
+// into s[r·kBlock, + kW): each key vector widened once for the R rows, each row's sums those of
+// dot_fixed (the same bits).
+template <int R, int NV, class T>
+HEADS_INLINE void rows_dots16(const T* kg, int64_t kst, const float* qr, int64_t Dp, float* s) {
+  VR part[R][kW];
+#pragma GCC unroll 16
+  for (int u = 0; u < kW; ++u) {
+    const T* kj = kg + u * kst;
+    VR kv[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) kv[c] = load_row(kj + c * kW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float* q = qr + r * Dp;
+      VR a0 = Vec::fma(kv[0], Vec::load(q), Vec::zero());
+      VR a1 = Vec::fma(kv[1], Vec::load(q + kW), Vec::zero());
+#pragma GCC unroll 16
+      for (int c = 2; c + 1 < NV; c += 2) {
+        a0 = Vec::fma(kv[c], Vec::load(q + c * kW), a0);
+        a1 = Vec::fma(kv[c + 1], Vec::load(q + (c + 1) * kW), a1);
+      }
+      part[r][u] = Vec::add(a0, a1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) Vec::store(s + r * kBlock, Vec::reduce_lanes(part[r]));
+}
+
+// rows_dots16 over the groups [g0, g1) of a block, rows [0, rows) in passes of up to kDotRows.
+constexpr int kDotRows = kW >= 16 ? 4 : 2;
+template <int NV, class T>
+inline void rows_dots(const T* kh, int64_t kst, const float* qp, int64_t Dp, int64_t rows, int64_t g0, int64_t g1, float* s) {
+  static_assert(NV % 2 == 0);
+  for (int64_t r = 0; r < rows; r += kDotRows) {
+    for (int64_t g = g0; g < g1; g += kW) {
+      const T* kg = kh + g * kst;
+      float* sg = s + r * kBlock + g;
+      const float* q = qp + r * Dp;
+      if constexpr (kDotRows >= 4) {
+        if (rows - r >= 4) {
+          rows_dots16<4, NV>(kg, kst, q, Dp, sg);
+          continue;
+        }
+        if (rows - r == 3) {
+          rows_dots16<3, NV>(kg, kst, q, Dp, sg);
+          continue;
+        }
+      }
+      if (rows - r >= 2) {
+        rows_dots16<2, NV>(kg, kst, q, Dp, sg);
+      } else {
+        rows_dots16<1, NV>(kg, kst, q, Dp, sg);
+      }
+    }
+  }
+}
+
+// The groups of a block's keys [j0, j0 + nk) visible to every row of (b, hk) (the intersection of
+// their bands, in whole groups of kW) get their q·k for all rows at once; returns them as
+// [pre[0], pre[1]) (empty where D is not unrolled, or a single row).
+template <class T>
+inline void group_dots(const Setup& S, const T* kh, const float* qp, int64_t j0, int64_t nk, float* s, int64_t* pre) {
+  const SdpaProblem& pb = S.pb;
+  pre[0] = pre[1] = 0;
+  const int64_t nvec = pb.D % kW == 0 ? pb.D / kW : 0;
+  if (S.rows < 2 || (nvec != 2 && nvec != 4 && nvec != 8 && nvec != 16)) return;
+  int64_t lo = 0, hi = nk;
+  for (int64_t i = 0; i < pb.Lq; ++i) {
+    lo = std::max(lo, std::clamp<int64_t>(pb.key_begin(i) - j0, 0, nk));
+    hi = std::min(hi, std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk));
+  }
+  const int64_t g0 = round_up(lo, kW), g1 = hi / kW * kW;
+  if (g0 >= g1) return;
+  const T* kb = kh + j0 * S.ks[2];
+  switch (nvec) {
+    case 2: rows_dots<2>(kb, S.ks[2], qp, S.Dp, S.rows, g0, g1, s); break;
+    case 4: rows_dots<4>(kb, S.ks[2], qp, S.Dp, S.rows, g0, g1, s); break;
+    case 8: rows_dots<8>(kb, S.ks[2], qp, S.Dp, S.rows, g0, g1, s); break;
+    default: rows_dots<16>(kb, S.ks[2], qp, S.Dp, S.rows, g0, g1, s); break;
+  }
+  pre[0] = g0;
+  pre[1] = g1;
+}
+
 template <class T>
 inline void row_scores(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                       int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd) {
+                       int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd, const int64_t* pre) {
   const int64_t nvec = S.pb.D % kW == 0 ? S.pb.D / kW : 0;
   switch (nvec) {  // unrolled for the head dims of the usual models: D 64 and 128 (and 32 on AVX-512)
-    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
-    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
-    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
-    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
-    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd);
+    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
+    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
+    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
+    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
+    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
   }
 }
 
@@ -329,6 +417,61 @@ inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t 
     for (; d + kW <= Dv; d += kW) Vec::store(orow + d, Vec::fma(pv, load_row(vj + d), Vec::load(orow + d)));
     if (d < Dv) Vec::store(orow + d, Vec::fma(pv, load_row_partial(vj + d, Dv - d), Vec::load(orow + d)));
   }
+}
+
+// O rows += sum_j p_r[j] · V[j] for R query rows at once (a GQA group's, or a few positions'),
+// Dv in chunks of NC vectors: each value vector is widened once for the R rows instead of once per
+// row. Rows r: p + r·kBlock, o + r·Dvp. Per row and element the FMAs of pv_row in its order (the
+// same bits). lanes_last: lanes of the chunk's last vector (kW if whole).
+template <int R, int NC, class T>
+HEADS_INLINE void pv_rows_chunk(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t d0, int64_t lanes_last,
+                                float* o, int64_t Dvp) {
+  VR acc[R][NC];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[r][c] = Vec::load(o + r * Dvp + d0 + c * kW);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const T* vj = vh + j * vs + d0;
+    VR v[NC];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC - 1; ++c) v[c] = load_row(vj + c * kW);
+    v[NC - 1] = lanes_last == kW ? load_row(vj + (NC - 1) * kW) : load_row_partial(vj + (NC - 1) * kW, lanes_last);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if constexpr (!std::is_same_v<T, int8_t>) {  // as pv_row: hidden keys' values may be inf or NaN
+        if (p[r * kBlock + j] == 0.0f) continue;
+      }
+      const VR pv = Vec::set1(p[r * kBlock + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) acc[r][c] = Vec::fma(pv, v[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) Vec::store(o + r * Dvp + d0 + c * kW, acc[r][c]);
+  }
+}
+
+constexpr int kPvRows = kW >= 16 ? 4 : 2;  // rows per pass: R·4 accumulators + 4 values in the registers
+
+template <int R, class T>
+inline void pv_rows(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* o, int64_t Dvp) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * kW <= Dv; d0 += 4 * kW) pv_rows_chunk<R, 4>(vh, vs, p, nk, d0, kW, o, Dvp);
+  for (; d0 < Dv; d0 += kW) pv_rows_chunk<R, 1>(vh, vs, p, nk, d0, std::min<int64_t>(kW, Dv - d0), o, Dvp);
+}
+
+// rows (2 <= rows <= kPvRows) of P·V at once.
+template <class T>
+inline void pv_rows_n(int64_t rows, const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* o, int64_t Dvp) {
+  if constexpr (kPvRows >= 4) {
+    if (rows == 4) return pv_rows<4>(vh, vs, p, nk, Dv, o, Dvp);
+    if (rows == 3) return pv_rows<3>(vh, vs, p, nk, Dv, o, Dvp);
+  }
+  pv_rows<2>(vh, vs, p, nk, Dv, o, Dvp);
 }
 
 // Scaled (log2 units), masked score of row r against key j (the weights sweep).
@@ -386,11 +529,14 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
       }
       if (!any) continue;
     }
-    // 1. S = q K_j^T (+ mask), one row per query
+    // 1. S = q K_j^T (+ mask), one row per query; the keys every row sees for all rows at once,
+    // where int8 keys do not go through VNNI digits
+    int64_t pre[2] = {0, 0};
+    if (digits == nullptr) group_dots(S, kh, qp, b0, nk, s, pre);
     for (int64_t r = 0; r < S.rows; ++r) {
       const int64_t h = hk * pb.group() + S.head(r);
       row_scores(S, kh, ksc, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock,
-                 digits != nullptr ? digits[r] : none);
+                 digits != nullptr ? digits[r] : none, pre);
     }
     // 2-3. online softmax per row
     for (int64_t r = 0; r < S.rows; ++r) {
@@ -425,19 +571,25 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
         }
       }
     }
-    // 4. O += P V_j (int8 values: P times each value's scale)
-    alignas(64) float ps[kBlock];
-    for (int64_t r = 0; r < S.rows; ++r) {
-      const float* pr = s + r * kBlock;
-      if (vsc != nullptr) {
+    // 4. O += P V_j (int8 values: P times each value's scale, in place), up to kPvRows rows at once
+    if (vsc != nullptr) {
+      for (int64_t r = 0; r < S.rows; ++r) {
+        float* pr = s + r * kBlock;
         int64_t jj = 0;
         if (S.vss[2] == 1) {
-          for (; jj + kW <= nk; jj += kW) Vec::store(ps + jj, Vec::mul(Vec::load(pr + jj), Vec::loadu(vsc + b0 + jj)));
+          for (; jj + kW <= nk; jj += kW) Vec::store(pr + jj, Vec::mul(Vec::load(pr + jj), Vec::loadu(vsc + b0 + jj)));
         }
-        for (; jj < nk; ++jj) ps[jj] = pr[jj] * vsc[(b0 + jj) * S.vss[2]];
-        pr = ps;
+        for (; jj < nk; ++jj) pr[jj] *= vsc[(b0 + jj) * S.vss[2]];
       }
-      pv_row(vh + b0 * S.vs[2], S.vs[2], pr, nk, pb.Dv, o + r * S.Dvp);
+    }
+    for (int64_t r = 0; r < S.rows;) {
+      const int64_t n = std::min<int64_t>(kPvRows, S.rows - r);
+      if (n == 1) {
+        pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp);
+      } else {
+        pv_rows_n(n, vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp, S.Dvp);
+      }
+      r += n;
     }
   }
 }
