@@ -5,7 +5,9 @@
 // would leave most lanes idle and the work is bound by reading K and V once.
 // Layout: every query row that shares a key/value head (H/Hkv heads x Lq rows) is processed
 //   together, so K and V stream through once per (b, hk); dot products run along D (keys on the
-//   outer loop), P·V accumulates into per-row O in f32.
+//   outer loop), P·V accumulates into per-row O in f32. A key or value vector is widened once for
+//   up to 4 rows (rows_dots16, pv_rows): a GQA group's rows cost the arithmetic, not the widening,
+//   of one row each. int8 keys on CPUs with VNNI skip the widening altogether (QDigits).
 // Parallel: tasks are (b, hk, key chunk). When B·Hkv alone cannot feed many threads, the keys are
 //   split into chunks (sdpa_split.h) whose partial softmax states (m, l, O) are merged afterwards
 //   (flash-decoding): m = max m_c, l = Σ l_c 2^(m_c - m), O = Σ O_c 2^(m_c - m). The split depends
