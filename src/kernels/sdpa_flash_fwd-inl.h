@@ -215,6 +215,7 @@ inline void finish_tile(TileRun& run, const typename Pol::In* kh, int64_t ks2, c
     inv_l[r] = keep_scale / l_l[r];
     if (l_l[r] == 0.0f) {  // zeros even where a V entry is NaN (0 · NaN in the P·V product)
       inv_l[r] = 0.0f;
+      if (r >= nq) continue;  // a lane past the tile's rows: never stored
       for (int64_t d = 0; d < pb.Dv; ++d) scr.ot[d * kTQ + r] = 0.0f;
     }
   }

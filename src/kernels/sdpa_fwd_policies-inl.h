@@ -11,16 +11,20 @@ struct Widen {
   // Qt[d][l] = q[l][d] · c for l < nq, else 0 (q0: first query row, row stride qs2).
   static void pack_q(const T* q0, int64_t qs2, int64_t nq, int64_t D, float c, float* qt) {
     for (int v = 0; v < kNQ; ++v) {
-      const int64_t l0 = v * kW;
+      const int64_t l0 = v * kW, rows = std::clamp<int64_t>(nq - l0, 0, kW);
       int64_t d0 = 0;
-      if (l0 + kW <= nq) {  // W whole query rows: transpose W x W blocks (bf16 ones widened first)
+      if (rows == kW && std::is_same_v<T, float>) {  // W whole query rows: transpose W x W blocks in place
         for (; d0 + kW <= D; d0 += kW) {
-          if constexpr (std::is_same_v<T, float>) {
-            Vec::transpose_scaled(q0 + l0 * qs2 + d0, qs2, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
-          } else {
-            alignas(64) float block[kW * kW];
-            for (int64_t r = 0; r < kW; ++r) Vec::store(block + r * kW, Vec::loadu_bf16(q0 + (l0 + r) * qs2 + d0));
-            Vec::transpose_scaled(block, kW, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
+          Vec::transpose_scaled(reinterpret_cast<const float*>(q0) + l0 * qs2 + d0, qs2, qt + d0 * kTQ + l0, kTQ,
+                                Vec::set1(c));
+        }
+      } else if (rows > 0) {  // bf16 rows widened, or a tile's last rows: W x W blocks through a copy,
+        for (; d0 + kW <= D; d0 += kW) {  // its rows past nq zero (a short sequence's tile is mostly this)
+          alignas(64) float block[kW * kW];
+          for (int64_t r = 0; r < kW; ++r) Vec::store(block + r * kW, r < rows ? load_row(q0 + (l0 + r) * qs2 + d0) : Vec::zero());
+          Vec::transpose_scaled(block, kW, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
+          if (rows < kW) {  // 0 · c is not 0 for every c (−0, NaN): the lanes past nq are 0
+            for (int64_t d = d0; d < d0 + kW; ++d) std::fill(qt + d * kTQ + l0 + rows, qt + d * kTQ + l0 + kW, 0.0f);
           }
         }
       }
@@ -46,22 +50,26 @@ struct Widen {
     for (int v = 0; v < kNQ; ++v) {
       const int64_t l0 = v * kW;
       if (l0 >= nq) break;
+      const int64_t rows = std::min<int64_t>(kW, nq - l0);
       int64_t d0 = 0;
-      if (l0 + kW <= nq) {  // W whole output rows: transpose W x W blocks of Ot / l (bf16: then round)
-        for (; d0 + kW <= Dv; d0 += kW) {
+      for (; d0 + kW <= Dv; d0 += kW) {  // W x W blocks of Ot / l (bf16, or a tile's last rows: through a copy)
+        if (rows == kW && std::is_same_v<T, float>) {
+          Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, reinterpret_cast<float*>(o0) + l0 * os2 + d0, os2,
+                                Vec::load(inv_l + l0));
+          continue;
+        }
+        alignas(64) float block[kW * kW];
+        Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, block, kW, Vec::load(inv_l + l0));
+        for (int64_t r = 0; r < rows; ++r) {
+          T* row = o0 + (l0 + r) * os2 + d0;
           if constexpr (std::is_same_v<T, float>) {
-            Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, o0 + l0 * os2 + d0, os2, Vec::load(inv_l + l0));
+            Vec::storeu(row, Vec::load(block + r * kW));
           } else {
-            alignas(64) float block[kW * kW];
-            Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, block, kW, Vec::load(inv_l + l0));
-            for (int64_t r = 0; r < kW; ++r) {
-              T* row = o0 + (l0 + r) * os2 + d0;
-              for (int64_t e = 0; e < kW; ++e) row[e] = f32_to_bf16(block[r * kW + e]);
-            }
+            for (int64_t e = 0; e < kW; ++e) row[e] = f32_to_bf16(block[r * kW + e]);
           }
         }
       }
-      for (int64_t r = l0; r < std::min(nq, l0 + kW); ++r) {
+      for (int64_t r = l0; r < l0 + rows; ++r) {
         for (int64_t d = d0; d < Dv; ++d) {
           const float x = ot[d * kTQ + r] * inv_l[r];
           if constexpr (std::is_same_v<T, float>) {
@@ -71,6 +79,14 @@ struct Widen {
           }
         }
       }
+    }
+  }
+  // One row of W query values from q, widened to f32.
+  HEADS_INLINE static VR load_row(const T* p) {
+    if constexpr (std::is_same_v<T, float>) {
+      return Vec::loadu(p);
+    } else {
+      return Vec::loadu_bf16(p);
     }
   }
 };
