@@ -83,7 +83,10 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
       x = Vec::load(sr + g);
     } else if (!digit_group(kg, kst, qd, pb.D, whole, x)) {
       VR part[kW];
-      if (whole) {
+      if (whole && std::is_same_v<T, float>) {  // f32 rows stream from memory faster a key at a time
+#pragma GCC unroll 1
+        for (int u = 0; u < kW; ++u) part[u] = dot_fixed<NV>(kg + u * kst, qr, pb.D);
+      } else if (whole) {  // widened rows: the 16 keys' loads and conversions unrolled together
 #pragma GCC unroll 16
         for (int u = 0; u < kW; ++u) part[u] = dot_fixed<NV>(kg + u * kst, qr, pb.D);
       } else {
