@@ -13,13 +13,15 @@ struct Widen {
     for (int v = 0; v < kNQ; ++v) {
       const int64_t l0 = v * kW, rows = std::clamp<int64_t>(nq - l0, 0, kW);
       int64_t d0 = 0;
-      if (rows == kW && std::is_same_v<T, float>) {  // W whole query rows: transpose W x W blocks in place
-        for (; d0 + kW <= D; d0 += kW) {
-          Vec::transpose_scaled(reinterpret_cast<const float*>(q0) + l0 * qs2 + d0, qs2, qt + d0 * kTQ + l0, kTQ,
-                                Vec::set1(c));
+      if constexpr (std::is_same_v<T, float>) {  // W whole query rows: transpose W x W blocks in place
+        if (rows == kW) {
+          for (; d0 + kW <= D; d0 += kW) {
+            Vec::transpose_scaled(q0 + l0 * qs2 + d0, qs2, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
+          }
         }
-      } else if (rows > 0) {  // bf16 rows widened, or a tile's last rows: W x W blocks through a copy,
-        for (; d0 + kW <= D; d0 += kW) {  // its rows past nq zero (a short sequence's tile is mostly this)
+      }
+      if (rows > 0) {  // bf16 rows widened, or a tile's last rows: W x W blocks through a copy, its rows
+        for (; d0 + kW <= D; d0 += kW) {  // past nq zero (a short sequence's tile is mostly this)
           alignas(64) float block[kW * kW];
           for (int64_t r = 0; r < kW; ++r) Vec::store(block + r * kW, r < rows ? load_row(q0 + (l0 + r) * qs2 + d0) : Vec::zero());
           Vec::transpose_scaled(block, kW, qt + d0 * kTQ + l0, kTQ, Vec::set1(c));
@@ -53,10 +55,11 @@ struct Widen {
       const int64_t rows = std::min<int64_t>(kW, nq - l0);
       int64_t d0 = 0;
       for (; d0 + kW <= Dv; d0 += kW) {  // W x W blocks of Ot / l (bf16, or a tile's last rows: through a copy)
-        if (rows == kW && std::is_same_v<T, float>) {
-          Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, reinterpret_cast<float*>(o0) + l0 * os2 + d0, os2,
-                                Vec::load(inv_l + l0));
-          continue;
+        if constexpr (std::is_same_v<T, float>) {
+          if (rows == kW) {
+            Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, o0 + l0 * os2 + d0, os2, Vec::load(inv_l + l0));
+            continue;
+          }
         }
         alignas(64) float block[kW * kW];
         Vec::transpose_scaled(ot + d0 * kTQ + l0, kTQ, block, kW, Vec::load(inv_l + l0));
