@@ -169,11 +169,14 @@ class PackedLinear {
   Tensor out_w_panels_;  // outlier_weight in int8_row_out's panels (kernels/dispatch.h's Int8Row::wo)
   Tensor wide_;  // f32 [N, K], dequantize(*this), where this CPU has no native GEMM for the precision
   Tensor sums_, res_sums_;
-  // The GEMMs' weights in oneDNN's own layouts, made at first use (kernels/onednn.h); the residual
-  // rows padded with zero rows to a multiple of 32 (one GEMM shape for most layers' few rows).
-  std::shared_ptr<kernels::PackedB> gemm_b_, gemm_res_b_;
+  // The GEMM's weight in oneDNN's own layouts, made at first use (kernels/onednn.h): data_, or with
+  // residual rows stacked_ (the int8 linear layer's one GEMM over both).
+  std::shared_ptr<kernels::PackedB> gemm_b_;
   std::shared_ptr<lowp::PairsB> pairs_b_;  // data_ and res_data_ for heads' own int8 GEMM, made at first use
-  Tensor res_padded_;
+  // Int8 with residual rows: data_'s rows, then the residual rows with zero rows to a multiple of 32
+  // (one GEMM shape for most layers' few rows), in one tensor; data_ is a view of its first rows, so
+  // the weight is stored once.
+  Tensor stacked_;
   std::vector<int32_t> res_rows32_;  // residual_rows as the output pass indexes y with them
   std::vector<int32_t> res_shift_;   // p of each residual row: its scale is the row's / 2^p
   // Int8: the row sums as int32, and with the residual rows folded in (C's sums and scales there, as

@@ -288,8 +288,7 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
       iw.Wr = static_cast<const int8_t*>(w.residual_data().raw_data());
       iw.swr = w.residual_scales().data<float>();
       iw.wrs = w.residual_row_sums().data<float>();
-      iw.Wr_padded = static_cast<const int8_t*>(w.res_padded_.raw_data());
-      iw.packed_r = w.gemm_res_b_.get();
+      iw.W_stacked = static_cast<const int8_t*>(w.stacked_.raw_data());
       iw.rrows = w.res_rows32_.data();
       iw.rshift = w.res_shift_.data();
       iw.Nr = w.residual_rows().numel();

@@ -117,9 +117,10 @@ struct Int8Weight {
   const float* keep = nullptr;
   int64_t no = 0;
   double act_error = 0;
-  kernels::PackedB* packed = nullptr;      // W in oneDNN's layouts
-  const int8_t* Wr_padded = nullptr;       // Wr with zero rows to a multiple of kRowBlock
-  kernels::PackedB* packed_r = nullptr;    // Wr_padded in oneDNN's layouts
+  // With residual rows, W's rows followed by Wr's and zero rows to a multiple of kRowBlock (Nrp in all):
+  // [N + Nrp, K], W its first N rows (oneDNN's route and the portable loops run one GEMM over it).
+  const int8_t* W_stacked = nullptr;
+  kernels::PackedB* packed = nullptr;      // W (W_stacked with residual rows) in oneDNN's layouts
   lowp::PairsB* pairs = nullptr;           // W and Wr in heads' GEMM's layout
 };
 

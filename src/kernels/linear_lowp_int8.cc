@@ -45,29 +45,30 @@ void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t 
 // the weight's activation_error (0, the default: every row). The integer GEMMs: acc = q·Wᵀ over all
 // rows with acc2 = r·Wᵀ over the rows with a second term in the same GEMM (packed after them), and
 // for the weight's residual rows (heads/precision.h) the sums of their 16-bit rows C = 2^p·W + Wr:
-// heads' own GEMM reads C in place of W there; oneDNN's and the portable loops run Wr in a GEMM of
-// its own (acc3, over the same rows, a multiple of kRowBlock of them) and the output pass makes
-// 2^p·acc + acc3 in int64. Then, with the zero points taken out exactly through the row sums,
+// heads' own GEMM reads C in place of W there; oneDNN's and the portable loops run W and Wr in one
+// GEMM (the weight's rows stacked: W's, then Wr's padded to a multiple of kRowBlock), its sums of Wr
+// (acc3) beside W's in each row, and the output pass makes 2^p·acc + acc3 (exact in 32 bits). Then,
+// with the zero points taken out exactly through the row sums,
 //   y[m, n] = ((acc − z·ws[n])·s (+ (acc2 − 128·ws[n])·sr)) · sw[n] + b[n]
 // (with C's sums and row sums, and scale swr, on the residual rows). The weight's outlier channels are
 // zero in the rows quantized (x times `keep`) and added in f32 by each output row: y[m, n] +=
 // x[m, o]·W[n, o]. On the f32 route the terms are summed back into f32 rows, (q − z)·s (+ r·sr), and
 // go through the f32 GEMM with the dequantized weight (C·swr on residual rows).
 
-// Output row m of x as int8_rows_out reads it, from one GEMM call's sums: the first term's at row i of
-// acc (stride N), the second term's at row i2 (−1: the row has none), and on oneDNN's route and the
-// portable loops (heads == false) the residual GEMM's at the same rows of acc3 (stride Nrp).
+// Output row m of x as int8_rows_out reads it, from one GEMM call's sums (row stride ld): the first
+// term's at row i of acc, the second term's at row i2 (−1: the row has none), and on oneDNN's route
+// and the portable loops (heads == false) the residual rows' sums after W's N in the same rows.
 kernels::Int8Row int8_out_row(const Int8Weight& w, bool heads, const float* x, int64_t xs, int64_t m,
                               const int32_t* zx, const float* sx, const float* sr, const float* bias,
-                              const int32_t* acc, const int32_t* acc3, int64_t Nrp, int64_t i, int64_t i2) {
+                              const int32_t* acc, int64_t ld, int64_t i, int64_t i2) {
   const int64_t N = w.N;
-  kernels::Int8Row r{acc + i * N, i2 < 0 ? nullptr : acc + i2 * N, zx[m], sx[m], sr[m],
+  kernels::Int8Row r{acc + i * ld, i2 < 0 ? nullptr : acc + i2 * ld, zx[m], sx[m], sr[m],
                      heads ? w.fold_ws : w.ws, heads ? w.fold_sw : w.sw, bias, N};
-  if (!heads && w.Nr > 0) {  // the residual GEMM's sums beside W's, C's row sums and scales
+  if (!heads && w.Nr > 0) {  // the residual rows' sums beside W's, C's row sums and scales
     r.ws = w.fold_ws;
     r.sw = w.fold_sw;
-    r.a3 = acc3 + i * Nrp;
-    r.a32 = i2 < 0 ? nullptr : acc3 + i2 * Nrp;
+    r.a3 = acc + i * ld + N;
+    r.a32 = i2 < 0 ? nullptr : acc + i2 * ld + N;
     r.shift = w.fold_shift;
     r.col = w.fold_col;
     r.mask = w.fold_mask;
@@ -116,15 +117,17 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
                        float* y, int64_t ys, std::optional<Activation> act, bool native) {
   using lowp::kShapeStep;
   const int64_t N = w.N, Nr = w.Nr;
-  const int64_t Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const TaskSplit split = split_tasks(M, N, K);
+  // The GEMM's columns: W's N, and with residual rows theirs (the stacked weight, zero rows to a multiple of kRowBlock)
+  const int64_t Ns = N + (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int8_t* B = Nr > 0 ? w.W_stacked : w.W;
+  const TaskSplit split = split_tasks(M, Ns, K);
   const int64_t T = split.rows_max(), tasks = split.tasks;
   const int threads = split.threads;
   // Each thread's working memory: a task's codes (rows [0, cm) the first terms, zero past its rows,
-  // then the second terms packed, zero rows up to a multiple of kRowBlock), and its GEMMs' sums.
-  const int64_t q_size = 2 * T * K, acc_size = 2 * T * N, acc3_size = 2 * T * Nrp;
+  // then the second terms packed, zero rows up to a multiple of kRowBlock), and its GEMM's sums.
+  const int64_t q_size = 2 * T * K, acc_size = 2 * T * Ns;
   const Buffer<uint8_t> codes(threads * q_size);
-  const Buffer<int32_t> sums(threads * acc_size), sums3(std::max<int64_t>(1, threads * acc3_size));
+  const Buffer<int32_t> sums(threads * acc_size);
   const Buffer<float> sx(M), sr(M);
   const Buffer<int32_t> zx(M);
   const auto& k = kernels::active();
@@ -136,7 +139,6 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
     const int t = threads > 1 ? omp_get_thread_num() : 0;
     uint8_t* q = codes.data() + t * q_size;
     int32_t* acc = sums.data() + t * acc_size;
-    int32_t* acc3 = sums3.data() + (Nrp > 0 ? t * acc3_size : 0);
     int64_t slot[kTaskRows];  // row i's index among the task's second terms, or −1
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < tasks; ++ti) {
@@ -159,14 +161,13 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
         }
         const int64_t mt = cm + std::min((m2 + kRowBlock - 1) / kRowBlock * kRowBlock, cm);
         std::fill(r + m2 * K, q + mt * K, uint8_t{0});
-        gemm_u8s8(q, mt, K, w.W, N, acc, native, w.packed, 1);
-        if (Nr > 0) gemm_u8s8(q, mt, K, w.Wr_padded, Nrp, acc3, native, w.packed_r, 1);
+        gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, 1);
         for (int64_t b0 = 0; b0 < n; b0 += kOutBlock) {
           const int64_t b1 = std::min(n, b0 + kOutBlock);
           kernels::Int8Row rows[kOutBlock];
           for (int64_t i = b0; i < b1; ++i) {
-            rows[i - b0] = int8_out_row(w, false, x, xs, c0 + i, zx.data(), sx.data(), sr.data(), bias, acc, acc3,
-                                        Nrp, i, slot[i]);
+            rows[i - b0] = int8_out_row(w, false, x, xs, c0 + i, zx.data(), sx.data(), sr.data(), bias, acc, Ns, i,
+                                        slot[i]);
           }
           k.int8_rows_out(rows, b1 - b0, y + (c0 + b0) * ys, ys);
           apply_activation(act, y + (c0 + b0) * ys, b1 - b0, N, ys);
@@ -259,7 +260,7 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
     const int64_t m0 = bi * kOutBlock, m1 = std::min(M, m0 + kOutBlock);
     kernels::Int8Row rows[kOutBlock];
     for (int64_t m = m0; m < m1; ++m) {
-      rows[m - m0] = int8_out_row(w, true, x, xs, m, zx.data(), sx.data(), sr.data(), bias, acc.data(), nullptr, 0, m,
+      rows[m - m0] = int8_out_row(w, true, x, xs, m, zx.data(), sx.data(), sr.data(), bias, acc.data(), N, m,
                                   second[static_cast<size_t>(m)]);
     }
     kernels::active().int8_rows_out(rows, m1 - m0, y + m0 * ys, ys);

@@ -308,9 +308,9 @@ PackedLinear::PackedLinear(const Tensor& weight, Precision precision, double act
 }
 
 void PackedLinear::make_gemm_layouts() {
-  gemm_b_ = gemm_res_b_ = nullptr;
+  gemm_b_ = nullptr;
   pairs_b_ = precision_ == Precision::Int8 ? std::make_shared<lowp::PairsB>() : nullptr;
-  res_padded_ = Tensor();
+  stacked_ = Tensor();
   res_rows32_.clear();
   res_shift_.clear();
   sums32_.clear();
@@ -328,8 +328,11 @@ void PackedLinear::make_gemm_layouts() {
   gemm_b_ = std::make_shared<kernels::PackedB>();
   if (!res_data_.defined()) return;
   const int64_t Nr = res_data_.size(0), K = res_data_.size(1), Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
-  res_padded_ = Tensor::zeros({Nrp, K}, DType::I8);
-  res_padded_.slice(0, 0, Nr).copy_from(res_data_);
+  const int64_t N0 = data_.size(0);
+  stacked_ = Tensor::zeros({N0 + Nrp, K}, DType::I8);
+  stacked_.slice(0, 0, N0).copy_from(data_);
+  stacked_.slice(0, N0, N0 + Nr).copy_from(res_data_);
+  data_ = stacked_.slice(0, 0, N0);  // the same values, stored once with the residual rows
   HEADS_CHECK(data_.size(0) <= std::numeric_limits<int32_t>::max(), "PackedLinear: ", data_.size(0),
               " output features with residual rows (at most 2^31 - 1)");
   res_rows32_.assign(res_rows_.data<int64_t>(), res_rows_.data<int64_t>() + Nr);
@@ -351,7 +354,6 @@ void PackedLinear::make_gemm_layouts() {
     fold_col32_[n] = static_cast<int32_t>(j);
     fold_mask32_[n] = ~uint32_t{0};
   }
-  gemm_res_b_ = std::make_shared<kernels::PackedB>();
 }
 
 void PackedLinear::finish() {
