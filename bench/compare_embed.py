@@ -10,7 +10,10 @@ pass over the whole file, so that no runner meets a batch shape for the first ti
 take turns, one pass each per round (the first runner of a round changes from round to round), so
 that a slow spell of a shared machine weighs on every runner alike; the time is the median of a
 runner's passes. ONNX Runtime runs the model exported from transformers' BertModel
-(torch.onnx.export) with length-sorted batches of 32, as sentence-transformers batches.
+(torch.onnx.export) on the batches heads makes (length_batches below: longest first, at most 32
+sentences and about 512 padded tokens each; batches of 32 sorted by length, as sentence-transformers
+makes them, ran ONNX Runtime's int8 23-29% slower on an AMD Zen 4); sentence-transformers runs its
+own encode (length-sorted batches of 32), as its users run it.
 The table also gives each runner's worst cosine against sentence-transformers in f32.
 --dtype bf16: heads with bf16 linear layers, sentence-transformers with the model in bfloat16 (ONNX
 Runtime has no bf16 CPU path and is left out); --dtype int8: heads' int8, sentence-transformers with
@@ -85,6 +88,19 @@ def export_onnx(path):
                                     "last_hidden_state": {0: "b", 1: "l"}})
 
 
+def length_batches(lengths, batch_size=32, token_budget=512):
+    """heads' batching of an encoder's inputs (src/models/length_batches.h): indices sorted longest
+    first (ties in input order), cut into batches of at most batch_size sequences and about
+    token_budget padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, b0 = [], 0
+    while b0 < len(order):
+        n = max(1, min(token_budget // max(lengths[order[b0]], 1), batch_size, len(order) - b0))
+        batches.append(order[b0:b0 + n])
+        b0 += n
+    return batches
+
+
 def run_ort(texts, args):
     import onnxruntime as ort
     from tokenizers import Tokenizer
@@ -108,10 +124,8 @@ def run_ort(texts, args):
 
         def encode(batch_texts):
             encs = tok.encode_batch(batch_texts)
-            order = np.argsort([-len(e.ids) for e in encs], kind="stable")
             out = np.zeros((len(batch_texts), 384), np.float32)
-            for b0 in range(0, len(order), 32):
-                idx = order[b0:b0 + 32]
+            for idx in length_batches([len(e.ids) for e in encs]):
                 L = max(len(encs[i].ids) for i in idx)
                 ids = np.zeros((len(idx), L), np.int64)
                 mask = np.zeros((len(idx), L), np.int64)
