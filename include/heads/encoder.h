@@ -111,6 +111,12 @@ class TransformerEncoderLayer {
   // input_ranges (int8): as MultiheadAttention::set_precision's, by state_dict() name.
   void set_precision(Precision p, const InputRanges& input_ranges = {});
   Precision precision() const;
+  // In f32 (else nothing), the linear weights also in the GEMM's own layout, made at first use beside
+  // them (as much memory again; heads/precision.h's PackedLinear::f32_shared), so that inference
+  // does not lay them out again at every call: for weights that no longer change (a loaded model's).
+  // As set_precision's packing: load_state_dict and set_precision replace it, and parameters changed
+  // in place afterwards are not seen by it (call it again).
+  void pack_f32();
   // Merges into `ranges` the largest |x| per input channel of each linear weight ("self_attn.*",
   // "linear1.weight", "linear2.weight") in the forward that recorded `tape`.
   void record_input_ranges(const EncoderLayerTape& tape, InputRanges& ranges) const;

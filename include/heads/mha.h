@@ -180,6 +180,9 @@ class MultiheadAttention {
   // (record_input_ranges), whose outlier channels are then computed in f32 (heads/precision.h).
   void set_precision(Precision p, const InputRanges& input_ranges = {});
   Precision precision() const;
+  // In f32 (else nothing), the linear weights also in the GEMM's own layout (TransformerEncoderLayer::
+  // pack_f32 says when and what it costs).
+  void pack_f32();
   // Merges into `ranges` the largest |x| per input channel of each linear weight ("in_proj_weight"
   // or "q_proj_weight", "k_proj_weight", "v_proj_weight"; "out_proj.weight") in the forward that
   // recorded `tape`: calibration for set_precision(Int8, ranges).

@@ -16,7 +16,7 @@
 namespace heads::kernels {
 
 void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                const float* bias, int64_t N, float* y, int64_t y_stride) {
+                const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed) {
   HEADS_DCHECK(M >= 0 && K >= 0 && N >= 0);
   if (M == 0 || N == 0) return;
   if (K == 0) {
@@ -26,6 +26,9 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const fl
     return;
   }
   if (batch_invariant()) return active().linear_f32_fixed_order(x, M, K, x_stride, W, bias, N, y, y_stride);
+  if (packed != nullptr && active().linear_f32 == &linear_f32_onednn) {
+    return linear_f32_onednn_packed(x, M, K, x_stride, W, bias, N, y, y_stride, packed);
+  }
   active().linear_f32(x, M, K, x_stride, W, bias, N, y, y_stride);
 }
 
@@ -42,10 +45,15 @@ void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, i
 
 void linear_f32_onednn(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
                        const float* bias, int64_t N, float* y, int64_t y_stride) {
+  linear_f32_onednn_packed(x, M, K, x_stride, W, bias, N, y, y_stride, nullptr);
+}
+
+void linear_f32_onednn_packed(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
+                              const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed) {
   try {
     // W [N, K] read as the [K, N] matrix Wᵀ: strides {1, K}.
     onednn_matmul({M, K, N, x_stride, 1, 1, K, y_stride, bias != nullptr, gemm_threads(M, N, K), MatmulTypes::F32}, x, W,
-                  bias, y);
+                  bias, y, packed);
   } catch (const dnnl::error& e) {
     fail("linear: oneDNN matmul failed for x [", M, ", ", K, "] and weight [", N, ", ", K,
          "]: ", e.what());

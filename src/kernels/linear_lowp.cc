@@ -238,7 +238,6 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
               dtype_name(out), " with a ", precision_name(w.precision()),
               " weight (expected f32, or bf16 with a bf16 weight)");
   HEADS_CHECK(!act || out == DType::F32, op, ": an activation is applied to f32 outputs only, not ", dtype_name(out));
-  if (w.precision() == Precision::F32) return act ? activation(linear(x_in, w.data(), b_in), *act) : linear(x_in, w.data(), b_in);
   const int64_t N = w.out_features(), K = w.in_features();
   HEADS_CHECK(x_in.defined() && x_in.dim() >= 1 && x_in.size(-1) == K && is_floating(x_in.dtype()), op, ": input ",
               x_in.defined() ? x_in.shape() : Shape{}, " does not match the ", precision_name(w.precision()),
@@ -265,6 +264,11 @@ Tensor linear(const Tensor& x_in, const PackedLinear& w, const Tensor& b_in, DTy
     return y.to(out);
   }
   Tensor y = Tensor::empty(ys, out);
+  if (w.precision() == Precision::F32) {  // the f32 GEMM, reading W through its own layout where it has one
+    kernels::linear_f32(x.data<float>(), M, K, K, w.data().data<float>(), bias, N, y.data<float>(), N, w.gemm_b_.get());
+    apply_activation(act, y.data<float>(), M, N, N);
+    return y;
+  }
   if (w.precision() == Precision::BF16) {
     linear_bf16(x.raw_data(), x_bf16, M, K, K, static_cast<const uint16_t*>(w.data().raw_data()),
                 w.wide().defined() ? w.wide().data<float>() : nullptr, bias, N, y.raw_data(), out == DType::BF16, N,

@@ -324,9 +324,8 @@ void PackedLinear::make_gemm_layouts() {
     fold_sums32_ = sums32_;
     fold_scales_.assign(scales_.data<float>(), scales_.data<float>() + scales_.numel());
   }
-  if (precision_ == Precision::F32) return;
   gemm_b_ = std::make_shared<kernels::PackedB>();
-  if (!res_data_.defined()) return;
+  if (precision_ == Precision::F32 || !res_data_.defined()) return;
   const int64_t Nr = res_data_.size(0), K = res_data_.size(1), Nrp = (Nr + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t N0 = data_.size(0);
   stacked_ = Tensor::zeros({N0 + Nrp, K}, DType::I8);
@@ -376,6 +375,18 @@ void PackedLinear::finish() {
   }
   make_gemm_layouts();
   if (lowp::needs_f32_copy(precision_)) wide_ = dequantize(*this);
+}
+
+PackedLinear PackedLinear::f32_shared(const Tensor& weight) {
+  HEADS_CHECK(weight.defined() && weight.dim() == 2 && weight.dtype() == DType::F32 && weight.is_contiguous(),
+              "PackedLinear::f32_shared: weight: expected a contiguous f32 [out, in] tensor, got ",
+              weight.defined() ? std::string(dtype_name(weight.dtype())) + " " + shape_str(weight.shape())
+                               : std::string("none"));
+  PackedLinear p;
+  p.precision_ = Precision::F32;
+  p.data_ = weight;
+  p.make_gemm_layouts();
+  return p;
 }
 
 PackedLinear PackedLinear::from_int8(const Tensor& data, const Tensor& scales, const std::string& name,

@@ -207,6 +207,7 @@ BertModel BertModel::load(const std::string& dir) {
                                     [](const TransformerEncoderLayer& l) { return l.precision() == Precision::Int8; });
   for (auto& layer : m.layers_) {
     if (any_int8 && layer.precision() != Precision::Int8) layer.set_precision(Precision::Int8);
+    layer.pack_f32();  // f32 layers: their weights stay as loaded
   }
   return m;
 }
@@ -225,6 +226,7 @@ void BertModel::set_precision(Precision p) {
     return;
   }
   set_layers_precision(layers_, p, p == Precision::Int8 ? input_ranges() : std::vector<InputRanges>{});
+  for (auto& layer : layers_) layer.pack_f32();
 }
 
 std::vector<InputRanges> BertModel::input_ranges() const {

@@ -113,6 +113,18 @@ std::shared_ptr<const PackedWeights> PackedWeights::make(
   return packed;
 }
 
+std::shared_ptr<const PackedWeights> PackedWeights::f32_shared(const StateDict& sd,
+                                                               const std::vector<std::string>& names) {
+  auto packed = std::make_shared<PackedWeights>();
+  for (const std::string& n : names) {
+    const Tensor* w = modules::find(sd, n);
+    if (w != nullptr && w->dtype() == DType::F32 && w->is_contiguous()) {
+      packed->weights.emplace_back(n, PackedLinear::f32_shared(*w));
+    }
+  }
+  return packed;
+}
+
 const PackedLinear* PackedWeights::find(const std::string& name) const {
   for (const auto& [n, w] : weights) {
     if (n == name) return &w;

@@ -55,7 +55,10 @@ struct PackedWeights {
       Precision p, const StateDict& current, const StateDict& incoming, const std::vector<std::string>& names,
       const std::vector<std::pair<std::string, PackedLinear>>& stored = {}, const PackedWeights* existing = nullptr,
       const InputRanges& ranges = {}, const std::map<std::string, double>& residual_errors = {});
-  // The packed weight `name`, or null (f32, or not a packed weight).
+  // The named f32 weights of `sd` as they are (PackedLinear::f32_shared: their storage shared, the
+  // GEMM's own layout beside it, made at first use); precision F32.
+  static std::shared_ptr<const PackedWeights> f32_shared(const StateDict& sd, const std::vector<std::string>& names);
+  // The packed weight `name`, or null (not a packed weight).
   const PackedLinear* find(const std::string& name) const;
 };
 

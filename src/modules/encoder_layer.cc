@@ -176,6 +176,13 @@ void TransformerEncoderLayer::record_input_ranges(const EncoderLayerTape& t, Inp
   modules::record_absmax(ranges, "linear2.weight", t.hidden_out);
 }
 
+void TransformerEncoderLayer::pack_f32() {
+  if (precision() != Precision::F32) return;
+  auto packed = modules::PackedWeights::f32_shared(params_, kLinearNames);
+  self_attn_.pack_f32();
+  packed_ = std::move(packed);
+}
+
 Precision TransformerEncoderLayer::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 
 Tensor TransformerEncoderLayer::forward(const Tensor& src, const EncoderForwardArgs& a) const {

@@ -219,6 +219,10 @@ void MultiheadAttention::record_input_ranges(const MhaTape& t, InputRanges& rang
   modules::record_absmax(ranges, "out_proj.weight", t.gated.defined() ? t.gated : t.attn3);
 }
 
+void MultiheadAttention::pack_f32() {
+  if (precision() == Precision::F32) packed_ = PackedWeights::f32_shared(state_dict(), kPackedNames);
+}
+
 Precision MultiheadAttention::precision() const { return packed_ ? packed_->precision : Precision::F32; }
 
 void MultiheadAttention::load(const std::string& path, bool strict) {

@@ -117,6 +117,66 @@ TEST(Precision, ModulesRunTheirLinearLayersInTheChosenPrecision) {
   EXPECT_TRUE(testing::bitwise_equal(layer.forward(x), other.forward(x)));
 }
 
+// pack_f32: the f32 weights read through the GEMM's own layout give the bits of the plain weights, on
+// every path and every call (the layout is made at the first), the precision stays f32, and
+// load_state_dict / set_precision replace it (new weights are seen, nothing stale is read).
+TEST(Precision, F32WeightsInTheGemmsLayoutGiveThePlainBits) {
+  testing::IsaGuard guard;
+  TransformerEncoderLayerOptions o;
+  o.d_model = 40;  // not a multiple of 16
+  o.nhead = 4;
+  o.dim_feedforward = 72;
+  o.dropout = 0.0;
+  o.batch_first = true;
+  TransformerEncoderLayer plain(o, 11), layer(o, 11);
+  plain.eval();
+  layer.eval();
+  layer.pack_f32();
+  EXPECT_EQ(layer.precision(), Precision::F32);
+  Tensor pad = Tensor::zeros({3, 7}, DType::Bool);
+  static_cast<uint8_t*>(pad.raw_data())[6] = 1;
+  EncoderForwardArgs a;
+  a.src_key_padding_mask = pad;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int64_t L : {1, 7}) {
+      const Tensor x = randn({3, L, 40});
+      EncoderForwardArgs args = L == 7 ? a : EncoderForwardArgs{};
+      const Tensor want = plain.forward(x, args);
+      for (int call = 0; call < 2; ++call) {
+        EXPECT_TRUE(testing::bitwise_equal(layer.forward(x, args), want)) << isa_name(isa) << " L " << L;
+      }
+    }
+  }
+  // The linear layer alone, with an activation, against the plain weight's.
+  const Tensor w = randn({33, 40}), b = randn({33}), x = randn({5, 40});
+  const PackedLinear pw = PackedLinear::f32_shared(w);
+  EXPECT_EQ(pw.data().raw_data(), w.raw_data());  // shares the weight's storage
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    EXPECT_TRUE(testing::bitwise_equal(linear(x, pw, b, DType::F32, Activation::Gelu),
+                                       activation(linear(x, w, b), Activation::Gelu)))
+        << isa_name(isa);
+  }
+  EXPECT_THAT(testing::error_of([&] { PackedLinear::f32_shared(w.transpose(0, 1)); }),
+              HasSubstr("expected a contiguous f32 [out, in] tensor"));
+  EXPECT_THAT(testing::error_of([&] { PackedLinear::f32_shared(w.to(DType::BF16)); }), HasSubstr("bf16"));
+  // New weights through load_state_dict: the layer computes with them (the packing is replaced).
+  const Tensor x2 = randn({3, 7, 40});
+  const TransformerEncoderLayer other(o, 12);
+  layer.load_state_dict(other.state_dict());
+  TransformerEncoderLayer other_plain = other.clone();
+  other_plain.eval();
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x2), other_plain.forward(x2)));
+  layer.pack_f32();
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x2), other_plain.forward(x2)));
+  // In another precision pack_f32 does nothing; back in f32 the plain bits again.
+  layer.set_precision(Precision::BF16);
+  layer.pack_f32();
+  EXPECT_EQ(layer.precision(), Precision::BF16);
+  layer.set_precision(Precision::F32);
+  EXPECT_TRUE(testing::bitwise_equal(layer.forward(x2), other_plain.forward(x2)));
+}
 
 // all-MiniLM-L6-v2 in bf16 and int8: embeddings within the cosine the issue asks for.
 TEST(Precision, SentenceEmbeddingsStayCloseToF32) {
