@@ -149,6 +149,7 @@ BertModel BertModel::load_modernbert(const std::string& dir) {
   m.final_norm_w_ = get("final_norm.weight", {E});
   m.final_norm_b_ = get("final_norm.bias", {E}, norm_bias);
   m.prenorm_act_ = act;
+  m.set_prenorm_precision(Precision::F32, {});
   return m;
 }
 
@@ -156,7 +157,9 @@ void BertModel::set_prenorm_precision(Precision p, const std::vector<InputRanges
   // Calibrated int8 as the BERT layers have it (modules::PackedWeights::pack): outlier channels in f32,
   // one activation term, the weight-row residual only for the feed-forward output.
   const auto pack = [&](const Tensor& w, size_t layer, const char* name, double residual_error) {
-    if (p == Precision::F32) return PackedLinear();
+    if (p == Precision::F32) {  // the weight as loaded, read through the GEMM's own layout (it stays as it is)
+      return w.dtype() == DType::F32 && w.is_contiguous() ? PackedLinear::f32_shared(w) : PackedLinear();
+    }
     if (p != Precision::Int8 || ranges.empty()) return PackedLinear(w, p);
     return PackedLinear(w, p, kInt8OutlierActivationError, ranges.at(layer).at(name), residual_error);
   };
