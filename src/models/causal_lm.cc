@@ -35,7 +35,12 @@ Tensor CausalLM::norm(const Tensor& x, const Tensor& w, const Tensor& b) const {
 
 void CausalLM::set_precision(Precision p) {
   precision_ = p;
-  const auto pack = [&](const Tensor& w) { return p == Precision::F32 ? PackedLinear() : PackedLinear(w, p); };
+  const auto pack = [&](const Tensor& w) {
+    if (p != Precision::F32) return PackedLinear(w, p);
+    // f32: the loaded weight itself, read through the GEMM's own layout (a decode step's single row
+    // had oneDNN lay the whole weight out again at every call: 3.4x the time of a 768 x 3072 layer)
+    return w.dtype() == DType::F32 && w.is_contiguous() ? PackedLinear::f32_shared(w) : PackedLinear();
+  };
   for (Layer& l : layers_) {
     l.pk_qkv = pack(l.wqkv);
     l.pk_o = pack(l.wo);

@@ -273,6 +273,7 @@ CausalLM CausalLM::load(const std::string& dir) {
   const Checkpoint w(d);
   m.cfg_.vocab_size = json_int(j, "vocab_size", 0, cp, 1, kMaxLmCount);
   reader->second(m, j, cp, w);
+  m.set_precision(Precision::F32);  // the f32 weights' GEMM layouts (made at first use)
   return m;
 }
 
