@@ -132,6 +132,20 @@ const PackedLinear* PackedWeights::find(const std::string& name) const {
   return nullptr;
 }
 
+const PackedLinear* PackedWeights::part(const std::string& name, int64_t index, int64_t parts) const {
+  const PackedLinear* w = find(name);
+  if (w == nullptr) return nullptr;
+  HEADS_CHECK(parts >= 1 && 0 <= index && index < parts && w->out_features() % parts == 0, "PackedWeights::part: \"",
+              name, "\" (", w->out_features(), " rows) has no part ", index, " of ", parts);
+  const std::lock_guard<std::mutex> lock(parts_mutex_);
+  for (const Part& p : parts_) {
+    if (p.name == name && p.index == index && p.parts == parts) return p.weight.get();
+  }
+  const int64_t n = w->out_features() / parts;
+  parts_.push_back({name, index, parts, std::make_unique<const PackedLinear>(w->rows(index * n, index * n + n))});
+  return parts_.back().weight.get();
+}
+
 void record_absmax(InputRanges& ranges, const std::string& name, const Tensor& x_in) {
   HEADS_CHECK(x_in.defined() && x_in.dim() >= 1, "input ranges: \"", name, "\": no input recorded");
   const Tensor x = x_in.to(DType::F32).contiguous();

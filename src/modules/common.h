@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <utility>
@@ -60,6 +61,21 @@ struct PackedWeights {
   static std::shared_ptr<const PackedWeights> f32_shared(const StateDict& sd, const std::vector<std::string>& names);
   // The packed weight `name`, or null (not a packed weight).
   const PackedLinear* find(const std::string& name) const;
+  // Rows [index·n, (index + 1)·n) of the packed weight `name` (n = its rows / `parts`) as a weight of
+  // their own (PackedLinear::rows, with its own GEMM layout), made at the first call and kept for
+  // the next ones (cross-attention projects q, k and v by the parts of in_proj_weight: laying a part
+  // out again at every call cost a bf16 MultiheadAttention(768, 12) call ten times its work); null
+  // where `name` is not packed. Thread-safe.
+  const PackedLinear* part(const std::string& name, int64_t index, int64_t parts) const;
+
+ private:
+  struct Part {
+    std::string name;
+    int64_t index, parts;
+    std::unique_ptr<const PackedLinear> weight;
+  };
+  mutable std::mutex parts_mutex_;
+  mutable std::vector<Part> parts_;  // each weight behind its own pointer: handed out addresses stay
 };
 
 // ranges[name] = the largest |x| of each column of x [..., K] (f32 [K]), merged by elementwise max with

@@ -140,9 +140,7 @@ modules::QkvViews in_projection(const MhaInputs& in, int64_t H, int64_t hd, cons
   auto weight = [&](int64_t part) { return w_in ? w_in->slice(0, part * Ei, part * Ei + Ei) : *w[part]; };
   auto bias = [&](int64_t part) { return b_in ? b_in->slice(0, part * Ei, part * Ei + Ei) : Tensor(); };
   auto proj = [&](const Tensor& x, int64_t part) {
-    PackedLinear pw;
-    if (p_in) pw = p_in->rows(part * Ei, part * Ei + Ei);
-    const PackedLinear* pp = p_in ? &pw : packed ? packed->find(kParts[part]) : nullptr;
+    const PackedLinear* pp = p_in ? packed->part("in_proj_weight", part, 3) : packed ? packed->find(kParts[part]) : nullptr;
     return split_heads(in.nle(as3(project(rows(x), weight(part), bias(part), pp, act), x)), H);
   };
   if (in.self_attn && w_in) {
