@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "heads/ops.h"
+#include "heads/precision.h"
 #include "heads/tensor.h"
 
 namespace heads {
@@ -25,7 +26,10 @@ class T5Encoder {
 
  private:
   struct Block {
-    Tensor ln1, wqkv, wo, ln2, wi, wo_ff;  // wi: [d_ff, d] or [2 d_ff, d] (gate | up) when gated
+    Tensor ln1, ln2;
+    // f32, read through the GEMM's own layout (PackedLinear::f32_shared); wi: [d_ff, d] or
+    // [2 d_ff, d] (gate | up) when gated
+    PackedLinear wqkv, wo, wi, wo_ff;
   };
   int64_t vocab_ = 0, d_model_ = 0, d_kv_ = 0, heads_ = 0, d_ff_ = 0, max_distance_ = 128;
   double eps_ = 1e-6;

@@ -62,14 +62,15 @@ T5Encoder T5Encoder::load(const std::string& dir) {
     const std::string p = "encoder.block." + std::to_string(i) + ".layer.";
     Block b;
     b.ln1 = get(p + "0.layer_norm.weight", {E});
-    b.wqkv = rows({get(p + "0.SelfAttention.q.weight", {I, E}), get(p + "0.SelfAttention.k.weight", {I, E}),
-                   get(p + "0.SelfAttention.v.weight", {I, E})});
-    b.wo = get(p + "0.SelfAttention.o.weight", {E, I});
+    const auto packed = [](const Tensor& t) { return PackedLinear::f32_shared(t.contiguous()); };
+    b.wqkv = packed(rows({get(p + "0.SelfAttention.q.weight", {I, E}), get(p + "0.SelfAttention.k.weight", {I, E}),
+                          get(p + "0.SelfAttention.v.weight", {I, E})}));
+    b.wo = packed(get(p + "0.SelfAttention.o.weight", {E, I}));
     b.ln2 = get(p + "1.layer_norm.weight", {E});
-    b.wi = m.gated_ ? rows({get(p + "1.DenseReluDense.wi_0.weight", {F, E}),
-                            get(p + "1.DenseReluDense.wi_1.weight", {F, E})})
-                    : get(p + "1.DenseReluDense.wi.weight", {F, E});
-    b.wo_ff = get(p + "1.DenseReluDense.wo.weight", {E, F});
+    b.wi = packed(m.gated_ ? rows({get(p + "1.DenseReluDense.wi_0.weight", {F, E}),
+                                   get(p + "1.DenseReluDense.wi_1.weight", {F, E})})
+                           : get(p + "1.DenseReluDense.wi.weight", {F, E}));
+    b.wo_ff = packed(get(p + "1.DenseReluDense.wo.weight", {E, F}));
     m.blocks_.push_back(std::move(b));
   }
   m.final_ln_ = get("encoder.final_layer_norm.weight", {E});
