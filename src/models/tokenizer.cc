@@ -36,8 +36,18 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// Whether s is well-formed UTF-8 (decode_utf8 would read no U+FFFD that is not in it): each
+// non-ASCII byte starts a sequence decode_at accepts whole.
 bool valid_utf8(std::string_view s) {
-  return text::to_utf8(text::decode_utf8(s)) == s;
+  for (size_t i = 0, n = 0; i < s.size(); i += n) {
+    if (static_cast<uint8_t>(s[i]) < 0x80) {
+      n = 1;
+      continue;
+    }
+    text::decode_at(s, i, &n);
+    if (n == 1) return false;
+  }
+  return true;
 }
 
 bool is_word_char(char32_t c) {  // Rust's char::is_alphanumeric, or '_'

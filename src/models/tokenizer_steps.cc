@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <array>
+#include <memory>
+#include <vector>
 
 #include "heads/error.h"
 #include "unicode_text.h"
@@ -64,10 +66,8 @@ bool is_mark(char32_t c) {  // General_Category = Mark (unicode-normalization-al
 template <class F>
 std::vector<std::pair<size_t, size_t>> char_matches(std::string_view s, F is_delim) {
   std::vector<std::pair<size_t, size_t>> m;
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = char_len(s, i);
-    if (is_delim(decode_utf8(s.substr(i, n))[0])) m.emplace_back(i, i + n);
-    i += n;
+  for (size_t i = 0, n = 0; i < s.size(); i += n) {
+    if (is_delim(text::decode_at(s, i, &n))) m.emplace_back(i, i + n);
   }
   return m;
 }
@@ -93,55 +93,114 @@ bool starts_sequence(std::string_view s, size_t at) {
   const auto b = static_cast<uint8_t>(s[at]);
   if (b < 0x80) return true;
   if ((b & 0xC0) == 0x80) return false;
-  const char32_t c = decode_utf8(s.substr(at, char_len(s, at)))[0];
+  size_t n;
+  const char32_t c = text::decode_at(s, at, &n);
   return text::is_cjk(c) || (c >= 0xAC00 && c <= 0xD7A3) || text::is_whitespace(c);
 }
 
 }  // namespace
 
-Normalizer bert_normalizer(bool clean_text, bool handle_chinese_chars, bool strip_accents, bool lowercase) {
-  return [=](std::string& s) {
+namespace {
+
+struct BertSteps {
+  bool clean_text, handle_chinese_chars, strip_accents, lowercase;
+
+  // The steps over code points `chars` (a stretch cut where starts_sequence allows), appended to out
+  // as UTF-8; a and d are scratch.
+  void run(std::u32string_view chars, std::u32string& a, std::u32string& d, std::string& out) const {
     static const icu::Normalizer2* nfd = text::nfd_instance();
+    a.clear();
+    for (char32_t c : chars) {
+      if (clean_text && (c == 0 || c == 0xFFFD || text::is_control(c))) continue;
+      if (clean_text && text::is_whitespace(c)) c = U' ';
+      if (handle_chinese_chars && text::is_cjk(c)) {
+        a += U' ';
+        a += c;
+        a += U' ';
+      } else {
+        a += c;
+      }
+    }
+    if (strip_accents) {  // NFD (canonical order), then drop the non-spacing marks
+      d.clear();
+      for (char32_t c : a) text::decompose(c, d, nfd);
+      for (size_t i = 0; i < d.size();) {
+        size_t j = i;
+        while (j < d.size() && text::combining_class(d[j]) != 0) ++j;
+        std::stable_sort(d.begin() + static_cast<std::ptrdiff_t>(i), d.begin() + static_cast<std::ptrdiff_t>(j),
+                         [](char32_t x, char32_t y) { return text::combining_class(x) < text::combining_class(y); });
+        i = j == i ? i + 1 : j;
+      }
+      a.clear();
+      for (char32_t c : d) {
+        if (!text::is_nonspacing_mark(c)) a += c;
+      }
+    }
+    for (char32_t c : a) {
+      if (lowercase) append_lower(c, out);
+      else append_utf8(out, c);
+    }
+  }
+
+  // Whether c's output alone is its output in any text of such characters: with strip_accents, each
+  // character of its decomposition has combining class 0 or is dropped (a non-spacing mark), so the
+  // reordering moves nothing that is kept and no run of marks crosses it.
+  bool context_free(char32_t c) const {
+    if (!strip_accents || (clean_text && (c == 0 || c == 0xFFFD || text::is_control(c)))) return true;
+    std::u32string d;
+    text::decompose(clean_text && text::is_whitespace(c) ? U' ' : c, d, text::nfd_instance());
+    return std::all_of(d.begin(), d.end(),
+                       [](char32_t x) { return text::combining_class(x) == 0 || text::is_nonspacing_mark(x); });
+  }
+};
+
+// The output of each code point below kBertTable alone (run() over it), for those that are
+// context_free; a text made of them only is their outputs one after the other.
+constexpr char32_t kBertTable = 0x800;  // ASCII and the two-byte UTF-8 range (Latin, Greek, Cyrillic, ...)
+
+struct BertTable {
+  std::vector<std::string> out;  // by code point
+  std::vector<uint8_t> context_free;
+
+  explicit BertTable(const BertSteps& steps) : out(kBertTable), context_free(kBertTable) {
+    std::u32string a, d;
+    for (char32_t c = 0; c < kBertTable; ++c) {
+      const char32_t one[1] = {c};
+      steps.run(std::u32string_view(one, 1), a, d, out[c]);
+      context_free[c] = steps.context_free(c) ? 1 : 0;
+    }
+  }
+};
+
+}  // namespace
+
+Normalizer bert_normalizer(bool clean_text, bool handle_chinese_chars, bool strip_accents, bool lowercase) {
+  const BertSteps steps{clean_text, handle_chinese_chars, strip_accents, lowercase};
+  const auto table = std::make_shared<const BertTable>(steps);
+  return [steps, table](std::string& s) {
     // Chunks of about 16 KiB, so that a text of many MB costs a few times its size, not 16x.
     constexpr size_t kChunk = size_t{16} << 10;
     std::string out;
     out.reserve(s.size());
-    std::u32string a, d;
+    std::u32string chars, a, d;
     for (size_t begin = 0; begin < s.size();) {
       size_t end = std::min(s.size(), begin + kChunk);
       while (end < s.size() && !starts_sequence(s, end)) ++end;
-      a.clear();
-      for (char32_t c : decode_utf8(std::string_view(s).substr(begin, end - begin))) {
-        if (clean_text && (c == 0 || c == 0xFFFD || text::is_control(c))) continue;
-        if (clean_text && text::is_whitespace(c)) c = U' ';
-        if (handle_chinese_chars && text::is_cjk(c)) {
-          a += U' ';
-          a += c;
-          a += U' ';
-        } else {
-          a += c;
-        }
+      // A chunk of characters whose outputs do not depend on their neighbours (most texts: ASCII,
+      // Latin, Greek, Cyrillic, ...) is their table entries in order; others go through the steps.
+      const std::string_view chunk = std::string_view(s).substr(begin, end - begin);
+      bool tabled = true;
+      for (size_t i = 0, n = 0; tabled && i < chunk.size(); i += n) {
+        const char32_t c = text::decode_at(chunk, i, &n);
+        tabled = c < kBertTable && table->context_free[c] != 0;
+      }
+      if (tabled) {
+        for (size_t i = 0, n = 0; i < chunk.size(); i += n) out += table->out[text::decode_at(chunk, i, &n)];
+      } else {
+        chars = decode_utf8(chunk);
+        steps.run(chars, a, d, out);
       }
       begin = end;
-      if (strip_accents) {  // NFD (canonical order), then drop the non-spacing marks
-        d.clear();
-        for (char32_t c : a) text::decompose(c, d, nfd);
-        for (size_t i = 0; i < d.size();) {
-          size_t j = i;
-          while (j < d.size() && text::combining_class(d[j]) != 0) ++j;
-          std::stable_sort(d.begin() + static_cast<std::ptrdiff_t>(i), d.begin() + static_cast<std::ptrdiff_t>(j),
-                           [](char32_t x, char32_t y) { return text::combining_class(x) < text::combining_class(y); });
-          i = j == i ? i + 1 : j;
-        }
-        a.clear();
-        for (char32_t c : d) {
-          if (!text::is_nonspacing_mark(c)) a += c;
-        }
-      }
-      for (char32_t c : a) {
-        if (lowercase) append_lower(c, out);
-        else append_utf8(out, c);
-      }
     }
     s.swap(out);
   };

@@ -144,47 +144,14 @@ void decompose(char32_t c, std::u32string& out, const icu::Normalizer2* nfd) {
 std::u32string decode_utf8(std::string_view s) {
   std::u32string out(s.size(), U'\0');  // at most one code point per byte; written through a pointer
   char32_t* o = out.data();
-  size_t i = 0;
-  while (i < s.size()) {
+  for (size_t i = 0, n = 0; i < s.size(); i += n) {
     const auto b0 = static_cast<uint8_t>(s[i]);
     if (b0 < 0x80) {
       *o++ = b0;
-      ++i;
+      n = 1;
       continue;
     }
-    char32_t c;
-    size_t n;
-    if (b0 >= 0xC2 && b0 <= 0xDF) {
-      c = b0 & 0x1F;
-      n = 2;
-    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-      c = b0 & 0x0F;
-      n = 3;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-      c = b0 & 0x07;
-      n = 4;
-    } else {
-      *o++ = 0xFFFD;
-      ++i;
-      continue;
-    }
-    bool ok = i + n <= s.size();
-    for (size_t k = 1; ok && k < n; ++k) {
-      const auto b = static_cast<uint8_t>(s[i + k]);
-      ok = (b & 0xC0) == 0x80;
-      c = (c << 6) | (b & 0x3F);
-    }
-    // reject overlong forms, surrogates and values past U+10FFFF
-    if (ok && ((n == 3 && (c < 0x800 || (c >= 0xD800 && c <= 0xDFFF))) || (n == 4 && (c < 0x10000 || c > 0x10FFFF)))) {
-      ok = false;
-    }
-    if (!ok) {
-      *o++ = 0xFFFD;
-      ++i;  // resynchronise on the next byte
-      continue;
-    }
-    *o++ = c;
-    i += n;
+    *o++ = decode_at(s, i, &n);
   }
   out.resize(static_cast<size_t>(o - out.data()));
   return out;

