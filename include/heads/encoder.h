@@ -114,8 +114,9 @@ class TransformerEncoderLayer {
   // In f32 (else nothing), the linear weights also in the GEMM's own layout, made at first use beside
   // them (as much memory again; heads/precision.h's PackedLinear::f32_shared), so that inference
   // does not lay them out again at every call: for weights that no longer change (a loaded model's).
-  // As set_precision's packing: load_state_dict and set_precision replace it, and parameters changed
-  // in place afterwards are not seen by it (call it again).
+  // load_state_dict lays the new weights out again (as set_precision's packing; a load of int8
+  // weights switches to int8), set_precision replaces it (set_precision(F32): the plain weights), and
+  // parameters changed in place afterwards (an optimizer step) are not seen by it: call it again.
   void pack_f32();
   // Merges into `ranges` the largest |x| per input channel of each linear weight ("self_attn.*",
   // "linear1.weight", "linear2.weight") in the forward that recorded `tape`.
@@ -169,6 +170,8 @@ class TransformerEncoder {
   // Every layer's set_precision (the final norm stays f32).
   void set_precision(Precision p);
   Precision precision() const;
+  // Every layer's pack_f32 (in f32, else nothing): TransformerEncoderLayer::pack_f32.
+  void pack_f32();
 
  private:
   StateDict collect(bool quantized) const;

@@ -57,6 +57,17 @@ class _Picklable:
         self._m.dtype = _precision(dtype)
         return self
 
+    def pack_f32(self):
+        """In f32 (else nothing), also lays the linear weights out as the GEMM reads them (as much
+        memory again), so that inference forwards need not do it at every call: for weights that no
+        longer change (one row through a ``TransformerEncoderLayer(384, 12, 1536)`` 2.6x faster on a
+        Zen 4). ``load_state_dict`` lays the new weights out again, ``to`` replaces it (``to("f32")``:
+        the plain weights); weights changed in place afterwards (``state_dict()`` arrays written, an
+        optimizer step) are not seen: call it again then. Forwards with a tape (training) read the
+        weights as they are. Returns self."""
+        self._m.pack_f32()
+        return self
+
     def quantized_state_dict(self) -> dict:
         """``state_dict()`` as an int8 module stores it: each linear weight as int8 ``[out, in]`` with
         ``"<name>_scale"`` float32 ``[out]`` (weight ≈ int8 · scale per row) and, when some rows have

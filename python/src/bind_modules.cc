@@ -74,6 +74,7 @@ void bind_module_state(Class& cls) {
       "dtype", [](const Module& s) { return heads::precision_name(s.precision()); },
       [](Module& s, const std::string& d) { s.set_precision(heads::precision_from_name(d)); });
   cls.def("_set_training", &Module::train, "mode"_a)
+      .def("pack_f32", &Module::pack_f32)
       .def("state_dict", [](const Module& s) { return to_dict(s.state_dict()); })
       .def("quantized_state_dict", [](const Module& s) { return to_dict(s.quantized_state_dict()); })
       .def("load_state_dict",

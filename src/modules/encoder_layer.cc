@@ -139,10 +139,12 @@ void TransformerEncoderLayer::load_state_dict(const StateDict& stored, bool stri
     self_attn_.set_precision(attn_before);
     throw;
   }
+  const bool f32_packed = packed_ != nullptr && packed_->precision == Precision::F32;  // pack_f32's: kept
   for (auto& [n, t] : params_) {
     if (const Tensor* src = find(sd, n)) t.copy_from(*src);
   }
-  packed_ = std::move(packed);
+  packed_ = f32_packed && target == Precision::F32 ? modules::PackedWeights::f32_shared(params_, kLinearNames)
+                                                   : std::move(packed);
 }
 
 TransformerEncoderLayer TransformerEncoderLayer::clone() const {
@@ -452,6 +454,10 @@ void set_layers_precision(std::vector<TransformerEncoderLayer>& layers, Precisio
 
 void TransformerEncoder::set_precision(Precision p) {
   set_layers_precision(layers_, p);
+}
+
+void TransformerEncoder::pack_f32() {
+  for (auto& layer : layers_) layer.pack_f32();
 }
 
 Precision TransformerEncoder::precision() const {

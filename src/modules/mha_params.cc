@@ -180,10 +180,12 @@ void MultiheadAttention::load_state_dict(const StateDict& stored, bool strict) {
   // The new weights packed in the precision in force before anything is copied (packing can fail).
   const Precision target = loaded.int8.empty() ? precision() : Precision::Int8;
   auto packed = PackedWeights::make(target, state_dict(), sd, kPackedNames, loaded.int8, packed_.get());
+  const bool f32_packed = packed_ != nullptr && packed_->precision == Precision::F32;  // pack_f32's: kept
   for (auto& p : params_) {
     if (const Tensor* t = find(sd, p.name)) p.value.copy_from(*t);
   }
-  packed_ = std::move(packed);
+  packed_ = f32_packed && target == Precision::F32 ? PackedWeights::f32_shared(state_dict(), kPackedNames)
+                                                   : std::move(packed);
 }
 
 MultiheadAttention MultiheadAttention::clone() const {

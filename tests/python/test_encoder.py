@@ -111,3 +111,44 @@ def test_bad_input_raises_value_error():
         heads.TransformerEncoderLayer(8, 2, activation="swish")
     with pytest.raises(ValueError, match="missing"):
         layer.load_state_dict({"linear1.weight": torch.zeros(16, 8)})
+
+
+@pytest.mark.parametrize("kind", ["mha", "layer", "stack"])
+def test_pack_f32_gives_the_plain_bits_and_follows_the_weights(kind):
+    """pack_f32 (the weights also in the GEMM's own layout): the bits of the plain module, self- and
+    cross-attention, one row and many; load_state_dict lays the new weights out again (still packed:
+    weights written in place after it are not seen until pack_f32 runs again, as documented); in
+    bf16 it does nothing."""
+    g = torch.Generator().manual_seed(3)
+
+    def build(seed):
+        if kind == "mha":
+            return heads.MultiheadAttention(40, 4, batch_first=True, seed=seed).eval()
+        layer = heads.TransformerEncoderLayer(40, 4, 72, dropout=0.0, batch_first=True, seed=seed)
+        return (layer if kind == "layer" else heads.TransformerEncoder(layer, num_layers=2)).eval()
+
+    def run(m, x, kv):
+        return m(x, kv, kv)[0] if kind == "mha" else m(x)
+
+    plain, packed = build(1), build(1)
+    assert packed.pack_f32() is packed and packed.dtype == "f32"
+    for L in (1, 7, 33):
+        x, kv = torch.randn(2, L, 40, generator=g), torch.randn(2, 9, 40, generator=g)
+        assert torch.equal(run(packed, x, x), run(plain, x, x))
+        if kind == "mha":
+            assert torch.equal(run(packed, x, kv), run(plain, x, kv))
+    x = torch.randn(2, 7, 40, generator=g)
+    other = build(2)
+    packed.load_state_dict(other.state_dict())
+    assert torch.equal(run(packed, x, x), run(other, x, x))
+    # written in place: the packed layout still holds the old values until pack_f32 runs again
+    name = "out_proj.weight" if kind == "mha" else ("linear2.weight" if kind == "layer" else "layers.1.linear2.weight")
+    before = run(packed, x, x)
+    packed.state_dict()[name][:] *= 2.0
+    other.state_dict()[name][:] *= 2.0
+    assert torch.equal(run(packed, x, x), before)
+    packed.pack_f32()
+    assert torch.equal(run(packed, x, x), run(other, x, x))
+    packed.to("bf16").pack_f32()
+    assert packed.dtype == "bf16"
+    assert not torch.equal(run(packed, x, x), run(other, x, x))
