@@ -13,6 +13,8 @@
 
 namespace heads::kernels {
 
+class PackedB;  // onednn.h: a weight in oneDNN's own layout
+
 // One output row of an int8 linear layer (heads/precision.h) as quantize-inl.h's int8_rows_out reads it.
 struct Int8Row {
   const int32_t* a;   // [n] Σ_k (first term)·W of the row
@@ -123,8 +125,9 @@ struct KernelTable {
                    const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
                    const Tensor& dk, const Tensor& dv, float* dmask_full, float* drel);
   // GEMMs (linear.h), M, N, K >= 1: oneDNN on the SIMD paths, the plain loops on the portable one.
+  // linear_f32's packed: W in oneDNN's own layout (made at its first use), or null.
   void (*linear_f32)(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                     const float* bias, int64_t N, float* y, int64_t y_stride);
+                     const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed);
   void (*matmul_f32)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                      const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
   // The same product on the calling thread with the register-blocked micro-kernels (gemm-inl.h), for

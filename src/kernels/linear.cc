@@ -26,10 +26,7 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const fl
     return;
   }
   if (batch_invariant()) return active().linear_f32_fixed_order(x, M, K, x_stride, W, bias, N, y, y_stride);
-  if (packed != nullptr && active().linear_f32 == &linear_f32_onednn) {
-    return linear_f32_onednn_packed(x, M, K, x_stride, W, bias, N, y, y_stride, packed);
-  }
-  active().linear_f32(x, M, K, x_stride, W, bias, N, y, y_stride);
+  active().linear_f32(x, M, K, x_stride, W, bias, N, y, y_stride, packed);
 }
 
 void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
@@ -44,12 +41,7 @@ void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, i
 }
 
 void linear_f32_onednn(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                       const float* bias, int64_t N, float* y, int64_t y_stride) {
-  linear_f32_onednn_packed(x, M, K, x_stride, W, bias, N, y, y_stride, nullptr);
-}
-
-void linear_f32_onednn_packed(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                              const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed) {
+                       const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed) {
   try {
     // W [N, K] read as the [K, N] matrix Wᵀ: strides {1, K}.
     onednn_matmul({M, K, N, x_stride, 1, 1, K, y_stride, bias != nullptr, gemm_threads(M, N, K), MatmulTypes::F32}, x, W,
@@ -84,7 +76,7 @@ void matmul_f32_plain(int64_t M, int64_t N, int64_t K, const float* A, int64_t a
 }
 
 void linear_f32_plain(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                      const float* bias, int64_t N, float* y, int64_t y_stride) {
+                      const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* /*packed: oneDNN's*/) {
   matmul_f32_plain(M, N, K, x, x_stride, 1, W, 1, K, y, y_stride);  // W [N, K] read as Wᵀ [K, N]
   if (bias == nullptr) return;
   for (int64_t m = 0; m < M; ++m) {

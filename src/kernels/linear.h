@@ -22,17 +22,15 @@ void matmul_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, i
                 const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
 
 // The table entries (M, N, K >= 1). oneDNN (JIT GEMM with its own ISA dispatch; threads by
-// threads_for) for the SIMD paths:
+// threads_for) for the SIMD paths, reading W through `packed` where given:
 void linear_f32_onednn(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                       const float* bias, int64_t N, float* y, int64_t y_stride);
-// The same reading W through `packed` (linear_f32's).
-void linear_f32_onednn_packed(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                              const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed);
+                       const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed);
 void matmul_f32_onednn(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                        const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
-// The obvious loops (one f32 dot product per output, k in order) for the portable path:
+// The obvious loops (one f32 dot product per output, k in order) for the portable path (W as it
+// is; `packed`, oneDNN's layout, unused):
 void linear_f32_plain(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W,
-                      const float* bias, int64_t N, float* y, int64_t y_stride);
+                      const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed);
 void matmul_f32_plain(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                       const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
 
