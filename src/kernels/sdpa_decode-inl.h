@@ -237,12 +237,19 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
         for (; jj < nk; ++jj) pr[jj] *= vsc[(b0 + jj) * S.vss[2]];
       }
     }
+    // (the next block's keys fetched into L2 meanwhile, by the first pass over the values)
+    const int64_t b1 = b0 + kBlock;
+    Ahead ahead;
+    if (b1 < j1 && b1 < pb.key_end(pb.Lq - 1)) {
+      ahead = {reinterpret_cast<const char*>(kh + b1 * S.ks[2]), static_cast<int64_t>(S.ks[2] * sizeof(T)),
+               static_cast<int64_t>(pb.D * sizeof(T)), std::min(kBlock, j1 - b1)};
+    }
     for (int64_t r = 0; r < S.rows;) {
       const int64_t n = std::min<int64_t>(kPvRows, S.rows - r);
       if (n == 1) {
-        pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp);
+        pv_row(vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp, r == 0 ? ahead : Ahead{});
       } else {
-        pv_rows_n(n, vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp, S.Dvp);
+        pv_rows_n(n, vh + b0 * S.vs[2], S.vs[2], s + r * kBlock, nk, pb.Dv, o + r * S.Dvp, S.Dvp, r == 0 ? ahead : Ahead{});
       }
       r += n;
     }

@@ -248,15 +248,30 @@ inline void group_dots(const Setup& S, const T* kh, const float* qp, int64_t j0,
   pre[1] = g1;
 }
 
+// The key rows of the next block, fetched into L2 while P·V reads the values of this one (a row per
+// value row read): the next block's q·k then finds its keys there instead of starting the memory
+// cold after the softmax, when no load had been in flight. decode4k (f32 K/V, 134 MB a call) on an
+// AMD Zen 4, 2 threads: 27 -> 31 GB/s.
+struct Ahead {
+  const char* base = nullptr;  // row j at base + j·stride, `bytes` long; rows [0, rows)
+  int64_t stride = 0, bytes = 0, rows = 0;
+  HEADS_INLINE void fetch(int64_t j) const {
+    if (j >= rows) return;
+    const char* r = base + j * stride;
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(r + c, 0, 2);
+  }
+};
+
 // O row += sum_j p[j] · V[j] for nk keys, the row held in NV registers.
 template <int NV, class T>
 HEADS_INLINE void pv_row_regs(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv,
-                              float* orow) {
+                              float* orow, const Ahead& ahead) {
   VR acc[NV];
 #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) acc[c] = Vec::load(orow + c * kW);
   const int64_t tail = Dv - (NV - 1) * kW;  // lanes used in the last vector
   for (int64_t j = 0; j < nk; ++j) {
+    ahead.fetch(j);
     // Hidden keys (p = 0) are skipped: a value there may be inf or NaN. int8 values are finite, and
     // without the test the broadcast reads p[j] from memory instead of taking a shuffle port.
     if constexpr (!std::is_same_v<T, int8_t>) {
@@ -275,22 +290,23 @@ HEADS_INLINE void pv_row_regs(const T* vh, int64_t vs, const float* p, int64_t n
 
 template <int NV, class T>
 HEADS_INLINE bool pv_row_dispatch(int64_t nv, const T* vh, int64_t vs, const float* p,
-                                  int64_t nk, int64_t Dv, float* orow) {
+                                  int64_t nk, int64_t Dv, float* orow, const Ahead& ahead) {
   if constexpr (NV > 0) {
     if (nv == NV) {
-      pv_row_regs<NV>(vh, vs, p, nk, Dv, orow);
+      pv_row_regs<NV>(vh, vs, p, nk, Dv, orow, ahead);
       return true;
     }
-    return pv_row_dispatch<NV - 1>(nv, vh, vs, p, nk, Dv, orow);
+    return pv_row_dispatch<NV - 1>(nv, vh, vs, p, nk, Dv, orow, ahead);
   }
   return false;
 }
 
 template <class T>
-inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* orow) {
+inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* orow, const Ahead& ahead) {
   const int64_t nv = (Dv + kW - 1) / kW;
-  if (pv_row_dispatch<256 / kW>(nv, vh, vs, p, nk, Dv, orow)) return;
+  if (pv_row_dispatch<256 / kW>(nv, vh, vs, p, nk, Dv, orow, ahead)) return;
   for (int64_t j = 0; j < nk; ++j) {  // wide heads: accumulate through memory
+    ahead.fetch(j);
     if (p[j] == 0.0f) continue;
     const VR pv = Vec::set1(p[j]);
     const T* vj = vh + j * vs;
@@ -306,7 +322,7 @@ inline void pv_row(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t 
 // same bits). lanes_last: lanes of the chunk's last vector (kW if whole).
 template <int R, int NC, class T>
 HEADS_INLINE void pv_rows_chunk(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t d0, int64_t lanes_last,
-                                float* o, int64_t Dvp) {
+                                float* o, int64_t Dvp, const Ahead& ahead) {
   VR acc[R][NC];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -314,6 +330,7 @@ HEADS_INLINE void pv_rows_chunk(const T* vh, int64_t vs, const float* p, int64_t
     for (int c = 0; c < NC; ++c) acc[r][c] = Vec::load(o + r * Dvp + d0 + c * kW);
   }
   for (int64_t j = 0; j < nk; ++j) {
+    ahead.fetch(j);
     const T* vj = vh + j * vs + d0;
     VR v[NC];
 #pragma GCC unroll 16
@@ -338,19 +355,24 @@ HEADS_INLINE void pv_rows_chunk(const T* vh, int64_t vs, const float* p, int64_t
 
 constexpr int kPvRows = kW >= 16 ? 4 : 2;  // rows per pass: R·4 accumulators + 4 values in the registers
 
+// (the next block's keys fetched during the first chunk of Dv)
 template <int R, class T>
-inline void pv_rows(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* o, int64_t Dvp) {
+inline void pv_rows(const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* o, int64_t Dvp,
+                    const Ahead& ahead) {
   int64_t d0 = 0;
-  for (; d0 + 4 * kW <= Dv; d0 += 4 * kW) pv_rows_chunk<R, 4>(vh, vs, p, nk, d0, kW, o, Dvp);
-  for (; d0 < Dv; d0 += kW) pv_rows_chunk<R, 1>(vh, vs, p, nk, d0, std::min<int64_t>(kW, Dv - d0), o, Dvp);
+  for (; d0 + 4 * kW <= Dv; d0 += 4 * kW) pv_rows_chunk<R, 4>(vh, vs, p, nk, d0, kW, o, Dvp, d0 == 0 ? ahead : Ahead{});
+  for (; d0 < Dv; d0 += kW) {
+    pv_rows_chunk<R, 1>(vh, vs, p, nk, d0, std::min<int64_t>(kW, Dv - d0), o, Dvp, d0 == 0 ? ahead : Ahead{});
+  }
 }
 
 // rows (2 <= rows <= kPvRows) of P·V at once.
 template <class T>
-inline void pv_rows_n(int64_t rows, const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* o, int64_t Dvp) {
+inline void pv_rows_n(int64_t rows, const T* vh, int64_t vs, const float* p, int64_t nk, int64_t Dv, float* o, int64_t Dvp,
+                      const Ahead& ahead) {
   if constexpr (kPvRows >= 4) {
-    if (rows == 4) return pv_rows<4>(vh, vs, p, nk, Dv, o, Dvp);
-    if (rows == 3) return pv_rows<3>(vh, vs, p, nk, Dv, o, Dvp);
+    if (rows == 4) return pv_rows<4>(vh, vs, p, nk, Dv, o, Dvp, ahead);
+    if (rows == 3) return pv_rows<3>(vh, vs, p, nk, Dv, o, Dvp, ahead);
   }
-  pv_rows<2>(vh, vs, p, nk, Dv, o, Dvp);
+  pv_rows<2>(vh, vs, p, nk, Dv, o, Dvp, ahead);
 }
