@@ -251,7 +251,7 @@ inline void group_dots(const Setup& S, const T* kh, const float* qp, int64_t j0,
 // The key rows of the next block, fetched into L2 while P·V reads the values of this one (a row per
 // value row read): the next block's q·k then finds its keys there instead of starting the memory
 // cold after the softmax, when no load had been in flight. decode4k (f32 K/V, 134 MB a call) on an
-// AMD Zen 4, 2 threads: 27 -> 31 GB/s.
+// AMD Zen 4: 2 threads 25 -> 31 GB/s in a quiet spell, 1 thread 17 -> 20 GB/s.
 struct Ahead {
   const char* base = nullptr;  // row j at base + j·stride, `bytes` long; rows [0, rows)
   int64_t stride = 0, bytes = 0, rows = 0;
