@@ -62,10 +62,12 @@ struct Setup {
 // Scores (log2 units) of query row (h, i) against keys [j0, j0 + nk), nk <= kBlock, into
 // sr[0, kBlock): masked and causal-hidden keys and the entries past nk are -inf. NV: D in vectors
 // when it is one of the unrolled sizes, else 0. qd: the row's digits for int8 keys (QDigits), or none.
-// sr[pre[0], pre[1]) (whole groups, visible to the row) already holds q·k (rows_dots).
+// sr[pre[0], pre[1]) (whole groups, visible to the row) already holds q·k (rows_dots). `ahead`: rows
+// fetched into L2 beside each group of keys computed (the block's values), or none.
 template <int NV, class T>
 inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                         int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd, const int64_t* pre) {
+                         int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd, const int64_t* pre,
+                         const Ahead& ahead) {
   const SdpaProblem& pb = S.pb;
   // The band hides a prefix and a suffix of the block: only keys [j0 + nb, j0 + nv) are computed.
   const int64_t nv = std::clamp<int64_t>(pb.key_end(i) - j0, 0, nk);
@@ -78,6 +80,7 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
     }
     const bool whole = g >= nb && g + kW <= nv;  // every key of the group visible
     const T* kg = kh + (j0 + g) * kst;
+    for (int u = 0; u < kW; ++u) ahead.fetch(g + u);
     VR x;
     if (g >= pre[0] && g + kW <= pre[1]) {  // q·k already there (rows_dots)
       x = Vec::load(sr + g);
@@ -118,14 +121,15 @@ inline void row_scores_n(const Setup& S, const T* kh, const float* ksc, const fl
 
 template <class T>
 inline void row_scores(const Setup& S, const T* kh, const float* ksc, const float* qr, int64_t b, int64_t h,
-                       int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd, const int64_t* pre) {
+                       int64_t i, int64_t j0, int64_t nk, float* sr, const QDigits& qd, const int64_t* pre,
+                       const Ahead& ahead) {
   const int64_t nvec = S.pb.D % kW == 0 ? S.pb.D / kW : 0;
   switch (nvec) {  // unrolled for the head dims of the usual models: D 64 and 128 (and 32 on AVX-512)
-    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
-    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
-    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
-    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
-    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre);
+    case 2: return row_scores_n<2>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre, ahead);
+    case 4: return row_scores_n<4>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre, ahead);
+    case 8: return row_scores_n<8>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre, ahead);
+    case 16: return row_scores_n<16>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre, ahead);
+    default: return row_scores_n<0>(S, kh, ksc, qr, b, h, i, j0, nk, sr, qd, pre, ahead);
   }
 }
 
@@ -188,10 +192,13 @@ inline void chunk(const Setup& S, int64_t b, int64_t hk, int64_t j0, int64_t j1,
     // where int8 keys do not go through VNNI digits
     int64_t pre[2] = {0, 0};
     if (digits == nullptr) group_dots(S, kh, qp, b0, nk, s, pre);
+    // (this block's values fetched into L2 meanwhile, by the first row's pass over the keys)
+    const Ahead values{reinterpret_cast<const char*>(vh + b0 * S.vs[2]), static_cast<int64_t>(S.vs[2] * sizeof(T)),
+                       static_cast<int64_t>(pb.Dv * sizeof(T)), nk};
     for (int64_t r = 0; r < S.rows; ++r) {
       const int64_t h = hk * pb.group() + S.head(r);
       row_scores(S, kh, ksc, qp + r * S.Dp, b, h, S.pos(r), b0, nk, s + r * kBlock,
-                 digits != nullptr ? digits[r] : none, pre);
+                 digits != nullptr ? digits[r] : none, pre, r == 0 ? values : Ahead{});
     }
     // 2-3. online softmax per row
     for (int64_t r = 0; r < S.rows; ++r) {
