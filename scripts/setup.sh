@@ -38,8 +38,12 @@ missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# HEADS_SETUP_APT_LATEST=1 (.ci/run): every package of the list at the mirror's newest version, as a fresh
+# root installs them, so that the host's build reads the root's headers (an older libssl-dev's differ)
+# and takes every object the root's build compiled from the cache.
+[ "${HEADS_SETUP_APT_LATEST:-0}" != 1 ] || missing=("${APT_PACKAGES[@]}")
 if ((${#missing[@]})); then
-  echo "setup: installing Debian packages: ${missing[*]}"
+  echo "setup: installing Debian packages (or their newest versions): ${missing[*]}"
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq
