@@ -182,7 +182,12 @@ std::vector<int64_t> tokenize_prefix(const tok::Pipeline& p, std::string_view te
     while (cut < text.size() && (static_cast<uint8_t>(text[cut]) & 0xC0) == 0x80) ++cut;  // a character boundary
     ids = tokenize(p, text.substr(0, cut));
     if (ids.size() > keep + kMargin || cut >= text.size()) break;
-    len *= 2;
+    // The next prefix: at this one's ids per byte, half as long again as `keep` ids need, and at least
+    // twice this one. A text that gives (almost) no ids, one long word, is then read whole at the
+    // second step instead of through every doubling (twice its length in all).
+    const double need = 1.5 * static_cast<double>(cut) * static_cast<double>(keep + kMargin + 1) /
+                        static_cast<double>(std::max<size_t>(ids.size(), 1));
+    len = need >= static_cast<double>(text.size()) ? text.size() : std::max(2 * len, static_cast<size_t>(need));
   }
   truncated = ids.size() > keep;
   if (truncated) {

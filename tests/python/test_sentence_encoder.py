@@ -99,6 +99,27 @@ def test_long_texts_match_hugging_face_past_several_stretches(enc):
         assert enc.tokenize(text) == ref.encode(text).ids
 
 
+def test_texts_that_fill_only_far_in_match_hugging_face(enc):
+    """Texts of 0.3-3 MB whose first 256 ids lie past several of the tokenizer's growing reads (heads
+    reads a long text by prefixes, each as long as the ids per byte seen so far say it needs): heads
+    of long words ([UNK] each) that grow longer (so each read's estimate falls short) or shorter, with
+    runs of spaces, then dense words."""
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(Path(MODEL) / "tokenizer.json"))
+    ref.enable_truncation(256)
+    ref.no_padding()
+    rng = np.random.default_rng(17)
+    for n in range(6):
+        words = int(rng.integers(150, 280))
+        base, growth = [(200, 1.02), (8000, 0.985)][n % 2]
+        head = " ".join(chr(97 + i % 26) * int(base * growth ** i) + " " * int(rng.integers(1, 300))
+                        for i in range(words))
+        tail = " ".join(rng.choice(["word", "Café", "don't", "3.14", "我爱", "a,b"], size=int(rng.integers(300, 3000))))
+        text = head + " " + tail
+        assert enc.tokenize(text) == ref.encode(text).ids, (n, len(head), words)
+
+
 def test_long_texts_without_spaces_match_hugging_face_whole(enc):
     """Texts of 20-60 KB with no ASCII whitespace, which the tokenizer reads in stretches cut inside
     them: every piece of the whole text (no truncation) equals tokenizers', across cuts that fall
