@@ -195,6 +195,10 @@ namespace amx_emu { extern const KernelTable kTable; }     // amx over the tile 
 namespace neon { extern const KernelTable kTable; }        // AArch64 Advanced SIMD
 namespace neonbf16 { extern const KernelTable kTable; }    // neon + FEAT_BF16 (BFDOT)
 
+// Whether the CPU (and the OS, for AMX tiles; HEADS_AMX_EMULATE for the emulated amx) can run the
+// ISA, whether or not this build has its kernels (isa_supported asks both).
+bool cpu_runs(Isa isa);
+
 // For tests: 1 runs the amx ISA over the tile emulator even where the tiles exist (so that the two
 // can be compared), 0 never, -1 as HEADS_AMX_EMULATE says. Takes effect at the next set_isa().
 void set_amx_emulation(int mode);

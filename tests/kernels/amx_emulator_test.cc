@@ -222,7 +222,7 @@ uint16_t bf16_by_definition(uint32_t u) {
 }
 
 TEST(AmxEmulator, Bf16RoundingFollowsTheInstructionsDefinition) {
-  if (!isa_supported(Isa::Avx512)) GTEST_SKIP() << "the AMX kernels' vector code needs AVX-512";
+  if (!kernels::cpu_runs(Isa::Avx512)) GTEST_SKIP() << "the AMX kernels' vector code needs AVX-512";
   std::vector<uint32_t> in = {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x00800000u, 0x80800000u,
                               0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x7f7fffffu, 0xff7fffffu,
                               0x7f800000u, 0xff800000u, 0x7f800001u, 0xffc00000u, 0x7fbfffffu, 0x7f7f8000u};
@@ -233,7 +233,7 @@ TEST(AmxEmulator, Bf16RoundingFollowsTheInstructionsDefinition) {
     if (in.size() % 7 == 0) u &= 0x807fffffu;                     // denormals
     in.push_back(u);
   }
-  const bool native = isa_supported(Isa::Avx512Bf16);
+  const bool native = kernels::cpu_runs(Isa::Avx512Bf16);
   std::vector<uint16_t> emulated(in.size()), instruction(in.size());
   for (size_t i = 0; i < in.size(); i += 32) {
     round_emulated::convert(in.data() + i, emulated.data() + i);
@@ -252,14 +252,14 @@ TEST(AmxEmulator, OfferedAsAmxOnlyWhenAskedFor) {
   kernels::set_amx_emulation(0);
   EXPECT_EQ(isa_supported(Isa::Amx), tiles);
   kernels::set_amx_emulation(1);
-  EXPECT_EQ(isa_supported(Isa::Amx), tiles || isa_supported(Isa::Avx512));  // no AVX512_BF16 needed
+  EXPECT_EQ(isa_supported(Isa::Amx), tiles || kernels::cpu_runs(Isa::Avx512));  // no AVX512_BF16 needed
   if (isa_supported(Isa::Amx)) {
     set_isa(Isa::Amx);
     EXPECT_EQ(active_isa(), Isa::Amx);
     EXPECT_STREQ(bf16_attention_products(), "amx");
   }
   if (!tiles) {
-    EXPECT_THAT(amx_status(), HasSubstr(isa_supported(Isa::Avx512) ? "emulated" : "lacks AVX-512"));
+    EXPECT_THAT(amx_status(), HasSubstr(kernels::cpu_runs(Isa::Avx512) ? "emulated" : "lacks AVX-512"));
   }
   kernels::set_amx_emulation(-1);
 }
