@@ -18,7 +18,7 @@ enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx, Neon, NeonBf16 };
 // "scalar", "avx2", "avx512", "avx512bf16", "amx", "neon", "neonbf16"
 std::string isa_name(Isa isa);
 Isa isa_from_name(const std::string& s);  // throws heads::Error for an unknown name
-bool isa_supported(Isa isa);              // can this CPU run it?
+bool isa_supported(Isa isa);              // can this CPU run it, and has this build its kernels?
 std::vector<Isa> supported_isas();        // best last
 // The path in use: the best supported one, or HEADS_ISA from the environment.
 Isa active_isa();
