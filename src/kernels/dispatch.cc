@@ -66,7 +66,7 @@ const std::string& amx_unusable_reason() {
 bool amx_usable() { return amx_unusable_reason().empty(); }
 
 // HEADS_AMX_EMULATE=1 on a CPU without usable AMX: the `amx` ISA runs over the tile emulator
-// (isa_amx_emu.cc), where the kernels' AVX-512 vector code can run. Tests may force
+// (isa_amx_emu.cc: the tiles in scalar C++, the kernels' AVX-512 vector code written over AVX2). Tests may force
 // it on or off (kernels::set_amx_emulation): -1 reads the environment.
 std::atomic<int> g_amx_emulation{-1};
 
@@ -116,8 +116,8 @@ bool kernels::cpu_runs(Isa isa) {
     case Isa::Avx512Bf16:
       return cpu_runs(Isa::Avx512) && __builtin_cpu_supports("avx512bf16");
     case Isa::Amx:
-      // every CPU with tiles has AVX512_BF16; the emulated build needs AVX-512 alone
-      return amx_usable() ? cpu_runs(Isa::Avx512Bf16) : amx_emulated() && cpu_runs(Isa::Avx512);
+      // every CPU with tiles has AVX512_BF16; the emulated build needs AVX2 and FMA alone
+      return amx_usable() ? cpu_runs(Isa::Avx512Bf16) : amx_emulated() && cpu_runs(Isa::Avx2);
 #elif defined(__aarch64__)
     case Isa::Neon: return true;  // Advanced SIMD is part of every AArch64 CPU
 #if defined(__linux__)
@@ -178,8 +178,8 @@ std::string amx_status() {
   if (amx_usable()) return "tiles";
   if (amx_emulated()) {
     if (isa_supported(Isa::Amx)) return "emulated (HEADS_AMX_EMULATE=1)";
-    return kernels::cpu_runs(Isa::Avx512) ? "HEADS_AMX_EMULATE=1, but this build left the emulated kernels out"
-                                          : "HEADS_AMX_EMULATE=1, but the CPU lacks AVX-512";
+    return kernels::cpu_runs(Isa::Avx2) ? "HEADS_AMX_EMULATE=1, but this build left the emulated kernels out"
+                                        : "HEADS_AMX_EMULATE=1, but the CPU lacks AVX2 and FMA";
   }
   return "unusable: " + amx_unusable_reason();
 }

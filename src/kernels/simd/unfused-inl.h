@@ -8,7 +8,12 @@
 template <class T>
 HEADS_INLINE T unfused(T x) {
 #if defined(__x86_64__) || defined(__i386__)
-  if constexpr (std::is_class_v<T>) {
+#ifdef HEADS_AVX512_ON_AVX2
+  constexpr bool in_memory = std::is_class_v<T> || sizeof(T) > 32;  // no 64-byte registers there
+#else
+  constexpr bool in_memory = std::is_class_v<T>;
+#endif
+  if constexpr (in_memory) {
     asm("" : "+m"(x));
   } else {
     asm("" : "+x"(x));
