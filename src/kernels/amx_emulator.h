@@ -2,7 +2,8 @@
 // tilezero, tdpbf16ps, tdpbusd, tilerelease), in scalar C++, for isa_amx_emu.cc: sdpa_amx-inl.h and
 // gemm_i8_amx-inl.h compiled over these instead of the instructions, from the same text, so that the
 // AMX kernels run (slowly, with the instruction's numerics) on a CPU without tiles. HEADS_AMX_EMULATE=1 offers that build
-// as the `amx` ISA where the CPU has AVX-512 (the kernels' vector code) and no usable AMX.
+// as the `amx` ISA where the CPU has AVX2 and FMA (the kernels' AVX-512 code written over AVX2,
+// simd/avx512_on_avx2-inl.h) and no usable AMX.
 //
 // Numerics of tdpbf16ps, as the current Intel SDM's pseudo-code gives them (the older text's
 // "tmp += even product; tmp += odd product" into the destination did not match the tiles of a

@@ -42,18 +42,6 @@ struct Result {
   alignas(64) uint8_t mem[256] = {};
 };
 
-template <class V>
-inline V get(const uint8_t* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <class V>
-inline void put(Result& r, V v) {
-  static_assert(sizeof v <= sizeof r.bytes);
-  std::memcpy(r.bytes, &v, sizeof v);
-}
-
 // Each case: a name and one expression over the operands, whose value is the result (void for the
 // stores, whose result is the memory). The same text is compiled twice: with the instructions, and
 // over avx512_on_avx2-inl.h.
@@ -169,14 +157,28 @@ inline void run(F f, const Operands& in, Result& out) {
   f(in, out);
 }
 // One function per case: computes it into `out` (a value: its bytes; a store: the memory).
-template <class F>
-inline void eval(Result& out, F f) {
-  if constexpr (std::is_void_v<decltype(f())>) {
-    f();
-  } else {
-    put(out, f());
+// The helpers the cases call, defined inside each namespace so that they take its target: a 64-byte
+// vector crosses a call in zmm0 with AVX-512 and in memory without (unoptimised builds call them).
+#define HEADS_CASE_HELPERS                                   \
+  template <class V>                                         \
+  inline V get(const uint8_t* p) {                           \
+    V v;                                                     \
+    std::memcpy(&v, p, sizeof v);                            \
+    return v;                                                \
+  }                                                          \
+  template <class V>                                         \
+  inline void put(Result& r, V v) {                          \
+    static_assert(sizeof v <= sizeof r.bytes);               \
+    std::memcpy(r.bytes, &v, sizeof v);                      \
+  }                                                          \
+  template <class F>                                         \
+  inline void eval(Result& out, F f) {                       \
+    if constexpr (std::is_void_v<decltype(f())>) {          \
+      f();                                                   \
+    } else {                                                 \
+      put(out, f());                                         \
+    }                                                        \
   }
-}
 #define HEADS_CASE_FN(name, expr) \
   inline void name(const Operands& in, Result& out) { eval(out, [&] { return expr; }); }
 #define HEADS_CASE_ENTRY(name, expr) {#name, [](const Operands& in, Result& out) { run(name, in, out); }},
@@ -190,6 +192,7 @@ struct Case {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 namespace instruction {
+HEADS_CASE_HELPERS
 HEADS_SHIM_CASES(HEADS_CASE_FN)
 const std::vector<Case>& cases() {
   static const std::vector<Case> c = {HEADS_SHIM_CASES(HEADS_CASE_ENTRY)};
@@ -203,6 +206,7 @@ const std::vector<Case>& cases() {
 #pragma GCC target("avx2,fma,f16c,bmi2")
 namespace emulated {
 #include "kernels/simd/avx512_on_avx2-inl.h"
+HEADS_CASE_HELPERS
 HEADS_SHIM_CASES(HEADS_CASE_FN)
 const std::vector<Case>& cases() {
   static const std::vector<Case> c = {HEADS_SHIM_CASES(HEADS_CASE_ENTRY)};

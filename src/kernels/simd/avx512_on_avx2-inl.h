@@ -396,7 +396,10 @@ HEADS_SHIM __m512i _mm512_permutex2var_epi16(__m512i a, __m512i idx, __m512i b) 
   const auto x = avx512_on_avx2::lanes<uint16_t>(a), y = avx512_on_avx2::lanes<uint16_t>(b);
   const auto n = avx512_on_avx2::lanes<uint16_t>(idx);
   avx512_on_avx2::Lanes<uint16_t, __m512i> r;
-  for (int i = 0; i < 32; ++i) r.v[i] = ((n.v[i] & 32) != 0 ? y.v : x.v)[n.v[i] & 31];
+  for (int i = 0; i < 32; ++i) {
+    const int j = n.v[i] & 31;
+    r.v[i] = (n.v[i] & 32) != 0 ? y.v[j] : x.v[j];
+  }
   return avx512_on_avx2::vec<__m512i>(r);
 }
 HEADS_SHIM __m512 _mm512_i32gather_ps(__m512i idx, const void* base, int scale) {

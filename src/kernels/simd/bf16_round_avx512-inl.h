@@ -1,10 +1,9 @@
 // bf16_round_avx512-inl.h — f32 -> bf16 in AVX-512 registers, as vcvtneps2bf16 / vcvtne2ps2bf16
 // round (the Intel SDM's convert_fp32_to_bfloat16): to nearest even, a NaN quieted (sign and top
 // payload kept), a denormal input read as a zero of its sign. With HEADS_NATIVE_BF16 (a build with
-// AVX512_BF16) the instructions; otherwise the same bits from AVX-512F integer operations, so that
-// the emulated AMX build (isa_amx_emu.cc) runs on AVX-512 CPUs without AVX512_BF16 (Skylake-SP,
-// Cascade Lake). Included inside an ISA build's namespace; tests/kernels/amx_emulator_test.cc
-// checks both against the definition.
+// AVX512_BF16) the instructions; otherwise the same bits from AVX-512F integer operations, which the
+// emulated AMX build (isa_amx_emu.cc) compiles over AVX2 (avx512_on_avx2-inl.h). Included inside an
+// ISA build's namespace; tests/kernels/amx_emulator_test.cc checks both against the definition.
 
 // The bf16 of each lane in its low 16 bits.
 HEADS_INLINE __m512i bf16_bits_in_dwords(__m512 x) {
