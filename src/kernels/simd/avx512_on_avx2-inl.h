@@ -7,8 +7,9 @@
 // the build uses, each with the argument types and lane semantics of the real one; the masked loads
 // and stores touch only the lanes their mask selects, as the instructions do (no fault there).
 // Lane-wise arithmetic runs on two 256-bit halves through the AVX2 instruction of the same definition
-// (add, mul, fmadd, max, compare, conversions: NaN, rounding and saturation follow the hardware);
-// permutes, masks, gathers and vscalefps are per-lane loops. tests/kernels/avx512_on_avx2_test.cc
+// (add, mul, div, fmadd, max/min, unpack, integer add/mullo/madd, conversions: NaN, rounding and
+// saturation follow the hardware); compares, masks, permutes, shuffles, shifts, gathers, vroundscaleps
+// and vscalefps are per-lane loops. tests/kernels/avx512_on_avx2_test.cc
 // compares every function with the instruction itself on CPUs with AVX-512.
 
 // GCC defines some of these as macros (immediate operands without optimisation): use the functions.
@@ -417,3 +418,4 @@ HEADS_SHIM void _mm512_i32scatter_ps(void* base, __m512i idx, __m512 a, int scal
     std::memcpy(static_cast<char*>(base) + int64_t{n.v[i]} * scale, &x.v[i], sizeof(float));
   }
 }
+#undef HEADS_SHIM
