@@ -123,6 +123,10 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
   const TaskSplit split = split_tasks(M, Ns, K);
   const int64_t T = split.rows_max(), tasks = split.tasks;
   const int threads = split.threads;
+  // A call of one task (at most kTaskRows rows: a decoder's step, a short prompt) gives its GEMM the
+  // threads that the rows could not use: oneDNN splits the weight's columns among them. A decode step
+  // had run on one core (random llama of 100M parameters, 2 threads, AMD Zen 4).
+  const int gemm_inner = tasks == 1 ? kernels::gemm_threads(T, Ns, K) : 1;
   // Each thread's working memory: a task's codes (rows [0, cm) the first terms, zero past its rows,
   // then the second terms packed, zero rows up to a multiple of kRowBlock), and its GEMM's sums.
   const int64_t q_size = 2 * T * K, acc_size = 2 * T * Ns;
@@ -161,7 +165,7 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
         }
         const int64_t mt = cm + std::min((m2 + kRowBlock - 1) / kRowBlock * kRowBlock, cm);
         std::fill(r + m2 * K, q + mt * K, uint8_t{0});
-        gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, 1);
+        gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, gemm_inner);
         for (int64_t b0 = 0; b0 < n; b0 += kOutBlock) {
           const int64_t b1 = std::min(n, b0 + kOutBlock);
           kernels::Int8Row rows[kOutBlock];
