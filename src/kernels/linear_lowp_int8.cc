@@ -136,46 +136,58 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
   const Buffer<int32_t> zx(M);
   const auto& k = kernels::active();
   const double tau2x12 = 12.0 * w.act_error * w.act_error;
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    const int t = threads > 1 ? omp_get_thread_num() : 0;
+  // Task ti on thread t's working memory; slot: row i's index among the task's second terms, or −1.
+  const auto run_task = [&](int t, int64_t ti, int64_t* slot) {
     uint8_t* q = codes.data() + t * q_size;
     int32_t* acc = sums.data() + t * acc_size;
-    int64_t slot[kTaskRows];  // row i's index among the task's second terms, or −1
+    const int64_t c0 = split.first_row(ti), n = std::min(M, split.first_row(ti + 1)) - c0;
+    const int64_t cm = (n + kShapeStep - 1) / kShapeStep * kShapeStep;
+    uint8_t* r = q + cm * K;
+    k.quantize_rows_u8(x + c0 * xs, n, K, xs, w.keep, tau2x12, q, sx.data() + c0, zx.data() + c0, r,
+                       sr.data() + c0);
+    std::fill(q + n * K, q + cm * K, uint8_t{0});
+    int64_t m2 = 0;
+    for (int64_t i = 0; i < n; ++i) {  // second terms packed in order: row i moves to row m2 ≤ i
+      if (sr[c0 + i] == 0.0f) {
+        slot[i] = -1;
+        continue;
+      }
+      if (m2 != i) std::memmove(r + m2 * K, r + i * K, static_cast<size_t>(K));
+      slot[i] = cm + m2++;
+    }
+    const int64_t mt = cm + std::min((m2 + kRowBlock - 1) / kRowBlock * kRowBlock, cm);
+    std::fill(r + m2 * K, q + mt * K, uint8_t{0});
+    gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, gemm_inner);
+    for (int64_t b0 = 0; b0 < n; b0 += kOutBlock) {
+      const int64_t b1 = std::min(n, b0 + kOutBlock);
+      kernels::Int8Row rows[kOutBlock];
+      for (int64_t i = b0; i < b1; ++i) {
+        rows[i - b0] = int8_out_row(w, false, x, xs, c0 + i, zx.data(), sx.data(), sr.data(), bias, acc, Ns, i,
+                                    slot[i]);
+      }
+      k.int8_rows_out(rows, b1 - b0, y + (c0 + b0) * ys, ys);
+      apply_activation(act, y + (c0 + b0) * ys, b1 - b0, N, ys);
+    }
+  };
+  if (threads == 1) {
+    // Outside any parallel construct: a parallel region inside one (oneDNN's, or an activation's),
+    // even one of a single thread, is nested, and libgomp starts fresh threads for a nested team
+    // instead of taking them from its pool (a decode step of a 100M-parameter llama created ~80).
+    int64_t slot[kTaskRows];
+    for (int64_t ti = 0; ti < tasks; ++ti) run_task(0, ti, slot);
+    return;
+  }
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    int64_t slot[kTaskRows];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < tasks; ++ti) {
       if (failed.load(std::memory_order_relaxed)) continue;
       try {
-        const int64_t c0 = split.first_row(ti), n = std::min(M, split.first_row(ti + 1)) - c0;
-        const int64_t cm = (n + kShapeStep - 1) / kShapeStep * kShapeStep;
-        uint8_t* r = q + cm * K;
-        k.quantize_rows_u8(x + c0 * xs, n, K, xs, w.keep, tau2x12, q, sx.data() + c0, zx.data() + c0, r,
-                           sr.data() + c0);
-        std::fill(q + n * K, q + cm * K, uint8_t{0});
-        int64_t m2 = 0;
-        for (int64_t i = 0; i < n; ++i) {  // second terms packed in order: row i moves to row m2 ≤ i
-          if (sr[c0 + i] == 0.0f) {
-            slot[i] = -1;
-            continue;
-          }
-          if (m2 != i) std::memmove(r + m2 * K, r + i * K, static_cast<size_t>(K));
-          slot[i] = cm + m2++;
-        }
-        const int64_t mt = cm + std::min((m2 + kRowBlock - 1) / kRowBlock * kRowBlock, cm);
-        std::fill(r + m2 * K, q + mt * K, uint8_t{0});
-        gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, gemm_inner);
-        for (int64_t b0 = 0; b0 < n; b0 += kOutBlock) {
-          const int64_t b1 = std::min(n, b0 + kOutBlock);
-          kernels::Int8Row rows[kOutBlock];
-          for (int64_t i = b0; i < b1; ++i) {
-            rows[i - b0] = int8_out_row(w, false, x, xs, c0 + i, zx.data(), sx.data(), sr.data(), bias, acc, Ns, i,
-                                        slot[i]);
-          }
-          k.int8_rows_out(rows, b1 - b0, y + (c0 + b0) * ys, ys);
-          apply_activation(act, y + (c0 + b0) * ys, b1 - b0, N, ys);
-        }
+        run_task(t, ti, slot);
       } catch (...) {
 #pragma omp critical(heads_linear_int8_error)
         if (!error) error = std::current_exception();
