@@ -141,7 +141,10 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
     uint8_t* q = codes.data() + t * q_size;
     int32_t* acc = sums.data() + t * acc_size;
     const int64_t c0 = split.first_row(ti), n = std::min(M, split.first_row(ti + 1)) - c0;
-    const int64_t cm = (n + kShapeStep - 1) / kShapeStep * kShapeStep;
+    // Rows padded to a multiple of kShapeStep (fewer GEMM shapes to make), but not a call of fewer: a
+    // decoder's step (1 row, 2 with its second term) had run 16 rows, 14 of zeros, and its GEMM was
+    // bound by their multiply-adds instead of the weight's bytes.
+    const int64_t cm = n < kShapeStep ? n : (n + kShapeStep - 1) / kShapeStep * kShapeStep;
     uint8_t* r = q + cm * K;
     k.quantize_rows_u8(x + c0 * xs, n, K, xs, w.keep, tau2x12, q, sx.data() + c0, zx.data() + c0, r,
                        sr.data() + c0);
