@@ -58,20 +58,28 @@ def main():
             t2 = time.perf_counter()
             return t1 - t0, (t2 - t1), out[0, a.prompt:].tolist()
 
-        def heads_run(lm):
+        def heads_run(lm, cache_dtype="f32"):
             t0 = time.perf_counter()
             lm(prompt, last_only=True)
             t1 = time.perf_counter()
-            ids = lm.generate(prompt[0], max_new_tokens=a.new)
+            ids = lm.generate(prompt[0], max_new_tokens=a.new, cache_dtype=cache_dtype)
             t2 = time.perf_counter()
             return t1 - t0, (t2 - t1), ids
 
         reference = None
         hf_bf16 = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
         hf_bf16.generation_config.eos_token_id = None
+        hf_int8 = torch.ao.quantization.quantize_dynamic(transformers.LlamaForCausalLM.from_pretrained(d).eval(),
+                                                         {torch.nn.Linear}, dtype=torch.qint8)
+        hf_int8.generation_config.eos_token_id = None
         lm_f32, lm_bf16 = heads.CausalLM.from_pretrained(d), heads.CausalLM.from_pretrained(d, dtype="bf16")
+        lm_int8 = heads.CausalLM.from_pretrained(d, dtype="int8")
         runners = [("transformers f32", lambda: hf_run(hf)), ("heads f32", lambda: heads_run(lm_f32)),
-                   ("transformers bf16", lambda: hf_run(hf_bf16)), ("heads bf16 weights", lambda: heads_run(lm_bf16))]
+                   ("transformers bf16", lambda: hf_run(hf_bf16)), ("heads bf16 weights", lambda: heads_run(lm_bf16)),
+                   ("heads bf16 weights, bf16 KV cache", lambda: heads_run(lm_bf16, "bf16")),
+                   ("transformers int8 (quantize_dynamic)", lambda: hf_run(hf_int8)),
+                   ("heads int8 weights", lambda: heads_run(lm_int8)),
+                   ("heads int8 weights, int8 KV cache", lambda: heads_run(lm_int8, "int8"))]
         for name, run in runners:
             run()  # warm-up
             ttft, total, ids = zip(*[run() for _ in range(a.repeats)])
