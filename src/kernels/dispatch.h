@@ -171,6 +171,12 @@ struct KernelTable {
   void (*gemm_u8s8_pairs_out)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const void* B, int64_t N,
                               const PairsOut& out) = nullptr;
   Int8Layout int8_layout = Int8Layout::Pairs16;
+  // C [M, N] (row stride ldc) = A [M, K] (uint8, row stride lda) · B [N, K]ᵀ with B int8 rows as stored,
+  // exact int32 sums (the bits of the GEMMs above), the columns split among `threads`
+  // (gemm_i8_rows-inl.h): the GEMM of a decoder's step on heads' route (a byte a weight read, not a
+  // 16-bit pair); null on the portable path (its plain loops in linear_lowp_int8.cc).
+  void (*gemm_u8s8_rows)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int8_t* B, int64_t N,
+                         int32_t* C, int64_t ldc, int threads) = nullptr;
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.

@@ -8,6 +8,7 @@
 #include "kernels/elementwise-inl.h"
 #include "kernels/peak-inl.h"
 #include "kernels/quantize-inl.h"
+#include "kernels/gemm_i8_rows-inl.h"
 #if defined(HEADS_I16_PAIRS)
 #include "kernels/gemm_i8-inl.h"
 #ifdef HEADS_AMX
@@ -52,6 +53,7 @@ const KernelTable kTable{
     .gemm_u8s8_pairs_out = &gemm_u8s8_pairs_out,
     .int8_layout = gemm_i8::Dots::kLayout,
 #endif
+    .gemm_u8s8_rows = kIsa == Isa::Scalar ? nullptr : &gemm_u8s8_rows,  // -O2 there: see linear_lowp_int8.cc
     .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,

@@ -20,11 +20,17 @@ namespace heads::lowp {
 namespace {
 
 // The integer GEMM acc [M, N] = A [M, K] · B [N, K]ᵀ (uint8 A, int8 B, exact int32 sums) on the native
-// route, or plain loops (also where oneDNN turns out to have no int8 matmul for this CPU).
+// route, else (a few rows on heads' route, or where oneDNN turns out to have no int8 matmul for this
+// CPU) on the weight as stored through the SIMD path's gemm_u8s8_rows, or plain loops on the portable
+// path (whose kernels are built at -O2, where GCC leaves that kernel's loops unvectorized: 4x slower).
 void gemm_u8s8(const uint8_t* A, int64_t M, int64_t K, const int8_t* B, int64_t N, int32_t* acc, bool native,
                kernels::PackedB* packed, int threads) {
   if (native && native_matmul("int8", {M, K, N, K, 1, 1, K, N, false, threads, kernels::MatmulTypes::U8S8}, A, B,
                                nullptr, acc, packed)) {
+    return;
+  }
+  if (const auto& k = kernels::active(); k.gemm_u8s8_rows != nullptr) {
+    k.gemm_u8s8_rows(A, M, K, K, B, N, acc, N, threads);
     return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -79,6 +85,9 @@ kernels::Int8Row int8_out_row(const Int8Weight& w, bool heads, const float* x, i
   r.no = w.no;
   return r;
 }
+
+// Calls of at most this many rows on heads' route run the GEMM on the weight as stored (gemm_u8s8_rows).
+constexpr int64_t kFewRows = 4;
 
 // Output rows are made (and their activation applied) this many at a time, while they are in cache.
 constexpr int64_t kOutBlock = 16;
@@ -208,6 +217,12 @@ void linear_int8(const float* x, int64_t M, int64_t K, int64_t xs, const Int8Wei
   const Route route = int8_route(w.act_error);
   if (route == Route::Native || route == Route::Portable) {
     linear_int8_tasks(x, M, K, xs, w, bias, y, ys, act, route == Route::Native);
+    return;
+  }
+  // A few rows on heads' route (a decoder's step: 1 row, 2 with its second term): the weight as stored, a
+  // byte a weight, where heads' GEMM reads 16-bit pairs (two); the same sums, the same bits.
+  if (route == Route::Heads && M <= kFewRows) {
+    linear_int8_tasks(x, M, K, xs, w, bias, y, ys, act, false);
     return;
   }
   // The f32 route and heads' own GEMM from here.

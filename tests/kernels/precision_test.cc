@@ -146,14 +146,15 @@ TEST(Precision, Int8FollowsItsDefinitionExactlyAndItsErrorBound) {
   // more; infinity: one term on every row. oneDNN's route works in tasks of 64 rows (M = 70: a ragged
   // second one; 300: five), and makes the residual rows' outputs 64 at a time (N = 160: more than 64 of
   // them). The weight rows' residual_error: the default, and 0.5% with τ = 0.8%. M = 20 at K = 200, N =
-  // 300: one task whose GEMM oneDNN's route runs on several threads (a decoder's step). Some shapes
-  // have no bias (decoders' projections), whose outputs take another loop.
+  // 300: one task whose GEMM oneDNN's route runs on several threads (a decoder's step). M ≤ 4 (1, 3):
+  // heads' route runs them on the weight as stored (gemm_u8s8_rows, K 133 past its vectors). Some
+  // shapes have no bias (decoders' projections), whose outputs take another loop.
   const double inf = std::numeric_limits<double>::infinity();
   for (const double tau : {0.0, 0.008, inf})
   for (const auto& [s, with_bias] : {std::pair{Shapes{1, 1, 1}, true}, std::pair{Shapes{7, 3, 5}, false},
                                      std::pair{Shapes{37, 70, 45}, true}, std::pair{Shapes{129, 384, 17}, false},
                                      std::pair{Shapes{300, 40, 24}, true}, std::pair{Shapes{70, 64, 160}, false},
-                                     std::pair{Shapes{20, 200, 300}, false}}) {
+                                     std::pair{Shapes{20, 200, 300}, false}, std::pair{Shapes{3, 133, 77}, true}}) {
     Tensor x = randn({s.M, s.K}, 2.0);
     const Tensor b = with_bias ? randn({s.N}) : Tensor();
     const auto bias = [&](int64_t n) { return with_bias ? b.data<float>()[n] : 0.0f; };
