@@ -47,9 +47,20 @@ class CausalLM {
   const CausalLMConfig& config() const { return cfg_; }
 
   // Weights of the projections, MLP and head in bf16 or int8 (heads/precision.h); embeddings, norms,
-  // RoPE, attention and the residual stream stay f32. F32 restores the loaded weights.
-  void set_precision(Precision p);
+  // RoPE, attention and the residual stream stay f32. F32 restores the loaded weights. Int8
+  // calibrates first (input_ranges()): the activations' outlier channels (the "massive" channels of
+  // trained decoders) are computed in f32. activation_error (int8 only) is PackedLinear's: 0, every
+  // activation row takes two int8 terms; +inf, one (about 1.6x faster prompts, about 1.5x the
+  // logits' error: docs/decoders.md).
+  void set_precision(Precision p, double activation_error = 0);
   Precision precision() const { return precision_; }
+
+  // Per layer, then the head (num_layers + 1 entries), the largest |x| of each input channel of its
+  // projections ("qkv", "o", "in", "out"; the head's "head") over kCalibrationSequences sequences of
+  // kCalibrationLength token ids (fewer where max_positions is smaller) drawn uniformly from the
+  // vocabulary with a fixed seed, through the f32 weights: the calibration of int8's outlier channels.
+  static constexpr int64_t kCalibrationSequences = 4, kCalibrationLength = 128;
+  std::vector<InputRanges> input_ranges() const;
 
   // An empty cache for `batch` sequences (f32 or bf16 storage).
   KVCache new_cache(int64_t batch = 1, DType dtype = DType::F32, int64_t capacity = 0) const;
@@ -79,9 +90,14 @@ class CausalLM {
     Tensor norm2_w, norm2_b, w_in, b_in, w_out, b_out, post_ffn_w;
     PackedLinear pk_qkv, pk_o, pk_in, pk_out;  // reduced-precision copies (set_precision)
   };
-  Tensor proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b) const;
+  // forward(), recording each projection's input ranges into `ranges` when not null (input_ranges()).
+  Tensor run(const Tensor& ids, KVCache* cache, bool last_only, std::vector<InputRanges>* ranges) const;
+  void pack(Precision p, const std::vector<InputRanges>& ranges, double activation_error);
+  // x·wᵀ + b through pk (else w); with ranges (calibration), through w, x's ranges recorded as `name`.
+  Tensor proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b, InputRanges* ranges,
+              const char* name) const;
   Tensor norm(const Tensor& x, const Tensor& w, const Tensor& b) const;
-  Tensor mlp(const Layer& l, const Tensor& h) const;
+  Tensor mlp(const Layer& l, const Tensor& h, InputRanges* ranges) const;
 
   CausalLMConfig cfg_;
   Norm norm_ = Norm::Rms;

@@ -130,8 +130,10 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("vocab_size", [](const heads::CausalLM& lm) { return lm.config().vocab_size; })
       .def_prop_ro("dtype", [](const heads::CausalLM& lm) { return heads::precision_name(lm.precision()); })
       .def("set_precision",
-           [](heads::CausalLM& lm, const std::string& p) { lm.set_precision(heads::precision_from_name(p)); },
-           "dtype"_a)
+           [](heads::CausalLM& lm, const std::string& p, double activation_error) {
+             lm.set_precision(heads::precision_from_name(p), activation_error);
+           },
+           "dtype"_a, "activation_error"_a = 0.0)
       .def("new_cache",
            [](const heads::CausalLM& lm, int64_t batch, const std::string& dtype, int64_t capacity) {
              return lm.new_cache(batch, cache_dtype(dtype), capacity);

@@ -11,12 +11,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "heads/mha.h"
 #include "heads/ops.h"
 #include "heads/safetensors.h"
 #include "heads/sdpa.h"
 #include "modules/attention_block.h"
+#include "modules/common.h"
 
 namespace heads {
 
@@ -33,32 +35,78 @@ Tensor CausalLM::norm(const Tensor& x, const Tensor& w, const Tensor& b) const {
   return x;
 }
 
-void CausalLM::set_precision(Precision p) {
-  precision_ = p;
-  const auto pack = [&](const Tensor& w) {
+void CausalLM::set_precision(Precision p, double activation_error) {
+  HEADS_CHECK(activation_error == 0 || p == Precision::Int8, "CausalLM::set_precision: activation_error (",
+              activation_error, ") is for int8 weights, not ", precision_name(p));
+  HEADS_CHECK(activation_error >= 0, "CausalLM::set_precision: activation_error must be at least 0 (+inf: one int8 ",
+              "term per activation row), got ", activation_error);
+  if (p != Precision::Int8) return pack(p, {}, 0);
+  pack(p, input_ranges(), activation_error);
+}
+
+void CausalLM::pack(Precision p, const std::vector<InputRanges>& ranges, double activation_error) {
+  const auto one = [&](const Tensor& w, const InputRanges* r, const char* name) {
+    if (p == Precision::Int8) {
+      const auto it = r->find(name);
+      HEADS_CHECK(it != r->end(), "CausalLM::set_precision: calibration recorded no input of \"", name, "\"");
+      return PackedLinear(w, p, activation_error, it->second);
+    }
     if (p != Precision::F32) return PackedLinear(w, p);
     // f32: the loaded weight itself, read through the GEMM's own layout (a decode step's single row
     // had oneDNN lay the whole weight out again at every call: 3.4x the time of a 768 x 3072 layer)
     return w.dtype() == DType::F32 && w.is_contiguous() ? PackedLinear::f32_shared(w) : PackedLinear();
   };
-  for (Layer& l : layers_) {
-    l.pk_qkv = pack(l.wqkv);
-    l.pk_o = pack(l.wo);
-    l.pk_in = pack(l.w_in);
-    l.pk_out = pack(l.w_out);
+  HEADS_CHECK(p != Precision::Int8 || ranges.size() == layers_.size() + 1, "CausalLM::set_precision: ",
+              ranges.size(), " input ranges for ", layers_.size(), " layers and the head");
+  // Every weight first, then the model changes: a failure (out of memory) leaves it as it was.
+  std::vector<PackedLinear> packed;
+  packed.reserve(4 * layers_.size() + 1);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    const InputRanges* r = ranges.empty() ? nullptr : &ranges[i];
+    packed.push_back(one(l.wqkv, r, "qkv"));
+    packed.push_back(one(l.wo, r, "o"));
+    packed.push_back(one(l.w_in, r, "in"));
+    packed.push_back(one(l.w_out, r, "out"));
   }
-  pk_head_ = pack(lm_head_);
+  packed.push_back(one(lm_head_, ranges.empty() ? nullptr : &ranges.back(), "head"));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& l = layers_[i];
+    l.pk_qkv = std::move(packed[4 * i]);
+    l.pk_o = std::move(packed[4 * i + 1]);
+    l.pk_in = std::move(packed[4 * i + 2]);
+    l.pk_out = std::move(packed[4 * i + 3]);
+  }
+  pk_head_ = std::move(packed.back());
+  precision_ = p;
 }
 
-Tensor CausalLM::proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b) const {
+std::vector<InputRanges> CausalLM::input_ranges() const {
+  HEADS_CHECK(!layers_.empty(), "CausalLM::input_ranges: no model loaded");
+  constexpr uint64_t kSeed = 0x5eed;
+  std::mt19937_64 gen(kSeed);
+  const int64_t L = pos_ == Pos::Learned ? std::min(kCalibrationLength, cfg_.max_positions) : kCalibrationLength;
+  std::vector<int64_t> ids(static_cast<size_t>(kCalibrationSequences * L));
+  for (auto& id : ids) id = static_cast<int64_t>(gen() % static_cast<uint64_t>(cfg_.vocab_size));
+  std::vector<InputRanges> ranges(layers_.size() + 1);
+  (void)run(Tensor::from_vector(ids, {kCalibrationSequences, L}), nullptr, true, &ranges);  // the head sees every row
+  return ranges;
+}
+
+Tensor CausalLM::proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b, InputRanges* ranges,
+                      const char* name) const {
+  if (ranges) {  // calibration: the input's ranges, through the f32 weights
+    modules::record_absmax(*ranges, name, x);
+    return linear(x, w, b);
+  }
   return pk.defined() ? linear(x, pk, b) : linear(x, w, b);
 }
 
-Tensor CausalLM::mlp(const Layer& l, const Tensor& h) const {
-  const Tensor up = proj(h, l.w_in, l.pk_in, l.b_in);
+Tensor CausalLM::mlp(const Layer& l, const Tensor& h, InputRanges* ranges) const {
+  const Tensor up = proj(h, l.w_in, l.pk_in, l.b_in, ranges, "in");
   const Tensor a = mlp_ == Mlp::GeluTanh ? activation(up, Activation::GeluTanh)
                                          : gated_activation(up, mlp_ == Mlp::GatedSilu ? GatedAct::Silu : GatedAct::GeluTanh);
-  return proj(a, l.w_out, l.pk_out, l.b_out);
+  return proj(a, l.w_out, l.pk_out, l.b_out, ranges, "out");
 }
 
 namespace {
@@ -74,6 +122,10 @@ void softcap_(Tensor& x, double cap) {
 }  // namespace
 
 Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) const {
+  return run(ids, cache, last_only, nullptr);
+}
+
+Tensor CausalLM::run(const Tensor& ids, KVCache* cache, bool last_only, std::vector<InputRanges>* ranges) const {
   const char* op = "CausalLM::forward";
   HEADS_CHECK(!layers_.empty(), op, ": no model loaded");
   HEADS_CHECK(ids.defined() && ids.dim() == 2 && ids.dtype() == DType::I64 && ids.size(1) >= 1, op,
@@ -136,8 +188,9 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
   const Tensor out = modules::split_heads(attn, H);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
+    InputRanges* r = ranges ? &(*ranges)[i] : nullptr;
     const Tensor h = norm(x, l.norm1_w, l.norm1_b);
-    const Tensor qkv = proj(h, l.wqkv, l.pk_qkv, l.bqkv);  // [B, L, W]
+    const Tensor qkv = proj(h, l.wqkv, l.pk_qkv, l.bqkv, r, "qkv");  // [B, L, W]
     const auto [q, k, v] = modules::fused_qkv_views(qkv, H, Hk, hd);
     if (pos_ == Pos::Rope) {
       rope_(q, past, c.rope);
@@ -161,18 +214,19 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache, bool last_only) cons
     } else {
       Tensor(out).copy_from(sdpa(q.to(K.dtype()), K, V, o).out);
     }
-    Tensor a = proj(attn, l.wo, l.pk_o, l.bo);
+    Tensor a = proj(attn, l.wo, l.pk_o, l.bo, r, "o");
     if (l.post_attn_w.defined()) a = norm(a, l.post_attn_w, Tensor());
     x = add(residual_from_norm_ ? h : x, a);
     const Tensor h2 = norm(x, l.norm2_w, l.norm2_b);
-    Tensor f = mlp(l, h2);
+    Tensor f = mlp(l, h2, r);
     if (l.post_ffn_w.defined()) f = norm(f, l.post_ffn_w, Tensor());
     x = add(residual_from_norm_ ? h2 : x, f);
   }
   // 3. final norm and the head
+  if (ranges) modules::record_absmax(ranges->back(), "head", norm(x, final_w_, final_b_));
   if (last_only) x = x.slice(1, L - 1, L);
   x = norm(x, final_w_, final_b_);
-  Tensor logits = proj(x, lm_head_, pk_head_, Tensor());
+  Tensor logits = ranges ? linear(x, lm_head_, Tensor()) : proj(x, lm_head_, pk_head_, Tensor(), nullptr, "head");
   if (c.final_softcap > 0) softcap_(logits, c.final_softcap);
   rollback.done = true;
   return logits;

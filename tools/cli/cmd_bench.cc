@@ -250,16 +250,7 @@ void add_bench_command(CLI::App& app, Action* action) {
                  "int8: the weight's activation_error: 0 gives every activation row two terms, inf one (the "
                  "calibrated models' scheme)")
       ->capture_default_str()
-      ->check(CLI::Validator(
-          [](std::string& v) -> std::string {
-            char* end = nullptr;
-            const double x = v.empty() ? -1.0 : std::strtod(v.c_str(), &end);
-            if (v.empty() || end != v.c_str() + v.size() || std::isnan(x) || x < 0) {
-              return "expected a number from 0 to inf, got '" + v + "'";
-            }
-            return std::string();
-          },
-          "NUMBER in 0 to inf"));
+      ->check(nonnegative_or_inf());
   add_threads_option(li, &args->threads);
   li->add_option("--min-time", args->min_time, "seconds of repeats")->capture_default_str()->check(real_in(0, 3600));
   li->add_flag("--json", args->json, "one JSON line (with the GEMM route: native, heads, f32 or portable)");

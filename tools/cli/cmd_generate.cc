@@ -23,6 +23,7 @@ struct GenerateArgs {
   int64_t max_new_tokens = 16, eos = -2;  // -2: not given
   bool json = false;
   int threads = 0;
+  double activation_error = 0;
 };
 
 void run(const GenerateArgs& a) {
@@ -32,7 +33,9 @@ void run(const GenerateArgs& a) {
   const DType cache_dtype = a.cache_dtype == "bf16" ? DType::BF16 : a.cache_dtype == "int8" ? DType::I8 : DType::F32;
   HEADS_CHECK(a.has_prompt != !a.input_ids.empty(), "generate: give the prompt as --prompt TEXT or as --input-ids");
   CausalLM lm = CausalLM::load(a.model);
-  lm.set_precision(precision_from_name(a.dtype));
+  HEADS_CHECK(a.activation_error == 0 || a.dtype == "int8", "generate: --activation-error is for --dtype int8, not ",
+              a.dtype);
+  lm.set_precision(precision_from_name(a.dtype), a.activation_error);
   // Text in: the directory's tokenizer (its special tokens added, as transformers' tokenizer(prompt)),
   // and by default its end-of-sequence id; ids in: no end unless given.
   Tokenizer tok;
@@ -112,6 +115,11 @@ void add_generate_command(CLI::App& app, Action* action) {
       ->capture_default_str();
   c->add_option("--cache-dtype", args->cache_dtype, "KV cache storage: f32, bf16 or int8 (a scale per position and kv head; "
                 "the decode reads it in place)")->capture_default_str();
+  c->add_option("--activation-error", args->activation_error,
+                "int8: 0 gives every activation row two int8 terms, inf one (prompts about 1.6x faster, about 1.5x "
+                "the logits' error)")
+      ->capture_default_str()
+      ->check(nonnegative_or_inf());
   c->add_flag("--json", args->json, "one JSON line");
   add_threads_option(c, &args->threads);
   c->callback([args, action] { *action = [args] { run(*args); }; });

@@ -89,6 +89,20 @@ inline CLI::Validator real_in(double lo, double hi) {
       "NUMBER in " + range);
 }
 
+// A number in [0, inf] ("inf" included): an int8 weight's activation_error (heads/precision.h).
+inline CLI::Validator nonnegative_or_inf() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double x = v.empty() ? -1.0 : std::strtod(v.c_str(), &end);
+        if (v.empty() || end != v.c_str() + v.size() || std::isnan(x) || x < 0) {
+          return "expected a number from 0 to inf, got '" + v + "'";
+        }
+        return std::string();
+      },
+      "NUMBER in 0 to inf");
+}
+
 // --threads N (0: the default, all cores).
 inline void add_threads_option(CLI::App* c, int* threads) {
   c->add_option("--threads", *threads, "worker threads (default: all cores)")->check(int_in(0, kMaxThreads));
