@@ -1,7 +1,8 @@
 """Load test of `heads serve` beside sentence-transformers served by FastAPI + uvicorn, on loopback.
 
 Both servers answer the same OpenAI-style POST /v1/embeddings with all-MiniLM-L6-v2 and batch
-requests from many clients the same way: up to --max-wait-ms for more requests, at most
+requests from many clients the same way: up to --max-wait-ms for more requests (default 0, as
+`heads serve`'s: a batch is what queued while the previous one ran), at most
 --max-batch-texts texts per batch (heads: `--max-wait-us`, `--batch-size`; the FastAPI app below:
 an asyncio queue drained by one worker thread calling `SentenceTransformer.encode`). heads runs
 with its cache off (`--cache-mb 0`) so that both compute every text.
@@ -266,7 +267,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--texts-per-request", type=int, default=1)
-    ap.add_argument("--max-wait-ms", type=float, default=2)
+    ap.add_argument("--max-wait-ms", type=float, default=0)
     ap.add_argument("--max-batch-texts", type=int, default=256)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--soak", type=float, default=0, help="seconds of soak with a reload every 20 s (0: none)")

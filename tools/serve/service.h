@@ -45,7 +45,7 @@ struct Options {
   std::optional<Precision> precision;  // none: what the directory stores
   int64_t batch_size = 32;             // texts per encoder forward (as `heads embed --batch-size`)
   int64_t max_batch_tokens = 16384;    // tokens merged into one batch of requests
-  int64_t max_wait_us = 2000;          // how long the first request of a batch may wait for others
+  int64_t max_wait_us = 0;             // how long the first request of a batch may wait for others
   int64_t max_texts = 512;             // texts per request
   int64_t max_queue_texts = 8192;      // texts waiting in the batcher
   bool truncate = true;                // false: a text over max_seq_length is rejected
