@@ -147,6 +147,11 @@ struct KernelTable {
   void (*layer_norm_f32)(const float* x, const float* res, float* y, int64_t rows, int64_t n,
                          int64_t xs, int64_t ys, const float* w, const float* b, float eps);
   void (*add_f32)(const float* a, const float* b, float* y, int64_t n);
+  // y = act(gate) · up over rows of 2F values [gate | up] into rows of F; act 0 SiLU, 1 GELU (erf), 2 GELU (tanh).
+  void (*gated_f32)(const float* gu, float* y, int64_t rows, int64_t F, int act);
+  // y = x · rsqrt(mean(x²) + eps) · (w + off), rows of n values (the same bits on every path).
+  void (*rms_norm_f32)(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys, const float* w,
+                       float off, double eps);
   // y = bf16(x) (f32_to_bf16's rounding), rows of n values, row strides xs / ys.
   void (*f32_to_bf16_rows)(const float* x, uint16_t* y, int64_t rows, int64_t n, int64_t xs, int64_t ys);
   // dx = dy · act'(x), n values; act 0 ReLU, 1 GELU (erf), 2 GELU (tanh form).

@@ -1,4 +1,4 @@
-// elementwise-inl.h — LayerNorm, GELU (erf and tanh forms) and ReLU in f32, written once over
+// elementwise-inl.h — LayerNorm, RMSNorm, GELU (erf and tanh forms), SiLU-gated units and ReLU in f32, written once over
 // `Vec`. Included by kernels/isa_table-inl.h inside namespace heads::kernels::<isa>.
 //
 // Rows are the last dimension; other dimensions are flattened into `rows` with a row stride.
@@ -48,6 +48,9 @@ HEADS_INLINE VR gelu_tanh(VR x) {
 
 HEADS_INLINE VR relu(VR x) { return Vec::max(x, Vec::zero()); }
 
+// SiLU(x) = x / (1 + e^{-x}) (-0 far below zero, x far above it).
+HEADS_INLINE VR silu(VR x) { return Vec::div(x, Vec::add(Vec::set1(1.0f), exp(Vec::sub(Vec::zero(), x)))); }
+
 // Runs body(r) for every row, rows grouped into tasks of about `elems` values, over the threads.
 template <class Body>
 inline void for_rows(int64_t rows, int64_t n, int64_t elems, Body body) {
@@ -84,6 +87,64 @@ inline void gelu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t 
 
 inline void relu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys) {
   ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::relu(v); });
+}
+
+// y[r, i] = act(gu[r, i]) · gu[r, F + i] over rows of 2F values (the gate, then the up projection):
+// act 0 SiLU, 1 GELU (erf), 2 GELU (tanh form).
+inline void gated_f32(const float* gu, float* y, int64_t rows, int64_t F, int act) {
+  const auto run = [&](auto f) {
+    ew::for_rows(rows, 2 * F, 16384, [&](int64_t r) {
+      const float* g = gu + r * 2 * F;
+      const float* u = g + F;
+      float* yr = y + r * F;
+      int64_t i = 0;
+      for (; i + ew::kW <= F; i += ew::kW) Vec::storeu(yr + i, Vec::mul(f(Vec::loadu(g + i)), Vec::loadu(u + i)));
+      if (i < F) {
+        const int64_t m = F - i;
+        Vec::store_partial(yr + i, Vec::mul(f(Vec::load_partial(g + i, m)), Vec::load_partial(u + i, m)), m);
+      }
+    });
+  };
+  if (act == 0) {
+    run([](ew::VR v) { return ew::silu(v); });
+  } else if (act == 1) {
+    run([](ew::VR v) { return ew::gelu_erf(v); });
+  } else {
+    run([](ew::VR v) { return ew::gelu_tanh(v); });
+  }
+}
+
+// y = x / sqrt(mean(x²) + eps) · (w + off) per row of n values. The squares are summed in double,
+// element i into lane i mod 16 whatever the vector width, and the 16 lanes then in order: the same
+// bits on every path (a double holds a float's square exactly, and the sums are plain additions).
+inline void rms_norm_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys, const float* w,
+                         float off, double eps) {
+  using namespace ew;
+  constexpr int kLanes = 16;
+  static_assert(kLanes % kW == 0);
+  for_rows(rows, n, 8192, [&](int64_t r) {
+    const float* xr = x + r * xs;
+    float* yr = y + r * ys;
+    alignas(64) double acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int j = 0; j < kLanes; j += kW) Vec::add_squares_f64(acc + j, Vec::loadu(xr + i + j));
+    }
+    for (int j = 0; i + j < n; j += kW) {  // a partial load's lanes past n are zeros: they add nothing
+      Vec::add_squares_f64(acc + j, Vec::load_partial(xr + i + j, std::min<int64_t>(kW, n - i - j)));
+    }
+    double ss = 0.0;
+    for (double a : acc) ss += a;
+    const VR inv = Vec::set1(static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps)));
+    const VR o = Vec::set1(off);
+    for (i = 0; i + kW <= n; i += kW) {
+      Vec::storeu(yr + i, Vec::mul(Vec::mul(Vec::loadu(xr + i), inv), Vec::add(Vec::loadu(w + i), o)));
+    }
+    if (i < n) {
+      const int64_t m = n - i;
+      Vec::store_partial(yr + i, Vec::mul(Vec::mul(Vec::load_partial(xr + i, m), inv), Vec::add(Vec::load_partial(w + i, m), o)), m);
+    }
+  });
 }
 
 // y = bf16(x), rows of n values: f32_to_bf16's rounding (to nearest even, a NaN quieted, denormals

@@ -40,6 +40,8 @@ const KernelTable kTable{
     .elu_plus_one_f32 = &elu_plus_one_f32,
     .layer_norm_f32 = &layer_norm_f32,
     .add_f32 = &add_f32,
+    .gated_f32 = &gated_f32,
+    .rms_norm_f32 = &rms_norm_f32,
     .f32_to_bf16_rows = &f32_to_bf16_rows,
     .activation_bwd_f32 = &activation_bwd_f32,
     .quantize_rows_u8 = &quantize_rows_u8,

@@ -54,15 +54,7 @@ Tensor rms_norm(const Tensor& x_in, const Tensor& w_in, double eps, bool unit_of
   const float* xp = x.data<float>();
   const float* wp = w.data<float>();
   float* yp = y.data<float>();
-  const float off = unit_offset ? 1.0f : 0.0f;
-#pragma omp parallel for schedule(static) num_threads(threads_for_rows(rows, n))
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * n;
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
-    for (int64_t i = 0; i < n; ++i) yp[r * n + i] = xr[i] * inv * (wp[i] + off);
-  }
+  if (rows > 0 && n > 0) kernels::active().rms_norm_f32(xp, yp, rows, n, n, n, wp, unit_offset ? 1.0f : 0.0f, eps);
   return y;
 }
 
@@ -75,30 +67,8 @@ Tensor gated_activation(const Tensor& gu_in, GatedAct act) {
   Tensor y = Tensor::empty(with_last(gu.shape(), F), DType::F32);
   const float* g = gu.data<float>();
   float* yp = y.data<float>();
-  if (act == GatedAct::Gelu && rows > 0 && F > 0) {  // activation()'s kernel on the gate half, then · up
-    kernels::active().gelu_f32(g, yp, rows, F, 2 * F, F, false);
-#pragma omp parallel for schedule(static) num_threads(threads_for_rows(rows, F))
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* ur = g + r * 2 * F + F;
-      float* yr = yp + r * F;
-      for (int64_t i = 0; i < F; ++i) yr[i] *= ur[i];
-    }
-    return y;
-  }
-#pragma omp parallel for schedule(static) num_threads(threads_for_rows(rows, F))
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gr = g + r * 2 * F;
-    const float* ur = gr + F;
-    float* yr = yp + r * F;
-    if (act == GatedAct::Silu) {
-      for (int64_t i = 0; i < F; ++i) yr[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
-    } else {  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))
-      for (int64_t i = 0; i < F; ++i) {
-        const float x = gr[i];
-        const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-        yr[i] = 0.5f * x * (1.0f + std::tanh(u)) * ur[i];
-      }
-    }
+  if (rows > 0 && F > 0) {
+    kernels::active().gated_f32(g, yp, rows, F, act == GatedAct::Silu ? 0 : act == GatedAct::Gelu ? 1 : 2);
   }
   return y;
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -84,35 +85,65 @@ TEST(Rope, Bf16InPlaceAndErrors) {
   EXPECT_THAT(error_of([&] { rope_(x, -1, o); }), HasSubstr("position_offset must be >= 0, got -1"));
 }
 
-TEST(RmsNorm, MatchesFormula) {
-  const Tensor x = randn({3, 5, 37}), w = randn({37});
-  for (bool unit : {false, true}) {
-    const Tensor y = rms_norm(x, w, 1e-6, unit);
-    for (int64_t r = 0; r < 15; ++r) {
-      double ss = 0;
-      for (int64_t i = 0; i < 37; ++i) ss += std::pow(x.data<float>()[r * 37 + i], 2);
-      const double inv = 1 / std::sqrt(ss / 37 + 1e-6);
-      for (int64_t i = 0; i < 37; ++i) {
-        const double want = x.data<float>()[r * 37 + i] * inv * (w.data<float>()[i] + (unit ? 1 : 0));
-        ASSERT_NEAR(y.data<float>()[r * 37 + i], want, 1e-5 * (1 + std::fabs(want)));
+TEST(RmsNorm, MatchesFloat64AndGivesTheSameBitsOnEveryPath) {
+  testing::IsaGuard guard;
+  for (int64_t n : {1, 7, 16, 37, 129, 768}) {
+    Tensor x = randn({3, 5, n}, 3.0);
+    x.data<float>()[n / 2] = 4e4f;  // a large channel in row 0 (as trained decoders' residual streams have)
+    const Tensor w = randn({n});
+    for (bool unit : {false, true}) {
+      Tensor first;
+      for (Isa isa : testing::test_isas()) {
+        set_isa(isa);
+        const Tensor y = rms_norm(x, w, 1e-6, unit);
+        for (int64_t r = 0; r < 15; ++r) {
+          double ss = 0;
+          for (int64_t i = 0; i < n; ++i) ss += std::pow(static_cast<double>(x.data<float>()[r * n + i]), 2);
+          const double inv = 1 / std::sqrt(ss / static_cast<double>(n) + 1e-6);
+          for (int64_t i = 0; i < n; ++i) {
+            const double want = x.data<float>()[r * n + i] * inv * (w.data<float>()[i] + (unit ? 1 : 0));
+            ASSERT_NEAR(y.data<float>()[r * n + i], want, 1e-6 * (1 + std::fabs(want)))
+                << "n " << n << " row " << r << " i " << i << " " << isa_name(isa);
+          }
+        }
+        if (!first.defined()) {
+          first = y;
+        } else {
+          ASSERT_EQ(std::memcmp(first.data<float>(), y.data<float>(), static_cast<size_t>(y.numel()) * 4), 0)
+              << "n " << n << ": " << isa_name(isa) << " differs from " << isa_name(testing::test_isas().front());
+        }
       }
     }
   }
-  EXPECT_THAT(error_of([&] { rms_norm(x, randn({36}), 1e-6); }), HasSubstr("rms_norm: weight: expected [37]"));
+  EXPECT_THAT(error_of([&] { rms_norm(randn({2, 37}), randn({36}), 1e-6); }), HasSubstr("rms_norm: weight: expected [37]"));
 }
 
-TEST(GatedActivation, SiluGeluAndTanhGelu) {
-  const Tensor gu = randn({4, 2 * 19}, 2.0);
-  for (GatedAct act : {GatedAct::Silu, GatedAct::GeluTanh, GatedAct::Gelu}) {
-    const Tensor y = gated_activation(gu, act);
-    ASSERT_EQ(y.shape(), Shape({4, 19}));
-    for (int64_t r = 0; r < 4; ++r) {
-      for (int64_t i = 0; i < 19; ++i) {
-        const double g = gu.data<float>()[r * 38 + i], u = gu.data<float>()[r * 38 + 19 + i];
-        const double a = act == GatedAct::Silu   ? g / (1 + std::exp(-g))
-                         : act == GatedAct::Gelu ? 0.5 * g * (1 + std::erf(g / std::sqrt(2.0)))
-                                                 : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
-        ASSERT_NEAR(y.data<float>()[r * 19 + i], a * u, 1e-5 * (1 + std::fabs(a * u)));
+TEST(GatedActivation, SiluGeluAndTanhGeluMatchFloat64OnEveryPath) {
+  testing::IsaGuard guard;
+  // The tanh form's reference as ½x(1 + tanh(u)) = x / (1 + e^{-2u}): 1 + tanh(u) cancels in double too
+  // far below zero (1% off at x = -6.8).
+  for (int64_t F : {1, 7, 19, 129, 2048}) {
+    Tensor gu = randn({4, 2 * F}, 3.0);
+    float* g = gu.data<float>();
+    const float extremes[] = {-200.0f, -88.0f, -30.0f, -1e-30f, 0.0f, -0.0f, 1e-30f, 30.0f, 88.0f, 200.0f};
+    for (int64_t i = 0; i < std::min<int64_t>(F, 10); ++i) g[2 * F + i] = extremes[i];  // gates of row 1
+    for (Isa isa : testing::test_isas()) {
+      set_isa(isa);
+      for (GatedAct act : {GatedAct::Silu, GatedAct::GeluTanh, GatedAct::Gelu}) {
+        const Tensor y = gated_activation(gu, act);
+        ASSERT_EQ(y.shape(), Shape({4, F}));
+        for (int64_t r = 0; r < 4; ++r) {
+          for (int64_t i = 0; i < F; ++i) {
+            const double x = g[r * 2 * F + i], u = g[r * 2 * F + F + i];
+            const double a = act == GatedAct::Silu   ? x / (1 + std::exp(-x))
+                             : act == GatedAct::Gelu ? 0.5 * x * std::erfc(-x / std::sqrt(2.0))
+                                                     : x / (1 + std::exp(-2 * std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+            // exp of a large argument in f32 carries a relative error of about the argument times 6e-8
+            ASSERT_NEAR(y.data<float>()[r * F + i], a * u, (2e-6 + 2.5e-7 * x * x) * std::fabs(a * u) + 1e-37)
+                << "F " << F << " row " << r << " i " << i << " gate " << x << " up " << u << " " << isa_name(isa)
+                << " act " << static_cast<int>(act);
+          }
+        }
       }
     }
   }
