@@ -100,6 +100,10 @@ async def batcher():
                 break
             items.append(item)
             n += len(item[0])
+        while n < MAX_TEXTS and not queue.empty():  # what queued meanwhile (all of the batch with a wait of 0)
+            item = queue.get_nowait()
+            items.append(item)
+            n += len(item[0])
         texts = [t for item in items for t in item[0]]
         emb = await loop.run_in_executor(None, lambda: MODEL.encode(texts, batch_size=32, normalize_embeddings=True))
         k = 0

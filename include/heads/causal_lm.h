@@ -51,14 +51,16 @@ class CausalLM {
   // calibrates first (input_ranges()): the activations' outlier channels (the "massive" channels of
   // trained decoders) are computed in f32. activation_error (int8 only) is PackedLinear's: 0, every
   // activation row takes two int8 terms; +inf, one (about 1.6x faster prompts, about 1.5x the
-  // logits' error: docs/decoders.md).
+  // logits' error: docs/decoders.md). The new weights are all made before the old ones are let go:
+  // for a moment both are held.
   void set_precision(Precision p, double activation_error = 0);
   Precision precision() const { return precision_; }
 
   // Per layer, then the head (num_layers + 1 entries), the largest |x| of each input channel of its
   // projections ("qkv", "o", "in", "out"; the head's "head") over kCalibrationSequences sequences of
-  // kCalibrationLength token ids (fewer where max_positions is smaller) drawn uniformly from the
-  // vocabulary with a fixed seed, through the f32 weights: the calibration of int8's outlier channels.
+  // kCalibrationLength token ids (at most max_positions with learned positions) drawn uniformly from
+  // the vocabulary with a fixed seed, one sequence at a time through the f32 weights: the calibration
+  // of int8's outlier channels (about the time of a prompt of 4 × 128 tokens in f32).
   static constexpr int64_t kCalibrationSequences = 4, kCalibrationLength = 128;
   std::vector<InputRanges> input_ranges() const;
 
@@ -90,7 +92,8 @@ class CausalLM {
     Tensor norm2_w, norm2_b, w_in, b_in, w_out, b_out, post_ffn_w;
     PackedLinear pk_qkv, pk_o, pk_in, pk_out;  // reduced-precision copies (set_precision)
   };
-  // forward(), recording each projection's input ranges into `ranges` when not null (input_ranges()).
+  // forward(); with `ranges` (input_ranges()), each projection's input ranges recorded into it through
+  // the f32 weights, and no logits (an empty tensor).
   Tensor run(const Tensor& ids, KVCache* cache, bool last_only, std::vector<InputRanges>* ranges) const;
   void pack(Precision p, const std::vector<InputRanges>& ranges, double activation_error);
   // x·wᵀ + b through pk (else w); with ranges (calibration), through w, x's ranges recorded as `name`.

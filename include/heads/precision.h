@@ -32,7 +32,9 @@
 //         y[m, n] += Σ_o x[m, o]·W[n, o] over them, W's columns as they are. Neither the activation
 //         rows' ranges nor the weight rows' scales then see them (activations carry a few such
 //         channels: LayerNorm outputs and the feed-forward's hidden units), so that one int8 term per
-//         row mostly suffices: such weights take activation_error kInt8OutlierActivationError.
+//         row mostly suffices: the calibrated encoders' weights take activation_error
+//         kInt8OutlierActivationError; calibrated decoders (CausalLM) keep two terms and the residual
+//         rows unless asked otherwise (docs/decoders.md).
 // Rounding is to nearest even everywhere. In a bf16 MultiheadAttention q, k, v and the attention
 // output are bf16 and attention runs its bf16 kernel (f32 softmax and sums, P rounded to bf16);
 // otherwise attention, LayerNorm, softmax and activations stay f32.

@@ -131,7 +131,9 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("dtype", [](const heads::CausalLM& lm) { return heads::precision_name(lm.precision()); })
       .def("set_precision",
            [](heads::CausalLM& lm, const std::string& p, double activation_error) {
-             lm.set_precision(heads::precision_from_name(p), activation_error);
+             const heads::Precision precision = heads::precision_from_name(p);
+             nb::gil_scoped_release release;  // int8 calibrates: a forward of the model
+             lm.set_precision(precision, activation_error);
            },
            "dtype"_a, "activation_error"_a = 0.0)
       .def("new_cache",

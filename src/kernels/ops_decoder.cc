@@ -1,5 +1,6 @@
 // ops_decoder.cc — the decoder building blocks of heads/ops.h: RMSNorm, gated activations, RoPE.
-// Plain loops over rows, parallel over rows with OpenMP; the compiler vectorises the inner loops.
+// RMSNorm and the gated activations run the ISA table's kernels (elementwise-inl.h); RoPE is plain
+// loops, parallel over rows with OpenMP, whose inner loops the compiler vectorises.
 #include <omp.h>
 
 #include <algorithm>

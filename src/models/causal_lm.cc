@@ -86,16 +86,24 @@ std::vector<InputRanges> CausalLM::input_ranges() const {
   constexpr uint64_t kSeed = 0x5eed;
   std::mt19937_64 gen(kSeed);
   const int64_t L = pos_ == Pos::Learned ? std::min(kCalibrationLength, cfg_.max_positions) : kCalibrationLength;
-  std::vector<int64_t> ids(static_cast<size_t>(kCalibrationSequences * L));
-  for (auto& id : ids) id = static_cast<int64_t>(gen() % static_cast<uint64_t>(cfg_.vocab_size));
   std::vector<InputRanges> ranges(layers_.size() + 1);
-  (void)run(Tensor::from_vector(ids, {kCalibrationSequences, L}), nullptr, true, &ranges);  // the head sees every row
+  std::vector<int64_t> ids(static_cast<size_t>(L));
+  for (int64_t s = 0; s < kCalibrationSequences; ++s) {  // one at a time: one sequence's KV cache
+    for (auto& id : ids) id = static_cast<int64_t>(gen() % static_cast<uint64_t>(cfg_.vocab_size));
+    try {
+      (void)run(Tensor::from_vector(ids, {1, L}), nullptr, false, &ranges);
+    } catch (const Error& e) {
+      HEADS_CHECK(false, "CausalLM: int8 calibration (random token ids through the f32 weights), sequence ", s,
+                  ": ", e.what());
+    }
+  }
   return ranges;
 }
 
 Tensor CausalLM::proj(const Tensor& x, const Tensor& w, const PackedLinear& pk, const Tensor& b, InputRanges* ranges,
                       const char* name) const {
-  if (ranges) {  // calibration: the input's ranges, through the f32 weights
+  if (ranges) {  // calibration: the input's ranges, through the f32 weights as loaded (not the shared f32
+    // packs, whose GEMM layout, once made, would hold the weights twice for as long as they live)
     modules::record_absmax(*ranges, name, x);
     return linear(x, w, b);
   }
@@ -223,10 +231,14 @@ Tensor CausalLM::run(const Tensor& ids, KVCache* cache, bool last_only, std::vec
     x = add(residual_from_norm_ ? h2 : x, f);
   }
   // 3. final norm and the head
-  if (ranges) modules::record_absmax(ranges->back(), "head", norm(x, final_w_, final_b_));
+  if (ranges) {  // calibration: the head's input is all it needs (every row; no logits)
+    modules::record_absmax(ranges->back(), "head", norm(x, final_w_, final_b_));
+    rollback.done = true;
+    return Tensor();
+  }
   if (last_only) x = x.slice(1, L - 1, L);
   x = norm(x, final_w_, final_b_);
-  Tensor logits = ranges ? linear(x, lm_head_, Tensor()) : proj(x, lm_head_, pk_head_, Tensor(), nullptr, "head");
+  Tensor logits = proj(x, lm_head_, pk_head_, Tensor(), nullptr, "head");
   if (c.final_softcap > 0) softcap_(logits, c.final_softcap);
   rollback.done = true;
   return logits;

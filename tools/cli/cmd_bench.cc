@@ -248,7 +248,7 @@ void add_bench_command(CLI::App& app, Action* action) {
       ->check(CLI::IsMember({"f32", "bf16", "int8"}));
   li->add_option("--activation-error", args->activation_error,
                  "int8: the weight's activation_error: 0 gives every activation row two terms, inf one (the "
-                 "calibrated models' scheme)")
+                 "calibrated encoders' scheme)")
       ->capture_default_str()
       ->check(nonnegative_or_inf());
   add_threads_option(li, &args->threads);

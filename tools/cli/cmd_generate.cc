@@ -32,9 +32,9 @@ void run(const GenerateArgs& a) {
               "generate: --cache-dtype must be f32, bf16 or int8, got ", a.cache_dtype);
   const DType cache_dtype = a.cache_dtype == "bf16" ? DType::BF16 : a.cache_dtype == "int8" ? DType::I8 : DType::F32;
   HEADS_CHECK(a.has_prompt != !a.input_ids.empty(), "generate: give the prompt as --prompt TEXT or as --input-ids");
-  CausalLM lm = CausalLM::load(a.model);
   HEADS_CHECK(a.activation_error == 0 || a.dtype == "int8", "generate: --activation-error is for --dtype int8, not ",
               a.dtype);
+  CausalLM lm = CausalLM::load(a.model);
   lm.set_precision(precision_from_name(a.dtype), a.activation_error);
   // Text in: the directory's tokenizer (its special tokens added, as transformers' tokenizer(prompt)),
   // and by default its end-of-sequence id; ids in: no end unless given.
