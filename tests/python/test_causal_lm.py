@@ -549,6 +549,21 @@ def test_int8_one_activation_term_on_request(models):
         heads.CausalLM.from_pretrained(d, dtype="int8", activation_error=-1)
 
 
+def test_int8_calibration_of_a_model_with_fewer_positions_than_its_sequences(tmp_path):
+    # Learned positions (GPT-2): the calibration's sequences are cut to the model's n_positions (40
+    # here, below its 128 tokens); int8 then loads and stays within its tolerance.
+    torch.manual_seed(3)
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=3, n_positions=40, bos_token_id=0,
+                                  eos_token_id=0)
+    m = _init(transformers.AutoModelForCausalLM.from_config(cfg), 7)
+    m.save_pretrained(tmp_path, safe_serialization=True)
+    ids = _prompt(40, 9)
+    full = heads.CausalLM.from_pretrained(tmp_path)(ids)
+    got = heads.CausalLM.from_pretrained(tmp_path, dtype="int8")(ids)
+    err = (got - full).abs().max().item() / full.abs().max().item()
+    assert err <= 5e-2, err
+
+
 def test_int8_calibration_takes_massive_channels_out_of_the_integer_product(tmp_path):
     # Trained decoders carry a few hidden channels far larger than the rest ("massive activations",
     # LLM.int8()): planted here by scaling two channels of every norm weight (x40, x15). Rounded with
