@@ -15,6 +15,9 @@ namespace heads::kernels {
 
 class PackedB;  // onednn.h: a weight in oneDNN's own layout
 
+// The most rows of x a call of KernelTable::gemv_f32 / gemv_bf16 takes.
+constexpr int64_t kGemvRows = 4;
+
 // One output row of an int8 linear layer (heads/precision.h) as quantize-inl.h's int8_rows_out reads it.
 struct Int8Row {
   const int32_t* a;   // [n] Σ_k (first term)·W of the row
@@ -130,6 +133,13 @@ struct KernelTable {
                      const float* bias, int64_t N, float* y, int64_t y_stride, PackedB* packed);
   void (*matmul_f32)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,
                      const float* B, int64_t b_rs, int64_t b_cs, float* C, int64_t c_stride);
+  // linear_f32 for a few rows on W [N, K] as stored, f32 or bf16 (widened exactly; x as given), 1 ≤ M ≤
+  // kGemvRows (gemv-inl.h): the linear layers of a decoder's step, whose time is the weight's bytes;
+  // null on the portable path.
+  void (*gemv_f32)(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* W, const float* bias,
+                   int64_t N, float* y, int64_t y_stride) = nullptr;
+  void (*gemv_bf16)(const uint16_t* x, int64_t M, int64_t K, int64_t x_stride, const uint16_t* W, const float* bias,
+                    int64_t N, float* y, int64_t y_stride) = nullptr;
   // The same product on the calling thread with the register-blocked micro-kernels (gemm-inl.h), for
   // small products inside a kernel's own parallel loop (M, N, K >= 0).
   void (*small_matmul_f32)(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs,

@@ -9,6 +9,7 @@
 #include "kernels/peak-inl.h"
 #include "kernels/quantize-inl.h"
 #include "kernels/gemm_i8_rows-inl.h"
+#include "kernels/gemv-inl.h"
 #if defined(HEADS_I16_PAIRS)
 #include "kernels/gemm_i8-inl.h"
 #ifdef HEADS_AMX
@@ -33,6 +34,8 @@ const KernelTable kTable{
     // The portable path is portable C++ throughout, its GEMMs included.
     .linear_f32 = kIsa == Isa::Scalar ? &linear_f32_plain : &linear_f32_onednn,
     .matmul_f32 = kIsa == Isa::Scalar ? &matmul_f32_plain : &matmul_f32_onednn,
+    .gemv_f32 = kIsa == Isa::Scalar ? nullptr : &gemv_f32,  // (the portable path's -O2 leaves it scalar)
+    .gemv_bf16 = kIsa == Isa::Scalar ? nullptr : &gemv_bf16,
     .small_matmul_f32 = &small_matmul_f32,
     .linear_f32_fixed_order = &gemm::linear_f32_fixed_order,
     .gelu_f32 = &gelu_f32,

@@ -26,6 +26,9 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t x_stride, const fl
     return;
   }
   if (batch_invariant()) return active().linear_f32_fixed_order(x, M, K, x_stride, W, bias, N, y, y_stride);
+  // A few rows (a decoder's step): the weight as stored, its bytes read once (gemv-inl.h); oneDNN's
+  // matmul had read them at half the memory's speed.
+  if (M <= kGemvRows && active().gemv_f32 != nullptr) return active().gemv_f32(x, M, K, x_stride, W, bias, N, y, y_stride);
   active().linear_f32(x, M, K, x_stride, W, bias, N, y, y_stride, packed);
 }
 

@@ -147,6 +147,19 @@ namespace {
 // x_bf16) through bf16 W [N, K] and bias; Wf: W widened to f32, for the f32 route.
 void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* Wf,
                  const float* bias, int64_t N, void* y, bool y_bf16, int64_t ys, kernels::PackedB* packed) {
+  const auto& k = kernels::active();
+  if (M <= kernels::kGemvRows && k.gemv_bf16 != nullptr && !batch_invariant()) {
+    // A few rows (a decoder's step) on W as stored, on every route: bf16(x) times W, the products
+    // exact in f32 and summed in f32, as the native GEMM forms them.
+    const Buffer<uint16_t> xb(x_bf16 ? 1 : M * K);
+    const Buffer<float> yf(y_bf16 ? M * N : 1);
+    if (!x_bf16) k.f32_to_bf16_rows(static_cast<const float*>(x), xb.data(), M, K, xs, K);
+    float* yo = y_bf16 ? yf.data() : static_cast<float*>(y);
+    const int64_t yos = y_bf16 ? N : ys;
+    k.gemv_bf16(x_bf16 ? static_cast<const uint16_t*>(x) : xb.data(), M, K, x_bf16 ? xs : K, W, bias, N, yo, yos);
+    if (y_bf16) k.f32_to_bf16_rows(yf.data(), static_cast<uint16_t*>(y), M, N, N, ys);
+    return;
+  }
   const Route route = route_of(Precision::BF16);
   if (route == Route::F32) {  // bf16(x) widened back: the products the native GEMM forms, exact in f32
     HEADS_CHECK(Wf != nullptr, "linear (bf16): the weight has no f32 copy for this CPU's f32 route");
@@ -167,7 +180,7 @@ void linear_bf16(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t xs, c
   const uint16_t* xb = static_cast<const uint16_t*>(x);
   int64_t xbs = xs;
   if (!x_bf16) {
-    kernels::active().f32_to_bf16_rows(static_cast<const float*>(x), converted.data(), M, K, xs, K);
+    k.f32_to_bf16_rows(static_cast<const float*>(x), converted.data(), M, K, xs, K);
     xb = converted.data();
     xbs = K;
   }

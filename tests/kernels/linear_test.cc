@@ -10,6 +10,7 @@
 
 #include "common/testing.h"
 #include "heads/isa.h"
+#include "heads/precision.h"
 #include "heads/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
@@ -50,6 +51,73 @@ TEST(Linear, MatchesFloat64OnOddShapesAndStrides) {
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t n = N; n < ys; ++n) EXPECT_EQ(y.data<float>()[m * ys + n], 0.0f);
         }
+      }
+    }
+  }
+}
+
+// Calls of at most kGemvRows rows (a decoder's step) read the weight as stored (gemv-inl.h) on the
+// SIMD paths, f32 and bf16 alike: every output within an f32 sum's error of the float64 product (of
+// the bf16-rounded operands for bf16), K across the vector width, the bf16 pairs and their tails,
+// N across the rows per pass, strided rows of x and y (their padding never written), the same bits on
+// one thread and on three, and a bf16 output the f32 one rounded once.
+TEST(Linear, FewRowsOnTheWeightAsStoredMatchFloat64) {
+  testing::IsaGuard guard;
+  const int threads = get_num_threads();
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int64_t M = 1; M <= kernels::kGemvRows + 1; ++M) {
+      for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {16, 5}, {33, 4}, {70, 9}, {129, 130}, {768, 37}}) {
+        const int64_t xs = K + 3, ys = N + 5;
+        const Tensor x = testing::randn({M, xs}), W = testing::randn({N, K}), b = testing::randn({N});
+        const std::string what = isa_name(isa) + " M=" + std::to_string(M) + " K=" + std::to_string(K) +
+                                 " N=" + std::to_string(N);
+        // f32: the kernel entry point, strided
+        for (bool bias : {false, true}) {
+          Tensor first;
+          for (int t : {1, 3}) {
+            set_num_threads(t);
+            Tensor y = Tensor::zeros({M, ys}, DType::F32);
+            kernels::linear_f32(x.data<float>(), M, K, xs, W.data<float>(), bias ? b.data<float>() : nullptr, N,
+                                y.data<float>(), ys);
+            for (int64_t m = 0; m < M; ++m) {
+              for (int64_t n = 0; n < N; ++n) {
+                double ref = bias ? b.data<float>()[n] : 0.0, mag = std::fabs(ref);
+                for (int64_t k = 0; k < K; ++k) {
+                  const double p = static_cast<double>(x.data<float>()[m * xs + k]) * W.data<float>()[n * K + k];
+                  ref += p;
+                  mag += std::fabs(p);
+                }
+                ASSERT_NEAR(y.data<float>()[m * ys + n], ref, (K + 6) * 6e-8 * mag) << what << " bias " << bias;
+              }
+              for (int64_t n = N; n < ys; ++n) ASSERT_EQ(y.data<float>()[m * ys + n], 0.0f) << what;
+            }
+            if (!first.defined()) {
+              first = y;
+            } else if (M <= kernels::kGemvRows) {  // (oneDNN's GEMM may split K by its team)
+              ASSERT_TRUE(testing::bitwise_equal(first, y)) << what << ": 1 thread against 3";
+            }
+          }
+          set_num_threads(threads);
+        }
+        // bf16: a packed weight through linear(), x a strided view
+        const PackedLinear pw(W, Precision::BF16);
+        const Tensor xv = x.slice(1, 0, K);
+        const Tensor xr = xv.to(DType::BF16).to(DType::F32), wr = W.to(DType::BF16).to(DType::F32);
+        const Tensor y = linear(xv, pw, b);
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t n = 0; n < N; ++n) {
+            double ref = b.data<float>()[n], mag = std::fabs(ref);
+            for (int64_t k = 0; k < K; ++k) {
+              const double p = static_cast<double>(xr.data<float>()[m * K + k]) * wr.data<float>()[n * K + k];
+              ref += p;
+              mag += std::fabs(p);
+            }
+            ASSERT_NEAR(y.data<float>()[m * N + n], ref, (K + 6) * 6e-8 * mag) << what << " bf16";
+          }
+        }
+        ASSERT_TRUE(testing::bitwise_equal(linear(xv, pw, b, DType::BF16), y.to(DType::BF16))) << what << " bf16 out";
+        ASSERT_TRUE(testing::bitwise_equal(linear(xv.to(DType::BF16), pw, b), y)) << what << " bf16 in";
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "heads/precision.h"
 #include "heads/tensor.h"
 
 namespace heads::cli::bench {
@@ -18,6 +19,7 @@ struct BenchArgs {
   int64_t B = 1, H = 1, Hkv = 0, Lq = 128, Lk = 0, D = 64, Dv = 0, L = 128, E = 768, pad = 0;
   int64_t M = 256, K = 384, N = 1536;  // bench linear
   double activation_error = 0.0;
+  double residual_error = kInt8ResidualError;  // bench linear (int8)
   bool causal = false, json = false, backward = false;
   std::string dtype = "f32", mask = "none", window;
   std::string kv_dtype;  // bench sdpa: K/V storage (empty: --dtype's)

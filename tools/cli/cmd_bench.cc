@@ -90,12 +90,13 @@ void run_mha(const BenchArgs& a) {
 
 // One linear layer y = x Wᵀ + b through a packed weight (heads/precision.h): W [N, K] and x [M, K]
 // normal, int8 with --activation-error (0: two activation terms on every row; inf: one, as the
-// calibrated models run). flops = 2·M·N·K.
+// calibrated models run) and --residual-error (the weight rows' residual term: inf, none, as the
+// calibrated encoders' d_model-wide layers). flops = 2·M·N·K.
 void run_linear(const BenchArgs& a) {
   apply_threads(a.threads);
   const Precision p = precision_from_name(a.dtype);
   const Tensor W = random_tensor({a.N, a.K}, 2), x = random_tensor({a.M, a.K}, 3), b = random_tensor({a.N}, 5);
-  const PackedLinear w(W, p, p == Precision::Int8 ? a.activation_error : 0.0);
+  const PackedLinear w(W, p, p == Precision::Int8 ? a.activation_error : 0.0, Tensor{}, a.residual_error);
   const double ms = median_ms([&] { linear(x, w, b); }, a.min_time);
   const double gflops = 2.0 * a.M * a.N * a.K / ms / 1e6;
   const std::string route = linear_gemm_route(w);
@@ -249,6 +250,12 @@ void add_bench_command(CLI::App& app, Action* action) {
   li->add_option("--activation-error", args->activation_error,
                  "int8: the weight's activation_error: 0 gives every activation row two terms, inf one (the "
                  "calibrated encoders' scheme)")
+      ->capture_default_str()
+      ->check(nonnegative_or_inf());
+  li->add_option("--residual-error", args->residual_error,
+                 "int8: the weight's residual_error: the fraction of a weight row's norm its rounding may lose "
+                 "before the row gets a residual term; inf: no row does (the calibrated encoders' d_model-wide "
+                 "layers)")
       ->capture_default_str()
       ->check(nonnegative_or_inf());
   add_threads_option(li, &args->threads);

@@ -40,7 +40,8 @@ struct Vec {
   }
   HEADS_INLINE static R load_partial_i8(const int8_t* p, int64_t n) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1u), p)));
-  }  HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
+  }
+  HEADS_INLINE static float reduce_add(R x) { return _mm512_reduce_add_ps(x); }
   HEADS_INLINE static float reduce_max(R x) { return _mm512_reduce_max_ps(x); }
   HEADS_INLINE static R round_even(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // Lanes holding integers in [-128, 127], stored as int8 (the first n of them).
@@ -163,6 +164,7 @@ struct Bf16Pairs {
   using P = __m512bh;
   HEADS_INLINE static P load(const uint32_t* p) { return reinterpret_cast<P>(_mm512_load_si512(p)); }  // 64-byte aligned
   HEADS_INLINE static P set1(uint32_t pair) { return reinterpret_cast<P>(_mm512_set1_epi32(static_cast<int>(pair))); }
+  HEADS_INLINE static P loadu(const uint16_t* p) { return reinterpret_cast<P>(_mm512_loadu_si512(p)); }  // 2·W values
   HEADS_INLINE static Vec::R dot(Vec::R acc, P a, P b) { return _mm512_dpbf16_ps(acc, a, b); }
   // dst[i] = (a[i], b[i]) for i < n (b null: (a[i], 0)); dst is 64-byte aligned with room for n
   // rounded up to 32 dwords (written, zero past n).

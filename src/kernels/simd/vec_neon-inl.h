@@ -209,6 +209,9 @@ struct Bf16Pairs {
   HEADS_INLINE static P load(const uint32_t* p) {
     return P{vreinterpretq_bf16_u32(vld1q_u32(p)), vreinterpretq_bf16_u32(vld1q_u32(p + 4))};
   }
+  HEADS_INLINE static P loadu(const uint16_t* p) {  // 2·W values
+    return P{vreinterpretq_bf16_u16(vld1q_u16(p)), vreinterpretq_bf16_u16(vld1q_u16(p + 8))};
+  }
   HEADS_INLINE static P set1(uint32_t pair) {
     const bfloat16x8_t x = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
     return P{x, x};
