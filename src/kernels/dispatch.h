@@ -192,6 +192,11 @@ struct KernelTable {
   // 16-bit pair); null on the portable path (its plain loops in linear_lowp_int8.cc).
   void (*gemm_u8s8_rows)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int8_t* B, int64_t N,
                          int32_t* C, int64_t ldc, int threads) = nullptr;
+  // The same through vpdpbusd (gemv-inl.h), where the path's build has it (the avx512bf16 and amx
+  // paths; a CPU without AVX512_VNNI gets gemm_u8s8_rows): the int8 GEMM of calls of at most 4 rows
+  // (8 with their second terms) on every route; null elsewhere.
+  void (*gemv_u8s8)(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int8_t* B, int64_t N, int32_t* C,
+                    int64_t ldc, int threads) = nullptr;
   // One output row of an int8 linear layer from its integer sums (quantize-inl.h).
   void (*int8_rows_out)(const Int8Row* rows, int64_t count, float* y, int64_t ys);  // row m into y + m·ys
   // FMA throughput probe (peak-inl.h): runs `iters` iterations of independent FMA chains.

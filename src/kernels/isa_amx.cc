@@ -18,6 +18,7 @@
 #define HEADS_NATIVE_BF16 1  // compiled for the vdpbf16ps probe of `heads bench peak`
 #define HEADS_AMX 1
 #define HEADS_VNNI_KEYS 1  // int8 keys of the decode through vpdpbusd where the CPU has AVX512_VNNI
+#define HEADS_VNNI 1  // the int8 GEMM of a few rows through vpdpbusd where the CPU has AVX512_VNNI
 namespace heads::kernels::amx {
 constexpr Isa kIsa = Isa::Amx;
 #include "kernels/simd/vec_avx512-inl.h"
@@ -26,5 +27,6 @@ constexpr Isa kIsa = Isa::Amx;
 #undef HEADS_AMX
 #undef HEADS_NATIVE_BF16
 #undef HEADS_VNNI_KEYS
+#undef HEADS_VNNI
 
 #pragma GCC pop_options

@@ -13,6 +13,7 @@
 
 #define HEADS_NATIVE_BF16 1
 #define HEADS_VNNI_KEYS 1  // int8 keys of the decode through vpdpbusd where the CPU has AVX512_VNNI
+#define HEADS_VNNI 1  // the int8 GEMM of a few rows through vpdpbusd where the CPU has AVX512_VNNI
 namespace heads::kernels::avx512bf16 {
 constexpr Isa kIsa = Isa::Avx512Bf16;
 #include "kernels/simd/vec_avx512-inl.h"
@@ -20,5 +21,6 @@ constexpr Isa kIsa = Isa::Avx512Bf16;
 }  // namespace heads::kernels::avx512bf16
 #undef HEADS_NATIVE_BF16
 #undef HEADS_VNNI_KEYS
+#undef HEADS_VNNI
 
 #pragma GCC pop_options

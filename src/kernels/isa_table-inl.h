@@ -59,6 +59,9 @@ const KernelTable kTable{
     .int8_layout = gemm_i8::Dots::kLayout,
 #endif
     .gemm_u8s8_rows = kIsa == Isa::Scalar ? nullptr : &gemm_u8s8_rows,  // -O2 there: see linear_lowp_int8.cc
+#ifdef HEADS_VNNI
+    .gemv_u8s8 = &gemv_u8s8,
+#endif
     .int8_rows_out = &int8_rows_out,
     .fma_probe = &fma_probe,
     .fma_probe_flops_per_iter = &fma_probe_flops_per_iter,

@@ -86,7 +86,9 @@ kernels::Int8Row int8_out_row(const Int8Weight& w, bool heads, const float* x, i
   return r;
 }
 
-// Calls of at most this many rows on heads' route run the GEMM on the weight as stored (gemm_u8s8_rows).
+// Calls of at most this many rows run the GEMM on the weight as stored: through vpdpbusd on every route
+// where the path has it (gemv_u8s8: oneDNN's matmul had read a decode step's weights at 13–29 GB/s of
+// 28 on an AMD Zen 4), else on heads' route (gemm_u8s8_rows).
 constexpr int64_t kFewRows = 4;
 
 // Output rows are made (and their activation applied) this many at a time, while they are in cache.
@@ -145,6 +147,7 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
   const Buffer<int32_t> zx(M);
   const auto& k = kernels::active();
   const double tau2x12 = 12.0 * w.act_error * w.act_error;
+  const bool few_rows = M <= kFewRows && k.gemv_u8s8 != nullptr;
   // Task ti on thread t's working memory; slot: row i's index among the task's second terms, or −1.
   const auto run_task = [&](int t, int64_t ti, int64_t* slot) {
     uint8_t* q = codes.data() + t * q_size;
@@ -169,7 +172,11 @@ void linear_int8_tasks(const float* x, int64_t M, int64_t K, int64_t xs, const I
     }
     const int64_t mt = cm + std::min((m2 + kRowBlock - 1) / kRowBlock * kRowBlock, cm);
     std::fill(r + m2 * K, q + mt * K, uint8_t{0});
-    gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, gemm_inner);
+    if (few_rows) {  // a decoder's step: the weight as stored, through vpdpbusd (gemv-inl.h)
+      k.gemv_u8s8(q, mt, K, K, B, Ns, acc, Ns, gemm_inner);
+    } else {
+      gemm_u8s8(q, mt, K, B, Ns, acc, native, w.packed, gemm_inner);
+    }
     for (int64_t b0 = 0; b0 < n; b0 += kOutBlock) {
       const int64_t b1 = std::min(n, b0 + kOutBlock);
       kernels::Int8Row rows[kOutBlock];

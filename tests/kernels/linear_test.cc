@@ -147,6 +147,55 @@ TEST(Linear, MatmulWithStridesMatchesFloat64) {
   }
 }
 
+// The int8 GEMM of a few rows on the weight as stored (a decoder's step): gemm_u8s8_rows (16-bit
+// widening, heads' route) and gemv_u8s8 (vpdpbusd, every route where the path has it), on every path
+// this CPU runs, against int64 loops: bytes of the whole range (0 and 255 against -128 and 127
+// included), 1 to 8 rows, K across a 64-byte vector and its tail, N across the rows per pass, row
+// strides wider than the rows (the padding never written), on 1, 2 and 3 threads.
+TEST(Linear, Int8FewRowsGemmIsExact) {
+  const int saved_threads = get_num_threads();
+  std::mt19937_64 gen(testing::rng()());
+  std::uniform_int_distribution<int> u8(0, 255), s8(-128, 127), pick(0, 9);
+  const auto byte = [&](int lo, int hi, int v) { const int p = pick(gen); return p == 0 ? lo : p == 1 ? hi : v; };
+  int kernels_run = 0;
+  for (Isa isa : supported_isas()) {
+    const kernels::KernelTable* t = kernels::table_for(isa);
+    if (t == nullptr) continue;
+    using Kernel = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int32_t*, int64_t, int);
+    for (auto [name, f] : {std::pair<const char*, Kernel>{"gemm_u8s8_rows", t->gemm_u8s8_rows},
+                           {"gemv_u8s8", t->gemv_u8s8}}) {
+      if (f == nullptr) continue;
+      ++kernels_run;
+      for (int64_t M = 1; M <= 8; ++M) {
+        for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {63, 4}, {64, 3}, {65, 37}, {129, 130},
+                            {768, 9}, {1537, 6}}) {
+          const int64_t lda = K + 5, ldc = N + 3;
+          std::vector<uint8_t> A(static_cast<size_t>(M * lda));
+          std::vector<int8_t> B(static_cast<size_t>(N * K));
+          for (auto& a : A) a = static_cast<uint8_t>(byte(0, 255, u8(gen)));
+          for (auto& b : B) b = static_cast<int8_t>(byte(-128, 127, s8(gen)));
+          for (int threads : {1, 2, 3}) {
+            set_num_threads(threads);
+            std::vector<int32_t> C(static_cast<size_t>(M * ldc), 12345);
+            f(A.data(), M, K, lda, B.data(), N, C.data(), ldc, threads);
+            for (int64_t m = 0; m < M; ++m) {
+              for (int64_t n = 0; n < N; ++n) {
+                int64_t want = 0;
+                for (int64_t k = 0; k < K; ++k) want += int64_t{A[m * lda + k]} * B[n * K + k];
+                ASSERT_EQ(C[m * ldc + n], want) << name << " " << isa_name(isa) << " M=" << M << " K=" << K
+                                                << " N=" << N << " threads=" << threads << " m=" << m << " n=" << n;
+              }
+              for (int64_t n = N; n < ldc; ++n) ASSERT_EQ(C[m * ldc + n], 12345) << name << " wrote the padding";
+            }
+          }
+        }
+      }
+    }
+  }
+  set_num_threads(saved_threads);
+  EXPECT_GT(kernels_run, 0);
+}
+
 // heads' own integer GEMM (gemm_i8-inl.h) on every path this CPU runs it on, in the path's weight
 // layout (16-bit pairs; 8-bit quads in two planes), against int64 loops: bytes of the whole range (0
 // and 255 against -128 and 127 included), odd sizes (K odd or not a multiple of 4: a part group; N
