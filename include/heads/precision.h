@@ -200,9 +200,11 @@ class PackedLinear {
 // one or where set_int8_gemm asks for it), "f32" (the operands widened to f32, oneDNN's f32 matmul:
 // a CPU without native bf16, or int8 on a path without heads' GEMM) or "portable" (plain loops: the
 // scalar path). Whatever the route, a call of at most 4 rows (a decoder's step) reads the weight as
-// stored: f32 and bf16 weights on the SIMD paths (f32 sums of the same products; not under
-// set_batch_invariant, whose fixed order stays), int8 ones through vpdpbusd on the avx512bf16 and amx
-// paths (the same exact sums).
+// stored: f32 and bf16 weights on the SIMD paths (f32 sums of the same products, in another order;
+// bf16 pairs through vdpbf16ps / BFDOT where the path has them: denormal inputs read as zero, and
+// BFDOT rounds its pair sums to odd; not under set_batch_invariant, whose fixed order stays), int8 ones
+// through vpdpbusd on the avx512bf16 path and the amx one on its hardware (not the emulated one): the
+// same exact sums.
 std::string linear_gemm_route(Precision p);
 // The route linear() takes with this weight: linear_gemm_route(w.precision()), but for an int8 weight
 // whose activation rows take one term (activation_error ∞) on the amx path "heads" (heads' AMX-INT8 tile

@@ -35,7 +35,9 @@ void set_oversubscribe(bool on);
 // kernels are invariant already. Off, the default, the SIMD paths' linear layers run oneDNN's
 // GEMM, which can be faster but changes the order of a row's sums with the number of rows around
 // it (on AVX2: rows in a tail of 1 to 3 of its 6-row blocks), so two batchings can differ in the
-// last bits. Results stay exact to the same tolerance either way. Holds for f32 and int8 (integer
+// last bits (and calls of at most 4 rows, a decoder's step, read the weight as stored with an order
+// of their own: linear_gemm_route in heads/precision.h). Results stay exact to the same tolerance
+// either way. Holds for f32 and int8 (integer
 // sums; the f32 route through this GEMM), and for bf16 where it takes the f32 route; not through
 // oneDNN's native bf16 matmul (batch_invariance_holds in heads/precision.h says which).
 // HEADS_BATCH_INVARIANT=1 in the environment turns it on at start-up.

@@ -92,11 +92,15 @@ void run(const T* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* 
   const int64_t step = ((N + threads - 1) / threads + 3) / 4 * 4;
   const auto part = [&](int64_t t) {
     const int64_t n0 = std::min(N, t * step), n1 = std::min(N, n0 + step);
-    switch (M) {
-      case 1: range<1>(x, xs, W, K, n0, n1, b, y, ys); break;
-      case 2: range<2>(x, xs, W, K, n0, n1, b, y, ys); break;
-      case 3: range<3>(x, xs, W, K, n0, n1, b, y, ys); break;
-      default: range<4>(x, xs, W, K, n0, n1, b, y, ys); break;
+    for (int64_t m = 0; m < M; m += 4) {  // (kGemvRows rows: one pass)
+      const T* xm = x + m * xs;
+      float* ym = y + m * ys;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: range<1>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+        case 2: range<2>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+        case 3: range<3>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+        default: range<4>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+      }
     }
   };
   if (threads == 1) {
@@ -170,11 +174,10 @@ void u8s8_range(const uint8_t* A, int64_t lda, const int8_t* B, int64_t K, int64
 
 }  // namespace gemv
 
-inline void gemv_u8s8(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int8_t* B, int64_t N, int32_t* C,
-                      int64_t ldc, int threads) {
-  static const bool vnni = __builtin_cpu_supports("avx512vnni");
-  if (!vnni) return gemm_u8s8_rows(A, M, K, lda, B, N, C, ldc, threads);
-  if (M <= 0 || N <= 0) return;
+// The VNNI part of gemv_u8s8 below (not inlined into it: its caller's fallback for CPUs without
+// AVX512_VNNI must not be compiled for them).
+__attribute__((noinline)) inline void gemv_u8s8_vnni(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
+                                                     const int8_t* B, int64_t N, int32_t* C, int64_t ldc, int threads) {
   threads = static_cast<int>(std::clamp<int64_t>(threads, 1, (N + 3) / 4));
   const int64_t step = ((N + threads - 1) / threads + 3) / 4 * 4;
   const auto part = [&](int64_t t) {
@@ -198,4 +201,12 @@ inline void gemv_u8s8(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const
   for (int64_t t = 0; t < threads; ++t) part(t);
 }
 #pragma GCC pop_options
+
+inline void gemv_u8s8(const uint8_t* A, int64_t M, int64_t K, int64_t lda, const int8_t* B, int64_t N, int32_t* C,
+                      int64_t ldc, int threads) {
+  if (M <= 0 || N <= 0) return;
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  if (!vnni) return gemm_u8s8_rows(A, M, K, lda, B, N, C, ldc, threads);
+  gemv_u8s8_vnni(A, M, K, lda, B, N, C, ldc, threads);
+}
 #endif  // HEADS_VNNI

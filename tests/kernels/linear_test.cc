@@ -67,7 +67,9 @@ TEST(Linear, FewRowsOnTheWeightAsStoredMatchFloat64) {
   for (Isa isa : supported_isas()) {
     set_isa(isa);
     for (int64_t M = 1; M <= kernels::kGemvRows + 1; ++M) {
-      for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {16, 5}, {33, 4}, {70, 9}, {129, 130}, {768, 37}}) {
+      // (1024 x 130: the weight's bytes give several threads, whose row ranges split N unevenly)
+      for (auto [K, N] : {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {16, 5}, {33, 4}, {70, 9}, {129, 130}, {768, 37},
+                          {1024, 130}}) {
         const int64_t xs = K + 3, ys = N + 5;
         const Tensor x = testing::randn({M, xs}), W = testing::randn({N, K}), b = testing::randn({N});
         const std::string what = isa_name(isa) + " M=" + std::to_string(M) + " K=" + std::to_string(K) +
@@ -104,7 +106,12 @@ TEST(Linear, FewRowsOnTheWeightAsStoredMatchFloat64) {
         const PackedLinear pw(W, Precision::BF16);
         const Tensor xv = x.slice(1, 0, K);
         const Tensor xr = xv.to(DType::BF16).to(DType::F32), wr = W.to(DType::BF16).to(DType::F32);
+        set_num_threads(3);
+        const Tensor y3 = linear(xv, pw, b);
+        set_num_threads(1);
         const Tensor y = linear(xv, pw, b);
+        set_num_threads(threads);
+        if (M <= kernels::kGemvRows) ASSERT_TRUE(testing::bitwise_equal(y, y3)) << what << " bf16: 1 thread against 3";
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t n = 0; n < N; ++n) {
             double ref = b.data<float>()[n], mag = std::fabs(ref);
