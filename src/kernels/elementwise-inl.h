@@ -15,28 +15,59 @@ HEADS_INLINE VR exp(VR x) { return Vec::exp2(Vec::mul(x, Vec::set1(kLog2e))); }
 
 // erfc(z) for z >= 0: t·exp(-z² + P(t)), t = 1/(1 + z/2), a Chebyshev fit with relative error
 // below 1.2e-7 everywhere (Numerical Recipes' erfcc); relative accuracy holds for large z too.
+// N vectors side by side, each step on all of them in turn (the same operations on each, so the
+// same bits as one at a time): one vector's chain of dependent steps (a division, then ten
+// multiply-adds, then exp's) is ~100 cycles long, and on its own its waiting steps fill the core's
+// FP scheduler before the next vector's can issue (Zen 3: GELU 34 → 26 cycles a vector, 4 side by side).
+template <int N>
+HEADS_INLINE void erfc_pos_n(const VR (&z)[N], VR (&out)[N]) {
+  constexpr float kC[10] = {0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f,
+                            -0.18628806f, 0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f};
+  VR t[N], p[N];
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) t[j] = Vec::div(Vec::set1(1.0f), Vec::fma(z[j], Vec::set1(0.5f), Vec::set1(1.0f)));
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) p[j] = Vec::set1(kC[0]);
+#pragma GCC unroll 10
+  for (int k = 1; k < 10; ++k) {
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) p[j] = Vec::fma(p[j], t[j], Vec::set1(kC[k]));
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) out[j] = Vec::mul(t[j], exp(Vec::sub(p[j], Vec::mul(z[j], z[j]))));
+}
+
 HEADS_INLINE VR erfc_pos(VR z) {
-  const VR t = Vec::div(Vec::set1(1.0f), Vec::fma(z, Vec::set1(0.5f), Vec::set1(1.0f)));
-  VR p = Vec::set1(0.17087277f);
-  p = Vec::fma(p, t, Vec::set1(-0.82215223f));
-  p = Vec::fma(p, t, Vec::set1(1.48851587f));
-  p = Vec::fma(p, t, Vec::set1(-1.13520398f));
-  p = Vec::fma(p, t, Vec::set1(0.27886807f));
-  p = Vec::fma(p, t, Vec::set1(-0.18628806f));
-  p = Vec::fma(p, t, Vec::set1(0.09678418f));
-  p = Vec::fma(p, t, Vec::set1(0.37409196f));
-  p = Vec::fma(p, t, Vec::set1(1.00002368f));
-  p = Vec::fma(p, t, Vec::set1(-1.26551223f));
-  return Vec::mul(t, exp(Vec::sub(p, Vec::mul(z, z))));
+  const VR zs[1] = {z};
+  VR e[1];
+  erfc_pos_n(zs, e);
+  return e[0];
 }
 
 // GELU(x) = x·Φ(x) = ½x·erfc(-x/√2), evaluated as ½x·(2 - erfc(|x|/√2)) for x >= 0 and
-// ½x·erfc(|x|/√2) for x < 0, so the negative tail keeps its relative accuracy.
-HEADS_INLINE VR gelu_erf(VR x) {
-  const VR e = erfc_pos(Vec::mul(Vec::abs(x), Vec::set1(0.70710678118654752f)));
-  const VR phi2 = Vec::select_neg(x, e, Vec::sub(Vec::set1(2.0f), e));  // 2·Φ(x)
-  return Vec::mul(Vec::mul(x, Vec::set1(0.5f)), phi2);
+// ½x·erfc(|x|/√2) for x < 0, so the negative tail keeps its relative accuracy. N vectors in place,
+// side by side as erfc_pos_n.
+template <int N>
+HEADS_INLINE void gelu_erf_n(VR (&x)[N]) {
+  VR z[N], e[N];
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) z[j] = Vec::mul(Vec::abs(x[j]), Vec::set1(0.70710678118654752f));
+  erfc_pos_n(z, e);
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) {
+    const VR phi2 = Vec::select_neg(x[j], e[j], Vec::sub(Vec::set1(2.0f), e[j]));  // 2·Φ(x)
+    x[j] = Vec::mul(Vec::mul(x[j], Vec::set1(0.5f)), phi2);
+  }
 }
+
+HEADS_INLINE VR gelu_erf(VR x) {
+  VR v[1] = {x};
+  gelu_erf_n(v);
+  return v[0];
+}
+
+// Vectors side by side in the N-vector forms above.
+constexpr int kSideBySide = 4;
 
 // GELU, tanh form: ½x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715x³), evaluated as x / (1 + e^{-2u})
 // (the same value, without the cancellation of 1 + tanh(u) for negative u).
@@ -74,6 +105,34 @@ inline void map_rows(const float* x, float* y, int64_t rows, int64_t n, int64_t 
   });
 }
 
+// map_rows for a function of kSideBySide vectors in place (f(VR (&)[kSideBySide])): the row's
+// vectors kSideBySide at a time, the last few (and the partial one) as one more group.
+template <class F>
+inline void map_rows_n(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys, F f) {
+  constexpr int kN = kSideBySide;
+  for_rows(rows, n, 16384, [&](int64_t r) {
+      const float* xr = x + r * xs;
+      float* yr = y + r * ys;
+      int64_t i = 0;
+      for (; i + kN * kW <= n; i += kN * kW) {
+        VR v[kN];
+#pragma GCC unroll 8
+        for (int j = 0; j < kN; ++j) v[j] = Vec::loadu(xr + i + j * kW);
+        f(v);
+#pragma GCC unroll 8
+        for (int j = 0; j < kN; ++j) Vec::storeu(yr + i + j * kW, v[j]);
+      }
+      if (i < n) {
+        VR v[kN];
+        for (int j = 0; j < kN; ++j) v[j] = Vec::load_partial(xr + i + j * kW, std::clamp<int64_t>(n - i - j * kW, 0, kW));
+        f(v);
+        for (int j = 0; j < kN && i + j * kW < n; ++j) {
+          Vec::store_partial(yr + i + j * kW, v[j], std::min<int64_t>(n - i - j * kW, kW));
+        }
+      }
+  });
+}
+
 }  // namespace ew
 
 inline void gelu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t xs, int64_t ys,
@@ -81,7 +140,7 @@ inline void gelu_f32(const float* x, float* y, int64_t rows, int64_t n, int64_t 
   if (tanh_form) {
     ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::gelu_tanh(v); });
   } else {
-    ew::map_rows(x, y, rows, n, xs, ys, [](ew::VR v) { return ew::gelu_erf(v); });
+    ew::map_rows_n(x, y, rows, n, xs, ys, [](ew::VR (&v)[ew::kSideBySide]) { ew::gelu_erf_n(v); });
   }
 }
 

@@ -81,6 +81,29 @@ TEST(Ops, ActivationsMatchFloat64) {
   }
 }
 
+TEST(Ops, ActivationBitsDoNotDependOnTheRowLength) {
+  // GELU takes a row's vectors several at a time (ew::gelu_erf_n), the last ones and the partial one
+  // as a group of their own: each value's bits must be those of the value in any other place.
+  IsaGuard guard;
+  const Tensor x = testing::randn({4 * 67}, 3.0);
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (Activation act : {Activation::Relu, Activation::Gelu, Activation::GeluTanh}) {
+      const Tensor whole = activation(x, act);
+      for (int64_t n : {1, 3, 7, 8, 9, 17, 31, 32, 33, 47, 63, 64, 65, 67}) {
+        const int64_t rows = x.numel() / n;
+        Tensor xr = Tensor::empty({rows, n}, DType::F32);
+        std::memcpy(xr.data<float>(), x.data<float>(), sizeof(float) * rows * n);
+        const Tensor y = activation(xr, act);
+        for (int64_t i = 0; i < rows * n; ++i) {
+          ASSERT_EQ(std::memcmp(y.data<float>() + i, whole.data<float>() + i, sizeof(float)), 0)
+              << "n=" << n << " i=" << i << " act=" << static_cast<int>(act) << " isa=" << isa_name(isa);
+        }
+      }
+    }
+  }
+}
+
 TEST(Ops, Bf16RowsRoundAsF32ToBf16OnEveryPath) {
   // Ties both ways, NaN payloads, infinities, denormals (kept, not flushed), the largest finite value
   // (rounds to inf), random values; rows of odd length at a row stride past it.
