@@ -12,6 +12,11 @@
 // Sums: per (m, n) kChains vectors of partial sums over k (row() below), added in order, then
 // Vec::reduce_add, then + b[n]. bf16 weights are widened exactly and multiplied by x as
 // the caller gives it (rounded to bf16 already for Precision::BF16: the products are then exact in f32).
+// Where the path has no bf16 dot product (AVX2, AVX-512 before AVX512_BF16, NEON without BF16, the
+// portable build) a weight row is read 2W values at a time, split by Vec::loadu_bf16_split into its
+// even and its odd values (a shift and a mask), against x widened once per call into the same order
+// (split_x): widening each vector of W and of x with a shuffle had made bf16 decoding compute-bound
+// on AMD Zen 3 (18–20 GB/s on 2 threads of 32).
 // Parallel over contiguous ranges of rows (static: each output is computed alike whoever runs it).
 
 namespace gemv {
@@ -32,16 +37,41 @@ HEADS_INLINE Vec::R load_partial(const uint16_t* p, int64_t n) { return Vec::loa
 // side by side, short interleaved streams, drew 19–25 GB/s from memory where one stream draws 28–33,
 // AMD Zen 4, 2 threads). Chain u sums the vectors k = (U·i + u)·W (bf16 pairs: 2W values each);
 // then the tail's vectors into chain 0, the chains added in order, Vec::reduce_add, + b[n].
-template <int M, class T>
-HEADS_INLINE void row(const T* x, int64_t xs, const T* w, int64_t K, int64_t n, const float* b, float* y, int64_t ys) {
+// X: the type of x (T, or float for bf16 weights against x in split_x's order).
+template <int M, class X, class T>
+HEADS_INLINE void row(const X* x, int64_t xs, const T* w, int64_t K, int64_t n, const float* b, float* y, int64_t ys) {
   constexpr int U = kChains<M>;
   Vec::R acc[M][U];
   for (int m = 0; m < M; ++m) {
     for (int u = 0; u < U; ++u) acc[m][u] = Vec::zero();
   }
   int64_t k = 0;
+  if constexpr (!std::is_same_v<X, T>) {  // bf16 weights split 2W values at a time, x in split_x's order
+    constexpr int64_t kStep = 2 * Vec::W;
+    const auto step = [&](int64_t k0, int u, Vec::R we, Vec::R wo) {
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * xs + k0;
+        acc[m][u] = Vec::fma(Vec::loadu(xm + Vec::W), wo, Vec::fma(Vec::loadu(xm), we, acc[m][u]));
+      }
+    };
+    for (; k + U * kStep <= K; k += U * kStep) {
+      for (int u = 0; u < U; ++u) {
+        Vec::R we, wo;
+        Vec::loadu_bf16_split(w + k + u * kStep, we, wo);
+        step(k + u * kStep, u, we, wo);
+      }
+    }
+    for (; k < K; k += kStep) {  // the rest a block at a time, the last one's values past K zero
+      alignas(64) uint16_t tail[kStep] = {};
+      const uint16_t* wk = w + k;
+      if (K - k < kStep) wk = static_cast<const uint16_t*>(std::memcpy(tail, w + k, sizeof(uint16_t) * (K - k)));
+      Vec::R we, wo;
+      Vec::loadu_bf16_split(wk, we, wo);
+      step(k, 0, we, wo);
+    }
+  }
 #ifdef HEADS_NATIVE_BF16
-  if constexpr (std::is_same_v<T, uint16_t>) {  // pairs of bf16 into each f32 lane (vdpbf16ps, BFDOT)
+  if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<T, uint16_t>) {  // pairs of bf16 into each f32 lane (vdpbf16ps, BFDOT)
     constexpr int64_t kStep = 2 * Vec::W;
     for (; k + U * kStep <= K; k += U * kStep) {
       for (int u = 0; u < U; ++u) {
@@ -77,14 +107,30 @@ HEADS_INLINE void row(const T* x, int64_t xs, const T* w, int64_t K, int64_t n, 
 }
 
 // Rows [n0, n1) of the output.
-template <int M, class T>
-void range(const T* x, int64_t xs, const T* W, int64_t K, int64_t n0, int64_t n1, const float* b, float* y,
+template <int M, class X, class T>
+void range(const X* x, int64_t xs, const T* W, int64_t K, int64_t n0, int64_t n1, const float* b, float* y,
            int64_t ys) {
   for (int64_t n = n0; n < n1; ++n) row<M>(x, xs, W + n * K, K, n, b, y, ys);
 }
 
-template <class T>
-void run(const T* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* b, int64_t N, float* y, int64_t ys) {
+// x's M rows of K bf16 values widened into rows of K rounded up to 2W (the rest 0), each block of 2W
+// values as its W even values, then its W odd ones: the order of Vec::loadu_bf16_split.
+inline std::vector<float> split_x(const uint16_t* x, int64_t M, int64_t K, int64_t xs, int64_t& row_stride) {
+  constexpr int64_t kStep = 2 * Vec::W;
+  row_stride = (K + kStep - 1) / kStep * kStep;
+  std::vector<float> out(static_cast<size_t>(M * row_stride), 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out.data() + m * row_stride;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t j = k % kStep;
+      o[k - j + (j % 2) * Vec::W + j / 2] = bf16_to_f32(x[m * xs + k]);
+    }
+  }
+  return out;
+}
+
+template <class X, class T>
+void run(const X* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* b, int64_t N, float* y, int64_t ys) {
   // Threads by the weight's bytes (the work is reading them): a range of rows per thread, a multiple of 4.
   constexpr double kMinBytesPerThread = 64.0 * 1024;
   const double bytes = static_cast<double>(N) * static_cast<double>(K) * sizeof(T);
@@ -93,7 +139,7 @@ void run(const T* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* 
   const auto part = [&](int64_t t) {
     const int64_t n0 = std::min(N, t * step), n1 = std::min(N, n0 + step);
     for (int64_t m = 0; m < M; m += 4) {  // (kGemvRows rows: one pass)
-      const T* xm = x + m * xs;
+      const X* xm = x + m * xs;
       float* ym = y + m * ys;
       switch (std::min<int64_t>(4, M - m)) {
         case 1: range<1>(xm, xs, W, K, n0, n1, b, ym, ys); break;
@@ -120,7 +166,13 @@ inline void gemv_f32(const float* x, int64_t M, int64_t K, int64_t xs, const flo
 
 inline void gemv_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const uint16_t* W, const float* b, int64_t N,
                       float* y, int64_t ys) {
+#ifdef HEADS_NATIVE_BF16
   gemv::run(x, M, K, xs, W, b, N, y, ys);
+#else
+  int64_t stride = 0;
+  const std::vector<float> xw = gemv::split_x(x, M, K, xs, stride);
+  gemv::run(xw.data(), M, K, stride, W, b, N, y, ys);
+#endif
 }
 
 #ifdef HEADS_VNNI

@@ -72,6 +72,13 @@ struct Vec {
     for (int64_t i = 0; i < n; ++i) tmp[i] = p[i];
     return loadu_bf16(tmp);
   }
+  // 2W bf16 values: the even ones into `even` and the odd ones into `odd`, widened exactly (a 32-bit
+  // lane's low half shifted up, its high half masked: no widening shuffle)
+  HEADS_INLINE static void loadu_bf16_split(const uint16_t* p, R& even, R& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
   HEADS_INLINE static R loadu_i8(const int8_t* p) {  // W int8 values as f32 (exact)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }

@@ -98,6 +98,12 @@ struct Vec {
     return R{vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(v), 16)),
              vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(v), 16))};
   }
+  HEADS_INLINE static void loadu_bf16_split(const uint16_t* p, R& even, R& odd) {  // as in vec_avx2-inl.h
+    const uint32x4_t lo = vreinterpretq_u32_u16(vld1q_u16(p)), hi = vreinterpretq_u32_u16(vld1q_u16(p + 8));
+    const uint32x4_t mask = vdupq_n_u32(0xFFFF0000u);
+    even = R{vreinterpretq_f32_u32(vshlq_n_u32(lo, 16)), vreinterpretq_f32_u32(vshlq_n_u32(hi, 16))};
+    odd = R{vreinterpretq_f32_u32(vandq_u32(lo, mask)), vreinterpretq_f32_u32(vandq_u32(hi, mask))};
+  }
   HEADS_INLINE static R load_partial_bf16(const uint16_t* p, int64_t n) {
     alignas(16) uint16_t t[8] = {};
     for (int64_t i = 0; i < n; ++i) t[i] = p[i];

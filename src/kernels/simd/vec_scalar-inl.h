@@ -4,7 +4,8 @@
 // Interface of every Vec (vec_avx2-inl.h, vec_avx512-inl.h follow it):
 //   R                    register type; W lanes; kRowsQK / kRowsPV micro-kernel rows
 //   zero, set1, load/store (64-byte aligned), div, min, abs, select_neg(x, a, b) = x < 0 ? a : b, loadu/storeu, load_partial/store_partial (first n
-//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened), loadu_i8/load_partial_i8 (int8 as f32), reduce_add, reduce_max, round_even (to nearest even),
+//   lanes; loads zero the rest), loadu_bf16/load_partial_bf16 (bf16 bits widened),
+//   loadu_bf16_split(p, even, odd) (2W bf16 values: the even ones, the odd ones, widened), loadu_i8/load_partial_i8 (int8 as f32), reduce_add, reduce_max, round_even (to nearest even),
 //   gather(base, idx) / scatter(base, idx, x) (lane i at base[idx[i]]; scatter's indices distinct),
 //   store_partial_u8 (integral lanes in [0, 255] as uint8), reduce_lanes(a[W]) (lane i = sum of a[i]),
 //   transpose_scaled(src, ss, dst, ds, scale) (W x W block, source rows times scale), fma(a, b, c) = a*b + c, add, sub, mul, max
@@ -50,6 +51,9 @@ struct Vec {
     for (int64_t i = 0; i < n; ++i) p[i] = x.v[i];
   }
   static R loadu_bf16(const uint16_t* p) { return load_partial_bf16(p, W); }
+  static void loadu_bf16_split(const uint16_t* p, R& even, R& odd) {  // 2W values: even ones, odd ones
+    for (int i = 0; i < W; ++i) even.v[i] = bf16_to_f32(p[2 * i]), odd.v[i] = bf16_to_f32(p[2 * i + 1]);
+  }
   static R load_partial_bf16(const uint16_t* p, int64_t n) {
     R r = zero();
     for (int64_t i = 0; i < n; ++i) r.v[i] = bf16_to_f32(p[i]);
