@@ -129,25 +129,16 @@ inline std::vector<float> split_x(const uint16_t* x, int64_t M, int64_t K, int64
   return out;
 }
 
-template <class X, class T>
-void run(const X* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* b, int64_t N, float* y, int64_t ys) {
-  // Threads by the weight's bytes (the work is reading them): a range of rows per thread, a multiple of 4.
-  constexpr double kMinBytesPerThread = 64.0 * 1024;
-  const double bytes = static_cast<double>(N) * static_cast<double>(K) * sizeof(T);
-  const int threads = threads_for(bytes / kMinBytesPerThread * kMinFlopsPerThread, (N + 3) / 4);
+// pass(m, rows, n0, n1) for each thread's contiguous range [n0, n1) of weight rows (a multiple of 4
+// rows; threads at most one per 4) and each pass of up to kGemvRows rows of x from row m: the split
+// of this file's kernels (static: each output is computed alike whoever runs it).
+template <class Pass>
+inline void over_ranges(int64_t M, int64_t N, int threads, Pass pass) {
+  threads = static_cast<int>(std::clamp<int64_t>(threads, 1, (N + 3) / 4));
   const int64_t step = ((N + threads - 1) / threads + 3) / 4 * 4;
   const auto part = [&](int64_t t) {
     const int64_t n0 = std::min(N, t * step), n1 = std::min(N, n0 + step);
-    for (int64_t m = 0; m < M; m += 4) {  // (kGemvRows rows: one pass)
-      const X* xm = x + m * xs;
-      float* ym = y + m * ys;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: range<1>(xm, xs, W, K, n0, n1, b, ym, ys); break;
-        case 2: range<2>(xm, xs, W, K, n0, n1, b, ym, ys); break;
-        case 3: range<3>(xm, xs, W, K, n0, n1, b, ym, ys); break;
-        default: range<4>(xm, xs, W, K, n0, n1, b, ym, ys); break;
-      }
-    }
+    for (int64_t m = 0; m < M; m += 4) pass(m, static_cast<int>(std::min<int64_t>(4, M - m)), n0, n1);
   };
   if (threads == 1) {
     part(0);
@@ -155,6 +146,24 @@ void run(const X* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* 
   }
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
   for (int64_t t = 0; t < threads; ++t) part(t);
+}
+
+template <class X, class T>
+void run(const X* x, int64_t M, int64_t K, int64_t xs, const T* W, const float* b, int64_t N, float* y, int64_t ys) {
+  // Threads by the weight's bytes (the work is reading them).
+  constexpr double kMinBytesPerThread = 64.0 * 1024;
+  const double bytes = static_cast<double>(N) * static_cast<double>(K) * sizeof(T);
+  const int threads = threads_for(bytes / kMinBytesPerThread * kMinFlopsPerThread, (N + 3) / 4);
+  over_ranges(M, N, threads, [&](int64_t m, int rows, int64_t n0, int64_t n1) {
+    const X* xm = x + m * xs;
+    float* ym = y + m * ys;
+    switch (rows) {
+      case 1: range<1>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+      case 2: range<2>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+      case 3: range<3>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+      default: range<4>(xm, xs, W, K, n0, n1, b, ym, ys); break;
+    }
+  });
 }
 
 }  // namespace gemv
@@ -230,27 +239,16 @@ void u8s8_range(const uint8_t* A, int64_t lda, const int8_t* B, int64_t K, int64
 // AVX512_VNNI must not be compiled for them).
 __attribute__((noinline)) inline void gemv_u8s8_vnni(const uint8_t* A, int64_t M, int64_t K, int64_t lda,
                                                      const int8_t* B, int64_t N, int32_t* C, int64_t ldc, int threads) {
-  threads = static_cast<int>(std::clamp<int64_t>(threads, 1, (N + 3) / 4));
-  const int64_t step = ((N + threads - 1) / threads + 3) / 4 * 4;
-  const auto part = [&](int64_t t) {
-    const int64_t n0 = std::min(N, t * step), n1 = std::min(N, n0 + step);
-    for (int64_t m = 0; m < M; m += 4) {
-      const uint8_t* a = A + m * lda;
-      int32_t* c = C + m * ldc;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: gemv::u8s8_range<1>(a, lda, B, K, n0, n1, c, ldc); break;
-        case 2: gemv::u8s8_range<2>(a, lda, B, K, n0, n1, c, ldc); break;
-        case 3: gemv::u8s8_range<3>(a, lda, B, K, n0, n1, c, ldc); break;
-        default: gemv::u8s8_range<4>(a, lda, B, K, n0, n1, c, ldc); break;
-      }
+  gemv::over_ranges(M, N, threads, [&](int64_t m, int rows, int64_t n0, int64_t n1) {
+    const uint8_t* a = A + m * lda;
+    int32_t* c = C + m * ldc;
+    switch (rows) {
+      case 1: gemv::u8s8_range<1>(a, lda, B, K, n0, n1, c, ldc); break;
+      case 2: gemv::u8s8_range<2>(a, lda, B, K, n0, n1, c, ldc); break;
+      case 3: gemv::u8s8_range<3>(a, lda, B, K, n0, n1, c, ldc); break;
+      default: gemv::u8s8_range<4>(a, lda, B, K, n0, n1, c, ldc); break;
     }
-  };
-  if (threads == 1) {
-    part(0);
-    return;
-  }
-#pragma omp parallel for schedule(static, 1) num_threads(threads)
-  for (int64_t t = 0; t < threads; ++t) part(t);
+  });
 }
 #pragma GCC pop_options
 
