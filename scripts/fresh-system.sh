@@ -101,8 +101,8 @@ trap 'exit 143' TERM
 # --- 1. host tools ------------------------------------------------------------------------------
 step fresh:host "host: debootstrap"
 if ! command -v debootstrap >/dev/null; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+  apt_get update -qq
+  DEBIAN_FRONTEND=noninteractive apt_get install -y -qq --no-install-recommends debootstrap >/dev/null
 fi
 command -v debootstrap >/dev/null || die "debootstrap did not install"
 

@@ -46,10 +46,8 @@ done
 [ "${HEADS_SETUP_APT_LATEST:-0}" != 1 ] || missing=("${APT_PACKAGES[@]}")
 if ((${#missing[@]})); then
   echo "setup: installing Debian packages (or their newest versions): ${missing[*]}"
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  apt_get update -qq
+  DEBIAN_FRONTEND=noninteractive apt_get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 step_end
 ((APT_ONLY)) && exit 0

@@ -44,3 +44,12 @@ steps_table() {
 steps_cleanup() {
   if ((STEPS_OWN_FILE)); then rm -f "$HEADS_STEPS_FILE"; fi
 }
+
+# apt-get with a lock of this project's own around it, and waiting up to 10 minutes for dpkg's: CI
+# installs the host's packages (setup.sh) beside the fresh root's first step, which may itself
+# apt-get debootstrap on the host; the second to start failed on apt's lock (exit 100).
+apt_get() {
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo=sudo
+  $sudo flock /tmp/heads-apt.lock apt-get -o DPkg::Lock::Timeout=600 "$@"
+}

@@ -36,8 +36,8 @@ done
 if ((${#missing[@]})); then
   SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
   dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  apt_get update -qq
+  DEBIAN_FRONTEND=noninteractive apt_get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 # libdnnl-dev cannot be installed for two architectures at once (its headers differ in one GPU
 # setting): the arm64 package's CMake files and headers are unpacked into the build tree instead,
