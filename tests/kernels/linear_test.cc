@@ -22,11 +22,14 @@ namespace {
 // Every path's GEMM (oneDNN on the SIMD paths, the plain loops on the portable one).
 TEST(Linear, MatchesFloat64OnOddShapesAndStrides) {
   testing::IsaGuard guard;
+  const testing::Sample pick;
+  int64_t n_case = 0;
   for (Isa isa : supported_isas()) {
     set_isa(isa);
     for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 3, 5}, {129, 63, 17},
                            {64, 768, 2304}, {3, 1000, 1}, {5, 4, 0}, {0, 4, 3}, {2, 0, 3}}) {
       for (bool bias : {false, true}) {
+        if (!pick(n_case++)) continue;
         const int64_t xs = K + 3, ys = N + 5;  // row strides wider than the rows
         const Tensor x = testing::randn({std::max<int64_t>(M, 1), xs});
         const Tensor W = testing::randn({std::max<int64_t>(N, 1), std::max<int64_t>(K, 1)});
@@ -375,10 +378,13 @@ TEST(Linear, BatchInvariantRowsDoNotDependOnTheBatch) {
           ASSERT_LE(std::fabs(got - ref), (K + 1) * 6e-8 * mag) << what;  // an f32 sum's error (K + 1 roundings)
         }
       }
+      const testing::Sample pick;
+      int64_t n_case = 0;
       for (int t : {1, threads}) {
         set_num_threads(t);
         for (int64_t M : {1, 2, 3, 5, 6, 7, 13, 47, 48, 49, 129, 299}) {
           for (int64_t first : {int64_t{0}, int64_t{1}, kRows - M}) {
+            if (!pick(n_case++)) continue;
             std::vector<float> y(static_cast<size_t>(M * N));
             kernels::linear_f32(x.data<float>() + first * xs, M, K, xs, W.data<float>(), b.data<float>(), N,
                                 y.data(), N);
