@@ -38,28 +38,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 step ctest "C++ tests"
 ctest --test-dir build --output-on-failure -j2
 
-# -O1: the sanitizers' checks are the same at any level; -O1 builds in half the time of -O2, and -g1
-# keeps the line tables their reports need. -fexpensive-optimizations: GCC inserts vzeroupper after
-# AVX code only with it (an -O2 flag); without, the AVX kernels leave the registers' upper halves
-# dirty and every SSE instruction after them (the portable path, libm) pays for it on Intel cores: the
-# suite took 1,040 s instead of 201 on a 2-core Xeon with AMX. Only the kernel builds this CPU runs are compiled
-# (HEADS_KERNEL_ISAS): the tests run every ISA of the build the CPU has, and could run no other.
-has() { grep -q -w "$1" /proc/cpuinfo; }
-ISAS=()
-# amx_emu: the AMX kernels over the tile emulator, their AVX-512 code written over AVX2 (any such CPU).
-has avx2 && has fma && ISAS+=(avx2 amx_emu)
-# Where the CPU has AVX512_BF16, its build alone of the two AVX-512 ones: the avx512 build is the same
-# source at the same width (the avx512bf16 tests visit its widened bf16 products too), and the release
-# run above tests it.
-if has avx512f && has avx512bw && has avx512vl && has avx512dq; then
-  if has avx512_bf16; then ISAS+=(avx512bf16); else ISAS+=(avx512); fi
-fi
-has avx512_bf16 && has amx_tile && has amx_bf16 && ISAS+=(amx)
-ISA_LIST=$(IFS=';'; echo "${ISAS[*]}")
-step asan:build "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer: build (build-asan/; kernels: scalar${ISA_LIST:+;$ISA_LIST})"
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -fexpensive-optimizations -DNDEBUG" \
-  -DHEADS_SANITIZE=address,undefined -DHEADS_BUILD_PYTHON=OFF "-DHEADS_KERNEL_ISAS=${ISA_LIST:-none}" >/dev/null
-cmake --build build-asan
+step asan:build "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer: build (scripts/asan-build.sh)"
+bash scripts/asan-build.sh
 # The long sweeps check a third of their cases here (HEADS_TEST_SAMPLE, tests/common/testing.h), a
 # share drawn from each test's seed: every case costs 5-10x under the sanitizers, and the release
 # run above checked them all.
@@ -81,7 +61,7 @@ HEADS_SCRATCH_POISON=1 HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
 
 # The Python bf16 tests again on the AMX kernels: over the tile emulator where the CPU has no tiles
 # (any CPU with AVX2 and FMA: docs/architecture.md), on the tiles where it has them.
-if has avx2 && has fma; then
+if grep -q -w avx2 /proc/cpuinfo && grep -q -w fma /proc/cpuinfo; then
   step pytest:amx "Python bf16 tests on the amx path (HEADS_ISA=amx, HEADS_AMX_EMULATE=1)"
   HEADS_SCRATCH_POISON=1 HEADS_AMX_EMULATE=1 HEADS_ISA=amx HEADS_CLI="$PWD/build/heads" OMP_NUM_THREADS=1 \
     "$PYTHON" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile -k bf16 tests/python
