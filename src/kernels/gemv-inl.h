@@ -114,19 +114,32 @@ void range(const X* x, int64_t xs, const T* W, int64_t K, int64_t n0, int64_t n1
 }
 
 // x's M rows of K bf16 values widened into rows of K rounded up to 2W (the rest 0), each block of 2W
-// values as its W even values, then its W odd ones: the order of Vec::loadu_bf16_split.
-inline std::vector<float> split_x(const uint16_t* x, int64_t M, int64_t K, int64_t xs, int64_t& row_stride) {
+// values as its W even values, then its W odd ones: the order of Vec::loadu_bf16_split, which makes
+// it a block at a time. Into the calling thread's buffer of its own (kept from call to call: a
+// decoder's every step needs one), valid until the thread's next call; the row stride is returned.
+inline const float* split_x(const uint16_t* x, int64_t M, int64_t K, int64_t xs, int64_t& row_stride) {
   constexpr int64_t kStep = 2 * Vec::W;
   row_stride = (K + kStep - 1) / kStep * kStep;
-  std::vector<float> out(static_cast<size_t>(M * row_stride), 0.0f);
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(M * row_stride)) buffer.resize(static_cast<size_t>(M * row_stride));
   for (int64_t m = 0; m < M; ++m) {
-    float* o = out.data() + m * row_stride;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t j = k % kStep;
-      o[k - j + (j % 2) * Vec::W + j / 2] = bf16_to_f32(x[m * xs + k]);
+    const uint16_t* xm = x + m * xs;
+    float* o = buffer.data() + m * row_stride;
+    const auto block = [&](const uint16_t* from, int64_t k) {
+      Vec::R even, odd;
+      Vec::loadu_bf16_split(from, even, odd);
+      Vec::storeu(o + k, even);
+      Vec::storeu(o + k + Vec::W, odd);
+    };
+    int64_t k = 0;
+    for (; k + kStep <= K; k += kStep) block(xm + k, k);
+    if (k < K) {  // the last block's values past K zero
+      alignas(64) uint16_t tail[kStep] = {};
+      std::memcpy(tail, xm + k, sizeof(uint16_t) * (K - k));
+      block(tail, k);
     }
   }
-  return out;
+  return buffer.data();
 }
 
 // pass(m, rows, n0, n1) for each thread's contiguous range [n0, n1) of weight rows (a multiple of 4
@@ -179,8 +192,8 @@ inline void gemv_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t xs, const
   gemv::run(x, M, K, xs, W, b, N, y, ys);
 #else
   int64_t stride = 0;
-  const std::vector<float> xw = gemv::split_x(x, M, K, xs, stride);
-  gemv::run(xw.data(), M, K, stride, W, b, N, y, ys);
+  const float* xw = gemv::split_x(x, M, K, xs, stride);
+  gemv::run(xw, M, K, stride, W, b, N, y, ys);
 #endif
 }
 
