@@ -3,6 +3,8 @@
 #   step_end                ends the running step
 #   steps_table TITLE       prints the steps ended since this script started (those of the scripts it
 #                           ran included), with their seconds and the total
+#   steps_finish NAME       for `trap 'steps_finish NAME' EXIT`: ends the running step, prints the table
+#                           titled "NAME: OK in S s" or "NAME: FAILED in step 'STEP' (exit N)", cleans up
 # Ended steps go to $HEADS_STEPS_FILE as "NAME SECONDS" lines: the first script that sources this
 # makes the file and exports it, so the scripts it runs add theirs. HEADS_STEPS_PREFIX is put before
 # the names (.ci/run marks the steps it runs beside others).
@@ -14,7 +16,7 @@ if [ -z "${HEADS_STEPS_FILE:-}" ]; then
 else
   STEPS_OWN_FILE=0
 fi
-STEPS_FROM=$(($(wc -l <"$HEADS_STEPS_FILE") + 1)) STEP_NAME="" STEP_T0=0
+STEPS_FROM=$(($(wc -l <"$HEADS_STEPS_FILE") + 1)) STEP_NAME="" STEP_T0=0 STEPS_T0=$(date +%s)
 
 step() {
   step_end
@@ -43,6 +45,17 @@ steps_table() {
 # The file goes when the script that made it exits (call from its EXIT trap).
 steps_cleanup() {
   if ((STEPS_OWN_FILE)); then rm -f "$HEADS_STEPS_FILE"; fi
+}
+
+steps_finish() {
+  local rc=$? failed_in=$STEP_NAME
+  step_end
+  if [ "$rc" -eq 0 ]; then
+    steps_table "$1: OK in $(($(date +%s) - STEPS_T0)) s"
+  else
+    steps_table "$1: FAILED${failed_in:+ in step '$failed_in'} (exit $rc)"
+  fi
+  steps_cleanup
 }
 
 # apt-get with a lock of this project's own around it, and waiting up to 10 minutes for dpkg's: CI

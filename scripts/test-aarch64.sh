@@ -13,18 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/steps.sh
-T_START=$(date +%s)
-finish() {
-  local rc=$? failed_in=$STEP_NAME
-  step_end
-  if [ "$rc" -eq 0 ]; then
-    steps_table "test-aarch64.sh: OK in $(($(date +%s) - T_START)) s"
-  else
-    steps_table "test-aarch64.sh: FAILED${failed_in:+ in step '$failed_in'} (exit $rc)"
-  fi
-  steps_cleanup
-}
-trap finish EXIT
+trap 'steps_finish test-aarch64.sh' EXIT
 BUILD=${BUILD:-build-aarch64}
 # A twelfth of each long sweep under QEMU (a third under the sanitizers; all of it in the x86 release run),
 # another twelfth each run (the share is drawn from the test's seed): the NEON paths share the sweeps' code

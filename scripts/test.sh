@@ -12,18 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 source scripts/steps.sh
-T_START=$(date +%s)
-finish() {
-  local rc=$? failed_in=$STEP_NAME
-  step_end
-  if [ "$rc" -eq 0 ]; then
-    steps_table "test.sh: OK in $(($(date +%s) - T_START)) s"
-  else
-    steps_table "test.sh: FAILED${failed_in:+ in step '$failed_in'} (exit $rc)"
-  fi
-  steps_cleanup
-}
-trap finish EXIT
+trap 'steps_finish test.sh' EXIT
 
 scripts/setup.sh
 # As setup.sh: through ccache where it is installed (CMAKE_CXX_COMPILER_LAUNCHER= turns it off).
